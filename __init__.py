@@ -1,0 +1,24 @@
+"""kvserve: a paged KV-cache LLM engine, an OpenAI-compatible server, a prefix-aware router and
+a Kubernetes operator. `from kvserve import LLM, SamplingParams` is the offline API (as vLLM's).
+
+Names are imported lazily so that `kvserve.operator` (and its image) never pulls in torch.
+"""
+
+from importlib import import_module
+from typing import Any
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+
+_LAZY = {
+    "LLM": "kvserve.engine.llm",
+    "SamplingParams": "kvserve.engine.sampling_params",
+    "RequestOutput": "kvserve.engine.outputs",
+    "CompletionOutput": "kvserve.engine.outputs",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kvserve' has no attribute {name!r}")

@@ -1,0 +1,46 @@
+"""Chained block hashes for prefix caching, stable across processes and machines.
+
+The router recomputes these hashes from a prompt to ask Redis which replica holds its prefix, so
+the function is public and must not depend on Python's per-process `hash()` randomisation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+# The chain starts from a fixed seed so that equal first blocks hash equally everywhere.
+ROOT_HASH = b"kvserve-block-hash-v1"
+
+
+def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: object = None) -> bytes:
+    """H(parent_hash, token_ids, extra_keys) as 16 raw bytes (blake2b-128)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent if parent is not None else ROOT_HASH)
+    h.update(struct.pack(f"<{len(token_ids)}i", *token_ids))
+    if extra_keys is not None:
+        h.update(repr(extra_keys).encode())
+    return h.digest()
+
+
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, extra_keys: object = None
+) -> list[str]:
+    """Hex hashes of every *full* block of `token_ids`, each chained on the previous one.
+
+    `extra_keys` (for example a `cache_salt`) is mixed into every block so that requests with
+    different keys never share blocks.
+    """
+    return [h.hex() for h in block_hashes_bytes(token_ids, block_size, extra_keys)]
+
+
+def block_hashes_bytes(
+    token_ids: Sequence[int], block_size: int, extra_keys: object = None, parent: bytes | None = None
+) -> list[bytes]:
+    """Raw-bytes variant of `block_hashes`, optionally continuing a chain from `parent`."""
+    out: list[bytes] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size], extra_keys)
+        out.append(parent)
+    return out

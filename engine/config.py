@@ -1,0 +1,77 @@
+"""EngineConfig: every engine knob in one frozen dataclass (vLLM's names), checked on creation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from kvserve.engine.errors import ConfigError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "float32", "float16", "bfloat16")
+MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"  # "auto" = float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None  # None = the model's own context length
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None = max(2048, max_model_len) capped by it
+    enable_chunked_prefill: bool = True
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.90
+    kv_cache_memory: int | None = None  # bytes for the KV cache on CPU (None = safe share of RAM)
+    num_gpu_blocks_override: int | None = None
+    swap_space: float = 4.0  # GiB of CPU memory for swapped-out blocks
+    preemption_mode: str = "recompute"  # "recompute" | "swap"
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
+    attention_backend: str = "auto"  # "auto" | "torch" | "triton" | "reference"
+    seed: int = 0
+    trust_remote_code: bool = False
+    revision: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise ConfigError(
+                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet: kvserve "
+                "runs one model replica per device. Use tensor_parallel_size=1 and scale out with "
+                "more replicas (the operator's `replicas`/`autoscaling`).")
+        if self.block_size not in (8, 16, 32):
+            raise ConfigError(f"block_size must be 8, 16 or 32, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.swap_space < 0:
+            raise ConfigError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.dtype not in MODEL_DTYPES:
+            raise ConfigError(f"dtype must be one of {MODEL_DTYPES}, got {self.dtype!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ConfigError(
+                f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.attention_backend not in ("auto", "torch", "triton", "reference"):
+            raise ConfigError(f"unknown attention_backend {self.attention_backend!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> "EngineConfig":
+        """Build from keyword arguments, rejecting unknown ones with the list of known names."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
+        return cls(**kwargs)  # type: ignore[arg-type]

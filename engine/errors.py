@@ -1,0 +1,25 @@
+"""Typed errors raised by the engine; each message says what to change."""
+
+
+class KVServeError(Exception):
+    """Base class of every error kvserve raises on purpose."""
+
+
+class InvalidRequestError(KVServeError, ValueError):
+    """A request (prompt or sampling parameters) that can never be served as given."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ModelNotFoundError(KVServeError):
+    """The model name, folder or hub id could not be resolved or fetched."""
+
+
+class ConfigError(KVServeError, ValueError):
+    """An engine configuration that cannot work (bad flag value, unsupported feature)."""
+
+
+class OutOfKVCacheError(KVServeError):
+    """The KV cache is too small to hold even one request of the configured length."""

@@ -1,0 +1,105 @@
+"""The memory budget: how many KV blocks fit, shared by the engine and the operator's sizing.
+
+    kv_bytes        = total_mem * gpu_memory_utilization - weight_bytes - activation_peak
+    bytes_per_block = 2 * layers * kv_heads * head_dim * dtype_bytes * block_size
+    num_blocks      = kv_bytes // bytes_per_block
+    max_concurrency = num_blocks * block_size // tokens_per_request
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from kvserve.engine.errors import ConfigError
+
+GiB = 1 << 30
+
+# Bytes per element of each KV-cache / weight dtype spelling users may pass.
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4, "fp32": 4, "float": 4,
+    "float16": 2, "fp16": 2, "half": 2,
+    "bfloat16": 2, "bf16": 2,
+    "fp8": 1, "fp8_e4m3": 1, "float8_e4m3fn": 1,
+}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a dtype name ("bfloat16", "fp8", ...); ConfigError if unknown."""
+    try:
+        return DTYPE_BYTES[dtype.lower()]
+    except KeyError:
+        known = ", ".join(sorted(DTYPE_BYTES))
+        raise ConfigError(f"unknown dtype {dtype!r}; use one of: {known}") from None
+
+
+def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype_bytes: int,
+                    block_size: int) -> int:
+    """K and V of `block_size` tokens in every layer."""
+    return 2 * num_layers * num_kv_heads * head_dim * kv_dtype_bytes * block_size
+
+
+def kv_cache_bytes(total_mem: int, gpu_memory_utilization: float, weight_bytes: int,
+                   activation_peak: int) -> int:
+    """Bytes left for the KV cache once weights and the activation peak are paid for."""
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ConfigError(
+            f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    return int(total_mem * gpu_memory_utilization) - weight_bytes - activation_peak
+
+
+def activation_peak_bytes(hidden_size: int, intermediate_size: int, vocab_size: int,
+                          num_heads: int, head_dim: int, max_num_batched_tokens: int,
+                          max_num_seqs: int, act_dtype_bytes: int) -> int:
+    """A conservative estimate of one forward pass's transient memory.
+
+    The peak is the larger of the MLP (gate + up + act of `max_num_batched_tokens` tokens, plus the
+    residual stream and q/k/v) and the logits of the sequences sampled in one step (fp32).
+    """
+    tokens = max_num_batched_tokens
+    mlp = tokens * (3 * intermediate_size + 4 * hidden_size + 3 * num_heads * head_dim)
+    logits = max_num_seqs * vocab_size * 4 * 2  # logits + softmax copy, fp32
+    return mlp * act_dtype_bytes + logits
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    total_bytes: int
+    gpu_memory_utilization: float
+    weight_bytes: int
+    activation_peak_bytes: int
+    kv_bytes: int
+    bytes_per_block: int
+    block_size: int
+    num_blocks: int
+    tokens_per_request: int
+    max_concurrency: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens "
+                f"({self.bytes_per_block / 1024:.1f} KiB/block, {self.kv_bytes / GiB:.2f} GiB); "
+                f"max concurrency {self.max_concurrency} requests of {self.tokens_per_request} "
+                f"tokens")
+
+
+def plan_memory(*, total_bytes: int, gpu_memory_utilization: float, weight_bytes: int,
+                activation_peak: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                kv_dtype_bytes: int, block_size: int, tokens_per_request: int) -> MemoryBudget:
+    """Apply the budget formula; a negative KV budget yields 0 blocks (the caller decides)."""
+    kv = kv_cache_bytes(total_bytes, gpu_memory_utilization, weight_bytes, activation_peak)
+    per_block = bytes_per_block(num_layers, num_kv_heads, head_dim, kv_dtype_bytes, block_size)
+    num_blocks = max(kv, 0) // per_block
+    return MemoryBudget(
+        total_bytes=total_bytes, gpu_memory_utilization=gpu_memory_utilization,
+        weight_bytes=weight_bytes, activation_peak_bytes=activation_peak, kv_bytes=kv,
+        bytes_per_block=per_block, block_size=block_size, num_blocks=num_blocks,
+        tokens_per_request=tokens_per_request,
+        max_concurrency=num_blocks * block_size // max(tokens_per_request, 1),
+    )
+
+
+def blocks_for_bytes(kv_bytes: int, per_block: int) -> int:
+    """Blocks that fit in an explicit byte budget (CPU `kv_cache_memory`, `swap_space`)."""
+    return max(kv_bytes, 0) // per_block

@@ -1,0 +1,82 @@
+"""SamplingParams: per-request decoding settings, with vLLM's field names and checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.engine.errors import InvalidRequestError
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) = no top-k
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None  # number of top logprobs per generated token
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self._stop_list = []
+        elif isinstance(self.stop, str):
+            self._stop_list = [self.stop]
+        else:
+            self._stop_list = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if self.top_k == 0:
+            self.top_k = -1
+        self.verify()
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return self._stop_list
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    def verify(self) -> None:
+        def bad(param: str, msg: str) -> None:
+            raise InvalidRequestError(f"{param} {msg}", param=param)
+
+        if self.n < 1:
+            bad("n", f"must be at least 1, got {self.n}.")
+        if self.temperature < 0:
+            bad("temperature", f"must be non-negative, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", f"must be in (0, 1], got {self.top_p}.")
+        if self.top_k < -1:
+            bad("top_k", f"must be -1 (disable) or at least 1, got {self.top_k}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", f"must be in [0, 1], got {self.min_p}.")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}.")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}.")
+        if self.repetition_penalty <= 0.0:
+            bad("repetition_penalty", f"must be positive, got {self.repetition_penalty}.")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad("max_tokens", f"must be at least 1, got {self.max_tokens}.")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            bad("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}.")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            bad("logprobs", f"must be in [0, 20], got {self.logprobs}.")
+        if any(not s for s in self._stop_list):
+            bad("stop", "must not contain empty strings.")

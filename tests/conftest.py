@@ -1,0 +1,139 @@
+"""Shared fixtures: a tiny random Llama with a real tokenizer, the default model, real Redis.
+
+`KVSERVE_REQUIRE_REDIS=1` (set by .ci/run) turns a missing redis-server into a failure instead of
+a skip.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# The SmolLM2 chat template, so the tiny model is templated exactly like the default one.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    "<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores the KV cache in fixed-size blocks, like virtual memory pages.",
+    "What is the capital of France? The capital of France is Paris.",
+    "Explain how the KV cache works in a transformer language model.",
+    "You are a helpful assistant. Answer briefly and precisely.",
+    "0123456789 !?.,;:'\"()[]{}<>-_=+*/\\|@#$%^&~` abcdefghijklmnopqrstuvwxyz",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_tiny_tokenizer():
+    """A byte-level BPE tokenizer trained in milliseconds, with SmolLM2's special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=384, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+        unk_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
+    """Save a random-weight Llama (2 layers, GQA 4:2, head_dim 16) with the tiny tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tiny_tokenizer()
+    cfg = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=True,
+               bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+               pad_token_id=tokenizer.pad_token_id)
+    cfg.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The real SmolLM2-135M-Instruct, fetched once into the kvserve cache."""
+    from kvserve.engine.model_loader import fetch_model
+
+    return fetch_model("smollm2-135m-instruct")
+
+
+class RedisServer:
+    """A real redis-server on an ephemeral port that a test can stop and restart."""
+
+    def __init__(self, binary: str, workdir: Path) -> None:
+        self.binary, self.workdir = binary, workdir
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.workdir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+@pytest.fixture
+def redis_server(tmp_path) -> Iterator[RedisServer]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        if os.environ.get("KVSERVE_REQUIRE_REDIS") == "1":
+            pytest.fail("redis-server is not installed but KVSERVE_REQUIRE_REDIS=1")
+        pytest.skip("redis-server is not installed (apt install redis-server)")
+    server = RedisServer(binary, tmp_path)
+    server.start()
+    yield server
+    server.stop()
