@@ -1,0 +1,38 @@
+"""paged_attention: one entry point for causal attention over the paged KV cache, any backend."""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.kernels.backend import resolve_backend
+from kvserve.kernels.checks import check_attention
+from kvserve.kernels.plan import AttentionPlan, plan_attention
+from kvserve.kernels.reference import reference_paged_attention
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, scale: float, k_scale: float = 1.0,
+                    v_scale: float = 1.0, backend: str = "auto", *,
+                    plan: AttentionPlan | None = None) -> torch.Tensor:
+    """[num_tokens, num_heads, head_dim] attention output in q's dtype.
+
+    Pass `plan` (from plan_attention over the same block_tables/seq_lens/query_start_loc) to skip
+    the per-call validation and precomputation: the engine plans once per step for all layers.
+    """
+    check_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                    k_scale, v_scale, backend)
+    if plan is None:
+        plan = plan_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
+    plan.check_against(q, k_cache)
+    chosen = resolve_backend(backend, k_cache.device)
+    if chosen == "triton":
+        from kvserve.kernels.triton_attention import triton_paged_attention
+
+        return triton_paged_attention(q, k_cache, v_cache, plan, scale, k_scale, v_scale)
+    if chosen == "torch":
+        from kvserve.kernels.torch_attention import torch_paged_attention
+
+        return torch_paged_attention(q, k_cache, v_cache, plan, scale, k_scale, v_scale)
+    return reference_paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                     query_start_loc, scale, k_scale, v_scale)

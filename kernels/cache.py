@@ -1,0 +1,44 @@
+"""write_kv: store new tokens' keys and values into the paged caches (torch path and dispatch)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.kernels.backend import resolve_backend
+from kvserve.kernels.checks import check_write_kv
+from kvserve.kernels.reference import quantize, reference_write_kv
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
+             backend: str = "auto") -> None:
+    """k_cache/v_cache[slot // block_size, slot % block_size] = key/value (/ scale for fp8)."""
+    check_write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    chosen = resolve_backend(backend, k_cache.device)
+    if chosen == "reference":
+        reference_write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    elif chosen == "triton":
+        from kvserve.kernels.triton_cache import triton_write_kv
+
+        triton_write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    else:
+        torch_write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def torch_write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                   v_scale: float = 1.0) -> None:
+    """One index_copy_ per cache over the flattened slots; negative slots are dropped first."""
+    slots = slot_mapping.long()
+    if slots.numel() and int(slots.min()) < 0:
+        keep = slots >= 0
+        slots, key, value = slots[keep], key[keep], value[keep]
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    if k_cache.dtype == torch.float8_e4m3fn:
+        # index_copy_ has no fp8 kernel: copy the bytes.
+        flat_k, flat_v = flat_k.view(torch.uint8), flat_v.view(torch.uint8)
+        key = quantize(key, k_scale, k_cache.dtype).view(torch.uint8)
+        value = quantize(value, v_scale, v_cache.dtype).view(torch.uint8)
+    flat_k.index_copy_(0, slots, key.to(flat_k.dtype))
+    flat_v.index_copy_(0, slots, value.to(flat_v.dtype))

@@ -1,0 +1,97 @@
+"""Input validation shared by every backend: a KernelInputError naming the argument, before any launch."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+QUERY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+BACKENDS = ("auto", "torch", "triton", "reference")
+
+
+class KernelInputError(ValueError):
+    """Bad input to a kernel; `argument` names the offending parameter."""
+
+    def __init__(self, argument: str, problem: str) -> None:
+        super().__init__(f"{argument}: {problem}")
+        self.argument = argument
+
+
+def require(ok: bool, argument: str, problem: str) -> None:
+    if not ok:
+        raise KernelInputError(argument, problem)
+
+
+def check_scale(value: float, argument: str) -> None:
+    require(isinstance(value, (int, float)) and math.isfinite(value) and value > 0, argument,
+            f"must be a finite positive float, got {value!r}")
+
+
+def check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    require(k_cache.dim() == 4, "k_cache",
+            f"expected [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(k_cache.shape)}")
+    require(v_cache.shape == k_cache.shape, "v_cache",
+            f"shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}")
+    require(k_cache.dtype in CACHE_DTYPES, "k_cache", f"unsupported dtype {k_cache.dtype}")
+    require(v_cache.dtype == k_cache.dtype, "v_cache",
+            f"dtype {v_cache.dtype} differs from k_cache {k_cache.dtype}")
+    require(v_cache.device == k_cache.device, "v_cache", "is on another device than k_cache")
+    require(k_cache.is_contiguous() and v_cache.is_contiguous(), "k_cache",
+            "k_cache and v_cache must be contiguous")
+
+
+def check_index(t: torch.Tensor, argument: str, dim: int, device: torch.device) -> None:
+    require(t.dim() == dim, argument, f"expected {dim} dimension(s), got shape {tuple(t.shape)}")
+    require(t.dtype in INDEX_DTYPES, argument, f"expected int32 or int64, got {t.dtype}")
+    require(t.device == device, argument, f"is on {t.device}, the caches on {device}")
+
+
+def check_write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float,
+                   v_scale: float) -> None:
+    """Shapes, dtypes, devices, scales and the slot range of a write_kv call."""
+    check_caches(k_cache, v_cache)
+    require(key.dim() == 3, "key", f"expected [num_tokens, num_kv_heads, head_dim], got {tuple(key.shape)}")
+    require(value.shape == key.shape, "value", f"shape {tuple(value.shape)} differs from key {tuple(key.shape)}")
+    require(key.shape[1:] == k_cache.shape[2:], "key",
+            f"heads/head_dim {tuple(key.shape[1:])} differ from the cache's {tuple(k_cache.shape[2:])}")
+    require(key.device == k_cache.device and value.device == k_cache.device, "key",
+            "key, value and the caches must be on one device")
+    check_index(slot_mapping, "slot_mapping", 1, k_cache.device)
+    require(slot_mapping.shape[0] == key.shape[0], "slot_mapping",
+            f"has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
+    check_scale(k_scale, "k_scale")
+    check_scale(v_scale, "v_scale")
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    if slot_mapping.numel():
+        top = int(slot_mapping.max())
+        require(top < num_slots, "slot_mapping", f"slot {top} is past the pool's {num_slots} slots")
+
+
+def check_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, scale: float, k_scale: float,
+                    v_scale: float, backend: str) -> None:
+    """Everything about a paged_attention call that needs no look at the index values."""
+    require(backend in BACKENDS, "backend", f"expected one of {BACKENDS}, got {backend!r}")
+    check_caches(k_cache, v_cache)
+    require(q.dim() == 3, "q", f"expected [num_tokens, num_heads, head_dim], got {tuple(q.shape)}")
+    require(q.dtype in QUERY_DTYPES, "q", f"unsupported dtype {q.dtype}")
+    require(q.device == k_cache.device, "q", f"is on {q.device}, the caches on {k_cache.device}")
+    require(q.shape[2] == k_cache.shape[3], "q",
+            f"head_dim {q.shape[2]} differs from the cache's {k_cache.shape[3]}")
+    require(q.shape[1] % k_cache.shape[2] == 0, "q",
+            f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {k_cache.shape[2]}")
+    check_index(block_tables, "block_tables", 2, k_cache.device)
+    check_index(seq_lens, "seq_lens", 1, k_cache.device)
+    check_index(query_start_loc, "query_start_loc", 1, k_cache.device)
+    require(seq_lens.shape[0] == block_tables.shape[0], "seq_lens",
+            f"{seq_lens.shape[0]} sequences but block_tables has {block_tables.shape[0]} rows")
+    require(query_start_loc.shape[0] == seq_lens.shape[0] + 1, "query_start_loc",
+            f"expected num_seqs + 1 = {seq_lens.shape[0] + 1} entries, got {query_start_loc.shape[0]}")
+    check_scale(scale, "scale")
+    check_scale(k_scale, "k_scale")
+    check_scale(v_scale, "v_scale")

@@ -1,0 +1,64 @@
+"""The oracle: plain per-sequence paged attention and KV writes in torch, obviously correct, slow."""
+
+from __future__ import annotations
+
+import torch
+
+
+def dequantize(cache: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Cache values as `dtype`: fp8 entries are multiplied back by their per-tensor scale."""
+    if cache.dtype == torch.float8_e4m3fn:
+        return cache.to(torch.float32).mul(scale).to(dtype)
+    return cache.to(dtype)
+
+
+def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """`x` as a cache of `dtype`: fp8 values are divided by the scale and clamped to e4m3's range."""
+    if dtype == torch.float8_e4m3fn:
+        limit = torch.finfo(torch.float8_e4m3fn).max
+        return x.to(torch.float32).div(scale).clamp_(-limit, limit).to(dtype)
+    return x.to(dtype)
+
+
+def reference_write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Store token i's key/value at slot slot_mapping[i]; negative slots are skipped."""
+    block_size = k_cache.shape[1]
+    for i, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        block, offset = divmod(slot, block_size)
+        k_cache[block, offset] = quantize(key[i], k_scale, k_cache.dtype)
+        v_cache[block, offset] = quantize(value[i], v_scale, v_cache.dtype)
+
+
+def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                              query_start_loc: torch.Tensor, scale: float,
+                              k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole (cached + new) history."""
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        start, end = starts[s], starts[s + 1]
+        if end == start:
+            continue
+        num_blocks = -(-seq_len // block_size)
+        blocks = block_tables[s, :num_blocks].long()
+        k = dequantize(k_cache[blocks], k_scale, torch.float32).flatten(0, 1)[:seq_len]
+        v = dequantize(v_cache[blocks], v_scale, torch.float32).flatten(0, 1)[:seq_len]
+        k = k.repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_dim]
+        v = v.repeat_interleave(group, dim=1)
+        qs = q[start:end].to(torch.float32)  # [q_len, num_heads, head_dim]
+        scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
+        context = seq_len - (end - start)
+        q_pos = context + torch.arange(end - start, device=q.device)[:, None]
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        probs = scores.softmax(dim=-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+    return out
