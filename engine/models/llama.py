@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -130,19 +130,42 @@ def rope_inv_freq(config, head_dim: int) -> tuple[Tensor, float, int]:
 
 @dataclass(frozen=True)
 class AttentionOps:
-    """The kernels' entry points, resolved once (the module may add them after import)."""
+    """The kernels' entry points and which optional arguments they take, resolved once."""
 
     write_kv: Callable
     paged_attention: Callable
-    takes_plan: bool
+    plan_attention: Callable | None
+    write_takes_backend: bool
 
     @classmethod
     def resolve(cls) -> "AttentionOps":
         from kvserve import kernels
 
-        attention = kernels.paged_attention
-        takes_plan = "plan" in inspect.signature(attention).parameters
-        return cls(kernels.write_kv, attention, takes_plan)
+        takes_plan = "plan" in inspect.signature(kernels.paged_attention).parameters
+        planner = getattr(kernels, "plan_attention", None) if takes_plan else None
+        write_backend = "backend" in inspect.signature(kernels.write_kv).parameters
+        return cls(kernels.write_kv, kernels.paged_attention, planner, write_backend)
+
+    def prepare(self, attn: AttentionMetadata, block_size: int) -> AttentionMetadata:
+        """attn with a plan shared by every layer (the runner usually supplies one already)."""
+        if self.plan_attention is None or attn.plan is not None:
+            return attn
+        plan = self.plan_attention(attn.block_tables, attn.seq_lens, attn.query_start_loc,
+                                   block_size)
+        return replace(attn, plan=plan)
+
+    def write(self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+              attn: AttentionMetadata) -> None:
+        extra = {"backend": attn.backend} if self.write_takes_backend else {}
+        self.write_kv(k, v, k_cache, v_cache, attn.slot_mapping, attn.k_scale, attn.v_scale,
+                      **extra)
+
+    def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, attn: AttentionMetadata,
+               scale: float) -> Tensor:
+        extra = {"plan": attn.plan} if self.plan_attention is not None else {}
+        return self.paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens,
+                                    attn.query_start_loc, scale, attn.k_scale, attn.v_scale,
+                                    backend=attn.backend, **extra)
 
 
 class LlamaAttention(nn.Module):
@@ -163,11 +186,8 @@ class LlamaAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k_cache, v_cache = kv_cache
-        ops.write_kv(k, v, k_cache, v_cache, attn.slot_mapping, attn.k_scale, attn.v_scale)
-        extra = {"plan": attn.plan} if ops.takes_plan else {}
-        out = ops.paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens,
-                                  attn.query_start_loc, self.scale, attn.k_scale, attn.v_scale,
-                                  backend=attn.backend, **extra)
+        ops.write(k, v, k_cache, v_cache, attn)
+        out = ops.attend(q, k_cache, v_cache, attn, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -209,6 +229,8 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
                 attn: AttentionMetadata, ops: AttentionOps) -> Tensor:
+        if kv_caches:
+            attn = ops.prepare(attn, kv_caches[0][0].shape[1])
         x = self.embed_tokens(input_ids)
         rope = self.rotary_emb(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -311,5 +333,6 @@ class LlamaForCausalLM(nn.Module):
             module_prefix, _, proj = prefix.rpartition(".")
             parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
                      "gate_up_proj": ("gate_proj", "up_proj")}.get(proj, (proj,))
-            names.update(f"{module_prefix}.{p}.{leaf}" for p in parts)
+            head = f"{module_prefix}." if module_prefix else ""
+            names.update(f"{head}{p}.{leaf}" for p in parts)
         return names
