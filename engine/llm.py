@@ -1,0 +1,141 @@
+"""LLM: the offline API, identical in shape to vLLM's `LLM(...).generate(...)` / `.chat(...)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from kvserve.engine.config import DEFAULT_MODEL, EngineConfig
+from kvserve.engine.errors import InvalidRequestError
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.tokenizer import chat_token_ids
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """An engine for offline batched generation.
+
+    >>> llm = LLM(model="smollm2-135m-instruct", max_model_len=4096)
+    >>> llm.generate(["Hello"], SamplingParams(max_tokens=8))[0].outputs[0].text
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, tokenizer: str | None = None,
+                 tensor_parallel_size: int = 1, dtype: str = "auto", seed: int = 0,
+                 gpu_memory_utilization: float = 0.90, swap_space: float = 4,
+                 max_num_seqs: int = 256, max_model_len: int | None = None,
+                 block_size: int = 16, enable_prefix_caching: bool = True,
+                 kv_cache_dtype: str = "auto", **kwargs: Any) -> None:
+        config = EngineConfig.from_kwargs(
+            model=model, tokenizer=tokenizer, tensor_parallel_size=tensor_parallel_size,
+            dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
+            swap_space=swap_space, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+            block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+            kv_cache_dtype=kv_cache_dtype, **kwargs)
+        self.llm_engine = LLMEngine(config)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Seq[PromptType] | None = None,
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True, prompt_token_ids: list[list[int]] | None = None
+                 ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order."""
+        items = _normalise_prompts(prompts, prompt_token_ids)
+        return self._run(items, sampling_params, use_tqdm)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them."""
+        convs = messages if messages and isinstance(messages[0], list) else [messages]
+        tok = self.get_tokenizer()
+        items: list[tuple[str | None, str | list[int]]] = []
+        for conv in convs:
+            ids = chat_token_ids(tok, conv, add_generation_prompt, chat_template)  # type: ignore[arg-type]
+            items.append((tok.decode(ids), ids))
+        return self._run(items, sampling_params, use_tqdm)
+
+    def _run(self, items: list[tuple[str | None, str | list[int]]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None,
+             use_tqdm: bool) -> list[RequestOutput]:
+        params = _per_prompt_params(sampling_params, len(items))
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for (text, prompt), p in zip(items, params):
+                rid = str(next(self._counter))
+                engine.add_request(rid, prompt, p)
+                ids.append(rid)
+                if text is not None and not isinstance(prompt, str):
+                    engine.requests[rid].prompt = text
+        except Exception:
+            engine.abort_request(ids)
+            while engine.has_unfinished_requests():  # drain the aborts
+                engine.step()
+            raise
+        return self._drain(ids, use_tqdm)
+
+    def _drain(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        out_tokens = 0
+        with bar:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        out_tokens += sum(len(o.token_ids) for o in out.outputs)
+                        bar.update(1)
+                        elapsed = bar.format_dict["elapsed"] or 1e-9
+                        bar.set_postfix_str(f"output {out_tokens / elapsed:.1f} tok/s")
+        return [done[i] for i in ids]
+
+
+def _normalise_prompts(prompts: Any, prompt_token_ids: list[list[int]] | None
+                       ) -> list[tuple[str | None, str | list[int]]]:
+    """(text, prompt) pairs from a string, token ids, {"prompt"|"prompt_token_ids"} dicts or lists."""
+    if prompts is None:
+        if prompt_token_ids is None:
+            raise InvalidRequestError("pass prompts or prompt_token_ids", "prompts")
+        return [(None, list(p)) for p in prompt_token_ids]
+    if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    out: list[tuple[str | None, str | list[int]]] = []
+    for p in prompts:
+        if isinstance(p, str):
+            out.append((p, p))
+        elif isinstance(p, dict) and "prompt_token_ids" in p:
+            out.append((p.get("prompt"), list(p["prompt_token_ids"])))
+        elif isinstance(p, dict) and "prompt" in p:
+            out.append((p["prompt"], p["prompt"]))
+        elif isinstance(p, (list, tuple)):
+            out.append((None, list(p)))
+        else:
+            raise InvalidRequestError(f"unsupported prompt type {type(p).__name__}", "prompts")
+    return out
+
+
+def _per_prompt_params(sp: SamplingParams | Seq[SamplingParams] | None, n: int
+                       ) -> list[SamplingParams]:
+    if sp is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(sp, SamplingParams):
+        return [sp] * n
+    sp = list(sp)
+    if len(sp) != n:
+        raise InvalidRequestError(
+            f"got {len(sp)} SamplingParams for {n} prompts; pass one, or one per prompt",
+            "sampling_params")
+    return sp

@@ -1,0 +1,346 @@
+"""LLMEngine: the synchronous engine. `add_request` queues work, `step` runs one scheduler
+iteration + one forward pass and returns the outputs that moved. Not thread-safe by design: one
+thread (the AsyncEngine's loop, or `LLM.generate`) drives it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.errors import InvalidRequestError
+from kvserve.engine.kv_cache_manager import KVCacheManager
+from kvserve.engine.kv_events import KVEvent
+from kvserve.engine.model_loader import load_model, resolve_model
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.engine.platform import EngineSetup, set_up
+from kvserve.engine.sampler import SamplerOutput, SamplingMetadata, make_generator
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvserve.engine.sequence import Sequence
+from kvserve.engine.stats import EngineStats
+from kvserve.engine.tokenizer import load_tokenizer, prompt_token_ids
+
+logger = logging.getLogger("kvserve.engine")
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detoks: list[IncrementalDetokenizer]
+    metrics: RequestMetrics
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # sample index -> gen
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_path = resolve_model(config.model, config.revision)
+        setup: EngineSetup = set_up(config, model_path, load_model)
+        self.device, self.dtype = setup.device, setup.dtype
+        self.hf_config = setup.hf_config
+        self.model_name = config.served_model_name or config.model
+        self.tokenizer = load_tokenizer(config.tokenizer or model_path, config.trust_remote_code)
+        self.max_model_len = setup.max_model_len
+        self.block_size = config.block_size
+        self.memory_budget = setup.budget
+        self.eos_token_ids = setup.eos_token_ids
+        self.vocab_size = setup.vocab_size
+        self.kv = KVCacheManager(setup.budget.num_blocks, config.block_size,
+                                 config.enable_prefix_caching, setup.num_cpu_blocks)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=setup.max_num_batched_tokens,
+            max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
+            preemption_mode=config.preemption_mode), self.kv)
+        self.runner = ModelRunner(
+            setup.model, num_layers=setup.num_layers, num_kv_heads=setup.num_kv_heads,
+            head_dim=setup.head_dim, num_blocks=setup.budget.num_blocks,
+            block_size=config.block_size, kv_dtype=setup.kv_dtype, device=self.device,
+            num_cpu_blocks=setup.num_cpu_blocks, attention_backend=config.attention_backend)
+        self.requests: dict[str, RequestState] = {}
+        self._next_seq_id = 0
+        self._aborted: list[RequestOutput] = []
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        logger.info("%s; device %s, dtype %s, kv dtype %s", self.memory_budget.describe(),
+                    self.device, self.dtype, setup.kv_dtype)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLMEngine":
+        return cls(config)
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+                    arrival_time: float | None = None, priority: int = 0,
+                    cache_salt: str | None = None) -> None:
+        """Queue a request; InvalidRequestError (with `.param`) if it can never be served."""
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        text = prompt if isinstance(prompt, str) else None
+        ids = prompt_token_ids(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+        params = self._check_request(ids, params)
+        now = arrival_time if arrival_time is not None else time.monotonic()
+        seq = self._new_seq(request_id, 0, ids, params, now, priority, cache_salt)
+        seq.pending_forks = params.n - 1
+        state = RequestState(request_id, text, ids, params, [seq], [self._detok(ids, params)],
+                             RequestMetrics(arrival_time=now))
+        self.requests[request_id] = state
+        self.scheduler.add(seq)
+        self._prompt_tokens += len(ids)
+
+    def _check_request(self, ids: list[int], params: SamplingParams) -> SamplingParams:
+        if not ids:
+            raise InvalidRequestError("the prompt is empty; send at least one token", "prompt")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise InvalidRequestError(
+                f"prompt token ids must be in [0, {self.vocab_size}), got {min(ids)}..{max(ids)}",
+                "prompt")
+        limit = self.max_model_len
+        if len(ids) >= limit:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens but this model's context (max_model_len) is "
+                f"{limit}; shorten the prompt or start the engine with a larger max_model_len",
+                "prompt")
+        if params.max_tokens is None:
+            params = _replace(params, max_tokens=limit - len(ids))
+        elif len(ids) + params.max_tokens > limit:
+            raise InvalidRequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len {limit}; lower max_tokens to at most {limit - len(ids)}",
+                "max_tokens")
+        if params.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt_logprobs is not supported yet", "prompt_logprobs")
+        if params.n > self.config.max_num_seqs:
+            raise InvalidRequestError(
+                f"n={params.n} exceeds max_num_seqs {self.config.max_num_seqs}", "n")
+        total = self.kv.pool.num_blocks * self.block_size
+        if len(ids) + params.max_tokens > total:
+            raise InvalidRequestError(
+                f"this request needs up to {len(ids) + params.max_tokens} KV slots but the whole "
+                f"KV cache holds {total} tokens; lower max_tokens or give the engine more KV "
+                "memory (kv_cache_memory / gpu_memory_utilization)", "max_tokens")
+        return params
+
+    def _new_seq(self, request_id: str, index: int, ids: list[int], params: SamplingParams,
+                 arrival: float, priority: int, cache_salt: str | None) -> Sequence:
+        self._next_seq_id += 1
+        return Sequence(self._next_seq_id, request_id, index, ids, params, arrival_time=arrival,
+                        priority=priority, cache_salt=cache_salt)
+
+    def _detok(self, ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
+                                      params.stop_strings, params.include_stop_str_in_output)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Stop requests now; their blocks go back to the pool before this call returns."""
+        for rid in [request_ids] if isinstance(request_ids, str) else list(request_ids):
+            state = self.requests.pop(rid, None)
+            if state is None:
+                continue
+            for seq in state.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq)
+                    seq.finish_reason = "abort"
+            self._aborted.append(self._make_output(state))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._aborted)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- the step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._aborted = self._aborted, []
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return outputs
+        rows, sampling = self._sampling_rows(sched)
+        result = self.runner.execute(sched, self.kv, rows, sampling)
+        now = time.monotonic()
+        for seq, n in zip(sched.seqs, sched.num_tokens):
+            seq.num_computed_tokens += n
+            self.kv.register_computed(seq)
+        touched = self._apply_samples(sched, rows, result, now) if result is not None else []
+        outputs += [self._make_output(s) for s in touched]
+        for s in touched:
+            if s.finished:
+                self.requests.pop(s.request_id, None)
+        return outputs
+
+    def _sampling_rows(self, sched: SchedulerOutput
+                       ) -> tuple[list[int], SamplingMetadata | None]:
+        """Batch indices whose logits are sampled (prefill complete); n > 1 parents repeat."""
+        rows: list[int] = []
+        seqs: list[Sequence] = []
+        for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_tokens)):
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                for _ in range(1 + (seq.pending_forks if not seq.output_token_ids else 0)):
+                    rows.append(i)
+                    seqs.append(seq)
+        if not rows:
+            return rows, None
+        gens: dict[int, torch.Generator] = {}
+        for r, seq in enumerate(seqs):
+            g = self._generator_for(seq, r, seqs)
+            if g is not None:
+                gens[r] = g
+        meta = SamplingMetadata.build(
+            [s.params for s in seqs], [s.prompt_token_ids for s in seqs],
+            [s.output_token_ids for s in seqs], gens, self.vocab_size, self.device,
+            eos_token_id=self._primary_eos)
+        return rows, meta
+
+    @property
+    def _primary_eos(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def _generator_for(self, seq: Sequence, row: int, seqs: list[Sequence]) -> torch.Generator | None:
+        """Seeded requests: one generator per sample index, seeded with seed + index."""
+        if seq.params.seed is None:
+            return None
+        state = self.requests[seq.request_id]
+        repeat = sum(1 for s in seqs[:row] if s is seq)
+        index = seq.index if repeat == 0 else len(state.seqs) + repeat - 1
+        if index not in state.generators:
+            state.generators[index] = make_generator(seq.params.seed + index, self.device)
+        return state.generators[index]
+
+    def _apply_samples(self, sched: SchedulerOutput, rows: list[int], result: SamplerOutput,
+                       now: float) -> list[RequestState]:
+        tokens = result.sampled_token_ids.tolist()
+        lps = result.logprobs.tolist() if result.logprobs is not None else None
+        lp_ids = result.logprob_token_ids.tolist() if result.logprob_token_ids is not None else None
+        # Forks first: a parent that finishes on this very token must still lend its blocks.
+        targets: list[Sequence] = []
+        for r, i in enumerate(rows):
+            parent = sched.seqs[i]
+            targets.append(self._fork(parent) if r > 0 and rows[r - 1] == i else parent)
+        touched: dict[str, RequestState] = {}
+        for r, (seq, tok) in enumerate(zip(targets, tokens)):
+            state = self.requests[seq.request_id]
+            self._append_token(state, seq, tok, lps[r] if lps else None,
+                               lp_ids[r] if lp_ids else None, now)
+            touched[state.request_id] = state
+        return list(touched.values())
+
+    def _fork(self, parent: Sequence) -> Sequence:
+        state = self.requests[parent.request_id]
+        parent.pending_forks -= 1
+        child = self._new_seq(parent.request_id, len(state.seqs), parent.prompt_token_ids,
+                              parent.params, parent.arrival_time, parent.priority,
+                              parent.cache_salt)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.output_token_ids = list(parent.output_token_ids)
+        self.kv.fork(parent, child)
+        self.scheduler.add_running(child)
+        state.seqs.append(child)
+        state.detoks.append(self._detok(parent.prompt_token_ids, parent.params))
+        return child
+
+    def _append_token(self, state: RequestState, seq: Sequence, tok: int,
+                      lp: list[float] | None, lp_ids: list[int] | None, now: float) -> None:
+        seq.output_token_ids.append(tok)
+        self._generation_tokens += 1
+        if state.metrics.first_token_time is None:
+            state.metrics.first_token_time = now
+        state.metrics.last_token_time = now
+        k = seq.params.logprobs
+        if lp is not None and k is not None:
+            seq.cumulative_logprob += lp[0]
+            if seq.logprobs is None:
+                seq.logprobs = []
+            entry = {lp_ids[0]: lp[0]}  # type: ignore[index]
+            entry.update(zip(lp_ids[1 : k + 1], lp[1 : k + 1]))  # type: ignore[index]
+            seq.logprobs.append(entry)
+        stop_str = state.detoks[seq.index].update(seq.output_token_ids)
+        reason = self._finish_reason(seq, tok, stop_str)
+        if reason is not None:
+            seq.finish_reason, seq.stop_reason = reason
+            self.scheduler.finish(seq)
+            if state.finished:
+                state.metrics.finished_time = now
+
+    def _finish_reason(self, seq: Sequence, tok: int, stop_str: str | None
+                       ) -> tuple[str, int | str | None] | None:
+        p = seq.params
+        n_out = len(seq.output_token_ids)
+        if stop_str is not None:
+            return "stop", stop_str
+        if n_out >= p.min_tokens:
+            if tok in p.stop_token_ids:  # type: ignore[operator]
+                return "stop", tok
+            if not p.ignore_eos and tok in self.eos_token_ids:
+                return "stop", None
+        if n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:  # type: ignore[operator]
+            return "length", None
+        return None
+
+    def _make_output(self, state: RequestState) -> RequestOutput:
+        outs = [CompletionOutput(index=s.index, text=d.text, token_ids=list(s.output_token_ids),
+                                 cumulative_logprob=s.cumulative_logprob if s.logprobs else None,
+                                 logprobs=list(s.logprobs) if s.logprobs else None,
+                                 finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+                for s, d in zip(state.seqs, state.detoks)]
+        cached = max(state.seqs[0].num_cached_tokens, 0)
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs,
+                             finished=state.finished or any(o.finish_reason == "abort" for o in outs),
+                             num_cached_tokens=cached, metrics=state.metrics)
+
+    # ---- figures ------------------------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        kv, pool, sch = self.kv, self.kv.pool, self.scheduler
+        allocated = kv.allocated_slots()
+        waste = sum(len(kv.tables.get(s.seq_id, ())) * self.block_size - s.num_computed_tokens
+                    for s in sch.running)
+        return EngineStats(
+            num_running=len(sch.running), num_waiting=len(sch.waiting),
+            num_swapped=len(sch.swapped), kv_cache_usage=pool.usage(),
+            block_size=self.block_size, num_total_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_free_blocks, num_cached_blocks=len(pool.cached),
+            num_shared_blocks=pool.num_shared_blocks(), num_cpu_blocks=kv.num_cpu_blocks,
+            num_free_cpu_blocks=len(kv.cpu_free), prefix_cache_queries=kv.prefix_stats.queries,
+            prefix_cache_hits=kv.prefix_stats.hits, num_preemptions=sch.num_preemptions,
+            num_evictions=pool.num_evictions, kv_slots_used=max(allocated - max(waste, 0), 0),
+            kv_slots_allocated=allocated, prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens)
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        return self.kv.pool.drain_events()
+
+    def cached_block_hashes(self) -> list[str]:
+        return self.kv.pool.cached_hashes()
+
+    def drain_block_alloc_seconds(self) -> list[float]:
+        out = list(self.kv.alloc_seconds)
+        self.kv.alloc_seconds.clear()
+        return out
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.pool.reset_prefix_cache()
+
+
+def _replace(params: SamplingParams, **changes: Any) -> SamplingParams:
+    """A copy of `params` with some fields changed (SamplingParams is mutable; never alias)."""
+    import copy
+
+    new = copy.copy(params)
+    for k, v in changes.items():
+        setattr(new, k, v)
+    return new

@@ -1,0 +1,98 @@
+"""ModelRunner: owns the model and the KV-cache tensors; turns a SchedulerOutput into one
+flattened forward pass (prefill and decode tokens together, no padding) and samples the rows
+the engine asks for. It makes no scheduling decisions."""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.engine.kv_cache_manager import KVCacheManager
+from kvserve.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
+from kvserve.engine.scheduler import SchedulerOutput
+from kvserve.kernels import plan_attention
+from kvserve.kernels.metadata import AttentionMetadata
+
+FP8 = torch.float8_e4m3fn
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, *, num_layers: int, num_kv_heads: int,
+                 head_dim: int, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+                 device: torch.device, num_cpu_blocks: int = 0, attention_backend: str = "auto",
+                 k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.backend = attention_backend
+        self.k_scale, self.v_scale = k_scale, v_scale
+        shape = (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        # Zeroed, not empty: padded attention reads of unused slots must never see NaN garbage.
+        self.kv = torch.zeros(shape, dtype=kv_dtype, device=device)
+        self.kv_caches = [(self.kv[0, i], self.kv[1, i]) for i in range(num_layers)]
+        self.cpu_kv: torch.Tensor | None = None
+        if num_cpu_blocks:
+            cpu_shape = (2, num_layers, num_cpu_blocks, block_size, num_kv_heads, head_dim)
+            self.cpu_kv = torch.zeros(cpu_shape, dtype=kv_dtype,
+                                      pin_memory=device.type == "cuda")
+        self.sampler = Sampler()
+
+    def _move_blocks(self, sched: SchedulerOutput) -> None:
+        """Swap-out, swap-in and copy-on-write copies, before this step writes any slot."""
+        if sched.blocks_to_swap_out:
+            src, dst = zip(*sched.blocks_to_swap_out)
+            self.cpu_kv[:, :, list(dst)] = self.kv[:, :, list(src)].to("cpu")  # type: ignore[index]
+        if sched.blocks_to_swap_in:
+            src, dst = zip(*sched.blocks_to_swap_in)
+            self.kv[:, :, list(dst)] = self.cpu_kv[:, :, list(src)].to(self.device)  # type: ignore[index]
+        if sched.blocks_to_copy:
+            src, dst = zip(*sched.blocks_to_copy)
+            self.kv[:, :, list(dst)] = self.kv[:, :, list(src)]
+
+    def prepare(self, sched: SchedulerOutput, kv: KVCacheManager) -> tuple[torch.Tensor,
+                                                                           torch.Tensor,
+                                                                           AttentionMetadata]:
+        """Token ids, positions and attention metadata of the flattened batch."""
+        input_ids: list[int] = []
+        starts: list[int] = []
+        tables: list[list[int]] = []
+        for seq, n in zip(sched.seqs, sched.num_tokens):
+            s = seq.num_computed_tokens
+            input_ids += seq.token_range(s, s + n)
+            starts.append(s)
+            tables.append(kv.block_ids(seq))
+        width = max(len(t) for t in tables)
+        bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        q_lens = torch.tensor(sched.num_tokens, dtype=torch.int64)
+        start_t = torch.tensor(starts, dtype=torch.int64)
+        qsl = torch.zeros(len(tables) + 1, dtype=torch.int32)
+        torch.cumsum(q_lens, 0, out=qsl[1:])
+        seq_idx = torch.repeat_interleave(torch.arange(len(tables)), q_lens)
+        positions = torch.arange(int(qsl[-1])) - qsl[:-1].long()[seq_idx] + start_t[seq_idx]
+        slots = (bt[seq_idx, positions // self.block_size].long() * self.block_size
+                 + positions % self.block_size)
+        seq_lens = (start_t + q_lens).to(torch.int32)
+        dev = self.device
+        bt, seq_lens, qsl = bt.to(dev), seq_lens.to(dev), qsl.to(dev)
+        max_q, max_s = int(q_lens.max()), int(seq_lens.max())
+        plan = plan_attention(bt, seq_lens, qsl, self.block_size, max_q, max_s)
+        meta = AttentionMetadata(slot_mapping=slots.to(dev), block_tables=bt, seq_lens=seq_lens,
+                                 query_start_loc=qsl, max_query_len=max_q, max_seq_len=max_s,
+                                 k_scale=self.k_scale, v_scale=self.v_scale,
+                                 backend=self.backend, plan=plan)
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        return ids, positions.to(dev), meta
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, kv: KVCacheManager, sample_rows: list[int],
+                sampling: SamplingMetadata | None) -> SamplerOutput | None:
+        """Run one step. `sample_rows[i]` is the batch index of the seq whose last scheduled
+        token's logits feed sampler row i (an index may repeat: n > 1 forks)."""
+        self._move_blocks(sched)
+        ids, positions, meta = self.prepare(sched, kv)
+        hidden = self.model(ids, positions, self.kv_caches, meta)
+        if not sample_rows or sampling is None:
+            return None
+        last = meta.query_start_loc[1:].long() - 1
+        rows = last[torch.tensor(sample_rows, device=self.device)]
+        logits = self.model.compute_logits(hidden[rows])
+        return self.sampler(logits, sampling)

@@ -1,0 +1,163 @@
+"""Engine start-up: pick device and dtypes, load the model, and size the KV cache with the
+memory budget (CUDA: profiled; CPU: an explicit or safe byte budget)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.errors import ConfigError, OutOfKVCacheError
+from kvserve.engine.memory import GiB, MemoryBudget, activation_peak_bytes, blocks_for_bytes, \
+    bytes_per_block, plan_memory
+
+logger = logging.getLogger("kvserve.engine")
+
+CPU_KV_DEFAULT_CAP = 4 * GiB  # the default CPU KV budget: min(25% of free RAM, this)
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class EngineSetup:
+    device: torch.device
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    model: torch.nn.Module
+    hf_config: Any
+    max_model_len: int
+    max_num_batched_tokens: int
+    budget: MemoryBudget
+    num_cpu_blocks: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    eos_token_ids: list[int]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' was asked for but no CUDA device is visible; use "
+                          "device='cpu' (or 'auto')")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto': bfloat16 on CUDA, and on CPUs with native bf16 (AMX/AVX512-BF16); else float32."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16
+    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+
+
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    if name == "auto":
+        return model_dtype
+    if name in ("fp8", "fp8_e4m3"):
+        return torch.float8_e4m3fn
+    return _DTYPES[name]
+
+
+def _model_shape(cfg: Any) -> tuple[int, int, int]:
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or heads, head_dim
+
+
+def _eos_ids(cfg: Any, model_path: Path | str) -> list[int]:
+    ids: list[int] = []
+    try:
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig.from_pretrained(str(model_path))
+        ids += [gen.eos_token_id] if isinstance(gen.eos_token_id, int) else (gen.eos_token_id or [])
+    except Exception:  # noqa: BLE001 - no generation_config.json: fall back to the model config
+        pass
+    eos = getattr(cfg, "eos_token_id", None)
+    ids += [eos] if isinstance(eos, int) else (eos or [])
+    return list(dict.fromkeys(ids))
+
+
+def set_up(config: EngineConfig, model_path: Path | str,
+           load_model: Callable[..., tuple[torch.nn.Module, Any]]) -> EngineSetup:
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    model, cfg = load_model(model_path, dtype, device)
+    layers, kv_heads, head_dim = _model_shape(cfg)
+    model_max = getattr(cfg, "max_position_embeddings", None) or 2048
+    max_len = config.max_model_len or model_max
+    if max_len > model_max:
+        raise ConfigError(f"max_model_len {max_len} exceeds the model's context of {model_max} "
+                          "tokens; lower max_model_len")
+    batched = config.max_num_batched_tokens or max(2048, min(max_len, 8192))
+    if not config.enable_chunked_prefill:
+        batched = max(batched, max_len)
+    budget = _plan(config, cfg, model, device, dtype, kv_dtype, batched, max_len,
+                   (layers, kv_heads, head_dim))
+    per_block = budget.bytes_per_block
+    cpu_blocks = (blocks_for_bytes(int(config.swap_space * GiB), per_block)
+                  if config.preemption_mode == "swap" else 0)
+    return EngineSetup(device, dtype, kv_dtype, model, cfg, max_len, batched, budget, cpu_blocks,
+                       layers, kv_heads, head_dim, cfg.vocab_size, _eos_ids(cfg, model_path))
+
+
+def _plan(config: EngineConfig, cfg: Any, model: torch.nn.Module, device: torch.device,
+          dtype: torch.dtype, kv_dtype: torch.dtype, batched: int, max_len: int,
+          shape: tuple[int, int, int]) -> MemoryBudget:
+    layers, kv_heads, head_dim = shape
+    kv_bytes_el = torch.finfo(kv_dtype).bits // 8
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    act = activation_peak_bytes(cfg.hidden_size, getattr(cfg, "intermediate_size", 4 * cfg.hidden_size),
+                                cfg.vocab_size, cfg.num_attention_heads, head_dim, batched,
+                                config.max_num_seqs, torch.finfo(dtype).bits // 8)
+    if device.type == "cuda":
+        _, total = torch.cuda.mem_get_info(device)
+        util = config.gpu_memory_utilization
+    else:
+        total = _cpu_kv_budget(config) + weights + act
+        util = 1.0
+    budget = plan_memory(total_bytes=total, gpu_memory_utilization=util, weight_bytes=weights,
+                         activation_peak=act, num_layers=layers, num_kv_heads=kv_heads,
+                         head_dim=head_dim, kv_dtype_bytes=kv_bytes_el,
+                         block_size=config.block_size, tokens_per_request=max_len)
+    if config.num_gpu_blocks_override:
+        budget = plan_memory(
+            total_bytes=weights + act + config.num_gpu_blocks_override * budget.bytes_per_block,
+            gpu_memory_utilization=1.0, weight_bytes=weights, activation_peak=act,
+            num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
+            kv_dtype_bytes=kv_bytes_el, block_size=config.block_size, tokens_per_request=max_len)
+    if budget.num_blocks < 1:
+        raise OutOfKVCacheError(
+            f"no memory left for the KV cache: {budget.describe()}; weights take "
+            f"{weights / GiB:.2f} GiB. Raise gpu_memory_utilization / kv_cache_memory or use a "
+            "smaller model")
+    return budget
+
+
+def _cpu_kv_budget(config: EngineConfig) -> int:
+    if config.kv_cache_memory is not None:
+        return int(config.kv_cache_memory)
+    env = os.environ.get("KVSERVE_KV_CACHE_MEMORY")
+    if env:
+        return int(float(env))
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        avail = 4 * CPU_KV_DEFAULT_CAP
+    return min(avail // 4, CPU_KV_DEFAULT_CAP)
+
+
+__all__ = ["EngineSetup", "set_up", "resolve_device", "resolve_dtype", "resolve_kv_dtype",
+           "bytes_per_block"]
