@@ -1,0 +1,238 @@
+"""The KVInferenceService CRD, built here once; manifests/crd.yaml and the chart's copy are its output.
+
+`python -m kvserve.operator.crd > manifests/crd.yaml` regenerates the file (tests check both copies).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from kvserve.operator.catalog import GPUS
+
+GROUP = "kvserve.io"
+VERSION = "v1alpha1"
+KIND = "KVInferenceService"
+PLURAL = "kvinferenceservices"
+SINGULAR = "kvinferenceservice"
+SHORT_NAMES = ["kvis"]
+API_VERSION = f"{GROUP}/{VERSION}"
+DEFAULT_IMAGE = "ghcr.io/kvserve/kvserve:0.1.0"
+
+Schema = dict[str, Any]
+
+
+def _typed(kind: str, desc: str, **extra: Any) -> Schema:
+    return {"type": kind, "description": desc, **extra}
+
+
+def _obj(desc: str, props: dict[str, Schema], **extra: Any) -> Schema:
+    return {"type": "object", "description": desc, "properties": props, **extra}
+
+
+def _free_obj(desc: str) -> Schema:
+    return {"type": "object", "description": desc, "x-kubernetes-preserve-unknown-fields": True}
+
+
+def _model() -> Schema:
+    arch = _obj("Shape of a model outside the built-in catalog (from its config.json).", {
+        "layers": _typed("integer", "num_hidden_layers.", minimum=1),
+        "kvHeads": _typed("integer", "num_key_value_heads.", minimum=1),
+        "headDim": _typed("integer", "head_dim (hidden_size / num_attention_heads).", minimum=1),
+        "parameters": _typed("integer", "Parameter count (weights bytes = parameters x dtype "
+                             "bytes).", format="int64", minimum=1),
+        "dtype": _typed("string", "Checkpoint dtype.", enum=["float32", "float16", "bfloat16"],
+                        default="bfloat16"),
+        "heads": _typed("integer", "num_attention_heads (default: kvHeads).", minimum=1),
+        "hiddenSize": _typed("integer", "hidden_size (default: heads x headDim).", minimum=1),
+        "intermediateSize": _typed("integer", "intermediate_size (default: 4 x hiddenSize).",
+                                   minimum=1),
+        "vocabSize": _typed("integer", "vocab_size (default 32000).", minimum=1),
+        "maxModelLen": _typed("integer", "The model's context length (default 4096).", minimum=1),
+    }, required=["layers", "kvHeads", "headDim", "parameters"])
+    return _obj("The model to serve: a catalog `name` or a `uri` the engine can load.", {
+        "name": _typed("string", "Catalog name (llama-2-7b, llama-3-70b, mistral-7b, qwen2.5-7b, "
+                       "smollm2-135m, ...) or any name when `architecture` is given.",
+                       minLength=1),
+        "uri": _typed("string", "Hugging Face id or local path passed to `kvserve serve`; "
+                      "default: the catalog entry's id.", minLength=1),
+        "servedModelName": _typed("string", "Name clients use in requests (default: name, "
+                                  "else the resource's name).", minLength=1),
+        "architecture": arch,
+    }, **{"x-kubernetes-validations": [
+        {"rule": "has(self.name) || has(self.uri)", "message": "set model.name or model.uri"}]})
+
+
+def _engine() -> Schema:
+    return _obj("Engine knobs, passed to `kvserve serve` with vLLM's flag names.", {
+        "blockSize": _typed("integer", "Tokens per KV-cache block.", enum=[8, 16, 32], default=16),
+        "maxModelLen": _typed("integer", "Longest prompt + output in tokens (default: the "
+                              "model's context length).", minimum=16, maximum=1048576),
+        "maxNumSeqs": _typed("integer", "Sequences per step. Sizing reserves KV for maxNumSeqs "
+                             "x maxModelLen; unset: the engine default (256) runs and status "
+                             "reports how many full-length requests fit.", minimum=1,
+                             maximum=4096),
+        "gpuMemoryUtilization": _typed("number", "Share of device memory the engine may use.",
+                                       minimum=0.05, maximum=1.0, default=0.9),
+        "kvCacheDtype": _typed("string", "KV cache dtype; fp8 halves the bytes per block.",
+                               enum=["auto", "fp8", "fp8_e4m3", "float16", "bfloat16",
+                                     "float32"], default="auto"),
+        "enablePrefixCaching": _typed("boolean", "Reuse KV blocks of shared prefixes.",
+                                      default=True),
+        "swapSpaceGiB": _typed("number", "CPU memory (GiB) for swapped-out blocks.", minimum=0,
+                               maximum=1024, default=4),
+        "dtype": _typed("string", "Weights and activations dtype (auto: the checkpoint's).",
+                        enum=["auto", "float32", "float16", "bfloat16"], default="auto"),
+    }, default={})
+
+
+def _gpu() -> Schema:
+    return _obj("Accelerator of each replica.", {
+        "type": _typed("string", "GPU type from the catalog.", enum=sorted(GPUS)),
+        "memoryGiB": _typed("number", "Memory per GPU in GiB, for a type outside the catalog "
+                            "(overrides type's figure).", minimum=1, maximum=4096),
+        "maxPerReplica": _typed("integer", "Most GPUs one replica may use (tensor parallel).",
+                                minimum=1, maximum=16, default=8),
+    }, default={})
+
+
+def _autoscaling() -> Schema:
+    return _obj("HPA on KV-cache usage and waiting requests; spec.replicas is then its target.", {
+        "minReplicas": _typed("integer", "Fewest replicas.", minimum=1, default=1),
+        "maxReplicas": _typed("integer", "Most replicas.", minimum=1, maximum=1000),
+        "targetCacheUsage": _typed("number", "Average vllm:kv_cache_usage_perc (0-1) to hold.",
+                                   minimum=0.05, maximum=1.0, default=0.8),
+        "targetWaitingRequests": _typed("integer", "Average waiting requests per replica to "
+                                        "hold; 0 leaves this metric out.", minimum=0,
+                                        default=4),
+    }, required=["maxReplicas"])
+
+
+def _router_redis() -> dict[str, Schema]:
+    return {
+        "router": _obj("The prefix-aware router in front of the replicas.", {
+            "enabled": _typed("boolean", "Deploy the router.", default=True),
+            "policy": _typed("string", "Routing policy.", default="prefix",
+                             enum=["prefix", "least-load", "round-robin", "session"]),
+            "replicas": _typed("integer", "Router pods (they share the Redis index).",
+                               minimum=1, maximum=100, default=1),
+        }, default={}),
+        "redis": _obj("The prefix index: an existing Redis `url`, or one deployed per service.", {
+            "url": _typed("string", "redis:// URL of an existing Redis (wins over deploy).",
+                          pattern="^rediss?://"),
+            "deploy": _typed("boolean", "Deploy a Redis for this service when url is unset.",
+                             default=True),
+        }, default={}),
+    }
+
+
+def _pod() -> dict[str, Schema]:
+    return {
+        "image": _typed("string", "Engine and router image.", default=DEFAULT_IMAGE, minLength=1),
+        "resources": _free_obj("Extra engine container resources (cpu, memory); the operator "
+                               "sets nvidia.com/gpu itself."),
+        "nodeSelector": _typed("object", "Engine pod node selector.",
+                               additionalProperties={"type": "string"}),
+        "tolerations": _typed("array", "Engine pod tolerations.",
+                              items=_free_obj("A core/v1 Toleration.")),
+        "env": _typed("array", "Extra engine environment variables.",
+                      items=_free_obj("A core/v1 EnvVar.")),
+    }
+
+
+def spec_schema() -> Schema:
+    """The openAPIV3Schema of `spec` (defaults, enums, ranges, descriptions)."""
+    props: dict[str, Schema] = {
+        "model": _model(),
+        "engine": _engine(),
+        "device": _typed("string", "cuda: GPU replicas sized by the memory budget; cpu: for "
+                         "kind clusters (sized by resources.limits.memory).",
+                         enum=["cuda", "cpu"], default="cuda"),
+        "gpu": _gpu(),
+        "replicas": _typed("integer", "Engine replicas (the HPA's target when autoscaling).",
+                           minimum=0, maximum=1000, default=1),
+        "autoscaling": _autoscaling(),
+        **_router_redis(),
+        **_pod(),
+    }
+    return _obj("Desired state of a KVInferenceService.", props, required=["model"])
+
+
+def status_schema() -> Schema:
+    sizing = _obj("What the memory budget chose (as `kvserve plan --output json`).", {
+        "gpusPerReplica": _typed("integer", "GPUs per replica."),
+        "weightBytes": _typed("integer", "Weight bytes per replica.", format="int64"),
+        "kvBytes": _typed("integer", "KV-cache bytes per replica.", format="int64"),
+        "bytesPerBlock": _typed("integer", "Bytes per KV block per replica.", format="int64"),
+        "numBlocks": _typed("integer", "KV blocks per replica.", format="int64"),
+        "maxConcurrency": _typed("integer", "Full-length requests one replica holds at once.",
+                                 format="int64"),
+        "explanation": _typed("string", "The arithmetic, in words."),
+    }, **{"x-kubernetes-preserve-unknown-fields": True})
+    condition = _obj("A status condition.", {
+        "type": _typed("string", "Ready, Sized, ..."),
+        "status": _typed("string", "True, False or Unknown.", enum=["True", "False", "Unknown"]),
+        "reason": _typed("string", "CamelCase reason."),
+        "message": _typed("string", "What happened and what to change."),
+        "lastTransitionTime": _typed("string", "When status last changed.", format="date-time"),
+        "observedGeneration": _typed("integer", "Generation it describes.", format="int64"),
+    }, required=["type", "status"])
+    return _obj("Observed state (written by the operator).", {
+        "observedGeneration": _typed("integer", "Last generation reconciled.", format="int64"),
+        "replicas": _typed("integer", "Engine replicas running."),
+        "readyReplicas": _typed("integer", "Engine replicas ready."),
+        "selector": _typed("string", "Label selector of the engine pods (for the HPA)."),
+        "sizing": sizing,
+        "conditions": _typed("array", "Ready and friends.", items=condition,
+                             **{"x-kubernetes-list-type": "map",
+                                "x-kubernetes-list-map-keys": ["type"]}),
+    }, **{"x-kubernetes-preserve-unknown-fields": True})  # kopf keeps its progress here
+
+
+def _columns() -> list[dict[str, str]]:
+    return [
+        {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+        {"name": "Replicas", "type": "integer", "jsonPath": ".status.readyReplicas"},
+        {"name": "GPUs/Replica", "type": "integer", "jsonPath": ".status.sizing.gpusPerReplica"},
+        {"name": "Max-Concurrency", "type": "integer",
+         "jsonPath": ".status.sizing.maxConcurrency"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+
+
+def crd_manifest() -> dict[str, Any]:
+    """The CustomResourceDefinition object."""
+    schema = {"type": "object", "description": "A model served by paged-KV engine replicas "
+              "behind a prefix-aware router.", "properties": {
+                  "apiVersion": {"type": "string"}, "kind": {"type": "string"},
+                  "metadata": {"type": "object"},
+                  "spec": spec_schema(), "status": status_schema()}, "required": ["spec"]}
+    version = {
+        "name": VERSION, "served": True, "storage": True,
+        "schema": {"openAPIV3Schema": schema},
+        "subresources": {"status": {}, "scale": {
+            "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+            "labelSelectorPath": ".status.selector"}},
+        "additionalPrinterColumns": _columns(),
+    }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{PLURAL}.{GROUP}",
+                     "labels": {"app.kubernetes.io/part-of": "kvserve"}},
+        "spec": {"group": GROUP, "scope": "Namespaced",
+                 "names": {"kind": KIND, "listKind": f"{KIND}List", "plural": PLURAL,
+                           "singular": SINGULAR, "shortNames": SHORT_NAMES,
+                           "categories": ["kvserve"]},
+                 "versions": [version]},
+    }
+
+
+def crd_yaml() -> str:
+    import yaml
+
+    header = "# Generated by `python -m kvserve.operator.crd`; do not edit by hand.\n"
+    return header + yaml.safe_dump(crd_manifest(), sort_keys=False, width=100)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(crd_yaml())

@@ -1,0 +1,305 @@
+"""The objects a KVInferenceService becomes: pure functions of its spec and sizing, each owned by it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from kvserve.operator.crd import API_VERSION, KIND
+from kvserve.operator.sizing import Sizing
+from kvserve.operator.spec import ServiceSpec
+
+PORT = 8000
+REDIS_PORT = 6379
+REDIS_IMAGE = "redis:7.4-alpine"
+CACHE_USAGE_METRIC = "vllm_kv_cache_usage_perc"  # vllm:kv_cache_usage_perc via prometheus-adapter
+WAITING_METRIC = "vllm_num_requests_waiting"  # vllm:num_requests_waiting via prometheus-adapter
+DRAIN_SECONDS = 120  # the engine finishes running requests on SIGTERM before exiting
+Obj = dict[str, Any]
+
+
+def labels(spec: ServiceSpec, component: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "kvserve", "app.kubernetes.io/instance": spec.name,
+            "app.kubernetes.io/component": component,
+            "app.kubernetes.io/managed-by": "kvserve-operator"}
+
+
+def selector(spec: ServiceSpec, component: str) -> dict[str, str]:
+    return {"app.kubernetes.io/instance": spec.name, "app.kubernetes.io/component": component}
+
+
+def selector_string(spec: ServiceSpec, component: str = "engine") -> str:
+    """status.selector, which the HPA reads through the scale subresource."""
+    return ",".join(f"{k}={v}" for k, v in selector(spec, component).items())
+
+
+def metadata(spec: ServiceSpec, name: str, component: str) -> Obj:
+    owner = {"apiVersion": API_VERSION, "kind": KIND, "name": spec.name, "uid": spec.uid,
+             "controller": True, "blockOwnerDeletion": True}
+    return {"name": name, "namespace": spec.namespace, "labels": labels(spec, component),
+            "ownerReferences": [owner]}
+
+
+def names(spec: ServiceSpec) -> dict[str, str]:
+    n = spec.name
+    return {"engine": f"{n}-engine", "router": f"{n}-router", "redis": f"{n}-redis",
+            "config": f"{n}-config", "entry": n}
+
+
+def redis_url(spec: ServiceSpec) -> str | None:
+    if spec.redis_url:
+        return spec.redis_url
+    return f"redis://{names(spec)['redis']}:{REDIS_PORT}/0" if spec.redis_deploy else None
+
+
+def milli(value: float) -> str:
+    """A Kubernetes quantity for a fraction: 0.8 -> "800m"."""
+    return f"{round(value * 1000)}m"
+
+
+def engine_replicas(spec: ServiceSpec) -> int:
+    """spec.replicas (what `kubectl scale` and the HPA set), kept within autoscaling bounds."""
+    a = spec.autoscaling
+    return spec.replicas if a is None else min(max(spec.replicas, a.min_replicas), a.max_replicas)
+
+
+def engine_args(spec: ServiceSpec, sizing: Sizing) -> list[str]:
+    """`kvserve serve` flags from the spec (vLLM's spellings)."""
+    e = spec.engine
+    args = ["serve", spec.model.source, "--host", "0.0.0.0", "--port", str(PORT),
+            "--block-size", str(e.block_size), "--max-model-len", str(e.max_model_len),
+            "--max-num-seqs", str(sizing.max_num_seqs),
+            "--gpu-memory-utilization", f"{e.gpu_memory_utilization:g}",
+            "--kv-cache-dtype", e.kv_cache_dtype, "--swap-space", f"{e.swap_space_gib:g}",
+            "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching",
+            "--dtype", e.dtype, "--tensor-parallel-size", str(max(sizing.gpus_per_replica, 1)),
+            "--served-model-name", spec.model.served_name]
+    url = redis_url(spec)
+    if url:
+        args += ["--redis-url", url]
+    return args + ["--service-name", spec.name, "--advertise-url", f"http://$(POD_IP):{PORT}"]
+
+
+def pod_security() -> Obj:
+    return {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def container_security() -> Obj:
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]}}
+
+
+def http_probe(period: int, failures: int) -> Obj:
+    return {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": period,
+            "failureThreshold": failures, "timeoutSeconds": 5}
+
+
+def scrape_annotations() -> dict[str, str]:
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(PORT),
+            "prometheus.io/path": "/metrics"}
+
+
+def engine_resources(spec: ServiceSpec, sizing: Sizing) -> Obj:
+    res = json.loads(json.dumps(spec.resources))  # a deep copy that drops nothing
+    if sizing.gpus_per_replica:
+        res.setdefault("limits", {})["nvidia.com/gpu"] = sizing.gpus_per_replica
+    return res
+
+
+def engine_env(spec: ServiceSpec) -> list[Obj]:
+    return [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": "HF_HOME", "value": "/var/cache/kvserve/hf"},
+            {"name": "KVSERVE_SIZING_FILE", "value": "/etc/kvserve/sizing.json"},
+            *spec.env]
+
+
+def engine_volumes(spec: ServiceSpec, sizing: Sizing) -> tuple[list[Obj], list[Obj]]:
+    """(volumes, mounts): writable scratch for a read-only root FS, the ConfigMap, /dev/shm."""
+    vols = [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}},
+            {"name": "config", "configMap": {"name": names(spec)["config"]}}]
+    mounts = [{"name": "tmp", "mountPath": "/tmp"},
+              {"name": "cache", "mountPath": "/var/cache/kvserve"},
+              {"name": "config", "mountPath": "/etc/kvserve", "readOnly": True}]
+    if sizing.gpus_per_replica > 1:  # NCCL needs a large /dev/shm between tensor-parallel ranks
+        vols.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}})
+        mounts.append({"name": "shm", "mountPath": "/dev/shm"})
+    return vols, mounts
+
+
+def engine_container(spec: ServiceSpec, sizing: Sizing, mounts: list[Obj]) -> Obj:
+    return {
+        "name": "engine", "image": spec.image, "command": ["kvserve"],
+        "args": engine_args(spec, sizing), "env": engine_env(spec),
+        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
+        "resources": engine_resources(spec, sizing),
+        "startupProbe": http_probe(10, 180),  # model download + load: up to 30 minutes
+        "readinessProbe": http_probe(5, 3), "livenessProbe": http_probe(15, 4),
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", "5"]}}},  # endpoints update first
+        "securityContext": container_security(), "volumeMounts": mounts,
+    }
+
+
+def config_hash(spec: ServiceSpec, sizing: Sizing) -> str:
+    return hashlib.sha256(json.dumps(config_data(spec, sizing), sort_keys=True).encode()
+                          ).hexdigest()[:16]
+
+
+def engine_pod_spec(spec: ServiceSpec, sizing: Sizing) -> Obj:
+    vols, mounts = engine_volumes(spec, sizing)
+    tolerations = list(spec.tolerations)
+    if sizing.gpus_per_replica:
+        tolerations.append({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"})
+    pod: Obj = {"securityContext": pod_security(), "automountServiceAccountToken": False,
+                "terminationGracePeriodSeconds": DRAIN_SECONDS,
+                "containers": [engine_container(spec, sizing, mounts)], "volumes": vols}
+    if spec.node_selector:
+        pod["nodeSelector"] = dict(spec.node_selector)
+    if tolerations:
+        pod["tolerations"] = tolerations
+    return pod
+
+
+def engine_deployment(spec: ServiceSpec, sizing: Sizing) -> Obj:
+    annotations = {**scrape_annotations(), "kvserve.io/config-hash": config_hash(spec, sizing)}
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": metadata(spec, names(spec)["engine"], "engine"),
+        "spec": {
+            "replicas": engine_replicas(spec),
+            "selector": {"matchLabels": selector(spec, "engine")},
+            # A new pod must be ready before an old one goes: no capacity dip on updates.
+            "strategy": {"type": "RollingUpdate",
+                         "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {"metadata": {"labels": labels(spec, "engine"),
+                                      "annotations": annotations},
+                         "spec": engine_pod_spec(spec, sizing)},
+        },
+    }
+
+
+def service(spec: ServiceSpec, name: str, component: str, target: str, port: int) -> Obj:
+    return {
+        "apiVersion": "v1", "kind": "Service", "metadata": metadata(spec, name, component),
+        "spec": {"type": "ClusterIP", "selector": selector(spec, target),
+                 "ports": [{"name": "http" if port == PORT else "redis", "port": port,
+                            "targetPort": port, "protocol": "TCP"}]},
+    }
+
+
+def config_data(spec: ServiceSpec, sizing: Sizing) -> dict[str, str]:
+    return {"sizing.json": json.dumps(sizing.as_status(), indent=2, sort_keys=True),
+            "model": spec.model.source, "served-model-name": spec.model.served_name}
+
+
+def config_map(spec: ServiceSpec, sizing: Sizing) -> Obj:
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": metadata(spec, names(spec)["config"], "engine"),
+            "data": config_data(spec, sizing)}
+
+
+def pdb(spec: ServiceSpec) -> Obj:
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": metadata(spec, names(spec)["engine"], "engine"),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(spec, "engine")}}}
+
+
+def router_deployment(spec: ServiceSpec) -> Obj:
+    args = ["router", "--host", "0.0.0.0", "--port", str(PORT), "--redis-url",
+            redis_url(spec) or "", "--service-name", spec.name, "--policy", spec.router_policy]
+    container = {
+        "name": "router", "image": spec.image, "command": ["kvserve"], "args": args,
+        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
+        "env": [{"name": "HF_HOME", "value": "/var/cache/kvserve/hf"}],
+        "resources": {"requests": {"cpu": "250m", "memory": "512Mi"},
+                      "limits": {"memory": "2Gi"}},
+        "readinessProbe": http_probe(5, 3), "livenessProbe": http_probe(15, 4),
+        "securityContext": container_security(),
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"},
+                         {"name": "cache", "mountPath": "/var/cache/kvserve"}],
+    }
+    pod = {"securityContext": pod_security(), "automountServiceAccountToken": False,
+           "terminationGracePeriodSeconds": 30, "containers": [container],
+           "volumes": [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}]}
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": metadata(spec, names(spec)["router"], "router"),
+        "spec": {"replicas": spec.router_replicas,
+                 "selector": {"matchLabels": selector(spec, "router")},
+                 "template": {"metadata": {"labels": labels(spec, "router"),
+                                           "annotations": scrape_annotations()},
+                              "spec": pod}},
+    }
+
+
+def redis_deployment(spec: ServiceSpec) -> Obj:
+    container = {
+        "name": "redis", "image": REDIS_IMAGE,
+        # The prefix index is a cache rebuilt from heartbeats: no persistence, bounded memory.
+        "args": ["redis-server", "--save", "", "--appendonly", "no", "--maxmemory", "512mb",
+                 "--maxmemory-policy", "allkeys-lru"],
+        "ports": [{"name": "redis", "containerPort": REDIS_PORT, "protocol": "TCP"}],
+        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"},
+                      "limits": {"memory": "768Mi"}},
+        "readinessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 5},
+        "livenessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 15},
+        "securityContext": container_security(),
+        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+    }
+    security = {**pod_security(), "runAsUser": 999, "runAsGroup": 999, "fsGroup": 999}
+    pod = {"securityContext": security, "automountServiceAccountToken": False,
+           "containers": [container], "volumes": [{"name": "data", "emptyDir": {}}]}
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": metadata(spec, names(spec)["redis"], "redis"),
+        "spec": {"replicas": 1, "selector": {"matchLabels": selector(spec, "redis")},
+                 "strategy": {"type": "Recreate"},
+                 "template": {"metadata": {"labels": labels(spec, "redis")}, "spec": pod}},
+    }
+
+
+def pods_metric(name: str, average: str) -> Obj:
+    return {"type": "Pods", "pods": {"metric": {"name": name},
+                                     "target": {"type": "AverageValue", "averageValue": average}}}
+
+
+def hpa(spec: ServiceSpec) -> Obj:
+    """HPA on the KVInferenceService's scale subresource: it sets spec.replicas, we follow."""
+    a = spec.autoscaling
+    assert a is not None
+    metrics = [pods_metric(CACHE_USAGE_METRIC, milli(a.target_cache_usage))]
+    if a.target_waiting_requests:
+        metrics.append(pods_metric(WAITING_METRIC, str(a.target_waiting_requests)))
+    return {
+        "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+        "metadata": metadata(spec, names(spec)["entry"], "engine"),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": API_VERSION, "kind": KIND, "name": spec.name},
+            "minReplicas": a.min_replicas, "maxReplicas": a.max_replicas, "metrics": metrics,
+            # GPU replicas take minutes to load: add one at a time, remove slowly.
+            "behavior": {
+                "scaleUp": {"stabilizationWindowSeconds": 60,
+                            "policies": [{"type": "Pods", "value": 1, "periodSeconds": 120}]},
+                "scaleDown": {"stabilizationWindowSeconds": 600,
+                              "policies": [{"type": "Pods", "value": 1, "periodSeconds": 300}]},
+            },
+        },
+    }
+
+
+def desired_objects(spec: ServiceSpec, sizing: Sizing) -> list[Obj]:
+    """Everything the service needs, in the order to apply it."""
+    n = names(spec)
+    objs = [config_map(spec, sizing)]
+    if spec.redis_deploy:
+        objs += [redis_deployment(spec), service(spec, n["redis"], "redis", "redis", REDIS_PORT)]
+    objs += [engine_deployment(spec, sizing),
+             service(spec, n["engine"], "engine", "engine", PORT), pdb(spec)]
+    entry_target = "router" if spec.router_enabled else "engine"
+    if spec.router_enabled:
+        objs.append(router_deployment(spec))
+    objs.append(service(spec, n["entry"], entry_target, entry_target, PORT))
+    if spec.autoscaling is not None:
+        objs.append(hpa(spec))
+    return objs

@@ -1,0 +1,162 @@
+"""Sizing: the engine's memory budget (engine/memory.py) -> GPUs per replica, KV blocks, concurrency.
+
+GPUs per replica is the smallest power of two (tensor parallel: weights and KV heads split across
+the GPUs) whose per-GPU budget holds `maxNumSeqs x maxModelLen` tokens of KV (one full-length
+request when maxNumSeqs is unset). Pure: no Kubernetes, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvserve.engine.memory import (
+    GiB, MemoryBudget, activation_peak_bytes, dtype_bytes, plan_memory,
+)
+from kvserve.operator.spec import InvalidSpecError, ServiceSpec
+
+DEFAULT_MAX_NUM_SEQS = 256  # the engine's own default (EngineConfig.max_num_seqs)
+MIN_BATCHED_TOKENS = 2048  # the engine batches max(2048, max_model_len) tokens per step
+
+
+class InsufficientGPUMemoryError(InvalidSpecError):
+    """No allowed GPU count holds the weights plus the requested KV cache."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, reason="InsufficientGPUMemory")
+
+
+@dataclass(frozen=True)
+class Sizing:
+    gpus_per_replica: int  # 0 on cpu
+    weight_bytes: int  # per replica
+    kv_bytes: int  # per replica (all its GPUs)
+    bytes_per_block: int  # per replica (all its GPUs' shares of one block)
+    num_blocks: int
+    max_concurrency: int  # full-length (maxModelLen) requests one replica holds at once
+    max_num_seqs: int  # what the engine is started with
+    activation_peak_bytes: int  # per GPU
+    device_memory_bytes: int  # per GPU (or per pod on cpu)
+    weight_dtype: str
+    kv_cache_dtype: str
+    explanation: str
+
+    def as_status(self) -> dict:
+        """status.sizing (also `kvserve plan --output json`)."""
+        return {
+            "gpusPerReplica": self.gpus_per_replica, "weightBytes": self.weight_bytes,
+            "kvBytes": self.kv_bytes, "bytesPerBlock": self.bytes_per_block,
+            "numBlocks": self.num_blocks, "maxConcurrency": self.max_concurrency,
+            "maxNumSeqs": self.max_num_seqs, "activationPeakBytes": self.activation_peak_bytes,
+            "deviceMemoryBytes": self.device_memory_bytes, "weightDtype": self.weight_dtype,
+            "kvCacheDtype": self.kv_cache_dtype, "explanation": self.explanation,
+        }
+
+
+def weight_dtype(spec: ServiceSpec) -> str:
+    """`auto` is the checkpoint's dtype on GPUs and float32 on CPUs (as the engine does)."""
+    if spec.engine.dtype != "auto":
+        return spec.engine.dtype
+    return "float32" if spec.device == "cpu" else spec.model.arch.dtype
+
+
+def kv_dtype(spec: ServiceSpec) -> str:
+    kv = spec.engine.kv_cache_dtype
+    return weight_dtype(spec) if kv == "auto" else kv
+
+
+def gpu_candidates(spec: ServiceSpec) -> list[int]:
+    """Powers of two up to maxPerReplica that split the attention and KV heads evenly."""
+    if spec.device == "cpu":
+        return [1]
+    arch, out, n = spec.model.arch, [], 1
+    while n <= spec.max_gpus_per_replica:
+        if arch.heads % n == 0 and (arch.kv_heads % n == 0 or n % arch.kv_heads == 0):
+            out.append(n)
+        n *= 2
+    return out
+
+
+def activation_bytes(spec: ServiceSpec) -> int:
+    arch, eng = spec.model.arch, spec.engine
+    return activation_peak_bytes(
+        hidden_size=arch.hidden, intermediate_size=arch.intermediate, vocab_size=arch.vocab,
+        num_heads=arch.heads, head_dim=arch.head_dim,
+        max_num_batched_tokens=max(MIN_BATCHED_TOKENS, eng.max_model_len),
+        max_num_seqs=eng.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
+        act_dtype_bytes=dtype_bytes(weight_dtype(spec)))
+
+
+def budget_per_gpu(spec: ServiceSpec, gpus: int) -> MemoryBudget:
+    """The engine's budget on each of `gpus` GPUs holding 1/gpus of the weights and KV heads."""
+    arch, eng = spec.model.arch, spec.engine
+    weights = arch.parameters * dtype_bytes(weight_dtype(spec))
+    return plan_memory(
+        total_bytes=spec.gpu_memory_bytes, gpu_memory_utilization=eng.gpu_memory_utilization,
+        weight_bytes=-(-weights // gpus), activation_peak=activation_bytes(spec),
+        num_layers=arch.layers, num_kv_heads=max(arch.kv_heads // gpus, 1),
+        head_dim=arch.head_dim, kv_dtype_bytes=dtype_bytes(kv_dtype(spec)),
+        block_size=eng.block_size, tokens_per_request=eng.max_model_len)
+
+
+def blocks_needed(spec: ServiceSpec) -> int:
+    eng = spec.engine
+    per_request = -(-eng.max_model_len // eng.block_size)
+    return (eng.max_num_seqs or 1) * per_request
+
+
+def plan(spec: ServiceSpec) -> Sizing:
+    """The sizing the operator applies; InsufficientGPUMemoryError when nothing fits."""
+    candidates = gpu_candidates(spec)
+    if not candidates:
+        raise InvalidSpecError(
+            f"no power-of-two GPU count up to {spec.max_gpus_per_replica} divides the model's "
+            f"{spec.model.arch.heads} attention heads; raise spec.gpu.maxPerReplica")
+    for gpus in candidates:
+        budget = budget_per_gpu(spec, gpus)
+        if budget.num_blocks >= blocks_needed(spec):
+            return _sizing(spec, gpus, budget)
+    raise InsufficientGPUMemoryError(_refusal(spec, candidates[-1], budget))
+
+
+def _device_words(spec: ServiceSpec, gpus: int) -> str:
+    mem = spec.gpu_memory_bytes / GiB
+    if spec.device == "cpu":
+        return f"CPU pod with {mem:.2f} GiB"
+    return f"{gpus} x {spec.gpu_type or 'GPU'} ({mem:.2f} GiB each)"
+
+
+def _sizing(spec: ServiceSpec, gpus: int, b: MemoryBudget) -> Sizing:
+    eng, arch = spec.engine, spec.model.arch
+    wdt, kdt = weight_dtype(spec), kv_dtype(spec)
+    weights = arch.parameters * dtype_bytes(wdt)
+    explanation = (
+        f"{_device_words(spec, gpus)} x {eng.gpu_memory_utilization:.2f} utilisation; per GPU: "
+        f"{b.total_bytes * b.gpu_memory_utilization / GiB:.2f} GiB - weights "
+        f"{b.weight_bytes / GiB:.2f} GiB ({arch.parameters / 1e9:.2f}B params x "
+        f"{dtype_bytes(wdt)} B {wdt} / {gpus if spec.device != 'cpu' else 1}) - activations "
+        f"{b.activation_peak_bytes / GiB:.2f} GiB = KV {b.kv_bytes / GiB:.2f} GiB; "
+        f"{b.bytes_per_block / 1024:.0f} KiB per block of {eng.block_size} tokens ({kdt}) -> "
+        f"{b.num_blocks} blocks = {b.num_blocks * eng.block_size} tokens -> max concurrency "
+        f"{b.max_concurrency} requests of {eng.max_model_len} tokens")
+    share = gpus if spec.device != "cpu" else 1
+    return Sizing(
+        gpus_per_replica=0 if spec.device == "cpu" else gpus, weight_bytes=weights,
+        kv_bytes=b.kv_bytes * share, bytes_per_block=b.bytes_per_block * share,
+        num_blocks=b.num_blocks, max_concurrency=b.max_concurrency,
+        max_num_seqs=eng.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
+        activation_peak_bytes=b.activation_peak_bytes, device_memory_bytes=spec.gpu_memory_bytes,
+        weight_dtype=wdt, kv_cache_dtype=kdt, explanation=explanation)
+
+
+def _refusal(spec: ServiceSpec, gpus: int, b: MemoryBudget) -> str:
+    eng = spec.engine
+    need = blocks_needed(spec)
+    return (
+        f"{spec.model.key} does not fit in {_device_words(spec, gpus)} at "
+        f"gpu_memory_utilization {eng.gpu_memory_utilization:.2f}: per GPU "
+        f"{b.total_bytes * b.gpu_memory_utilization / GiB:.2f} GiB - weights "
+        f"{b.weight_bytes / GiB:.2f} GiB - activations {b.activation_peak_bytes / GiB:.2f} GiB "
+        f"leaves {b.kv_bytes / GiB:.2f} GiB for KV = {b.num_blocks} blocks, but "
+        f"{eng.max_num_seqs or 1} x {eng.max_model_len} tokens need {need} blocks "
+        f"({need * b.bytes_per_block / GiB:.2f} GiB). Raise spec.gpu.maxPerReplica, pick a "
+        f"bigger spec.gpu.type, lower maxModelLen/maxNumSeqs, or use kvCacheDtype fp8")

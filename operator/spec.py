@@ -1,0 +1,243 @@
+"""A KVInferenceService's spec, defaulted and checked against the CRD schema, as frozen dataclasses."""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.operator.catalog import GPUS, MODELS, ModelArch, lookup_model
+from kvserve.operator.crd import DEFAULT_IMAGE, spec_schema
+
+GiB = 1 << 30
+_QUANTITY = re.compile(r"^([0-9.]+)([KMGTPE]i?|m|k)?$")
+_SUFFIX = {"": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
+           "E": 10**18, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40,
+           "Pi": 1 << 50, "Ei": 1 << 60, "m": 1e-3}
+_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool}
+
+
+class InvalidSpecError(ValueError):
+    """A spec the operator refuses; `reason` becomes the Ready condition's reason."""
+
+    def __init__(self, message: str, reason: str = "InvalidSpec") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def apply_defaults(schema: dict, value: Any) -> Any:
+    """A copy of value with the schema's defaults filled in, as the API server does."""
+    value = copy.deepcopy(value)
+    if isinstance(value, dict) and "properties" in schema:
+        for key, sub in schema["properties"].items():
+            if key not in value and "default" in sub:
+                value[key] = copy.deepcopy(sub["default"])
+            if key in value:
+                value[key] = apply_defaults(sub, value[key])
+    elif isinstance(value, list) and "items" in schema:
+        value = [apply_defaults(schema["items"], item) for item in value]
+    return value
+
+
+def _type_ok(kind: str | None, value: Any) -> bool:
+    if kind == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return kind is None or isinstance(value, _TYPES[kind])
+
+
+def _scalar_errors(schema: dict, value: Any, path: str) -> list[str]:
+    errors = []
+    if "enum" in schema and value not in schema["enum"]:
+        errors.append(f"{path}: {value!r} is not one of {schema['enum']}")
+    if "minimum" in schema and isinstance(value, (int, float)) and value < schema["minimum"]:
+        errors.append(f"{path}: {value} is below the minimum {schema['minimum']}")
+    if "maximum" in schema and isinstance(value, (int, float)) and value > schema["maximum"]:
+        errors.append(f"{path}: {value} is above the maximum {schema['maximum']}")
+    if isinstance(value, str) and len(value) < schema.get("minLength", 0):
+        errors.append(f"{path}: must not be empty")
+    if isinstance(value, str) and "pattern" in schema and not re.search(schema["pattern"], value):
+        errors.append(f"{path}: {value!r} does not match {schema['pattern']}")
+    return errors
+
+
+def schema_errors(schema: dict, value: Any, path: str = "spec") -> list[str]:
+    """Messages for every place value breaks the schema's type/enum/range/required rules."""
+    if not _type_ok(schema.get("type"), value):
+        return [f"{path}: expected {schema['type']}, got {type(value).__name__}"]
+    errors = _scalar_errors(schema, value, path)
+    if isinstance(value, dict):
+        errors += [f"{path}.{key}: required" for key in schema.get("required", [])
+                   if key not in value]
+        props = schema.get("properties", {})
+        for key, sub in value.items():
+            if key in props:
+                errors += schema_errors(props[key], sub, f"{path}.{key}")
+            elif props and not schema.get("x-kubernetes-preserve-unknown-fields"):
+                errors.append(f"{path}.{key}: unknown field")
+    if isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            errors += schema_errors(schema["items"], item, f"{path}[{i}]")
+    return errors
+
+
+def parse_quantity(text: str | int | float) -> int:
+    """Bytes (or units) of a Kubernetes quantity such as "8Gi", "500M" or 1024."""
+    match = _QUANTITY.match(str(text).strip())
+    if not match:
+        raise InvalidSpecError(f"cannot read the quantity {text!r} (write e.g. 8Gi or 8000Mi)")
+    return int(float(match.group(1)) * _SUFFIX[match.group(2) or ""])
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    key: str  # catalog key or the user's name
+    source: str  # what `kvserve serve` loads
+    served_name: str
+    arch: ModelArch
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int | None
+    gpu_memory_utilization: float
+    kv_cache_dtype: str
+    enable_prefix_caching: bool
+    swap_space_gib: float
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Autoscaling:
+    min_replicas: int
+    max_replicas: int
+    target_cache_usage: float
+    target_waiting_requests: int
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    name: str
+    namespace: str
+    uid: str
+    model: ModelRef
+    engine: EngineSpec
+    device: str
+    gpu_type: str | None
+    gpu_memory_bytes: int  # per GPU (cuda) or per pod (cpu)
+    max_gpus_per_replica: int
+    replicas: int
+    autoscaling: Autoscaling | None
+    router_enabled: bool
+    router_policy: str
+    router_replicas: int
+    redis_url: str | None
+    redis_deploy: bool
+    image: str = DEFAULT_IMAGE
+    resources: dict = field(default_factory=dict)
+    node_selector: dict = field(default_factory=dict)
+    tolerations: list = field(default_factory=list)
+    env: list = field(default_factory=list)
+
+
+def _arch_from_spec(a: dict, source: str) -> ModelArch:
+    heads = a.get("heads", a["kvHeads"])
+    hidden = a.get("hiddenSize", heads * a["headDim"])
+    return ModelArch(
+        layers=a["layers"], heads=heads, kv_heads=a["kvHeads"], head_dim=a["headDim"],
+        hidden=hidden, intermediate=a.get("intermediateSize", 4 * hidden),
+        vocab=a.get("vocabSize", 32000), parameters=a["parameters"],
+        dtype=a.get("dtype", "bfloat16"), max_model_len=a.get("maxModelLen", 4096), source=source)
+
+
+def model_ref(model: dict, cr_name: str) -> ModelRef:
+    """Resolve spec.model against the catalog, or read its explicit architecture."""
+    name, uri = model.get("name"), model.get("uri")
+    if not name and not uri:
+        raise InvalidSpecError("spec.model needs a name (from the catalog) or a uri")
+    if "architecture" in model:
+        arch = _arch_from_spec(model["architecture"], uri or name)
+        key = name or uri
+    else:
+        found = lookup_model(name) if name else None
+        found = found or (lookup_model(uri) if uri else None)
+        if found is None:
+            raise InvalidSpecError(
+                f"model {name or uri!r} is not in the catalog ({', '.join(sorted(MODELS))}); "
+                "describe it with spec.model.architecture {layers, kvHeads, headDim, parameters}",
+                reason="UnknownModel")
+        key, arch = found
+    served = model.get("servedModelName") or name or cr_name
+    return ModelRef(key=key, source=uri or arch.source or key, served_name=served, arch=arch)
+
+
+def engine_spec(e: dict, arch: ModelArch) -> EngineSpec:
+    max_len = e.get("maxModelLen", arch.max_model_len)
+    if max_len > arch.max_model_len:
+        raise InvalidSpecError(
+            f"spec.engine.maxModelLen {max_len} exceeds the model's context length "
+            f"{arch.max_model_len}; lower it")
+    return EngineSpec(
+        block_size=e["blockSize"], max_model_len=max_len, max_num_seqs=e.get("maxNumSeqs"),
+        gpu_memory_utilization=float(e["gpuMemoryUtilization"]),
+        kv_cache_dtype=e["kvCacheDtype"], enable_prefix_caching=e["enablePrefixCaching"],
+        swap_space_gib=float(e["swapSpaceGiB"]), dtype=e["dtype"])
+
+
+def device_memory(spec: dict) -> tuple[str | None, int]:
+    """(gpu type, bytes per GPU) for cuda; (None, pod memory limit) for cpu."""
+    gpu = spec["gpu"]
+    if spec["device"] == "cpu":
+        limit = spec.get("resources", {}).get("limits", {}).get("memory")
+        if limit is None:
+            raise InvalidSpecError("device cpu is sized by spec.resources.limits.memory; set it "
+                                   "(e.g. 4Gi)")
+        return None, parse_quantity(limit)
+    if "memoryGiB" in gpu:
+        return gpu.get("type"), int(float(gpu["memoryGiB"]) * GiB)
+    if "type" in gpu:
+        return gpu["type"], GPUS[gpu["type"]].memory_bytes
+    raise InvalidSpecError(
+        f"set spec.gpu.type (one of {', '.join(GPUS)}) or spec.gpu.memoryGiB")
+
+
+def _autoscaling(spec: dict) -> Autoscaling | None:
+    a = spec.get("autoscaling")
+    if a is None:
+        return None
+    if a["minReplicas"] > a["maxReplicas"]:
+        raise InvalidSpecError(f"spec.autoscaling.minReplicas {a['minReplicas']} is above "
+                               f"maxReplicas {a['maxReplicas']}")
+    return Autoscaling(a["minReplicas"], a["maxReplicas"], float(a["targetCacheUsage"]),
+                       a["targetWaitingRequests"])
+
+
+def parse_spec(body: dict) -> ServiceSpec:
+    """Default, check and read a KVInferenceService object; InvalidSpecError says what to fix."""
+    meta = body.get("metadata", {})
+    schema = spec_schema()
+    spec = apply_defaults(schema, body.get("spec") or {})
+    errors = schema_errors(schema, spec)
+    if errors:
+        raise InvalidSpecError("; ".join(errors))
+    model = model_ref(spec["model"], meta.get("name", ""))
+    gpu_type, memory = device_memory(spec)
+    router, redis = spec["router"], spec["redis"]
+    if router["enabled"] and not redis.get("url") and not redis["deploy"]:
+        raise InvalidSpecError("the router needs the Redis prefix index: set spec.redis.url or "
+                               "spec.redis.deploy: true (or spec.router.enabled: false)")
+    return ServiceSpec(
+        name=meta.get("name", ""), namespace=meta.get("namespace", "default"),
+        uid=meta.get("uid", ""), model=model, engine=engine_spec(spec["engine"], model.arch),
+        device=spec["device"], gpu_type=gpu_type, gpu_memory_bytes=memory,
+        max_gpus_per_replica=spec["gpu"]["maxPerReplica"], replicas=spec["replicas"],
+        autoscaling=_autoscaling(spec), router_enabled=router["enabled"],
+        router_policy=router["policy"], router_replicas=router["replicas"],
+        redis_url=redis.get("url"), redis_deploy=redis["deploy"] and not redis.get("url"),
+        image=spec["image"], resources=spec.get("resources", {}),
+        node_selector=spec.get("nodeSelector", {}), tolerations=spec.get("tolerations", []),
+        env=spec.get("env", []))
