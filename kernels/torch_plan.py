@@ -1,0 +1,104 @@
+"""The torch path's per-step precomputation: decode chunks (gather indices + length masks) and
+prefill sequences (gather indices + causal masks), built once per step and reused by every layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.kernels.plan import AttentionPlan
+
+# Gathered K+V bytes per decode chunk: small enough to stay in the last-level cache between the
+# gather and the matmuls that read it (measured on a 32 MiB L3, see docs/perf.md).
+CHUNK_BYTES = 8 << 20
+
+
+@dataclass
+class DecodeChunk:
+    """Decode sequences of similar length, padded to `key_len` = whole blocks."""
+
+    tokens: torch.Tensor  # int64 [n]: rows of q
+    blocks: torch.Tensor  # int64 [n * blocks_per_seq]: physical blocks, padded with a valid id
+    key_len: int
+    pad: torch.Tensor  # bool [n, 1, key_len]: True where the key is past the sequence
+    masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """0 / -inf [n, 1, key_len] in `dtype`, made once per dtype."""
+        if dtype not in self.masks:
+            zeros = torch.zeros(self.pad.shape, dtype=dtype, device=self.pad.device)
+            self.masks[dtype] = zeros.masked_fill_(self.pad, float("-inf"))
+        return self.masks[dtype]
+
+
+@dataclass
+class PrefillSeq:
+    """One sequence with several new tokens: q rows [start, end) over its first `seq_len` keys."""
+
+    start: int
+    end: int
+    seq_len: int
+    blocks: torch.Tensor  # int64 [ceil(seq_len / block_size)]
+    mask: torch.Tensor | None  # bool [end - start, seq_len], True = attend; None = plain causal
+
+
+@dataclass
+class TorchPlan:
+    decode: list[DecodeChunk]
+    prefill: list[PrefillSeq]
+
+
+def torch_plan(plan: AttentionPlan, bytes_per_token: int,
+               chunk_bytes: int = CHUNK_BYTES) -> TorchPlan:
+    """Split the batch into decode chunks and prefill sequences (cached in plan.parts)."""
+    key = ("torch", bytes_per_token, chunk_bytes)
+    if key not in plan.parts:
+        tables = plan.block_tables.long()
+        decode = [s for s in range(plan.num_seqs) if plan.query_lens[s] == 1]
+        prefill = [s for s in range(plan.num_seqs) if plan.query_lens[s] > 1]
+        starts = plan.query_start_loc.tolist()
+        plan.parts[key] = TorchPlan(
+            _decode_chunks(plan, tables, decode, starts, bytes_per_token, chunk_bytes),
+            [_prefill_seq(plan, tables, s, starts[s]) for s in prefill])
+    return plan.parts[key]
+
+
+def _decode_chunks(plan: AttentionPlan, tables: torch.Tensor, seqs: list[int], starts: list[int],
+                   bytes_per_token: int, chunk_bytes: int) -> list[DecodeChunk]:
+    """Longest first, so each chunk pads its sequences to a near-equal number of blocks."""
+    bs = plan.block_size
+    order = sorted(seqs, key=lambda s: -plan.seq_lens[s])
+    chunks, i = [], 0
+    while i < len(order):
+        blocks = -(-plan.seq_lens[order[i]] // bs)
+        n = max(1, chunk_bytes // max(1, blocks * bs * bytes_per_token))
+        members = order[i:i + n]
+        chunks.append(_decode_chunk(plan, tables, members, starts, blocks))
+        i += n
+    return chunks
+
+
+def _decode_chunk(plan: AttentionPlan, tables: torch.Tensor, members: list[int],
+                  starts: list[int], blocks: int) -> DecodeChunk:
+    device = tables.device
+    idx = torch.tensor(members, dtype=torch.long, device=device)
+    lens = plan.seq_lens_t.long()[idx]
+    key_len = blocks * plan.block_size
+    used = torch.arange(blocks, device=device)[None, :] * plan.block_size < lens[:, None]
+    # Padding entries point at a block the sequence does own (its first) so the gather stays valid.
+    gather = torch.where(used, tables[idx, :blocks], tables[idx, :1])
+    pad = torch.arange(key_len, device=device)[None, None, :] >= lens[:, None, None]
+    tokens = torch.tensor([starts[s] for s in members], dtype=torch.long, device=device)
+    return DecodeChunk(tokens, gather.reshape(-1), key_len, pad)
+
+
+def _prefill_seq(plan: AttentionPlan, tables: torch.Tensor, s: int, start: int) -> PrefillSeq:
+    n, seq_len = plan.query_lens[s], plan.seq_lens[s]
+    blocks = tables[s, : -(-seq_len // plan.block_size)]
+    mask = None
+    if seq_len > n:  # chunked prefill over a cached context: causal shifted by the context length
+        device = tables.device
+        rows = torch.arange(n, device=device)[:, None] + (seq_len - n)
+        mask = torch.arange(seq_len, device=device)[None, :] <= rows
+    return PrefillSeq(start, start + n, seq_len, blocks, mask)
