@@ -70,7 +70,8 @@ def build_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=True,
                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-               pad_token_id=tokenizer.pad_token_id)
+               pad_token_id=tokenizer.pad_token_id,
+               initializer_range=0.3)  # large enough that greedy output does not repeat
     cfg.update(overrides)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
