@@ -1,0 +1,124 @@
+"""The `kvserve` CLI: vLLM flag spellings map onto EngineConfig / ServerConfig, external commands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+from dataclasses import fields
+
+import pytest
+
+from kvserve.engine.config import DEFAULT_MODEL, EngineConfig
+from kvserve.engine.errors import ConfigError
+from kvserve.service import cli
+
+
+def _serve(*argv: str) -> argparse.Namespace:
+    return cli.build_serve_parser().parse_args(list(argv))
+
+
+def test_issue_command_line_maps_onto_engine_config():
+    args = _serve("--model", "smollm2-135m-instruct", "--tensor-parallel-size", "1",
+                  "--gpu-memory-utilization", "0.90", "--max-num-seqs", "256",
+                  "--enable-prefix-caching", "--port", "8000")
+    cfg = cli.engine_config_from_args(args)
+    assert cfg == EngineConfig(model="smollm2-135m-instruct", gpu_memory_utilization=0.9,
+                               max_num_seqs=256, enable_prefix_caching=True)
+    assert cli.server_config_from_args(args).port == 8000
+
+
+def test_every_engine_field_has_a_flag():
+    args = _serve()
+    missing = [f.name for f in fields(EngineConfig)
+               if f.name not in ("served_model_name",) and not hasattr(args, f.name)]
+    assert missing == []
+    assert cli.engine_config_from_args(args) == EngineConfig()  # defaults agree
+
+
+def test_engine_flags_with_vllm_spelling():
+    args = _serve("my-model", "--block-size", "32", "--max-model-len", "1024",
+                  "--max-num-batched-tokens", "512", "--swap-space", "2",
+                  "--preemption-mode", "swap", "--no-enable-prefix-caching",
+                  "--kv-cache-dtype", "fp8", "--calculate-kv-scales", "--seed", "3",
+                  "--kv-cache-memory", "1.5GiB", "--dtype", "bfloat16", "--device", "cpu",
+                  "--trust-remote-code", "--served-model-name", "alias", "other")
+    cfg = cli.engine_config_from_args(args)
+    assert (cfg.model, cfg.block_size, cfg.max_model_len, cfg.max_num_batched_tokens) == \
+        ("my-model", 32, 1024, 512)
+    assert (cfg.swap_space, cfg.preemption_mode, cfg.enable_prefix_caching) == (2.0, "swap", False)
+    assert (cfg.kv_cache_dtype, cfg.calculate_kv_scales, cfg.seed) == ("fp8", True, 3)
+    assert cfg.kv_cache_memory == 3 << 29 and cfg.dtype == "bfloat16" and cfg.trust_remote_code
+    assert cfg.served_model_name == "alias"
+    assert cli.server_config_from_args(args).served_model_names == ["alias", "other"]
+
+
+def test_default_model_and_conflicting_models():
+    assert cli.engine_config_from_args(_serve()).model == DEFAULT_MODEL
+    with pytest.raises(ConfigError):
+        cli.engine_config_from_args(_serve("a", "--model", "b"))
+
+
+def test_server_flags(monkeypatch):
+    monkeypatch.setenv("KVSERVE_API_KEY", "from-env")
+    args = _serve("--host", "127.0.0.1", "--max-waiting", "5", "--max-body-bytes", "64k",
+                  "--allowed-origins", '["http://a", "http://b"]', "--shutdown-grace-period",
+                  "2.5", "--public-paths", "/health", "--redis-url", "redis://r:6379/0",
+                  "--service-name", "svc", "--advertise-url", "http://me:8000",
+                  "--replica-id", "r1")
+    sc = cli.server_config_from_args(args)
+    assert sc.api_key == "from-env"  # the environment fills in a missing --api-key
+    assert (sc.host, sc.max_waiting, sc.max_body_bytes) == ("127.0.0.1", 5, 65536)
+    assert sc.allowed_origins == ["http://a", "http://b"] and sc.public_paths == ("/health",)
+    assert (sc.shutdown_grace_period, sc.redis_url, sc.service_name) == (2.5, "redis://r:6379/0",
+                                                                         "svc")
+    assert (sc.advertise_url, sc.replica_id) == ("http://me:8000", "r1")
+    assert cli.server_config_from_args(_serve("--api-key", "flag")).api_key == "flag"
+
+
+def test_bad_values_are_refused():
+    with pytest.raises(SystemExit):
+        _serve("--block-size", "7")
+    with pytest.raises(SystemExit):
+        _serve("--kv-cache-memory", "lots")
+    with pytest.raises(ConfigError):
+        cli.engine_config_from_args(_serve("--tensor-parallel-size", "2"))
+
+
+def test_main_reports_config_errors_with_exit_code_2(capsys):
+    assert cli.main(["serve", "--gpu-memory-utilization", "1.5"]) == 2
+    assert "gpu_memory_utilization" in capsys.readouterr().err
+
+
+def test_help_lists_subcommands_and_flags():
+    text = cli.build_parser().format_help()
+    assert "serve" in text and "fetch-model" in text
+    serve_help = cli.build_serve_parser().format_help()
+    for flag in ("--max-num-seqs", "--enable-prefix-caching", "--api-key", "--max-waiting",
+                 "--shutdown-grace-period", "--redis-url", "--served-model-name"):
+        assert flag in serve_help
+
+
+def test_external_commands_register_or_are_skipped(monkeypatch):
+    sub = argparse.ArgumentParser().add_subparsers()
+    assert not cli.register_external(sub, "kvserve.service.no_such_module")
+    module = types.ModuleType("kvserve_fake_cmds")
+    module.register = lambda s: s.add_parser("fake")  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "kvserve_fake_cmds", module)
+    assert cli.register_external(sub, "kvserve_fake_cmds")
+    assert "fake" in sub.choices
+
+
+def test_a_missing_dependency_of_an_external_module_is_not_hidden(tmp_path, monkeypatch):
+    (tmp_path / "kvserve_broken_cmds.py").write_text("import kvserve_missing_dependency_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sub = argparse.ArgumentParser().add_subparsers()
+    with pytest.raises(ModuleNotFoundError) as info:
+        cli.register_external(sub, "kvserve_broken_cmds")
+    assert info.value.name == "kvserve_missing_dependency_xyz"
+
+
+def test_api_server_module_takes_the_same_flags():
+    parser = cli.build_serve_parser(prog="python -m kvserve.service.api_server")
+    args = parser.parse_args(["--model", "m", "--port", "9"])
+    assert cli.engine_config_from_args(args).model == "m"
