@@ -1,0 +1,204 @@
+"""Triton paged attention: one varlen kernel for prefill, decode and chunked prefill, walking block
+tables with an online softmax, GQA heads packed in the tile, fp8 dequantised in the kernel; with
+NUM_SPLITS > 1 it is the split-KV (flash-decoding) variant, merged by a small reduce kernel."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kvserve.kernels.plan import AttentionPlan
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_range(q, k_ptr, v_ptr, bt_row_ptr, kv_head, q_pos, lo, hi, qk_scale,
+                  stride_kb, stride_ks, stride_kh, d, d_ok,
+                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                  HEAD_DIM_P2: tl.constexpr, IS_FP8: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Online softmax of q's rows over keys [lo, hi): returns (running max, sum, weighted V)."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        j_ok = j < hi
+        block = tl.load(bt_row_ptr + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)
+        offs = block * stride_kb + (j % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+        kv_mask = j_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if IS_FP8 or DOT_FP32:
+            k = k.to(tl.float32).to(q.dtype)
+            v = v.to(tl.float32).to(q.dtype)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.where((j[None, :] <= q_pos[:, None]) & j_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _paged_attention_kernel(
+        out_ptr, ws_acc_ptr, ws_lse_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
+        qk_scale, v_scale, split_len, stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kb, stride_ks, stride_kh, stride_bt,
+        GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IS_FP8: tl.constexpr,
+        NUM_HEADS: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Program (sequence, query tile, kv head x split): BLOCK_Q tokens x GROUP heads as rows."""
+    seq = tl.program_id(0)
+    q_tile = tl.program_id(1)
+    kv_head = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    if q_tile * BLOCK_Q < q_len:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        rows = tl.arange(0, BLOCK_Q * GROUP_P2)
+        tok = q_tile * BLOCK_Q + rows // GROUP_P2
+        g = rows % GROUP_P2
+        row_ok = (tok < q_len) & (g < GROUP)
+        head = kv_head * GROUP + g
+        d = tl.arange(0, HEAD_DIM_P2)
+        d_ok = d < HEAD_DIM
+        token = (q_start + tok).to(tl.int64)
+        q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        if DOT_FP32:
+            q = q.to(tl.float32)
+        q_pos = seq_len - q_len + tok
+        kv_end = tl.minimum(seq_len, seq_len - q_len + (q_tile + 1) * BLOCK_Q)
+        lo = split * split_len
+        hi = tl.minimum(kv_end, lo + split_len)
+        m_i, l_i, acc = _attend_range(
+            q, k_ptr, v_ptr, bt_ptr + seq.to(tl.int64) * stride_bt, kv_head, q_pos, lo, hi,
+            qk_scale, stride_kb, stride_ks, stride_kh, d, d_ok, BLOCK_SIZE, BLOCK_N,
+            BLOCK_Q * GROUP_P2, HEAD_DIM_P2, IS_FP8, DOT_FP32)
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        res = acc / l_safe[:, None]
+        store_mask = row_ok[:, None] & d_ok[None, :]
+        if NUM_SPLITS == 1:
+            o_offs = token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+            tl.store(out_ptr + o_offs, (res * v_scale).to(out_ptr.dtype.element_ty), mask=store_mask)
+        else:
+            # Workspace [num_tokens, num_heads, NUM_SPLITS(, HEAD_DIM_P2)], log2-sum-exp per row.
+            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+            w_row = (token * NUM_HEADS + head) * NUM_SPLITS + split
+            tl.store(ws_lse_ptr + w_row, lse, mask=row_ok)
+            tl.store(ws_acc_ptr + w_row[:, None] * HEAD_DIM_P2 + d[None, :], res,
+                     mask=store_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(out_ptr, ws_acc_ptr, ws_lse_ptr, v_scale, stride_ot, stride_oh,
+                         NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         HEAD_DIM_P2: tl.constexpr):
+    """Program (token, head): weight each split's normalised output by its share of the sum."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    row = (token * NUM_HEADS + head) * NUM_SPLITS
+    s = tl.arange(0, SPLITS_P2)
+    lse = tl.load(ws_lse_ptr + row + s, mask=s < NUM_SPLITS, other=float("-inf"))
+    top = tl.max(lse, 0)
+    w = tl.exp2(lse - top)
+    d = tl.arange(0, HEAD_DIM_P2)
+    acc = tl.load(ws_acc_ptr + (row + s)[:, None] * HEAD_DIM_P2 + d[None, :],
+                  mask=(s < NUM_SPLITS)[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    res = tl.sum(acc * w[:, None], 0) / tl.sum(w, 0) * v_scale
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + d, res.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
+
+
+@dataclass(frozen=True)
+class TritonConfig:
+    block_q: int
+    block_n: int
+    num_splits: int
+    split_len: int
+    q_tiles: int
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def triton_config(plan: AttentionPlan, group: int, num_kv_heads: int,
+                  device: torch.device) -> TritonConfig:
+    """Tile sizes and the KV split: split only decode batches too small to fill the device."""
+    group_p2 = triton.next_power_of_2(group)
+    rows = 16 if plan.max_query_len == 1 else 64  # tl.dot needs >= 16 rows on a GPU
+    block_q = max(1, rows // group_p2)
+    block_n = max(16, plan.block_size) if device.type != "cuda" else max(64, plan.block_size)
+    num_splits = 1
+    if plan.max_query_len == 1 and device.type == "cuda" and plan.max_seq_len > 1024:
+        programs = max(1, plan.num_seqs * num_kv_heads)
+        wanted = triton.cdiv(4 * _sm_count(device.index or 0), programs)
+        num_splits = max(1, min(wanted, triton.cdiv(plan.max_seq_len, 512), 64))
+    split_len = triton.cdiv(triton.cdiv(max(plan.max_seq_len, 1), num_splits), block_n) * block_n
+    q_tiles = max(1, triton.cdiv(plan.max_query_len, block_q))
+    return TritonConfig(block_q, block_n, num_splits, split_len, q_tiles)
+
+
+def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           plan: AttentionPlan, scale: float, k_scale: float = 1.0,
+                           v_scale: float = 1.0, num_splits: int | None = None) -> torch.Tensor:
+    """Launch the varlen kernel (and the merge when the KV is split); `num_splits` overrides."""
+    is_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if not is_fp8:
+        k_scale = v_scale = 1.0
+    heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k_cache.shape[2]
+    cfg = plan.parts.get(("triton", kv_heads, heads))
+    if cfg is None:
+        cfg = plan.parts[("triton", kv_heads, heads)] = triton_config(
+            plan, heads // kv_heads, kv_heads, q.device)
+    if num_splits is not None:
+        split_len = triton.cdiv(triton.cdiv(max(plan.max_seq_len, 1), num_splits), cfg.block_n)
+        cfg = TritonConfig(cfg.block_q, cfg.block_n, num_splits, split_len * cfg.block_n,
+                           cfg.q_tiles)
+    return _launch(q, k_cache, v_cache, plan, cfg, scale * k_scale * LOG2E, v_scale, is_fp8)
+
+
+def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan,
+            cfg: TritonConfig, qk_scale: float, v_scale: float, is_fp8: bool) -> torch.Tensor:
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if plan.num_tokens == 0:
+        return out
+    heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k_cache.shape[2]
+    d_p2 = max(16, triton.next_power_of_2(head_dim))
+    ws_acc = ws_lse = out
+    if cfg.num_splits > 1:
+        ws_acc = q.new_empty((plan.num_tokens, heads, cfg.num_splits, d_p2), dtype=torch.float32)
+        ws_lse = q.new_empty((plan.num_tokens, heads, cfg.num_splits), dtype=torch.float32)
+    tables = plan.block_tables
+    grid = (plan.num_seqs, cfg.q_tiles, kv_heads * cfg.num_splits)
+    _paged_attention_kernel[grid](
+        out, ws_acc, ws_lse, q, k_cache, v_cache, tables, plan.seq_lens_t, plan.query_start_loc,
+        qk_scale, v_scale, cfg.split_len, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
+        GROUP=heads // kv_heads, GROUP_P2=triton.next_power_of_2(heads // kv_heads),
+        BLOCK_Q=cfg.block_q, HEAD_DIM=head_dim, HEAD_DIM_P2=d_p2, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_N=cfg.block_n, NUM_SPLITS=cfg.num_splits, IS_FP8=is_fp8, NUM_HEADS=heads,
+        # The interpreter's tl.dot is wrong for bf16 operands: on the CPU the dots run in fp32.
+        DOT_FP32=q.device.type != "cuda")
+    if cfg.num_splits > 1:
+        _merge_splits_kernel[(plan.num_tokens, heads)](
+            out, ws_acc, ws_lse, v_scale, out.stride(0), out.stride(1), NUM_HEADS=heads,
+            NUM_SPLITS=cfg.num_splits, SPLITS_P2=triton.next_power_of_2(cfg.num_splits),
+            HEAD_DIM=head_dim, HEAD_DIM_P2=d_p2)
+    return out
