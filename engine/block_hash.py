@@ -20,8 +20,25 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: objec
     h.update(parent if parent is not None else ROOT_HASH)
     h.update(struct.pack(f"<{len(token_ids)}i", *token_ids))
     if extra_keys is not None:
-        h.update(repr(extra_keys).encode())
+        h.update(repr(_canonical(extra_keys)).encode())
     return h.digest()
+
+
+def _canonical(key: object) -> object:
+    """`key` with sets and dicts in a fixed order, so its repr is the same in every process
+    (a set's iteration order follows the per-process string hash seed)."""
+    if key is None or isinstance(key, (bool, int, float, str, bytes)):
+        return key
+    if isinstance(key, (tuple, list)):
+        return type(key)(_canonical(k) for k in key)
+    if isinstance(key, (set, frozenset)):
+        return ("set", tuple(sorted((_canonical(k) for k in key), key=repr)))
+    if isinstance(key, dict):
+        items = ((_canonical(k), _canonical(v)) for k, v in key.items())
+        return ("dict", tuple(sorted(items, key=repr)))
+    raise TypeError(
+        f"extra_keys must be built from None, bool, int, float, str, bytes, tuples, lists, sets "
+        f"and dicts so its hash is stable across processes; got {type(key).__name__}")
 
 
 def block_hashes(
