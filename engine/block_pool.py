@@ -101,7 +101,7 @@ class BlockPool:
             return
         if self.cached.get(b.block_hash) is b:
             del self.cached[b.block_hash]
-            self._events.append(("removed", b.block_hash.hex()))
+            self._log("removed", b.block_hash)
             self.num_evictions += 1
         b.block_hash = None
 
@@ -123,7 +123,14 @@ class BlockPool:
             return
         b.block_hash = block_hash
         self.cached[block_hash] = b
-        self._events.append(("stored", block_hash.hex()))
+        self._log("stored", block_hash)
+
+    def _log(self, kind: str, block_hash: bytes) -> None:
+        """Record a change; an undrained backlog (offline use never drains) is compacted into
+        "cleared" + the cached set, which replays to the same state, so memory stays bounded."""
+        self._events.append((kind, block_hash.hex()))
+        if len(self._events) > 2 * self.num_blocks + 1024:
+            self._events = [("cleared", "")] + [("stored", h.hex()) for h in self.cached]
 
     def free_blocks(self, blocks: list[Block]) -> None:
         """Drop one reference each; blocks reaching zero go back to the free queue.
