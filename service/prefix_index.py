@@ -1,0 +1,388 @@
+"""The shared Redis prefix-hash index: a replica-side publisher and a router-side one-round-trip lookup.
+
+Redis layout (every key under `kvserve:<service>:`):
+
+    replicas              SET   ids of replicas that heartbeated (swept lazily by the lookup)
+    replica:<id>          HASH  url, model, block_size, num_running, num_waiting, kv_cache_usage,
+                                heartbeat_at; EXPIREs after `ttl` (3 heartbeats) without a refresh
+    blocks:<id>           SET   hex block hashes (engine.block_hash) held in <id>'s prefix cache;
+                                same TTL, refreshed by each heartbeat and each write
+
+A replica whose heartbeat stops loses its `replica:<id>` hash after the TTL, so the lookup ignores
+it (and removes it from `replicas`); its `blocks:<id>` set expires at the same time.
+
+Lookup is ONE round trip: a Lua script (EVALSHA, `LOOKUP_SCRIPT`) gets the prompt's hash chain,
+walks the live replicas and returns, per replica, its heartbeat fields and the number of LEADING
+blocks of the chain it holds (one SMISMEMBER per replica). The router thus learns liveness, load and
+prefix match at once. The script reads keys it derives from the prefix, which is fine on a single
+Redis (not Redis Cluster).
+
+The publisher never slows generation: `on_step` (engine thread) only appends to a bounded queue under
+a lock and wakes a writer task on the server's event loop. Events that cannot be written (queue full,
+Redis down) are dropped and counted; after (re)connecting, `wants_snapshot()` turns True, the engine
+thread passes `snapshot=engine.cached_block_hashes()` and the writer replaces the whole set in one
+MULTI/EXEC. Until the engine steps again (an idle replica), the set may be stale or empty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+
+logger = logging.getLogger(__name__)
+
+# Largest number of hashes per SADD, so a big snapshot never builds one huge command.
+_CHUNK = 5000
+
+LOOKUP_SCRIPT = """
+local prefix = ARGV[1]
+local n = #ARGV - 1
+local ids = redis.call('SMEMBERS', prefix .. 'replicas')
+local out = {}
+for _, id in ipairs(ids) do
+  local info = redis.call('HGETALL', prefix .. 'replica:' .. id)
+  if #info == 0 then
+    redis.call('SREM', prefix .. 'replicas', id)
+  else
+    local matched = 0
+    if n > 0 then
+      local flags = redis.call('SMISMEMBER', prefix .. 'blocks:' .. id, unpack(ARGV, 2))
+      for i = 1, n do
+        if flags[i] == 1 then matched = i else break end
+      end
+    end
+    out[#out + 1] = id
+    out[#out + 1] = matched
+    out[#out + 1] = info
+  end
+end
+return out
+"""
+
+# Lua's unpack() is limited by the C stack (~8000 values); longer chains are cut (a 128k-token
+# prompt at block size 16), which only makes the predicted match conservative.
+MAX_LOOKUP_BLOCKS = 7000
+
+
+@dataclass(frozen=True)
+class IndexKeys:
+    """Key names of one service's index."""
+
+    service: str
+
+    @property
+    def prefix(self) -> str:
+        return f"kvserve:{self.service}:"
+
+    @property
+    def replicas(self) -> str:
+        return self.prefix + "replicas"
+
+    def replica(self, replica_id: str) -> str:
+        return f"{self.prefix}replica:{replica_id}"
+
+    def blocks(self, replica_id: str) -> str:
+        return f"{self.prefix}blocks:{replica_id}"
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """What a replica's last heartbeat said."""
+
+    replica_id: str
+    url: str
+    model: str
+    block_size: int
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    heartbeat_at: float = 0.0
+
+    @property
+    def load(self) -> int:
+        return self.num_running + self.num_waiting
+
+
+@dataclass(frozen=True)
+class ReplicaMatch:
+    """A live replica and how many leading blocks of the looked-up chain it holds."""
+
+    replica: ReplicaInfo
+    matched_blocks: int
+
+
+def _info_from_fields(replica_id: str, fields: dict[str, str]) -> ReplicaInfo:
+    return ReplicaInfo(
+        replica_id=replica_id, url=fields.get("url", ""), model=fields.get("model", ""),
+        block_size=int(fields.get("block_size", 16)),
+        num_running=int(fields.get("num_running", 0)),
+        num_waiting=int(fields.get("num_waiting", 0)),
+        kv_cache_usage=float(fields.get("kv_cache_usage", 0.0)),
+        heartbeat_at=float(fields.get("heartbeat_at", 0.0)))
+
+
+def _pairs_to_dict(flat: Sequence[Any]) -> dict[str, str]:
+    return {_s(flat[i]): _s(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class PrefixIndex:
+    """Router-side reader: which live replica holds how much of a hash chain, in one round trip."""
+
+    def __init__(self, client: aioredis.Redis, service: str) -> None:
+        self.client = client
+        self.keys = IndexKeys(service)
+        self._script = client.register_script(LOOKUP_SCRIPT)
+
+    @classmethod
+    def from_url(cls, redis_url: str, service: str, timeout: float = 0.5) -> PrefixIndex:
+        client = aioredis.Redis.from_url(
+            redis_url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        return cls(client, service)
+
+    async def lookup(self, hashes: Sequence[str]) -> list[ReplicaMatch]:
+        """Every live replica with its leading matched block count (raises RedisError)."""
+        args = [self.keys.prefix, *list(hashes)[:MAX_LOOKUP_BLOCKS]]
+        try:
+            flat = await self._script(keys=[], args=args)
+        except RedisConnectionError:
+            # A pooled connection from before a Redis restart fails once; a fresh one may not.
+            flat = await self._script(keys=[], args=args)
+        out = []
+        for i in range(0, len(flat), 3):
+            rid = _s(flat[i])
+            info = _info_from_fields(rid, _pairs_to_dict(flat[i + 2]))
+            out.append(ReplicaMatch(info, int(flat[i + 1])))
+        return sorted(out, key=lambda m: m.replica.replica_id)
+
+    async def replicas(self) -> list[ReplicaInfo]:
+        return [m.replica for m in await self.lookup([])]
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+@dataclass(frozen=True)
+class _Batch:
+    kind: str  # "stored" | "removed" | "cleared" | "snapshot"
+    hashes: tuple[str, ...]
+
+
+class PrefixIndexPublisher:
+    """Replica-side writer: block events and heartbeats to Redis, off the engine's step loop."""
+
+    def __init__(self, redis_url: str, service: str, replica_id: str, url: str, model: str,
+                 block_size: int, heartbeat_interval: float = 1.0, *,
+                 max_pending_hashes: int = 200_000, ttl: float | None = None,
+                 timeout: float = 0.5) -> None:
+        self.redis_url, self.replica_id, self.url = redis_url, replica_id, url
+        self.model, self.block_size = model, block_size
+        self.heartbeat_interval = heartbeat_interval
+        self.ttl = ttl if ttl is not None else max(3.0 * heartbeat_interval, 2.0)
+        self.keys = IndexKeys(service)
+        self.max_pending_hashes = max_pending_hashes
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self._pending: deque[_Batch] = deque()
+        self._pending_hashes = 0
+        self._load = (0, 0, 0.0)
+        self._want_snapshot = True
+        self._connected = False
+        self._first_connect = True
+        self._dropped = 0
+        self._redis_errors = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._client: aioredis.Redis | None = None
+
+    # ---- engine thread side -------------------------------------------------------------------
+    def on_step(self, events: Iterable[Any], stats: Any = None,
+                snapshot: Sequence[str] | None = None) -> None:
+        """Record one step's KV events and load; never blocks on Redis (thread-safe)."""
+        batches = [_Batch(e.kind, tuple(e.block_hashes)) for e in events]
+        with self._lock:
+            if stats is not None:
+                self._load = (int(getattr(stats, "num_running", 0)),
+                              int(getattr(stats, "num_waiting", 0)),
+                              float(getattr(stats, "kv_cache_usage", 0.0)))
+            pushed = self._enqueue(batches, snapshot)
+        if pushed:
+            self._wakeup()
+
+    def _enqueue(self, batches: list[_Batch], snapshot: Sequence[str] | None) -> bool:
+        """Queue batches (lock held); True when the writer has something new to do."""
+        if snapshot is not None:
+            # The snapshot already includes this step's events and everything queued before.
+            self._pending.clear()
+            self._pending.append(_Batch("snapshot", tuple(snapshot)))
+            self._pending_hashes = len(snapshot)
+            self._want_snapshot = False
+            return True
+        if not batches:
+            return False
+        size = sum(len(b.hashes) for b in batches)
+        if not self._connected or self._pending_hashes + size > self.max_pending_hashes:
+            self._dropped += size or 1
+            self._want_snapshot = True
+            return False
+        self._pending.extend(batches)
+        self._pending_hashes += size
+        return True
+
+    def wants_snapshot(self) -> bool:
+        """True when the engine thread should pass `snapshot=engine.cached_block_hashes()`."""
+        with self._lock:
+            return self._want_snapshot and self._connected
+
+    @property
+    def dropped_events(self) -> int:
+        """Block hashes dropped because Redis was down or the queue was full."""
+        return self._dropped
+
+    @property
+    def redis_errors(self) -> int:
+        return self._redis_errors
+
+    @property
+    def connected(self) -> bool:
+        return self._connected
+
+    def _wakeup(self) -> None:
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:  # loop closed between the check and the call
+                pass
+
+    # ---- event loop side ----------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the writer/heartbeat task on the running loop (does not wait for Redis)."""
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self._client = aioredis.Redis.from_url(
+            self.redis_url, socket_timeout=self._timeout, socket_connect_timeout=self._timeout)
+        self._task = asyncio.create_task(self._run(), name="kvserve-prefix-index-publisher")
+
+    async def close(self) -> None:
+        """Stop publishing and remove this replica's entries (best effort)."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None
+        if self._client is not None:
+            try:
+                await self._client.pipeline(transaction=False).srem(
+                    self.keys.replicas, self.replica_id).delete(
+                    self.keys.replica(self.replica_id), self.keys.blocks(self.replica_id)).execute()
+            except (RedisError, OSError):
+                pass
+            await self._client.aclose()
+            self._client = None
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        next_beat = 0.0
+        while True:
+            try:
+                if not self._connected:
+                    await self._connect()
+                if time.monotonic() >= next_beat:
+                    await self._heartbeat()
+                    next_beat = time.monotonic() + self.heartbeat_interval
+                await self._flush()
+            except (RedisError, OSError) as exc:
+                self._on_redis_error(exc)
+                next_beat = 0.0
+            timeout = max(0.0, next_beat - time.monotonic()) if self._connected else \
+                self.heartbeat_interval
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=timeout)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+
+    async def _connect(self) -> None:
+        assert self._client is not None
+        await self._client.ping()
+        if self._first_connect:
+            # A previous life of this replica id may have left a set: the snapshot rebuilds it.
+            await self._client.delete(self.keys.blocks(self.replica_id))
+            self._first_connect = False
+        with self._lock:
+            self._connected = True
+            self._want_snapshot = True
+        logger.info("prefix index: connected to Redis for replica %s", self.replica_id)
+
+    def _on_redis_error(self, exc: BaseException) -> None:
+        self._redis_errors += 1
+        with self._lock:
+            was = self._connected
+            self._connected = False
+            self._dropped += self._pending_hashes
+            self._pending.clear()
+            self._pending_hashes = 0
+            self._want_snapshot = True
+        if was:
+            logger.warning("prefix index: Redis unavailable (%s); dropping events until it returns",
+                           exc)
+
+    async def _heartbeat(self) -> None:
+        assert self._client is not None
+        running, waiting, usage = self._load
+        fields = {"url": self.url, "model": self.model, "block_size": self.block_size,
+                  "num_running": running, "num_waiting": waiting, "kv_cache_usage": usage,
+                  "heartbeat_at": time.time()}
+        ttl_ms = int(self.ttl * 1000)
+        rid = self.replica_id
+        await (self._client.pipeline(transaction=False)
+               .hset(self.keys.replica(rid), mapping=fields)
+               .pexpire(self.keys.replica(rid), ttl_ms)
+               .sadd(self.keys.replicas, rid)
+               .pexpire(self.keys.blocks(rid), ttl_ms)
+               .execute())
+
+    async def _flush(self) -> None:
+        assert self._client is not None
+        with self._lock:
+            batches = list(self._pending)
+            self._pending.clear()
+            self._pending_hashes = 0
+        if not batches:
+            return
+        key = self.keys.blocks(self.replica_id)
+        pipe = self._client.pipeline(transaction=True)
+        for batch in batches:
+            _add_batch(pipe, key, batch)
+        pipe.pexpire(key, int(self.ttl * 1000))
+        try:
+            await pipe.execute()
+        except (RedisError, OSError):
+            self._dropped += sum(len(b.hashes) for b in batches)
+            raise
+
+
+def _add_batch(pipe: Any, key: str, batch: _Batch) -> None:
+    if batch.kind in ("cleared", "snapshot"):
+        pipe.delete(key)
+    op = pipe.srem if batch.kind == "removed" else pipe.sadd
+    if batch.kind in ("stored", "removed", "snapshot"):
+        for i in range(0, len(batch.hashes), _CHUNK):
+            op(key, *batch.hashes[i : i + _CHUNK])

@@ -1,0 +1,211 @@
+"""The Redis prefix index against a real redis-server: publisher events, heartbeats, TTL, outages."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+
+import redis
+from kvserve.engine.block_hash import block_hashes
+from kvserve.engine.kv_events import KVEvent
+from kvserve.service.prefix_index import IndexKeys, PrefixIndex, PrefixIndexPublisher
+
+
+@dataclass
+class Stats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+
+
+CHAIN = block_hashes(list(range(16 * 8)), 16)  # 8 chained blocks
+
+
+async def until(cond, timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll an (async) condition; fail with `what` if it does not hold within `timeout`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        value = cond()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def publisher(url: str, rid: str, **kw) -> PrefixIndexPublisher:
+    kw.setdefault("heartbeat_interval", 0.1)
+    return PrefixIndexPublisher(url, "svc", rid, f"http://{rid}:8000", "tiny", 16, **kw)
+
+
+async def matches(index: PrefixIndex, chain) -> dict[str, int]:
+    return {m.replica.replica_id: m.matched_blocks for m in await index.lookup(chain)}
+
+
+async def test_lookup_returns_leading_match_per_live_replica(redis_server):
+    a, b = publisher(redis_server.url, "a"), publisher(redis_server.url, "b")
+    index = PrefixIndex.from_url(redis_server.url, "svc")
+    await a.start(), await b.start()
+    try:
+        await until(lambda: a.connected and b.connected, what="connect")
+        a.on_step([KVEvent("stored", tuple(CHAIN[:5]))], Stats(2, 1, 0.25))
+        # b holds blocks 0-1 and 3-7: the hole at block 2 stops its leading match at 2.
+        b.on_step([KVEvent("stored", tuple(CHAIN[:2] + CHAIN[3:]))], Stats())
+        await until(lambda: _eq(matches(index, CHAIN), {"a": 5, "b": 2}), what="lookup")
+        await until(lambda: _eq(_loads(index), {"a": 3, "b": 0}), what="next heartbeat")
+        infos = {i.replica_id: i for i in await index.replicas()}
+        assert infos["a"].url == "http://a:8000" and infos["a"].model == "tiny"
+        assert (infos["a"].num_running, infos["a"].num_waiting) == (2, 1)
+        assert infos["a"].kv_cache_usage == 0.25 and infos["a"].block_size == 16
+        other = block_hashes(list(range(1000, 1000 + 64)), 16)
+        assert await matches(index, other) == {"a": 0, "b": 0}
+    finally:
+        await a.close(), await b.close(), await index.close()
+
+
+async def _loads(index: PrefixIndex) -> dict[str, int]:
+    return {i.replica_id: i.load for i in await index.replicas()}
+
+
+async def _eq(coro, expected) -> bool:
+    return (await coro) == expected
+
+
+async def test_removed_and_cleared_events(redis_server):
+    p = publisher(redis_server.url, "a")
+    index = PrefixIndex.from_url(redis_server.url, "svc")
+    await p.start()
+    try:
+        await until(lambda: p.connected, what="connect")
+        p.on_step([KVEvent("stored", tuple(CHAIN))])
+        await until(lambda: _eq(matches(index, CHAIN), {"a": 8}), what="stored")
+        p.on_step([KVEvent("removed", (CHAIN[6],))])
+        await until(lambda: _eq(matches(index, CHAIN), {"a": 6}), what="removed")
+        p.on_step([KVEvent("cleared"), KVEvent("stored", (CHAIN[0],))])
+        await until(lambda: _eq(matches(index, CHAIN), {"a": 1}), what="cleared then stored")
+    finally:
+        await p.close(), await index.close()
+
+
+async def test_replica_vanishes_when_heartbeat_stops(redis_server):
+    p = publisher(redis_server.url, "dying", ttl=0.5)
+    live = publisher(redis_server.url, "live")
+    index = PrefixIndex.from_url(redis_server.url, "svc")
+    await p.start(), await live.start()
+    try:
+        await until(lambda: p.connected and live.connected, what="connect")
+        p.on_step([KVEvent("stored", tuple(CHAIN))])
+        await until(lambda: _eq(matches(index, CHAIN), {"dying": 8, "live": 0}), what="stored")
+        p._task.cancel()  # a crash: no goodbye, the heartbeat simply stops
+        await until(lambda: _eq(matches(index, CHAIN), {"live": 0}), what="TTL expiry")
+        r = redis.Redis.from_url(redis_server.url)
+        keys = IndexKeys("svc")
+        assert not r.exists(keys.blocks("dying"), keys.replica("dying"))
+        assert r.smembers(keys.replicas) == {b"live"}  # swept by the lookup
+        r.close()
+    finally:
+        await p.close(), await live.close(), await index.close()
+
+
+async def test_close_removes_entries_at_once(redis_server):
+    p = publisher(redis_server.url, "a", heartbeat_interval=5.0)
+    index = PrefixIndex.from_url(redis_server.url, "svc")
+    await p.start()
+    await until(lambda: p.connected, what="connect")
+    p.on_step([KVEvent("stored", tuple(CHAIN))])
+    await until(lambda: _eq(matches(index, CHAIN), {"a": 8}), what="stored")
+    await p.close()
+    assert await index.lookup(CHAIN) == []
+    await index.close()
+
+
+async def test_services_are_namespaced(redis_server):
+    p = publisher(redis_server.url, "a")
+    other = PrefixIndex.from_url(redis_server.url, "other-svc")
+    await p.start()
+    try:
+        await until(lambda: p.connected, what="connect")
+        p.on_step([KVEvent("stored", tuple(CHAIN))])
+        await asyncio.sleep(0.3)
+        assert await other.lookup(CHAIN) == []
+    finally:
+        await p.close(), await other.close()
+
+
+async def test_redis_outage_drops_events_then_republishes_snapshot(redis_server):
+    p = publisher(redis_server.url, "a")
+    index = PrefixIndex.from_url(redis_server.url, "svc")
+    await p.start()
+    try:
+        await until(lambda: p.connected, what="connect")
+        assert p.wants_snapshot()  # a fresh connection asks for the full set
+        p.on_step([], Stats(), snapshot=CHAIN[:3])
+        assert not p.wants_snapshot()
+        await until(lambda: _eq(matches(index, CHAIN), {"a": 3}), what="first snapshot")
+
+        redis_server.stop()
+        await until(lambda: not p.connected, what="publisher noticing the outage")
+        assert not p.wants_snapshot()  # no point computing a snapshot while Redis is down
+        dropped = p.dropped_events
+        p.on_step([KVEvent("stored", tuple(CHAIN[3:6]))], Stats(1, 0, 0.1))
+        assert p.dropped_events == dropped + 3
+        assert p.redis_errors > 0
+
+        redis_server.start()  # an empty Redis: everything was lost
+        await until(p.wants_snapshot, what="reconnect asking for a snapshot")
+        p.on_step([KVEvent("stored", (CHAIN[6],))], Stats(), snapshot=CHAIN[:7])
+        await until(lambda: _eq(matches(index, CHAIN), {"a": 7}), what="republished set")
+    finally:
+        await p.close(), await index.close()
+
+
+async def test_queue_overflow_drops_and_asks_for_snapshot(redis_server):
+    p = publisher(redis_server.url, "a", max_pending_hashes=4)
+    await p.start()
+    try:
+        await until(lambda: p.connected, what="connect")
+        p.on_step([], snapshot=[])  # consume the initial snapshot request
+        assert not p.wants_snapshot()
+        p.on_step([KVEvent("stored", tuple(CHAIN[:6]))])
+        assert p.dropped_events == 6
+        assert p.wants_snapshot()
+    finally:
+        await p.close()
+
+
+async def test_on_step_from_many_threads(redis_server):
+    p = publisher(redis_server.url, "a")
+    index = PrefixIndex.from_url(redis_server.url, "svc")
+    await p.start()
+    try:
+        await until(lambda: p.connected, what="connect")
+        hashes = block_hashes(list(range(16 * 400)), 16)
+
+        def worker(part: list[str]) -> None:
+            for h in part:
+                p.on_step([KVEvent("stored", (h,))], Stats())
+
+        threads = [threading.Thread(target=worker, args=(hashes[i::4],)) for i in range(4)]
+        for t in threads:
+            t.start()
+        await asyncio.to_thread(lambda: [t.join() for t in threads])
+        await until(lambda: _eq(matches(index, hashes), {"a": 400}), what="all 400 blocks")
+        assert p.dropped_events == 0
+    finally:
+        await p.close(), await index.close()
+
+
+async def test_on_step_does_not_wait_for_a_dead_redis(redis_server):
+    # Redis is gone before start: on_step must still return at once, every time.
+    redis_server.stop()
+    p = publisher(redis_server.url, "a")
+    await p.start()
+    try:
+        done = await asyncio.to_thread(
+            lambda: [p.on_step([KVEvent("stored", (h,))], Stats()) for h in CHAIN] or True)
+        assert done and p.dropped_events == len(CHAIN) and not p.connected
+    finally:
+        await p.close()
