@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from unittest import mock
+import dataclasses
 
 import pytest
 import torch
@@ -16,8 +16,8 @@ from kvserve.engine.sampler import (
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
+    flat_token_index,
     make_generator,
-    token_counts,
 )
 from kvserve.engine.sampling_params import SamplingParams
 
@@ -131,8 +131,7 @@ def test_top_k_top_p_mask_matches_definition(seed, vocab, k, p, scale, width):
     k = min(k, vocab)
     top_k = torch.full((3,), k, dtype=torch.int64)
     top_p = torch.full((3,), p)
-    with mock.patch.object(sampler_mod, "TOP_P_CANDIDATES", width):
-        masked = apply_top_k_top_p(logits.clone(), top_k, top_p if p < 1 else None)
+    masked = apply_top_k_top_p(logits.clone(), top_k, top_p if p < 1 else None, width)
     for r in range(3):
         kept = set(torch.isfinite(masked[r]).nonzero().squeeze(1).tolist())
         sure, maybe = reference_kept(logits[r], k, p)
@@ -227,12 +226,14 @@ def test_min_p_filters_tokens_below_a_share_of_the_top_probability():
 # --- seeds ------------------------------------------------------------------------------------
 
 
-def run_seeded_row(position: int, neighbours: list[SamplingParams], seed: int, steps: int = 12):
+def run_seeded_row(
+    position: int, neighbours: list[SamplingParams], mine: SamplingParams, steps: int = 12
+) -> list[int]:
     """Tokens of one seeded row placed at `position` among `neighbours`, over several steps."""
     vocab = 2500  # above TOP_P_CANDIDATES: neighbours may need the full sort
     params = list(neighbours)
-    params.insert(position, SamplingParams(temperature=0.9, top_p=0.95, top_k=200, seed=seed))
-    gens = {position: make_generator(seed, CPU)}
+    params.insert(position, mine)
+    gens = {position: make_generator(mine.seed, CPU)}
     for r, p in enumerate(params):
         if p.seed is not None and r != position:
             gens[r] = make_generator(p.seed, CPU)
@@ -250,9 +251,17 @@ def run_seeded_row(position: int, neighbours: list[SamplingParams], seed: int, s
     return tokens
 
 
-def test_same_seed_gives_same_tokens_anywhere_in_any_batch():
+@pytest.mark.parametrize(
+    "mine",
+    [
+        SamplingParams(temperature=0.9, top_p=0.95, top_k=200, seed=1234),
+        SamplingParams(temperature=1.1, top_k=40, seed=1234),
+        SamplingParams(temperature=1.0, min_p=0.02, repetition_penalty=1.2, seed=1234),
+    ],
+)
+def test_same_seed_gives_same_tokens_anywhere_in_any_batch(mine):
     torch.manual_seed(9)
-    alone = run_seeded_row(0, [], seed=1234)
+    alone = run_seeded_row(0, [], mine)
     crowd_a = [
         SamplingParams(temperature=0.0),
         SamplingParams(temperature=1.3, top_p=0.5, repetition_penalty=1.3),
@@ -265,9 +274,12 @@ def test_same_seed_gives_same_tokens_anywhere_in_any_batch():
         SamplingParams(temperature=1.0, top_p=0.99),
         SamplingParams(temperature=0.0, top_k=3),
     ]
-    assert run_seeded_row(2, crowd_a, seed=1234) == alone
-    assert run_seeded_row(4, crowd_b, seed=1234) == alone
-    assert run_seeded_row(1, crowd_b, seed=4321) != alone
+    crowd_c = [SamplingParams(temperature=0.7, top_k=7), SamplingParams(temperature=1.0)]
+    assert run_seeded_row(2, crowd_a, mine) == alone
+    assert run_seeded_row(4, crowd_b, mine) == alone
+    assert run_seeded_row(1, crowd_c, mine) == alone  # a batch without top-p
+    other_seed = dataclasses.replace(mine, seed=4321)
+    assert run_seeded_row(1, crowd_b, other_seed) != alone
 
 
 def test_make_generator_is_deterministic():
@@ -313,11 +325,47 @@ def test_frequency_penalty_changes_the_greedy_choice():
     assert sample(logits, [greedy_freq], outputs=[[0, 0]]).sampled_token_ids.item() == 1
 
 
-def test_token_counts_counts_duplicates_and_rejects_out_of_range_ids():
-    counts = token_counts([[1, 1, 3], [], [0]], 4, CPU)
-    assert counts.tolist() == [[0, 2, 0, 1], [0, 0, 0, 0], [1, 0, 0, 0]]
+def test_flat_token_index_addresses_row_and_token_and_rejects_out_of_range_ids():
+    assert flat_token_index([[1, 1, 3], [], [0]], 4, CPU).tolist() == [1, 1, 3, 8]
     with pytest.raises(ValueError, match=r"\[0, 4\)"):
-        token_counts([[4]], 4, CPU)
+        flat_token_index([[4]], 4, CPU)
+
+
+def dense_penalties(logits, prompts, outputs, rep, pres, freq):
+    """The formulas, one row and one token at a time."""
+    out = logits.clone()
+    for r in range(logits.shape[0]):
+        for t in range(logits.shape[1]):
+            count = outputs[r].count(t)
+            x = out[r, t].item()
+            if t in prompts[r] or count:
+                x = x / rep[r] if x > 0 else x * rep[r]
+            x -= freq[r] * count
+            x -= pres[r] * (count > 0)
+            out[r, t] = x
+    return out
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 1000), rows=st.integers(1, 5), vocab=st.integers(1, 12))
+def test_penalties_match_the_formulas_on_random_histories(seed, rows, vocab):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=gen) * 2
+
+    def history(n):
+        return [torch.randint(vocab, (n,), generator=gen).tolist() for _ in range(rows)]
+
+    prompts, outputs = history(4), history(6)
+    rep = (torch.rand(rows, generator=gen) * 2 + 0.5).tolist()
+    pres = (torch.rand(rows, generator=gen) * 4 - 2).tolist()
+    freq = (torch.rand(rows, generator=gen) * 4 - 2).tolist()
+    params = [
+        SamplingParams(repetition_penalty=a, presence_penalty=b, frequency_penalty=c)
+        for a, b, c in zip(rep, pres, freq)
+    ]
+    got = apply_penalties(logits, build(params, vocab, prompts=prompts, outputs=outputs))
+    want = dense_penalties(logits, prompts, outputs, rep, pres, freq)
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 # --- min_tokens -------------------------------------------------------------------------------
