@@ -42,6 +42,15 @@ class IncrementalDetokenizer:
         self.text += delta
         return self._check_stop(before)
 
+    def flush(self, output_token_ids: list[int]) -> None:
+        """At the end of the stream: emit what was held back (an incomplete character)."""
+        ids = self.context + output_token_ids
+        prefix = self._decode(ids[self.prefix_offset : self.read_offset])
+        full = self._decode(ids[self.prefix_offset :])
+        if len(full) > len(prefix):
+            self.text += full[len(prefix) :]
+        self.prefix_offset = self.read_offset = len(ids)
+
     def _check_stop(self, before: int) -> str | None:
         if not self.stop:
             return None

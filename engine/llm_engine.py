@@ -272,6 +272,8 @@ class LLMEngine:
         stop_str = state.detoks[seq.index].update(seq.output_token_ids)
         reason = self._finish_reason(seq, tok, stop_str)
         if reason is not None:
+            if stop_str is None:
+                state.detoks[seq.index].flush(seq.output_token_ids)
             seq.finish_reason, seq.stop_reason = reason
             self.scheduler.finish(seq)
             if state.finished:
