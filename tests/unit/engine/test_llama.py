@@ -170,20 +170,24 @@ def test_dynamic_ntk_rope_matches_hf_at_full_length(tmp_path):
     torch.testing.assert_close(logits, hf_logits(hf, tokens), atol=ATOL, rtol=0)
 
 
-def test_bf16_model_stays_close_to_fp32_hf(tiny_model_dir):
+def test_bf16_error_is_no_worse_than_hf_bf16(tiny_model_dir):
+    """Against fp32 HF, our bf16 model errs about as much as HF's own bf16 model does."""
     from transformers import AutoModelForCausalLM
 
     ours, config = load_model(tiny_model_dir, torch.bfloat16, torch.device("cpu"))
-    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     assert ours.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.bfloat16
     tokens = list(range(5, 25))
     paged = PagedSequences(config)
     paged.caches = [(k.bfloat16(), v.bfloat16()) for k, v in paged.caches]
     logits, _ = paged.step(ours, {0: tokens})
     assert logits.dtype == torch.float32
-    ref = hf_logits(hf, tokens)
-    assert (logits.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
-    torch.testing.assert_close(logits, ref, atol=0.05, rtol=0.05)
+    ref = hf_logits(AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, dtype=torch.float32).eval(), tokens)
+    hf_bf16 = hf_logits(AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, dtype=torch.bfloat16).eval(), tokens)
+    ours_err = (logits - ref).abs().mean()
+    hf_err = (hf_bf16 - ref).abs().mean()
+    assert 0 < ours_err <= 1.5 * hf_err, (ours_err, hf_err)
 
 
 def test_fused_weights_hold_the_checkpoint_tensors(tiny_model_dir):

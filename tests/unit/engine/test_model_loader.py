@@ -104,3 +104,39 @@ def test_folder_without_weights_is_model_not_found(tmp_path, tiny_model_dir):
     shutil.copytree(tiny_model_dir, folder, ignore=shutil.ignore_patterns("*.safetensors"))
     with pytest.raises(ModelNotFoundError, match="no .*safetensors or pytorch_model"):
         load_model(folder, torch.float32, torch.device("cpu"))
+
+
+def test_config_without_architectures_falls_back_to_model_type(tmp_path, tiny_model_dir):
+    import json
+
+    folder = tmp_path / "no-arch"
+    shutil.copytree(tiny_model_dir, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg["architectures"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    model, config = load_model(folder, torch.float32, torch.device("cpu"))
+    assert type(model).__name__ == "LlamaForCausalLM" and config.model_type == "llama"
+
+
+def test_publish_keeps_a_model_a_concurrent_fetch_finished_first(tmp_path, tiny_model_dir):
+    from kvserve.engine.model_loader import _publish
+
+    target = tmp_path / "models" / "m"
+    shutil.copytree(tiny_model_dir, target)
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    (staging / "config.json").write_text("{}")
+    _publish(staging, target)
+    assert (target / "config.json").read_text() == (tiny_model_dir / "config.json").read_text()
+
+
+def test_publish_replaces_a_leftover_without_weights(tmp_path, tiny_model_dir):
+    from kvserve.engine.model_loader import _publish
+
+    target = tmp_path / "models" / "m"
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{}")  # a half model from an old, non-atomic writer
+    staging = tmp_path / "staging"
+    shutil.copytree(tiny_model_dir, staging)
+    _publish(staging, target)
+    assert list(target.glob("*.safetensors")) and not staging.exists()
