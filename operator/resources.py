@@ -104,7 +104,7 @@ def scrape_annotations() -> dict[str, str]:
 def engine_resources(spec: ServiceSpec, sizing: Sizing) -> Obj:
     res = json.loads(json.dumps(spec.resources))  # a deep copy that drops nothing
     if sizing.gpus_per_replica:
-        res.setdefault("limits", {})["nvidia.com/gpu"] = sizing.gpus_per_replica
+        res.setdefault("limits", {})["nvidia.com/gpu"] = str(sizing.gpus_per_replica)
     return res
 
 
@@ -206,8 +206,14 @@ def pdb(spec: ServiceSpec) -> Obj:
 
 
 def router_deployment(spec: ServiceSpec) -> Obj:
-    args = ["router", "--host", "0.0.0.0", "--port", str(PORT), "--redis-url",
-            redis_url(spec) or "", "--service-name", spec.name, "--policy", spec.router_policy]
+    args = ["router", "--host", "0.0.0.0", "--port", str(PORT)]
+    url = redis_url(spec)
+    if url:
+        args += ["--redis-url", url]
+    # The engine Service is the static fallback: without Redis the router routes by load alone.
+    args += ["--service-name", spec.name, "--policy", spec.router_policy,
+             "--tokenizer", spec.model.source,
+             "--replicas", f"http://{names(spec)['engine']}:{PORT}"]
     container = {
         "name": "router", "image": spec.image, "command": ["kvserve"], "args": args,
         "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],

@@ -83,12 +83,23 @@ def schema_errors(schema: dict, value: Any, path: str = "spec") -> list[str]:
     return errors
 
 
-def parse_quantity(text: str | int | float) -> int:
-    """Bytes (or units) of a Kubernetes quantity such as "8Gi", "500M" or 1024."""
+def quantity_value(text: str | int | float) -> float | None:
+    """The number a Kubernetes quantity stands for ("8Gi", "500m", 2), or None if it is not one."""
     match = _QUANTITY.match(str(text).strip())
     if not match:
+        return None
+    try:
+        return float(match.group(1)) * _SUFFIX[match.group(2) or ""]
+    except ValueError:
+        return None
+
+
+def parse_quantity(text: str | int | float) -> int:
+    """Bytes of a Kubernetes quantity such as "8Gi", "500M" or 1024."""
+    value = quantity_value(text)
+    if value is None:
         raise InvalidSpecError(f"cannot read the quantity {text!r} (write e.g. 8Gi or 8000Mi)")
-    return int(float(match.group(1)) * _SUFFIX[match.group(2) or ""])
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -227,9 +238,6 @@ def parse_spec(body: dict) -> ServiceSpec:
     model = model_ref(spec["model"], meta.get("name", ""))
     gpu_type, memory = device_memory(spec)
     router, redis = spec["router"], spec["redis"]
-    if router["enabled"] and not redis.get("url") and not redis["deploy"]:
-        raise InvalidSpecError("the router needs the Redis prefix index: set spec.redis.url or "
-                               "spec.redis.deploy: true (or spec.router.enabled: false)")
     return ServiceSpec(
         name=meta.get("name", ""), namespace=meta.get("namespace", "default"),
         uid=meta.get("uid", ""), model=model, engine=engine_spec(spec["engine"], model.arch),

@@ -1,0 +1,109 @@
+"""A small Kubernetes REST client for the kinds the operator owns: get, list, create, patch, delete.
+
+Built on the `kubernetes` package's ApiClient (credentials from the pod's service account or a
+kubeconfig); bodies are plain dicts, patches are JSON merge patches.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import urllib3
+from kubernetes import client as k8s_client
+from kubernetes import config as k8s_config
+from kubernetes.client.exceptions import ApiException
+
+# (apiVersion, kind) -> plural of every kind the operator writes.
+PLURALS: dict[tuple[str, str], str] = {
+    ("v1", "ConfigMap"): "configmaps",
+    ("v1", "Service"): "services",
+    ("apps/v1", "Deployment"): "deployments",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
+}
+MERGE_PATCH = "application/merge-patch+json"
+
+
+class KubeError(RuntimeError):
+    """The API server refused a request (status >= 400): `status` and its message."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class KubeTransientError(KubeError):
+    """A hiccup worth retrying: no connection, 429 or 5xx."""
+
+
+def collection_path(api_version: str, kind: str, namespace: str) -> str:
+    try:
+        plural = PLURALS[api_version, kind]
+    except KeyError:
+        raise KubeError(f"the operator does not manage {api_version} {kind}", 400) from None
+    base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    return f"{base}/namespaces/{namespace}/{plural}"
+
+
+@dataclass
+class KubeClient:
+    api: k8s_client.ApiClient
+    timeout: float = 30.0
+
+    @classmethod
+    def from_environment(cls) -> "KubeClient":
+        """The pod's service account inside a cluster, else the current kubeconfig context."""
+        cfg = k8s_client.Configuration()
+        try:
+            k8s_config.load_incluster_config(client_configuration=cfg)
+        except k8s_config.ConfigException:
+            k8s_config.load_kube_config(client_configuration=cfg)
+        return cls(k8s_client.ApiClient(cfg))
+
+    @classmethod
+    def for_url(cls, url: str) -> "KubeClient":
+        """An unauthenticated client of `url` (tests, `kubectl proxy`)."""
+        return cls(k8s_client.ApiClient(k8s_client.Configuration(host=url.rstrip("/"))))
+
+    def request(self, method: str, path: str, body: Any = None,
+                content_type: str = "application/json", query: list | None = None) -> Any:
+        """One call; the decoded JSON answer, None on 404; KubeError otherwise."""
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        params = self.api.param_serialize(method=method, resource_path=path, query_params=query,
+                                          header_params=headers, body=body,
+                                          auth_settings=["BearerToken"])
+        try:
+            resp = self.api.call_api(*params, _request_timeout=self.timeout)
+            data = resp.read()
+        except (ApiException, urllib3.exceptions.HTTPError) as exc:
+            raise KubeTransientError(f"{method} {path}: {exc}", 0) from exc
+        if resp.status == 404:
+            return None
+        if resp.status >= 400:
+            cls = KubeTransientError if resp.status == 429 or resp.status >= 500 else KubeError
+            raise cls(f"{method} {path} -> {resp.status}: {data[:500]!r}", resp.status)
+        return json.loads(data) if data else {}
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
+        return self.request("GET", f"{collection_path(api_version, kind, namespace)}/{name}")
+
+    def list(self, api_version: str, kind: str, namespace: str, label_selector: str) -> list:
+        answer = self.request("GET", collection_path(api_version, kind, namespace),
+                              query=[("labelSelector", label_selector)])
+        return (answer or {}).get("items", [])
+
+    def create(self, obj: dict) -> dict:
+        meta = obj["metadata"]
+        path = collection_path(obj["apiVersion"], obj["kind"], meta["namespace"])
+        return self.request("POST", path, body=obj)
+
+    def patch(self, obj: dict, patch: dict) -> dict:
+        meta = obj["metadata"]
+        path = collection_path(obj["apiVersion"], obj["kind"], meta["namespace"])
+        return self.request("PATCH", f"{path}/{meta['name']}", body=patch,
+                            content_type=MERGE_PATCH)
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        self.request("DELETE", f"{collection_path(api_version, kind, namespace)}/{name}")

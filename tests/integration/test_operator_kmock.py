@@ -1,0 +1,219 @@
+"""The real kopf operator (kvserve.operator.handlers) against KMock's Kubernetes emulator."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import kmock as kmock_lib
+import kopf
+
+from kvserve.operator.crd import GROUP, KIND, PLURAL, VERSION
+from kvserve.operator.handlers import build_registry, reconcile
+from kvserve.operator.kube import KubeClient
+
+NS = "ml"
+VERBS = ["get", "list", "watch", "create", "patch", "update", "delete"]
+CR_PATH = f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}"
+DEPLOYMENTS = "apps/v1/deployments"
+WAIT_S = 20.0  # an upper bound for the operator to react; it normally takes well under a second
+
+OWNED = {
+    "v1/configmaps": "ConfigMap", "v1/services": "Service", "apps/v1/deployments": "Deployment",
+    "policy/v1/poddisruptionbudgets": "PodDisruptionBudget",
+    "autoscaling/v2/horizontalpodautoscalers": "HorizontalPodAutoscaler",
+}
+
+
+def declare_resources(kmock: Any) -> None:
+    """Discovery for kopf: namespaces, events, CRDs, our CRD, and every kind we write."""
+    info = kmock_lib.ResourceInfo
+    kmock.resources["v1/namespaces"] = info(kind="Namespace", namespaced=False, verbs=VERBS)
+    kmock.resources["v1/events"] = info(kind="Event", namespaced=True, verbs=VERBS)
+    kmock.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = info(
+        kind="CustomResourceDefinition", namespaced=False, verbs=VERBS)
+    kmock.resources[f"{GROUP}/{VERSION}/{PLURAL}"] = info(
+        kind=KIND, namespaced=True, verbs=VERBS, subresources=["status", "scale"])
+    for resource, kind in OWNED.items():
+        kmock.resources[resource] = info(kind=kind, namespaced=True, verbs=VERBS)
+
+
+@dataclass
+class Harness:
+    kmock: Any
+    memo: kopf.Memo
+
+
+@contextlib.asynccontextmanager
+async def running_operator(kmock: Any) -> AsyncIterator[Harness]:
+    """The operator in this test's own task: kopf cancels every task born after it started at
+    exit, so stopping it from a fixture's teardown task would cancel the teardown itself."""
+    declare_resources(kmock)
+    registry = build_registry(status_interval=3600.0, login=False)
+
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        return kopf.ConnectionInfo(server=str(kmock.url))
+
+    stop = asyncio.Event()
+    memo = kopf.Memo(kube=KubeClient.for_url(str(kmock.url)))
+    task = asyncio.create_task(kopf.operator(
+        registry=registry, standalone=True, clusterwide=True, stop_flag=stop, memo=memo))
+    try:
+        yield Harness(kmock, memo)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=WAIT_S)
+
+
+def service_cr(name: str = "llama", **spec_overrides: Any) -> dict:
+    spec = {"model": {"name": "llama-2-7b"}, "gpu": {"type": "A100-80GB"},
+            "engine": {"maxModelLen": 4096}, "replicas": 2,
+            "autoscaling": {"minReplicas": 1, "maxReplicas": 4}}
+    spec.update(spec_overrides)
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
+            "metadata": {"name": name, "namespace": NS, "uid": f"uid-{name}", "generation": 1,
+                         "resourceVersion": "1"},
+            "spec": spec}
+
+
+async def wait_for(predicate: Any, what: str) -> Any:
+    deadline = asyncio.get_running_loop().time() + WAIT_S
+    while asyncio.get_running_loop().time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def stored(kmock: Any, resource: str, name: str) -> dict | None:
+    try:
+        obj = kmock.objects[resource, NS, name]
+    except KeyError:
+        return None
+    return None if obj.deleted else obj.raw
+
+
+def engine_container(kmock: Any, name: str) -> dict:
+    return stored(kmock, DEPLOYMENTS, f"{name}-engine")["spec"]["template"]["spec"]["containers"][0]
+
+
+def flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def writes(kmock: Any) -> list[str]:
+    """Every create/patch/update/delete the operator sent for the objects it owns."""
+    owned = {kmock_lib.resource(r) for r in OWNED}
+    return [f"{r.method.value} {r.url.path}" for r in list(kmock)
+            if r.method.value in ("POST", "PATCH", "PUT", "DELETE")
+            and r.resource in owned]
+
+
+async def create(kmock: Any, body: dict) -> None:
+    async with kmock.post(CR_PATH, json=body) as resp:
+        assert resp.status < 300, await resp.text()
+
+
+PLURAL_KEY = f"{GROUP}/{VERSION}/{PLURAL}"
+
+
+async def test_create_builds_sized_workload(kmock: Any) -> None:
+    async with running_operator(kmock):
+        await create(kmock, service_cr())
+        await wait_for(lambda: stored(kmock, PLURAL_KEY, "llama").get("status", {}).get("sizing"),
+                       "status.sizing")
+    container = engine_container(kmock, "llama")
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    args = container["args"]
+    assert args[:2] == ["serve", "meta-llama/Llama-2-7b-hf"]
+    assert flag(args, "--max-model-len") == "4096"
+    assert flag(args, "--tensor-parallel-size") == "1"
+    assert flag(args, "--redis-url") == "redis://llama-redis:6379/0"
+    assert flag(args, "--served-model-name") == "llama-2-7b"
+    assert stored(kmock, DEPLOYMENTS, "llama-engine")["spec"]["replicas"] == 2
+    assert stored(kmock, "v1/services", "llama-engine")["spec"]["ports"][0]["port"] == 8000
+    assert stored(kmock, "v1/services", "llama")["spec"]["selector"][
+        "app.kubernetes.io/component"] == "router"
+    assert stored(kmock, DEPLOYMENTS, "llama-router") is not None
+    hpa = stored(kmock, "autoscaling/v2/horizontalpodautoscalers", "llama")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
+                                            "name": "llama"}
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 4)
+    owner = stored(kmock, DEPLOYMENTS, "llama-engine")["metadata"]["ownerReferences"][0]
+    assert owner["uid"] == "uid-llama" and owner["controller"] is True
+    status = stored(kmock, PLURAL_KEY, "llama")["status"]
+    assert status["sizing"]["gpusPerReplica"] == 1 and status["sizing"]["numBlocks"] == 7541
+    assert status["selector"] == ("app.kubernetes.io/instance=llama,"
+                                  "app.kubernetes.io/component=engine")
+
+
+async def test_big_model_gets_several_gpus(kmock: Any) -> None:
+    async with running_operator(kmock):
+        await create(kmock, service_cr("big", model={"name": "llama-3-70b"},
+                                       gpu={"type": "H100-80GB"}, engine={"maxModelLen": 8192}))
+        await wait_for(lambda: stored(kmock, DEPLOYMENTS, "big-engine"), "the engine Deployment")
+    container = engine_container(kmock, "big")
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert flag(container["args"], "--tensor-parallel-size") == "2"
+
+
+async def test_max_model_len_change_patches_deployment(kmock: Any) -> None:
+    async with running_operator(kmock):
+        await create(kmock, service_cr("edit"))
+        await wait_for(lambda: stored(kmock, DEPLOYMENTS, "edit-engine"), "the engine Deployment")
+        patch = {"spec": {"engine": {"maxModelLen": 2048}}}
+        async with kmock.patch(f"{CR_PATH}/edit", json=patch,
+                               headers={"Content-Type": "application/merge-patch+json"}) as resp:
+            assert resp.status < 300
+        await wait_for(lambda: flag(engine_container(kmock, "edit")["args"], "--max-model-len")
+                       == "2048", "the Deployment patched to --max-model-len 2048")
+    assert any(w.startswith("PATCH") and w.endswith("/deployments/edit-engine")
+               for w in writes(kmock))
+
+
+def ready_condition(kmock: Any, name: str) -> dict | None:
+    conds = stored(kmock, PLURAL_KEY, name).get("status", {}).get("conditions", [])
+    return next((c for c in conds if c["type"] == "Ready"), None)
+
+
+async def test_invalid_spec_is_refused_without_workload(kmock: Any) -> None:
+    body = service_cr("huge", model={"name": "llama-3-70b"},
+                      gpu={"type": "L4", "maxPerReplica": 2})
+    async with running_operator(kmock):
+        await create(kmock, body)
+        cond = await wait_for(lambda: ready_condition(kmock, "huge"), "the Ready condition")
+    assert cond["status"] == "False" and cond["reason"] == "InsufficientGPUMemory"
+    assert "65.71 GiB" in cond["message"]  # the per-GPU weight share, with the numbers
+    assert stored(kmock, DEPLOYMENTS, "huge-engine") is None
+    assert writes(kmock) == []
+
+
+async def test_unknown_model_is_refused(kmock: Any) -> None:
+    async with running_operator(kmock):
+        await create(kmock, service_cr("odd", model={"name": "my-private-llm"}))
+        cond = await wait_for(lambda: ready_condition(kmock, "odd"), "the Ready condition")
+    assert (cond["status"], cond["reason"]) == ("False", "UnknownModel")
+    assert "spec.model.architecture" in cond["message"]
+    assert writes(kmock) == []
+
+
+async def test_second_reconcile_changes_nothing(kmock: Any) -> None:
+    async with running_operator(kmock) as operator:
+        await create(kmock, service_cr("again"))
+        await wait_for(lambda: stored(kmock, PLURAL_KEY, "again").get("status", {})
+                       .get("sizing"), "the first reconcile")
+        before = writes(kmock)
+        body = copy.deepcopy(stored(kmock, PLURAL_KEY, "again"))
+        patch = kopf.Patch()
+        result = await asyncio.to_thread(reconcile, body=body, patch=patch, memo=operator.memo,
+                                         logger=logging.getLogger("test"))
+        assert result == {"created": 0, "patched": 0, "deleted": 0}
+        assert writes(kmock) == before
+        assert dict(patch) == {}
