@@ -308,7 +308,8 @@ class AsyncEngine:
         exc: BaseException | None = None
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
-                                    priority=cmd.priority, cache_salt=cmd.cache_salt)
+                                    arrival_time=cmd.arrival, priority=cmd.priority,
+                                    cache_salt=cmd.cache_salt)
         except Exception as e:  # noqa: BLE001 - handed to the caller (InvalidRequestError, ...)
             exc = e
         else:

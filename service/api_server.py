@@ -13,6 +13,8 @@ import logging
 import signal
 import socket
 import sys
+import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -297,6 +299,46 @@ class DrainingServer(uvicorn.Server):
         aborted = await self.engine.shutdown(self.grace)
         logger.info("drained (%d request(s) aborted); stopping", aborted)
         self.should_exit = True
+
+
+class ServerThread:
+    """A DrainingServer on a background thread (tests, benchmarks, notebooks).
+
+    `stop()` drains like SIGTERM would; `drain()` starts that without waiting."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,
+                 log_level: str = "warning") -> None:
+        config: ServerConfig = app.state.config
+        uv = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=max(int(config.shutdown_grace_period), 1))
+        self.server = DrainingServer(uv, app.state.engine, config.shutdown_grace_period)
+        self.thread = threading.Thread(target=self.server.run, name="kvserve-http", daemon=True)
+        self.host = host
+
+    def start(self, timeout: float = 60.0) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start (see the log above)")
+            time.sleep(0.02)
+        return self
+
+    @property
+    def port(self) -> int:
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def drain(self) -> None:
+        self.server.handle_exit(signal.SIGTERM, None)
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self.thread.is_alive():
+            self.drain()
+            self.thread.join(timeout)
 
 
 def banner(config: ServerConfig, model: str) -> str:

@@ -133,8 +133,6 @@ class ServerMetrics:
         self._advance("queries", self.prefix_queries, queries)
         self._advance("hits", self.prefix_hits, hits)
         self.prefix_hit_rate.set(hits / queries if queries else 0.0)
-        for seconds in getattr(stats, "block_allocation_seconds", None) or ():
-            self.block_alloc.observe(seconds)
 
     def _advance(self, key: str, counter: Any, cumulative: float) -> None:
         delta = cumulative - self._last_counters.get(key, 0.0)
@@ -188,6 +186,9 @@ class ServerMetrics:
     def after_step(self, outputs: list[Any], stats: Any, events: list[Any], engine: Any) -> None:
         self.observe_outputs(outputs)
         self.observe_stats(stats)
+        drain = getattr(engine, "drain_block_alloc_seconds", None)
+        for seconds in drain() if drain is not None else ():
+            self.block_alloc.observe(seconds)
 
     def request_aborted(self, request_id: str) -> None:
         self.request_finished(request_id, "abort")

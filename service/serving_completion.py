@@ -60,7 +60,10 @@ def _logprobs(tokenizer: Any, token_ids: Sequence[int], entries: list[dict[int, 
         text = token_text(tokenizer, tid)
         lp.tokens.append(text)
         lp.token_logprobs.append(entry.get(tid))
-        lp.top_logprobs.append(dict(top_logprobs(tokenizer, entry, k)) if k else None)
+        top: dict[str, float] = {}
+        for token, value in top_logprobs(tokenizer, entry, k):
+            top.setdefault(token, value)  # tokens that decode alike: keep the likelier
+        lp.top_logprobs.append(top if k else None)
         lp.text_offset.append(offset)
         offset += len(text)
     return lp
