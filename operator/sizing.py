@@ -130,10 +130,11 @@ def _sizing(spec: ServiceSpec, gpus: int, b: MemoryBudget) -> Sizing:
     wdt, kdt = weight_dtype(spec), kv_dtype(spec)
     weights = arch.parameters * dtype_bytes(wdt)
     explanation = (
-        f"{_device_words(spec, gpus)} x {eng.gpu_memory_utilization:.2f} utilisation; per GPU: "
+        f"{_device_words(spec, gpus)} x {eng.gpu_memory_utilization:.2f} utilisation; "
+        f"{'per pod' if spec.device == 'cpu' else 'per GPU'}: "
         f"{b.total_bytes * b.gpu_memory_utilization / GiB:.2f} GiB - weights "
         f"{b.weight_bytes / GiB:.2f} GiB ({arch.parameters / 1e9:.2f}B params x "
-        f"{dtype_bytes(wdt)} B {wdt} / {gpus if spec.device != 'cpu' else 1}) - activations "
+        f"{dtype_bytes(wdt)} B {wdt} / {gpus}) - activations "
         f"{b.activation_peak_bytes / GiB:.2f} GiB = KV {b.kv_bytes / GiB:.2f} GiB; "
         f"{b.bytes_per_block / 1024:.0f} KiB per block of {eng.block_size} tokens ({kdt}) -> "
         f"{b.num_blocks} blocks = {b.num_blocks * eng.block_size} tokens -> max concurrency "

@@ -1,0 +1,116 @@
+"""`kvserve plan` (the sizing the operator would choose) and `kvserve operator` (runs kopf)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from kvserve.operator.catalog import GPUS, MODELS
+from kvserve.operator.spec import InvalidSpecError, parse_spec
+
+ARCH_FLAGS = {"layers": "layers", "kv_heads": "kvHeads", "head_dim": "headDim",
+              "parameters": "parameters", "heads": "heads", "hidden_size": "hiddenSize",
+              "intermediate_size": "intermediateSize", "vocab_size": "vocabSize"}
+
+
+def _add_plan(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "plan", help="print the sizing the operator would choose for a model on a GPU",
+        description="GPUs per replica, KV blocks and max concurrency from the engine's memory "
+                    "budget; the JSON keys match a KVInferenceService's status.sizing.")
+    p.add_argument("--model", required=True,
+                   help=f"catalog name ({', '.join(sorted(MODELS))}) or any name with --layers ...")
+    p.add_argument("--gpu", choices=sorted(GPUS), help="GPU type")
+    p.add_argument("--gpu-memory-gib", type=float, help="memory per GPU for other GPU types")
+    p.add_argument("--max-gpus-per-replica", type=int, default=8)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--memory", help="pod memory limit for --device cpu (e.g. 4Gi)")
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--dtype", default="auto")
+    for flag in ARCH_FLAGS:
+        p.add_argument(f"--{flag.replace('_', '-')}", type=int,
+                       help="architecture of a model outside the catalog" if flag == "layers"
+                       else argparse.SUPPRESS)
+    p.add_argument("--output", choices=["table", "json"], default="table")
+    p.set_defaults(func=run_plan)
+
+
+def _add_operator(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "operator", help="run the KVInferenceService operator (kopf)",
+        description="Reconcile KVInferenceService objects into Deployments, Services and HPAs.")
+    scope = p.add_mutually_exclusive_group(required=True)
+    scope.add_argument("--namespace", action="append", help="watch this namespace (repeatable)")
+    scope.add_argument("--all-namespaces", action="store_true", help="watch the whole cluster")
+    p.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
+                   help="kopf liveness endpoint for the pod's probe")
+    p.add_argument("--status-interval", type=float, default=30.0,
+                   help="seconds between readiness refreshes of each service's status")
+    p.add_argument("--verbose", action="store_true")
+    p.set_defaults(func=run_operator)
+
+
+def register(subparsers: Any) -> None:
+    """Add `plan` and `operator` to the top-level `kvserve` CLI."""
+    _add_plan(subparsers)
+    _add_operator(subparsers)
+
+
+def plan_body(args: argparse.Namespace) -> dict:
+    """A KVInferenceService object equivalent to the plan flags."""
+    model: dict = {"name": args.model}
+    if args.layers is not None:
+        model["architecture"] = {key: getattr(args, flag) for flag, key in ARCH_FLAGS.items()
+                                 if getattr(args, flag) is not None}
+    engine = {"blockSize": args.block_size, "gpuMemoryUtilization": args.gpu_memory_utilization,
+              "kvCacheDtype": args.kv_cache_dtype, "dtype": args.dtype}
+    for flag, key in (("max_model_len", "maxModelLen"), ("max_num_seqs", "maxNumSeqs")):
+        if getattr(args, flag) is not None:
+            engine[key] = getattr(args, flag)
+    gpu: dict = {"maxPerReplica": args.max_gpus_per_replica}
+    if args.gpu:
+        gpu["type"] = args.gpu
+    if args.gpu_memory_gib:
+        gpu["memoryGiB"] = args.gpu_memory_gib
+    spec = {"model": model, "engine": engine, "gpu": gpu, "device": args.device}
+    if args.memory:
+        spec["resources"] = {"limits": {"memory": args.memory}}
+    return {"metadata": {"name": "plan", "namespace": "default"}, "spec": spec}
+
+
+def format_table(status: dict) -> str:
+    rows = [(key, f"{value:,}" if isinstance(value, int) else str(value))
+            for key, value in status.items() if key != "explanation"]
+    width = max(len(key) for key, _ in rows)
+    lines = [f"{key:<{width}}  {value}" for key, value in rows]
+    return "\n".join(lines + ["", status["explanation"]])
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from kvserve.operator.sizing import plan
+
+    try:
+        status = plan(parse_spec(plan_body(args))).as_status()
+    except InvalidSpecError as exc:
+        print(f"error ({exc.reason}): {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(status, indent=2) if args.output == "json" else format_table(status))
+    return 0
+
+
+def run_operator(args: argparse.Namespace) -> int:
+    import kopf
+
+    from kvserve.operator.handlers import build_registry
+
+    kopf.configure(verbose=args.verbose)
+    kopf.run(registry=build_registry(status_interval=args.status_interval), standalone=True,
+             clusterwide=args.all_namespaces, namespaces=args.namespace or (),
+             liveness_endpoint=args.liveness)
+    return 0
