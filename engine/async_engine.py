@@ -173,7 +173,6 @@ class AsyncEngine:
     def start(self) -> None:
         """Start the engine thread (idempotent)."""
         if self._thread is None:
-            self._refresh_observers([])
             self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
             self._thread.start()
 
@@ -262,6 +261,7 @@ class AsyncEngine:
     # ---- engine thread ------------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            self._refresh_observers([])  # gauges and the publisher see the empty engine at once
             while True:
                 commands = self._next_commands()
                 if not self._apply(commands):

@@ -165,7 +165,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics,
     names = config.served_model_names or [engine.model_name]
     ctx = ServingContext(engine=engine, served_model_names=names,
                          tokenizer=copy.deepcopy(engine.tokenizer), max_waiting=config.max_waiting)
-    metrics.set_cache_config(engine.engine.block_size, engine.engine.get_stats().num_total_blocks)
+    metrics.set_cache_config(engine.engine.block_size, engine.engine.memory_budget.num_blocks)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

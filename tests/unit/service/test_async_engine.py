@@ -1,0 +1,194 @@
+"""AsyncEngine over a real LLMEngine (tiny model): streams, aborts, idling, draining, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from kvserve.engine.async_engine import (AsyncEngine, EngineDeadError, EngineDrainingError,
+                                         RequestAbortedError)
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.errors import InvalidRequestError
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.sampling_params import SamplingParams
+
+
+def make_engine(model_dir: Any, cls: type = LLMEngine, **kw: Any) -> LLMEngine:
+    return cls.from_config(EngineConfig(model=str(model_dir), max_model_len=256,
+                                        kv_cache_memory=2 << 20, **kw))
+
+
+class StepCounter:
+    """An observer that records which thread calls it and how often."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.threads: set[str] = set()
+        self.added: list[str] = []
+        self.aborted: list[str] = []
+        self.last_stats: Any = None
+
+    def request_added(self, request_id: str, arrival: float) -> None:
+        self.added.append(request_id)
+
+    def request_aborted(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def after_step(self, outputs, stats, events, engine) -> None:
+        self.steps += 1
+        self.last_stats = stats
+        self.threads.add(threading.current_thread().name)
+
+
+def params(n: int = 8, **kw: Any) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw)
+
+
+@pytest.fixture
+def engine(tiny_model_dir):
+    return make_engine(tiny_model_dir)
+
+
+async def drain(stream) -> list:
+    return [out async for out in stream]
+
+
+async def test_stream_matches_the_synchronous_engine(engine, tiny_model_dir):
+    sync = make_engine(tiny_model_dir)
+    sync.add_request("s", "The quick brown fox", params(10))
+    final = None
+    while sync.has_unfinished_requests():
+        final = (sync.step() or [final])[-1]
+    counter = StepCounter()
+    ae = AsyncEngine(engine, [counter])
+    ae.start()
+    outs = await drain(await ae.add_request("a", "The quick brown fox", params(10)))
+    await ae.shutdown(1)
+    assert outs[-1].finished and outs[-1].outputs[0].token_ids == final.outputs[0].token_ids
+    assert outs[-1].outputs[0].text == final.outputs[0].text
+    assert counter.added == ["a"] and counter.threads == {"kvserve-engine"}
+
+
+async def test_concurrent_requests_all_finish(engine):
+    ae = AsyncEngine(engine)
+    ae.start()
+    streams = [await ae.add_request(f"r{i}", f"prompt {i}", params(6)) for i in range(8)]
+    results = await asyncio.gather(*(drain(s) for s in streams))
+    await ae.shutdown(1)
+    assert all(len(r[-1].outputs[0].token_ids) == 6 for r in results)
+    assert ae.num_active == 0
+
+
+async def test_invalid_request_is_raised_by_add_request(engine):
+    ae = AsyncEngine(engine)
+    ae.start()
+    with pytest.raises(InvalidRequestError):
+        await ae.add_request("bad", "x", params(10_000))
+    ok = await drain(await ae.add_request("ok", "x", params(2)))  # still serving
+    await ae.shutdown(1)
+    assert ok[-1].finished
+
+
+async def test_leaving_the_stream_aborts_and_frees_blocks(engine):
+    counter = StepCounter()
+    ae = AsyncEngine(engine, [counter])
+    ae.start()
+    stream = await ae.add_request("long", "The quick brown fox", params(200))
+    async for out in stream:
+        assert not out.finished
+        break  # the client went away
+    deadline = time.monotonic() + 10
+    while counter.aborted != ["long"] and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    stats = await asyncio.to_thread(lambda: counter.last_stats)
+    await ae.shutdown(1)
+    assert counter.aborted == ["long"]
+    assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0
+
+
+async def test_cancelled_reader_aborts(engine):
+    counter = StepCounter()
+    ae = AsyncEngine(engine, [counter])
+    ae.start()
+    stream = await ae.add_request("c", "The quick brown fox", params(200))
+    task = asyncio.create_task(drain(stream))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await ae.shutdown(5)  # nothing left to wait for: the abort came first
+    assert counter.aborted == ["c"]
+
+
+async def test_idle_thread_blocks_instead_of_spinning(engine):
+    counter = StepCounter()
+    ae = AsyncEngine(engine, [counter])
+    ae.start()
+    await drain(await ae.add_request("a", "x", params(3)))
+    await asyncio.sleep(0.05)
+    before = counter.steps
+    await asyncio.sleep(0.5)
+    assert counter.steps == before  # no step, no wake-up while idle
+    await ae.shutdown(1)
+
+
+async def test_idle_tick_wakes_observers(engine):
+    counter = StepCounter()
+    ae = AsyncEngine(engine, [counter], idle_tick=0.05)
+    ae.start()
+    await asyncio.sleep(0.5)
+    await ae.shutdown(1)
+    assert counter.steps >= 3
+
+
+async def test_shutdown_lets_running_requests_finish(engine):
+    ae = AsyncEngine(engine)
+    ae.start()
+    stream = await ae.add_request("r", "The quick", params(40))
+    reader = asyncio.create_task(drain(stream))
+    await asyncio.sleep(0)
+    aborted = await ae.shutdown(grace_period=60)
+    outs = await reader
+    assert aborted == 0 and len(outs[-1].outputs[0].token_ids) == 40
+    with pytest.raises(EngineDrainingError):
+        await ae.add_request("late", "x", params(2))
+
+
+async def test_shutdown_aborts_what_outlives_the_grace_period(engine):
+    ae = AsyncEngine(engine)
+    ae.start()
+    stream = await ae.add_request("r", "The quick", params(240))
+    reader = asyncio.create_task(drain(stream))
+    aborted = await ae.shutdown(grace_period=0.05)
+    with pytest.raises(RequestAbortedError):
+        await reader
+    assert aborted == 1 and not ae.is_running
+
+
+class FailingEngine(LLMEngine):
+    """A real engine whose forward pass breaks after a few steps (a device error, say)."""
+
+    fail_after = 3
+
+    def step(self):
+        self.fail_after -= 1
+        if self.fail_after < 0:
+            raise RuntimeError("device lost")
+        return super().step()
+
+
+async def test_engine_failure_reaches_every_reader_and_new_requests(tiny_model_dir):
+    ae = AsyncEngine(make_engine(tiny_model_dir, cls=FailingEngine))
+    ae.start()
+    streams = [await ae.add_request(f"r{i}", "The quick", params(50)) for i in range(2)]
+    for s in streams:
+        with pytest.raises(EngineDeadError, match="device lost"):
+            await drain(s)
+    with pytest.raises(EngineDeadError):
+        await ae.add_request("after", "x", params(2))
+    assert isinstance(ae.error, RuntimeError)
+    await ae.shutdown(0)
