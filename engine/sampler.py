@@ -7,15 +7,16 @@ exponential race `argmax(probs / Exponential(1))`, whose noise comes from the ro
 `torch.Generator` when the request has a seed (so its tokens do not depend on the rest of the batch)
 and from one global draw otherwise.
 
-Measured on this machine's CPU (2 shared cores, torch 2.13, fp32), one 64 x 49152 batch, median of
-20 calls: see the table at the bottom of this docstring (`python -m kvserve.engine.sampler`).
+Measured with `python -m kvserve.engine.sampler` (64 x 49152 fp32 batch, one CPU thread, median
+CPU ms per call, on a 2-core machine shared with other jobs at load ~10, so +-40%):
 
-    all greedy                                  ~4 ms
-    temperature only                            ~27 ms
-    temperature + top_k=50                      ~33 ms
-    temperature + top_p=0.9 (full sort)         ~190 ms
-    top_k + top_p + min_p + penalties + seeds   ~205 ms
-    + 5 logprobs                                ~+10 ms
+    all greedy                                   4
+    temperature only                             46-74
+    temperature + top_k=50                       93-100
+    temperature + top_p=0.9                      96-141   (vLLM's full sort of every row: ~500)
+    penalties only (512 prompt + 64 output ids)  12-25    (a dense [S, V] count tensor: ~60)
+    top_k + top_p + min_p + penalties + seeds    121-167
+    same + 5 logprobs                            160-180
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
 
 @dataclass
 class SamplingMetadata:
-    """Per-step sampling settings of the S rows being sampled, as device tensors plus fast-path flags.
+    """Per-step sampling settings of the S rows being sampled: device tensors + fast-path flags.
 
     Build it with `SamplingMetadata.build`. When constructing it by hand, the optional fields at the
     end may stay at their defaults: they only enable fast paths. `prompt_token_ids = None` means no
@@ -83,7 +84,7 @@ class SamplingMetadata:
         device: torch.device | str,
         eos_token_id: int | None = None,
     ) -> SamplingMetadata:
-        """Metadata for rows `params[i]`; `eos_token_id` is blocked (with stop_token_ids) under min_tokens."""
+        """Metadata for rows `params[i]`; `eos_token_id` is blocked under min_tokens."""
         if not len(params) == len(prompt_token_ids) == len(output_token_ids):
             raise ValueError(
                 f"build() needs one prompt and one output list per row: got {len(params)} params, "
@@ -97,37 +98,49 @@ class SamplingMetadata:
             dtype=torch.float32,
         ).reshape(len(params), 6).t().contiguous().to(device)
         temperature, top_p, min_p, presence, frequency, repetition = floats.unbind(0)
-        random_rows = [p for p, g in zip(params, greedy) if not g]
-        no_top_p = all(p.top_p >= 1.0 for p in random_rows)
-        no_min_p = all(p.min_p <= 0.0 for p in random_rows)
-        no_top_k = all(k >= vocab_size for k, g in zip(top_k, greedy) if not g)
-        no_rep = all(p.repetition_penalty == 1.0 for p in params)
-        no_penalties = no_rep and all(
-            p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 for p in params
-        )
+        flags = _fast_path_flags(params, greedy, top_k, vocab_size)
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             temperature=temperature, top_p=top_p,
             top_k=torch.tensor(top_k, dtype=torch.int64).to(device),
             min_p=min_p, presence_penalty=presence, frequency_penalty=frequency,
             repetition_penalty=repetition,
-            prompt_token_ids=None if no_rep else prompt_token_ids,
-            output_token_ids=None if no_penalties else output_token_ids,
+            prompt_token_ids=None if flags.pop("no_repetition") else prompt_token_ids,
+            output_token_ids=None if flags["no_penalties"] else output_token_ids,
             generators={r: g for r, g in generators.items() if not greedy[r]},
             max_num_logprobs=max(wanted) if wanted else None,
-            all_greedy=all(greedy), all_random=not any(greedy), no_penalties=no_penalties,
-            no_top_p_top_k_min_p=no_top_p and no_min_p and no_top_k,
-            no_top_p=no_top_p, no_min_p=no_min_p, no_top_k=no_top_k,
-            min_tokens_block=_min_tokens_block(params, output_token_ids, eos_token_id,
-                                               vocab_size, device),
+            all_greedy=all(greedy), all_random=not any(greedy),
+            min_tokens_block=_min_tokens_block(
+                params, output_token_ids, eos_token_id, vocab_size, device
+            ),
+            **flags,
         )
+
+
+def _fast_path_flags(
+    params: list[SamplingParams], greedy: list[bool], top_k: list[int], vocab_size: int
+) -> dict[str, bool]:
+    """Which stages no row needs; filters of greedy rows do not count (they take the argmax)."""
+    random_rows = [(p, k) for p, k, g in zip(params, top_k, greedy) if not g]
+    no_top_p = all(p.top_p >= 1.0 for p, _ in random_rows)
+    no_min_p = all(p.min_p <= 0.0 for p, _ in random_rows)
+    no_top_k = all(k >= vocab_size for _, k in random_rows)
+    no_repetition = all(p.repetition_penalty == 1.0 for p in params)
+    no_penalties = no_repetition and all(
+        p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 for p in params
+    )
+    return dict(
+        no_penalties=no_penalties, no_repetition=no_repetition,
+        no_top_p_top_k_min_p=no_top_p and no_min_p and no_top_k,
+        no_top_p=no_top_p, no_min_p=no_min_p, no_top_k=no_top_k,
+    )
 
 
 def _min_tokens_block(
     params: list[SamplingParams], output_token_ids: list[list[int]], eos_token_id: int | None,
     vocab_size: int, device: torch.device | str,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(rows, tokens) to forbid: stop tokens (and EOS unless ignore_eos) of rows under min_tokens."""
+    """(rows, tokens) to forbid: stop tokens (+ EOS unless ignore_eos) of rows under min_tokens."""
     rows: list[int] = []
     tokens: list[int] = []
     for row, (p, out) in enumerate(zip(params, output_token_ids)):
@@ -377,7 +390,7 @@ def _bench(rows: int = 64, vocab: int = 49152, reps: int = 15) -> None:
         [cases["temperature + top_p=0.9"]] * rows, prompts, outputs, {}, vocab, "cpu")
     ours = _time_one(sampler, logits, meta, reps)
     peer = _time_one(Sampler(top_p_candidates=vocab), logits, meta, reps)  # vLLM's full sort
-    print(f"  top_p=0.9: full-sort peer {peer:.1f} ms / candidates {ours:.1f} ms = {peer / ours:.1f}x")
+    print(f"  top_p=0.9: full-sort peer {peer:.1f} ms / ours {ours:.1f} ms = {peer / ours:.1f}x")
 
 
 if __name__ == "__main__":
