@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -82,9 +83,9 @@ class SamplingMetadata:
         generators: dict[int, torch.Generator],
         vocab_size: int,
         device: torch.device | str,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
     ) -> SamplingMetadata:
-        """Metadata for rows `params[i]`; `eos_token_id` is blocked under min_tokens."""
+        """Metadata for rows `params[i]`; the EOS id(s) are blocked under min_tokens."""
         if not len(params) == len(prompt_token_ids) == len(output_token_ids):
             raise ValueError(
                 f"build() needs one prompt and one output list per row: got {len(params)} params, "
@@ -137,18 +138,22 @@ def _fast_path_flags(
 
 
 def _min_tokens_block(
-    params: list[SamplingParams], output_token_ids: list[list[int]], eos_token_id: int | None,
-    vocab_size: int, device: torch.device | str,
+    params: list[SamplingParams], output_token_ids: list[list[int]],
+    eos_token_id: int | Sequence[int] | None, vocab_size: int, device: torch.device | str,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(rows, tokens) to forbid: stop tokens (+ EOS unless ignore_eos) of rows under min_tokens."""
+    if eos_token_id is None:
+        eos: list[int] = []
+    else:
+        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     rows: list[int] = []
     tokens: list[int] = []
     for row, (p, out) in enumerate(zip(params, output_token_ids)):
         if len(out) >= p.min_tokens:
             continue
         stops = set(p.stop_token_ids or [])
-        if eos_token_id is not None and not p.ignore_eos:
-            stops.add(eos_token_id)
+        if not p.ignore_eos:
+            stops.update(eos)
         for tok in sorted(t for t in stops if 0 <= t < vocab_size):
             rows.append(row)
             tokens.append(tok)

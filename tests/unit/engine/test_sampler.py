@@ -384,6 +384,13 @@ def test_min_tokens_blocks_eos_and_stop_tokens_until_reached():
     assert out.sampled_token_ids.tolist() == [2, 0, 0]
 
 
+def test_min_tokens_blocks_every_eos_id():
+    logits = torch.tensor([[9.0, 8.0, 7.0, 0.0]])
+    params = [SamplingParams(temperature=0.0, min_tokens=1)]
+    assert sample(logits, params, eos=[0, 1]).sampled_token_ids.tolist() == [2]
+    assert sample(logits, params, eos=[]).sampled_token_ids.tolist() == [0]
+
+
 # --- logprobs ---------------------------------------------------------------------------------
 
 
