@@ -101,8 +101,14 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
+    def _has_seq_room(self, seq: Sequence) -> bool:
+        """Whether `seq` and the siblings it will fork after its prefill (n > 1) fit within
+        max_num_seqs next to the running seqs and the forks those still owe."""
+        taken = len(self.running) + sum(s.pending_forks for s in self.running)
+        return taken + 1 + seq.pending_forks <= self.config.max_num_seqs
+
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
-        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.swapped and budget > 0 and self._has_seq_room(self.swapped[0]):
             seq = self.swapped[0]
             if not self.kv.can_swap_in(seq):
                 break
@@ -121,12 +127,10 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and self._has_seq_room(self.waiting[0]):
             seq = self.waiting[0]
             hits = self.kv.lookup_prefix(seq)
             cached = len(hits) * self.kv.block_size
-            if seq.num_cached_tokens < 0:
-                seq.num_cached_tokens = cached
             n = seq.num_tokens - cached
             if n > budget and not self.config.enable_chunked_prefill:
                 break
@@ -135,6 +139,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.kv.record_lookup(seq.num_tokens, cached)
+            if seq.num_cached_tokens < 0:  # first admission: what the request got from the cache
+                seq.num_cached_tokens = cached
             seq.num_computed_tokens = cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
