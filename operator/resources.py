@@ -111,6 +111,7 @@ def engine_resources(spec: ServiceSpec, sizing: Sizing) -> Obj:
 def engine_env(spec: ServiceSpec) -> list[Obj]:
     return [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
             {"name": "HF_HOME", "value": "/var/cache/kvserve/hf"},
+            {"name": "KVSERVE_CACHE", "value": "/var/cache/kvserve"},
             {"name": "KVSERVE_SIZING_FILE", "value": "/etc/kvserve/sizing.json"},
             *spec.env]
 
@@ -217,7 +218,7 @@ def router_deployment(spec: ServiceSpec) -> Obj:
     container = {
         "name": "router", "image": spec.image, "command": ["kvserve"], "args": args,
         "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
-        "env": [{"name": "HF_HOME", "value": "/var/cache/kvserve/hf"}],
+        "env": [{"name": "HF_HOME", "value": "/var/cache/kvserve/hf"}, *spec.env],
         "resources": {"requests": {"cpu": "250m", "memory": "512Mi"},
                       "limits": {"memory": "2Gi"}},
         "readinessProbe": http_probe(5, 3), "livenessProbe": http_probe(15, 4),

@@ -156,3 +156,42 @@ def test_crd_schema_rejects_bad_examples(breakage: dict, expected: str) -> None:
         body["spec"].setdefault(section, {}).update(fields)
     messages = " | ".join(e.message for e in crd_validator().iter_errors(body))
     assert expected in messages
+
+
+# ---- images: docker/Dockerfile and docker/Dockerfile.operator, linted by the real hadolint ----
+
+@pytest.fixture(scope="session")
+def hadolint() -> Path:
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "fetch_helm.py"), "--hadolint"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    return Path(done.stdout.strip()) / "hadolint"
+
+
+def lint(hadolint: Path, dockerfile: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(hadolint), "--no-color", str(dockerfile)], capture_output=True,
+                          text=True, timeout=60)
+
+
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.operator"])
+def test_dockerfiles_pass_hadolint(hadolint: Path, name: str) -> None:
+    done = lint(hadolint, ROOT / "docker" / name)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_hadolint_catches_a_bad_dockerfile(hadolint: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM python\nRUN cd /tmp && pip install requests\n")
+    done = lint(hadolint, bad)
+    assert done.returncode != 0 and "DL3006" in done.stdout  # untagged base image
+
+
+def test_images_run_as_non_root_and_operator_image_has_no_torch() -> None:
+    engine = (ROOT / "docker" / "Dockerfile").read_text()
+    operator = (ROOT / "docker" / "Dockerfile.operator").read_text()
+    for text in (engine, operator):
+        assert "USER 1000:1000" in text
+    assert "torch" in engine and "nvidia/cuda" in engine
+    install_lines = [ln for ln in operator.splitlines() if "pip install" in ln]
+    assert install_lines and not any("torch" in ln for ln in install_lines)
+    assert any("--no-deps" in ln for ln in install_lines)
