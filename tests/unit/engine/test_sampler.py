@@ -120,21 +120,21 @@ def reference_kept(row: torch.Tensor, k: int, p: float) -> tuple[set[int], set[i
 @given(
     seed=st.integers(0, 10_000),
     vocab=st.integers(2, 120),
-    k=st.integers(1, 130),
-    p=st.sampled_from([0.05, 0.3, 0.7, 0.9, 0.999, 1.0]),
+    ks=st.lists(st.integers(1, 130), min_size=3, max_size=3),
+    ps=st.lists(st.sampled_from([0.05, 0.3, 0.7, 0.9, 0.999, 1.0]), min_size=3, max_size=3),
     scale=st.sampled_from([0.01, 1.0, 5.0]),
     width=st.sampled_from([4, 16, 1024]),
 )
-def test_top_k_top_p_mask_matches_definition(seed, vocab, k, p, scale, width):
-    """The kept set equals the definition, whether solved on candidates or by the full sort."""
+def test_top_k_top_p_mask_matches_definition(seed, vocab, ks, ps, scale, width):
+    """Each row's kept set equals the definition for its own k and p, whether it is solved on
+    the candidates or by the full sort, whatever the other rows ask."""
     logits = seeded_logits(seed, 3, vocab, scale)
-    k = min(k, vocab)
-    top_k = torch.full((3,), k, dtype=torch.int64)
-    top_p = torch.full((3,), p)
-    masked = apply_top_k_top_p(logits.clone(), top_k, top_p if p < 1 else None, width)
+    ks = [min(k, vocab) for k in ks]
+    top_p = torch.tensor(ps) if min(ps) < 1 else None
+    masked = apply_top_k_top_p(logits.clone(), torch.tensor(ks), top_p, width)
     for r in range(3):
         kept = set(torch.isfinite(masked[r]).nonzero().squeeze(1).tolist())
-        sure, maybe = reference_kept(logits[r], k, p)
+        sure, maybe = reference_kept(logits[r], ks[r], ps[r])
         assert sure <= kept <= maybe
         finite = torch.isfinite(masked[r])
         assert torch.equal(masked[r][finite], logits[r][finite])  # survivors are untouched
