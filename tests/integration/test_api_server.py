@@ -430,7 +430,7 @@ async def test_waiting_queue_over_max_waiting_is_429(tiny_model_dir):
 
 def test_drain_finishes_running_requests_and_refuses_new_ones(tiny_model_dir):
     srv = start_server(tiny_model_dir, shutdown_grace_period=30)
-    body = {"model": "tiny", "prompt": "The quick", "max_tokens": 120, "temperature": 0,
+    body = {"model": "tiny", "prompt": "The quick", "max_tokens": 240, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", srv.url + "/v1/completions", json=body) as resp:
@@ -444,7 +444,7 @@ def test_drain_finishes_running_requests_and_refuses_new_ones(tiny_model_dir):
             rest = [line for line in lines if line.startswith("data: ")]
     assert rest[-1] == "data: [DONE]"
     usage = json.loads(rest[-2][len("data: "):])["usage"]
-    assert usage["completion_tokens"] == 120  # the running request was not cut short
+    assert usage["completion_tokens"] == 240  # the running request was not cut short
     srv.thread.join(30)
     assert not srv.thread.is_alive()
 
