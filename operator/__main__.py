@@ -1,4 +1,4 @@
-"""`python -m kvserve.operator plan|operator ...`: the operator image's entry point (no torch, no server)."""
+"""`python -m kvserve.operator plan|operator ...`: the operator image's entry point (no torch)."""
 
 from __future__ import annotations
 

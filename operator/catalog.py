@@ -1,4 +1,4 @@
-"""Built-in catalogs: model architectures (for the memory budget) and GPU types (memory per device)."""
+"""Built-in catalogs: model architectures (for the memory budget) and GPU types (memory each)."""
 
 from __future__ import annotations
 

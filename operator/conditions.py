@@ -1,4 +1,4 @@
-"""status.conditions and readiness: pure functions from what the API server shows to status fields."""
+"""status.conditions and readiness: pure functions from what the API server shows to status."""
 
 from __future__ import annotations
 

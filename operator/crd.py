@@ -1,6 +1,6 @@
-"""The KVInferenceService CRD, built here once; manifests/crd.yaml and the chart's copy are its output.
+"""The KVInferenceService CRD, built here once; manifests/crd.yaml and the chart's copy are output.
 
-`python -m kvserve.operator.crd > manifests/crd.yaml` regenerates the file (tests check both copies).
+`python -m kvserve.operator.crd > manifests/crd.yaml` regenerates it (tests check both copies).
 """
 
 from __future__ import annotations
@@ -191,7 +191,8 @@ def status_schema() -> Schema:
 
 def _columns() -> list[dict[str, str]]:
     return [
-        {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+        {"name": "Ready", "type": "string",
+         "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
         {"name": "Replicas", "type": "integer", "jsonPath": ".status.readyReplicas"},
         {"name": "GPUs/Replica", "type": "integer", "jsonPath": ".status.sizing.gpusPerReplica"},
         {"name": "Max-Concurrency", "type": "integer",

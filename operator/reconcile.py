@@ -1,4 +1,4 @@
-"""Apply desired objects idempotently (create, or merge-patch only what differs) and prune leftovers."""
+"""Apply desired objects idempotently (create, or merge-patch what differs); prune leftovers."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ class ApplyResult:
     patched: list[str] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
-    live: dict[str, dict] = field(default_factory=dict)  # "Kind/name" -> object as the server has it
+    live: dict[str, dict] = field(default_factory=dict)  # "Kind/name" -> the server's object
 
     @property
     def changed(self) -> bool:
@@ -87,7 +87,8 @@ def prune(kube: KubeClient, namespace: str, instance: str, uid: str, desired: li
           result: ApplyResult) -> None:
     """Delete objects this service owns that are no longer desired (router off, HPA removed)."""
     wanted = {key(obj) for obj in desired}
-    selector = f"app.kubernetes.io/instance={instance},app.kubernetes.io/managed-by=kvserve-operator"
+    selector = (f"app.kubernetes.io/instance={instance},"
+                "app.kubernetes.io/managed-by=kvserve-operator")
     for api_version, kind in PLURALS:
         for obj in kube.list(api_version, kind, namespace, selector):
             name = obj.get("metadata", {}).get("name", "")

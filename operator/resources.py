@@ -1,4 +1,4 @@
-"""The objects a KVInferenceService becomes: pure functions of its spec and sizing, each owned by it."""
+"""The objects a KVInferenceService becomes: pure functions of spec and sizing, each owned by it."""
 
 from __future__ import annotations
 

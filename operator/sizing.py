@@ -1,4 +1,4 @@
-"""Sizing: the engine's memory budget (engine/memory.py) -> GPUs per replica, KV blocks, concurrency.
+"""Sizing: the engine's memory budget (engine/memory.py) -> GPUs per replica, blocks, concurrency.
 
 GPUs per replica is the smallest power of two (tensor parallel: weights and KV heads split across
 the GPUs) whose per-GPU budget holds `maxNumSeqs x maxModelLen` tokens of KV (one full-length

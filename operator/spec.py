@@ -1,4 +1,4 @@
-"""A KVInferenceService's spec, defaulted and checked against the CRD schema, as frozen dataclasses."""
+"""A KVInferenceService's spec, defaulted and checked against the CRD schema, as dataclasses."""
 
 from __future__ import annotations
 

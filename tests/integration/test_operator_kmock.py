@@ -50,25 +50,28 @@ class Harness:
 
 
 @contextlib.asynccontextmanager
-async def running_operator(kmock: Any) -> AsyncIterator[Harness]:
+async def running_operator(kmock: Any,
+                           status_interval: float = 3600.0) -> AsyncIterator[Harness]:
     """The operator in this test's own task: kopf cancels every task born after it started at
     exit, so stopping it from a fixture's teardown task would cancel the teardown itself."""
     declare_resources(kmock)
-    registry = build_registry(status_interval=3600.0, login=False)
+    registry = build_registry(status_interval=status_interval, login=False)
 
     @kopf.on.login(registry=registry)
     def login(**_: Any) -> kopf.ConnectionInfo:
         return kopf.ConnectionInfo(server=str(kmock.url))
 
-    stop = asyncio.Event()
     memo = kopf.Memo(kube=KubeClient.for_url(str(kmock.url)))
     task = asyncio.create_task(kopf.operator(
-        registry=registry, standalone=True, clusterwide=True, stop_flag=stop, memo=memo))
+        registry=registry, standalone=True, clusterwide=True, memo=memo))
     try:
         yield Harness(kmock, memo)
     finally:
-        stop.set()
-        await asyncio.wait_for(task, timeout=WAIT_S)
+        # Cancelling (not the stop flag) ends KMock's open watch streams at once instead of
+        # after kopf's 5-second grace period for "hung" tasks.
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, timeout=WAIT_S)
 
 
 def service_cr(name: str = "llama", **spec_overrides: Any) -> dict:
@@ -183,12 +186,19 @@ def ready_condition(kmock: Any, name: str) -> dict | None:
     return next((c for c in conds if c["type"] == "Ready"), None)
 
 
+def events(kmock: Any, reason: str) -> list[dict]:
+    return [obj.raw for (res, _, _), obj in kmock.objects.items()
+            if res == kmock_lib.resource("v1/events") and obj.raw.get("reason") == reason]
+
+
 async def test_invalid_spec_is_refused_without_workload(kmock: Any) -> None:
     body = service_cr("huge", model={"name": "llama-3-70b"},
                       gpu={"type": "L4", "maxPerReplica": 2})
     async with running_operator(kmock):
         await create(kmock, body)
         cond = await wait_for(lambda: ready_condition(kmock, "huge"), "the Ready condition")
+        event = await wait_for(lambda: events(kmock, "InsufficientGPUMemory"), "a warning event")
+    assert event[0]["type"] == "Warning" and event[0]["involvedObject"]["name"] == "huge"
     assert cond["status"] == "False" and cond["reason"] == "InsufficientGPUMemory"
     assert "65.71 GiB" in cond["message"]  # the per-GPU weight share, with the numbers
     assert stored(kmock, DEPLOYMENTS, "huge-engine") is None
@@ -217,3 +227,41 @@ async def test_second_reconcile_changes_nothing(kmock: Any) -> None:
         assert result == {"created": 0, "patched": 0, "deleted": 0}
         assert writes(kmock) == before
         assert dict(patch) == {}
+
+
+async def patch_cr(kmock: Any, name: str, patch: dict) -> None:
+    async with kmock.patch(f"{CR_PATH}/{name}", json=patch,
+                           headers={"Content-Type": "application/merge-patch+json"}) as resp:
+        assert resp.status < 300
+
+
+async def test_timer_reports_readiness_from_the_deployment(kmock: Any) -> None:
+    async with running_operator(kmock, status_interval=0.2):
+        await create(kmock, service_cr("ready"))
+        await wait_for(lambda: stored(kmock, DEPLOYMENTS, "ready-engine"), "the Deployment")
+        first = await wait_for(lambda: ready_condition(kmock, "ready"), "the Ready condition")
+        assert (first["status"], first["reason"]) == ("False", "Progressing")
+        # What the Deployment controller would report once both pods pass /health.
+        status = {"status": {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2}}
+        async with kmock.patch(f"/apis/apps/v1/namespaces/{NS}/deployments/ready-engine",
+                               json=status) as resp:
+            assert resp.status < 300
+        cond = await wait_for(lambda: (c := ready_condition(kmock, "ready")) and
+                              c["status"] == "True" and c, "Ready=True")
+    assert cond["reason"] == "ReplicasReady"
+    assert stored(kmock, PLURAL_KEY, "ready")["status"]["readyReplicas"] == 2
+
+
+async def test_scale_and_router_off_are_applied(kmock: Any) -> None:
+    async with running_operator(kmock):
+        await create(kmock, service_cr("knobs"))
+        await wait_for(lambda: stored(kmock, DEPLOYMENTS, "knobs-router"), "the router")
+        # `kubectl scale --replicas 10` beyond autoscaling.maxReplicas (4), and the router off.
+        await patch_cr(kmock, "knobs", {"spec": {"replicas": 10, "router": {"enabled": False}}})
+        await wait_for(lambda: stored(kmock, DEPLOYMENTS, "knobs-router") is None,
+                       "the router Deployment deleted")
+    assert stored(kmock, DEPLOYMENTS, "knobs-engine")["spec"]["replicas"] == 4
+    assert stored(kmock, "v1/services", "knobs")["spec"]["selector"][
+        "app.kubernetes.io/component"] == "engine"
+    assert any(w.startswith("DELETE") and w.endswith("/deployments/knobs-router")
+               for w in writes(kmock))
