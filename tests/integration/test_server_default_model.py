@@ -1,0 +1,50 @@
+"""The issue's client snippet, verbatim, against the real default model (slow: loads SmolLM2)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import openai
+import pytest
+
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.service.api_server import ServerConfig, ServerThread, create_app
+
+
+@pytest.fixture(scope="module")
+def default_server(default_model_dir):
+    engine = LLMEngine.from_config(EngineConfig(model="smollm2-135m-instruct",
+                                                kv_cache_memory=256 << 20, max_model_len=2048))
+    srv = ServerThread(create_app(engine, ServerConfig())).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.slow
+def test_issue_snippet_verbatim(default_server):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        # ---- the snippet from the issue (only the port differs) ----
+        client = openai.Client(base_url=f"{default_server.url}/v1", api_key="dummy")
+        response = client.chat.completions.create(
+            model="smollm2-135m-instruct",
+            messages=[{"role": "user", "content": "Explain how the KV cache works"}],
+            temperature=0.7, max_tokens=512, stream=True,
+        )
+        for chunk in response:
+            if chunk.choices[0].delta.content:
+                print(chunk.choices[0].delta.content, end="")
+    text = out.getvalue()
+    assert len(text.split()) >= 20, text  # a real answer, streamed piece by piece
+
+
+@pytest.mark.slow
+def test_default_model_answers_greedily(default_server):
+    client = openai.Client(base_url=f"{default_server.url}/v1", api_key="dummy")
+    r = client.chat.completions.create(
+        model="smollm2-135m-instruct", temperature=0, max_tokens=20,
+        messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 20
