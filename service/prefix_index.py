@@ -352,12 +352,17 @@ class PrefixIndexPublisher:
                   "heartbeat_at": time.time()}
         ttl_ms = int(self.ttl * 1000)
         rid = self.replica_id
-        await (self._client.pipeline(transaction=False)
-               .hset(self.keys.replica(rid), mapping=fields)
-               .pexpire(self.keys.replica(rid), ttl_ms)
-               .sadd(self.keys.replicas, rid)
-               .pexpire(self.keys.blocks(rid), ttl_ms)
-               .execute())
+        created, *_ = await (self._client.pipeline(transaction=False)
+                             .hset(self.keys.replica(rid), mapping=fields)
+                             .pexpire(self.keys.replica(rid), ttl_ms)
+                             .sadd(self.keys.replicas, rid)
+                             .pexpire(self.keys.blocks(rid), ttl_ms)
+                             .execute())
+        if created and not self._want_snapshot:
+            # Our entry had expired (a frozen process, a flushed Redis): the block set went with it.
+            logger.warning("prefix index: entry of replica %s had expired; republishing", rid)
+            with self._lock:
+                self._want_snapshot = True
 
     async def _flush(self) -> None:
         assert self._client is not None

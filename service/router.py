@@ -34,6 +34,8 @@ logger = logging.getLogger("kvserve.router")
 _HOP_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te",
                 "upgrade", "proxy-authorization", "proxy-authenticate", "trailer",
                 "accept-encoding"}
+# The router's own server sets these; raw bytes are relayed, so no content-encoding is added.
+_OWN_HEADERS = {"date", "server"}
 _RETRY_STATUS = {502, 503, 504}
 _ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 
@@ -126,7 +128,9 @@ class Router:
         if self.index is not None:
             await self.refresh()
             self._tasks.append(asyncio.create_task(self._refresh_loop()))
-        self._tasks.append(asyncio.create_task(self._load_tokenizer()))
+        # Before serving when the model is already known, so the first requests are routed well.
+        if self.cfg.policy == "prefix" and not await self._try_load_tokenizer():
+            self._tasks.append(asyncio.create_task(self._load_tokenizer_loop()))
         self._update_gauges()
 
     async def close(self) -> None:
@@ -172,22 +176,30 @@ class Router:
         self.metrics.redis_up.set(1 if self.redis_up else 0)
         self.metrics.replicas_up.set(len(self._routable(list(self.known.values()))))
 
-    async def _load_tokenizer(self) -> None:
-        """Load the tokenizer off the event loop once a model name is known (prefix needs it)."""
+    def _tokenizer_name(self) -> str | None:
+        return self.cfg.tokenizer or next((i.model for i in self.known.values() if i.model), None)
+
+    async def _try_load_tokenizer(self) -> bool:
+        """Load the tokenizer (off the event loop); False when no name is known or it failed."""
         from kvserve.engine.tokenizer import load_tokenizer
 
-        while self.tokenizer is None:
-            name = self.cfg.tokenizer or next((i.model for i in self.known.values() if i.model), None)
-            if name:
-                try:
-                    self.tokenizer = await asyncio.to_thread(_load_tokenizer, name, load_tokenizer)
-                    logger.info("router tokenizer loaded from %s", name)
-                    return
-                except Exception as exc:  # a bad name must not kill the router: least-load works
-                    logger.error("cannot load tokenizer %r (%s); pass --tokenizer. Prefix routing "
-                                 "falls back to least load until then", name, exc)
-                    if self.cfg.tokenizer:
-                        return
+        name = self._tokenizer_name()
+        if not name:
+            return False
+        logger.info("loading the router's tokenizer from %s", name)
+        try:
+            self.tokenizer = await asyncio.to_thread(_load_tokenizer, name, load_tokenizer)
+        except Exception as exc:  # a bad name must not kill the router: least-load still works
+            logger.error("cannot load tokenizer %r (%s); pass --tokenizer. Prefix routing falls "
+                         "back to least load until then", name, exc)
+            return False
+        return True
+
+    async def _load_tokenizer_loop(self) -> None:
+        """Retry until a replica announces its model (prefix routing needs the tokenizer)."""
+        while not await self._try_load_tokenizer():
+            if self.cfg.tokenizer:
+                return  # an explicit name that failed will not get better
             await asyncio.sleep(self.cfg.refresh_interval)
 
     # ---- routing ------------------------------------------------------------------------------
@@ -267,17 +279,18 @@ class Router:
             opened = await self._open(cand, method, path, query, body, fwd)
             if opened is None:
                 continue
-            resp, first = opened
+            resp, first, chunks = opened
             self.metrics.requests.labels(cand.replica_id, policy).inc()
             if route is not None:
                 matched = min(route.matched.get(cand.replica_id, 0), route.prompt_tokens)
                 self.metrics.matched_tokens.observe(matched)
                 self.metrics.prompt_tokens.inc(route.prompt_tokens)
-            return self._stream_back(cand, resp, first, route)
+            return self._stream_back(cand, resp, first, chunks, route)
         raise NoReplicaError(f"no replica could take the request ({len(ranking)} tried)")
 
     async def _open(self, cand: Candidate, method: str, path: str, query: str, body: bytes,
-                    headers: dict[str, str]) -> tuple[httpx.Response, bytes] | None:
+                    headers: dict[str, str]
+                    ) -> tuple[httpx.Response, bytes, AsyncIterator[bytes]] | None:
         """Send the request and read its first body chunk; None (replica marked down) on failure."""
         assert self.http is not None
         url = cand.url.rstrip("/") + path + (f"?{query}" if query else "")
@@ -289,8 +302,9 @@ class Router:
             if resp.status_code in _RETRY_STATUS:
                 raise httpx.HTTPStatusError(f"status {resp.status_code}", request=req,
                                             response=resp)
-            first = await anext(resp.aiter_raw(), b"")
-            return resp, first
+            chunks = resp.aiter_raw()
+            first = await anext(chunks, b"")
+            return resp, first, chunks
         except httpx.HTTPError as exc:
             self._release(cand)
             if resp is not None:
@@ -306,23 +320,23 @@ class Router:
         self.inflight[cand.replica_id] = max(0, self.inflight.get(cand.replica_id, 1) - 1)
 
     def _stream_back(self, cand: Candidate, resp: httpx.Response, first: bytes,
-                     route: RouteInfo | None) -> Response:
-        headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS
-                   and k.lower() != "content-encoding"}
+                     chunks: AsyncIterator[bytes], route: RouteInfo | None) -> Response:
+        headers = {k: v for k, v in resp.headers.items()
+                   if k.lower() not in _HOP_HEADERS and k.lower() not in _OWN_HEADERS}
         headers["x-kvserve-replica"] = cand.replica_id
         if route is not None:
             headers["x-kvserve-predicted-matched-tokens"] = str(
                 min(route.matched.get(cand.replica_id, 0), route.prompt_tokens))
         sse = resp.headers.get("content-type", "").startswith("text/event-stream")
-        return StreamingResponse(self._relay(cand, resp, first, sse), status_code=resp.status_code,
-                                 headers=headers)
+        return StreamingResponse(self._relay(cand, resp, first, chunks, sse),
+                                 status_code=resp.status_code, headers=headers)
 
     async def _relay(self, cand: Candidate, resp: httpx.Response, first: bytes,
-                     sse: bool) -> AsyncIterator[bytes]:
+                     chunks: AsyncIterator[bytes], sse: bool) -> AsyncIterator[bytes]:
         try:
             if first:
                 yield first
-            async for chunk in resp.aiter_raw():
+            async for chunk in chunks:
                 yield chunk
         except httpx.HTTPError as exc:
             logger.warning("replica %s failed mid-response: %s", cand.replica_id, exc)
@@ -373,7 +387,8 @@ def prompt_tokens_for(tokenizer: Any, path: str, body: dict[str, Any]) -> list[i
     from kvserve.engine.tokenizer import chat_token_ids, prompt_token_ids
 
     if path.endswith("/chat/completions"):
-        messages = [{**m, "content": _message_text(m.get("content"))} for m in body["messages"]]
+        messages = [{"role": m["role"], "content": _message_text(m.get("content")) or ""}
+                    for m in body["messages"]]
         return chat_token_ids(tokenizer, messages,
                               add_generation_prompt=body.get("add_generation_prompt", True),
                               chat_template=body.get("chat_template"))
@@ -413,7 +428,8 @@ def _add_routes(app: FastAPI, router: Router) -> None:
         up = router._routable(list(router.known.values()))
         body = {"status": "ok" if up else "no replicas", "redis_up": router.redis_up,
                 "policy": router.cfg.policy,
-                "replicas": [{"id": i.replica_id, "url": i.url, "load": i.load} for i in up]}
+                "replicas": [{"id": i.replica_id, "url": i.url, "load": i.load,
+                              "inflight": router.inflight.get(i.replica_id, 0)} for i in up]}
         return JSONResponse(body, status_code=200 if up else 503)
 
     @app.get("/metrics")

@@ -209,3 +209,23 @@ async def test_on_step_does_not_wait_for_a_dead_redis(redis_server):
         assert done and p.dropped_events == len(CHAIN) and not p.connected
     finally:
         await p.close()
+
+
+async def test_an_expired_entry_asks_for_a_snapshot(redis_server):
+    # A frozen replica (SIGSTOP, a long pause) comes back after its keys expired: republish.
+    p = publisher(redis_server.url, "a")
+    index = PrefixIndex.from_url(redis_server.url, "svc")
+    await p.start()
+    try:
+        await until(lambda: p.connected, what="connect")
+        p.on_step([], Stats(), snapshot=CHAIN)
+        await until(lambda: _eq(matches(index, CHAIN), {"a": 8}), what="snapshot")
+        assert not p.wants_snapshot()
+        r = redis.Redis.from_url(redis_server.url)
+        r.delete(IndexKeys("svc").replica("a"), IndexKeys("svc").blocks("a"))
+        r.close()
+        await until(p.wants_snapshot, what="the publisher noticing its entry was gone")
+        p.on_step([], Stats(), snapshot=CHAIN[:4])
+        await until(lambda: _eq(matches(index, CHAIN), {"a": 4}), what="republished")
+    finally:
+        await p.close(), await index.close()
