@@ -203,12 +203,8 @@ class LLMEngine:
         meta = SamplingMetadata.build(
             [s.params for s in seqs], [s.prompt_token_ids for s in seqs],
             [s.output_token_ids for s in seqs], gens, self.vocab_size, self.device,
-            eos_token_id=self._primary_eos)
+            eos_token_id=self.eos_token_ids)
         return rows, meta
-
-    @property
-    def _primary_eos(self) -> int | None:
-        return self.eos_token_ids[0] if self.eos_token_ids else None
 
     def _generator_for(self, seq: Sequence, row: int, seqs: list[Sequence]) -> torch.Generator | None:
         """Seeded requests: one generator per sample index, seeded with seed + index."""

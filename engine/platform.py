@@ -94,7 +94,7 @@ def set_up(config: EngineConfig, model_path: Path | str,
     kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    model, cfg = load_model(model_path, dtype, device)
+    model, cfg = load_model(model_path, dtype, device, revision=config.revision)
     layers, kv_heads, head_dim = _model_shape(cfg)
     model_max = getattr(cfg, "max_position_embeddings", None) or 2048
     max_len = config.max_model_len or model_max
