@@ -33,6 +33,12 @@ def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
         memo.kube = KubeClient.from_environment()
 
 
+def close_client(memo: Any, **_: Any) -> None:
+    """Cleanup: handler threads still running fail fast instead of waiting on the network."""
+    if getattr(memo, "kube", None) is not None:
+        memo.kube.close()
+
+
 def _write_conditions(patch: Any, body: Any, new: list[Condition]) -> None:
     existing = list(body.get("status", {}).get("conditions", []) or [])
     generation = body.get("metadata", {}).get("generation")
@@ -92,19 +98,24 @@ def _write_status(body: Any, patch: Any, spec: ServiceSpec, deployment: dict | N
         ready.condition])
 
 
-def refresh_status(body: Any, patch: Any, memo: Any, **_: Any) -> None:
-    """Timer: read the engine Deployment's readiness into status (skipped for refused specs)."""
+def resync(body: Any, patch: Any, memo: Any, logger: logging.Logger, **_: Any) -> None:
+    """Timer: repair drift (a deleted or edited child object) and refresh readiness in status.
+
+    Refused specs are skipped: the create/update handler already said why.
+    """
     try:
         spec = parse_spec(dict(body))
-        plan(spec)
+        sizing = plan(spec)
     except InvalidSpecError:
         return
     try:
-        deployment = memo.kube.get("apps/v1", "Deployment", spec.namespace, names(spec)["engine"])
+        result = _apply(memo.kube, spec, desired_objects(spec, sizing))
     except KubeError as exc:
-        raise kopf.TemporaryError(f"cannot read the engine Deployment: {exc}",
-                                  delay=RETRY_DELAY) from exc
-    _write_status(body, patch, spec, deployment)
+        raise kopf.TemporaryError(f"resync failed: {exc}", delay=RETRY_DELAY) from exc
+    if result.changed:
+        logger.warning("repaired drift: created=%s patched=%s deleted=%s", result.created,
+                       result.patched, result.deleted)
+    _write_status(body, patch, spec, result.live.get(f"Deployment/{names(spec)['engine']}"))
 
 
 def build_registry(status_interval: float = STATUS_INTERVAL,
@@ -114,9 +125,10 @@ def build_registry(status_interval: float = STATUS_INTERVAL,
     if login:  # service account in a pod, else the kubeconfig, via the kubernetes client
         kopf.on.login(registry=registry)(kopf.login_via_client)
     kopf.on.startup(registry=registry)(configure)
+    kopf.on.cleanup(registry=registry)(close_client)
     resource = (GROUP, VERSION, PLURAL)
     for decorator in (kopf.on.create, kopf.on.update, kopf.on.resume):
         decorator(*resource, registry=registry, id="reconcile")(reconcile)
     kopf.timer(*resource, registry=registry, interval=status_interval, initial_delay=1.0,
-               id="status")(refresh_status)
+               id="resync")(resync)
     return registry

@@ -51,6 +51,7 @@ def collection_path(api_version: str, kind: str, namespace: str) -> str:
 class KubeClient:
     api: k8s_client.ApiClient
     timeout: float = 30.0
+    closed: bool = False
 
     @classmethod
     def from_environment(cls) -> "KubeClient":
@@ -63,13 +64,18 @@ class KubeClient:
         return cls(k8s_client.ApiClient(cfg))
 
     @classmethod
-    def for_url(cls, url: str) -> "KubeClient":
+    def for_url(cls, url: str, timeout: float = 30.0, retries: bool = True) -> "KubeClient":
         """An unauthenticated client of `url` (tests, `kubectl proxy`)."""
-        return cls(k8s_client.ApiClient(k8s_client.Configuration(host=url.rstrip("/"))))
+        cfg = k8s_client.Configuration(host=url.rstrip("/"))
+        if not retries:
+            cfg.retries = False  # fail at once: a caller that retries by itself (tests)
+        return cls(k8s_client.ApiClient(cfg), timeout=timeout)
 
     def request(self, method: str, path: str, body: Any = None,
                 content_type: str = "application/json", query: list | None = None) -> Any:
         """One call; the decoded JSON answer, None on 404; KubeError otherwise."""
+        if self.closed:  # the operator is stopping: handler threads end at their next call
+            raise KubeTransientError(f"{method} {path}: the client is closed", 0)
         headers = {"Accept": "application/json", "Content-Type": content_type}
         params = self.api.param_serialize(method=method, resource_path=path, query_params=query,
                                           header_params=headers, body=body,
@@ -85,6 +91,10 @@ class KubeClient:
             cls = KubeTransientError if resp.status == 429 or resp.status >= 500 else KubeError
             raise cls(f"{method} {path} -> {resp.status}: {data[:500]!r}", resp.status)
         return json.loads(data) if data else {}
+
+    def close(self) -> None:
+        self.closed = True
+        self.api.close()
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
         return self.request("GET", f"{collection_path(api_version, kind, namespace)}/{name}")

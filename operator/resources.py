@@ -112,6 +112,9 @@ def engine_env(spec: ServiceSpec) -> list[Obj]:
     return [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
             {"name": "HF_HOME", "value": "/var/cache/kvserve/hf"},
             {"name": "KVSERVE_CACHE", "value": "/var/cache/kvserve"},
+            # Writable places for caches, as the root file system is read-only.
+            {"name": "TRITON_CACHE_DIR", "value": "/tmp/triton"},
+            {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
             {"name": "KVSERVE_SIZING_FILE", "value": "/etc/kvserve/sizing.json"},
             *spec.env]
 

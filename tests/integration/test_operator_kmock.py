@@ -61,7 +61,8 @@ async def running_operator(kmock: Any,
     def login(**_: Any) -> kopf.ConnectionInfo:
         return kopf.ConnectionInfo(server=str(kmock.url))
 
-    memo = kopf.Memo(kube=KubeClient.for_url(str(kmock.url)))
+    # Short timeouts, no retries: a handler thread caught by the shutdown ends quickly.
+    memo = kopf.Memo(kube=KubeClient.for_url(str(kmock.url), timeout=2.0, retries=False))
     task = asyncio.create_task(kopf.operator(
         registry=registry, standalone=True, clusterwide=True, memo=memo))
     try:
@@ -69,6 +70,7 @@ async def running_operator(kmock: Any,
     finally:
         # Cancelling (not the stop flag) ends KMock's open watch streams at once instead of
         # after kopf's 5-second grace period for "hung" tasks.
+        memo.kube.close()
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.wait_for(task, timeout=WAIT_S)
@@ -265,3 +267,16 @@ async def test_scale_and_router_off_are_applied(kmock: Any) -> None:
         "app.kubernetes.io/component"] == "engine"
     assert any(w.startswith("DELETE") and w.endswith("/deployments/knobs-router")
                for w in writes(kmock))
+
+
+async def test_timer_repairs_a_deleted_child(kmock: Any) -> None:
+    async with running_operator(kmock, status_interval=0.2):
+        await create(kmock, service_cr("heal"))
+        await wait_for(lambda: stored(kmock, "v1/services", "heal-engine"), "the engine Service")
+        async with kmock.delete(f"/api/v1/namespaces/{NS}/services/heal-engine") as resp:
+            assert resp.status < 300
+        assert stored(kmock, "v1/services", "heal-engine") is None
+        await wait_for(lambda: stored(kmock, "v1/services", "heal-engine"),
+                       "the engine Service recreated")
+    creates = [w for w in writes(kmock) if w == f"POST /api/v1/namespaces/{NS}/services"]
+    assert len(creates) == 4  # redis, engine, entry, then the engine Service again
