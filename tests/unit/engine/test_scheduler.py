@@ -5,7 +5,7 @@ checks that every sequence always reads back its own tokens."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from kvserve.engine.kv_cache_manager import KVCacheManager
@@ -241,6 +241,17 @@ def test_recompute_preempts_the_newest_and_frees_its_blocks():
     assert sim.computed > sum(s.num_tokens - 1 for s in (a, b, c))
 
 
+def test_a_preempted_request_goes_back_ahead_of_later_arrivals():
+    sim, (a, b, c) = _pressure("recompute")
+    sim.step()
+    d = sim.add(prompt(30, 50), max_tokens=2)  # arrives later; waits (no room)
+    while sim.sched.num_preemptions == 0:
+        sim.step()
+    assert list(sim.sched.waiting) == [c, d]
+    sim.run()
+    assert sim.finished.index(c) < sim.finished.index(d)
+
+
 def test_recompute_resumes_from_prompt_plus_generated_tokens():
     sim, (a, b, c) = _pressure("recompute")
     while sim.sched.num_preemptions == 0:
@@ -342,25 +353,39 @@ def test_abort_frees_blocks_from_every_queue():
 
 # ---- everything together ----------------------------------------------------------------------
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
-    reqs=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 12), st.integers(1, 9),
-                            st.integers(1, 8), st.integers(1, 3)), min_size=1, max_size=8),
-    num_blocks=st.integers(12, 30), max_num_seqs=st.integers(1, 6),
-    budget=st.integers(4, 32), mode=st.sampled_from(["recompute", "swap"]),
-    cpu=st.integers(0, 12), caching=st.booleans(), chunked=st.booleans(),
+    reqs=st.lists(st.tuples(st.integers(0, 8), st.integers(0, 2), st.integers(0, 12),
+                            st.integers(1, 9), st.integers(1, 14), st.integers(1, 3)),
+                  min_size=1, max_size=10),
+    num_blocks=st.integers(9, 24), max_num_seqs=st.integers(1, 6),
+    budget=st.integers(4, 32), mode=st.sampled_from(["recompute", "swap", "swap"]),
+    cpu=st.sampled_from([0, 6, 32]), caching=st.booleans(), chunked=st.booleans(),
 )
 def test_every_request_finishes_within_the_limits(reqs, num_blocks, max_num_seqs, budget, mode,
                                                   cpu, caching, chunked):
-    sim = Sim(num_blocks, 4, max_num_seqs, budget if chunked else 32, mode, cpu, caching, chunked)
+    """Requests arriving over time, sharing prefixes, under KV pressure: each one finishes, every
+    seq reads back its own KV at every step, no batch breaks a limit, every block comes back."""
+    sim = Sim(num_blocks, 4, max_num_seqs, budget if chunked else 40, mode, cpu, caching, chunked)
     bases = [prompt(12, 0), prompt(12, 40), [5] * 12]
+    arrivals = sorted(reqs, key=lambda r: r[0])
     expected = 0
-    for base, keep, extra, max_tokens, n in reqs:
-        n = min(n, max_num_seqs)
-        sim.add(bases[base][:keep] + prompt(extra, 60 + keep), max_tokens=max_tokens, n=n)
-        expected += n
-    sim.run()
+    steps = 0
+    while arrivals or sim.sched.has_unfinished():
+        while arrivals and arrivals[0][0] <= steps:
+            _, base, keep, extra, max_tokens, n = arrivals.pop(0)
+            n = min(n, max_num_seqs)
+            sim.add(bases[base][:keep] + prompt(extra, 60 + keep), max_tokens=max_tokens, n=n)
+            expected += n
+        sim.step()
+        steps += 1
+        assert steps < 2000, "the scheduler stopped making progress"
+    event(f"preempted: {bool(sim.sched.num_preemptions)}")
+    event(f"swapped: {any(o.blocks_to_swap_out for o in sim.outputs)}")
+    event(f"copy-on-write: {any(o.blocks_to_copy for o in sim.outputs)}")
+    event(f"prefix hits: {sim.kv.prefix_stats.hits > 0}")
     assert len(sim.finished) == expected
+    # (Sim.step asserted before every forward pass that each seq read back its own tokens.)
     assert all(len(s.output_token_ids) == s.params.max_tokens for s in sim.finished)
     assert max(len(o.seqs) for o in sim.outputs) <= max_num_seqs
     assert max(o.total_tokens for o in sim.outputs) <= sim.config.max_num_batched_tokens
