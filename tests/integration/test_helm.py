@@ -196,3 +196,13 @@ def test_images_run_as_non_root_and_operator_image_has_no_torch() -> None:
     install_lines = [ln for ln in operator.splitlines() if "pip install" in ln]
     assert install_lines and not any("torch" in ln for ln in install_lines)
     assert any("--no-deps" in ln for ln in install_lines)
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("operator.statusInterval=-1", "statusInterval"),
+    ("operator.watchNamespce={a}", "additional properties 'watchNamespce' not allowed"),
+])
+def test_values_schema_refuses_bad_values(helm: Path, setting: str, message: str) -> None:
+    done = subprocess.run([str(helm), "template", "x", str(CHART), "--set", setting],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and message in done.stderr

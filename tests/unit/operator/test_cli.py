@@ -81,3 +81,11 @@ def test_module_entry_point_runs_plan() -> None:
                            "json"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["gpusPerReplica"] == 0
+
+
+def test_top_level_kvserve_cli_has_plan(capsys: pytest.CaptureFixture) -> None:
+    from kvserve.service.cli import main
+
+    code = main(["plan", "--model", "smollm2-135m", "--gpu", "L4", "--output", "json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["gpusPerReplica"] == 1 and data["weightDtype"] == "bfloat16"
