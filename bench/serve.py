@@ -1,0 +1,250 @@
+"""Server benchmark: N concurrent streaming clients against `kvserve serve`, versus the offline
+engine (`kvserve.LLM.generate`) on the same chat workload, in the same run.
+
+Workload (the engine benchmark's chat workload): 64 chat requests sharing a ~200-token system
+prompt, 64 new tokens each, greedy, ignore_eos, the default model. The server runs in its own
+process (`python -m kvserve.service.api_server`), the clients here with asyncio + httpx, reading
+SSE chunks with `continuous_usage_stats` so inter-token latency is per token even when a chunk
+carries several. Prints TTFT p50/p99, ITL p50/p99, output tok/s and the ratio to offline.
+
+    python bench/serve.py                         # 16 and 64 clients, default model
+    python bench/serve.py --concurrency 64 --json-out /tmp/serve.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+SYSTEM_PROMPT = (
+    "You are KV, a careful assistant for engineers who run large language models in production. "
+    "You know how transformer inference works: the prompt is processed in a prefill pass that "
+    "fills the key-value cache, then tokens are decoded one at a time, each step reading every "
+    "cached key and value of the sequence. Paged attention stores that cache in fixed-size blocks, "
+    "like virtual memory pages, so that memory is allocated on demand, shared between requests "
+    "with a common prefix, and freed the moment a request finishes or is preempted. Continuous "
+    "batching admits new requests at every step instead of waiting for a whole batch to finish. "
+    "When you answer, be concrete: give numbers, name the trade-offs, and say what you would "
+    "measure to check a claim. Prefer short paragraphs and plain words. If a question is "
+    "ambiguous, state the assumption you make before answering. Never invent benchmark figures; "
+    "say how they could be measured instead. Keep each answer under two hundred words."
+)
+TOPICS = [
+    "how prefix caching saves prefill time", "why decode is memory-bound",
+    "what limits the batch size", "how preemption by recompute works",
+    "when swapping KV blocks to CPU pays off", "how block size affects fragmentation",
+    "what fp8 KV caches cost in accuracy", "how to size GPU memory for a model",
+]
+
+
+def chat_workload(num_requests: int = 64) -> list[list[dict[str, str]]]:
+    """`num_requests` conversations sharing SYSTEM_PROMPT, each with its own question."""
+    return [[{"role": "system", "content": SYSTEM_PROMPT},
+             {"role": "user", "content": f"Question {i}: explain {TOPICS[i % len(TOPICS)]}."}]
+            for i in range(num_requests)]
+
+
+@dataclass
+class RequestTiming:
+    ttft: float
+    itls: list[float] = field(default_factory=list)
+    tokens: int = 0
+
+
+@dataclass
+class Result:
+    name: str
+    concurrency: int
+    requests: int
+    output_tokens: int
+    seconds: float
+    ttft_p50: float | None = None
+    ttft_p99: float | None = None
+    itl_p50: float | None = None
+    itl_p99: float | None = None
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    k = max(0, min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1))))
+    return ordered[k]
+
+
+# ---------------------------------------------------------------------------- offline peer
+
+
+def run_offline(args: argparse.Namespace, convs: list) -> Result:
+    from kvserve import LLM, SamplingParams
+
+    llm = LLM(model=args.model, max_model_len=args.max_model_len, seed=0,
+              kv_cache_memory=args.kv_cache_memory)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    llm.chat(convs[:2], params, use_tqdm=False)  # warm-up (and the system prompt is cached)
+    start = time.perf_counter()
+    outs = llm.chat(convs, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    del llm
+    gc.collect()
+    return Result("offline LLM.generate", len(convs), len(convs), tokens, seconds)
+
+
+# ---------------------------------------------------------------------------- server side
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "kvserve.service.api_server", "--model", args.model,
+           "--host", "127.0.0.1", "--port", str(port), "--max-model-len",
+           str(args.max_model_len), "--log-level", "warning"]
+    if args.kv_cache_memory:
+        cmd += ["--kv-cache-memory", str(args.kv_cache_memory)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("the server did not become healthy in 600 s")
+
+
+async def one_request(http: httpx.AsyncClient, url: str, model: str, conv: list,
+                      max_tokens: int) -> RequestTiming:
+    body = {"model": model, "messages": conv, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    start = time.perf_counter()
+    timing: RequestTiming | None = None
+    last, seen = start, 0
+    async with http.stream("POST", url, json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or {}
+            tokens = usage.get("completion_tokens", seen)
+            if tokens <= seen:
+                continue
+            now = time.perf_counter()
+            if timing is None:
+                timing = RequestTiming(ttft=now - start)
+            else:
+                timing.itls += [(now - last) / (tokens - seen)] * (tokens - seen)
+            last, seen = now, tokens
+    assert timing is not None, "no token came back"
+    timing.tokens = seen
+    return timing
+
+
+async def run_clients(url: str, model: str, convs: list, concurrency: int,
+                      max_tokens: int) -> tuple[list[RequestTiming], float]:
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(limits=limits, timeout=None) as http:
+        async def bounded(conv: list) -> RequestTiming:
+            async with sem:
+                return await one_request(http, url, model, conv, max_tokens)
+
+        start = time.perf_counter()
+        timings = await asyncio.gather(*(bounded(c) for c in convs))
+        return list(timings), time.perf_counter() - start
+
+
+def run_server_bench(args: argparse.Namespace, convs: list) -> list[Result]:
+    port = free_port()
+    proc = start_server(args, port)
+    base = f"http://127.0.0.1:{port}"
+    url = base + "/v1/chat/completions"
+    model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
+    results = []
+    try:
+        asyncio.run(run_clients(url, model, convs[:2], 2, args.max_tokens))  # warm-up
+        for n in args.concurrency:  # warm, like the offline peer: the system prompt is cached
+            timings, seconds = asyncio.run(run_clients(url, model, convs, n, args.max_tokens))
+            tokens = sum(t.tokens for t in timings)
+            if tokens != len(convs) * args.max_tokens:
+                raise AssertionError(f"expected {len(convs) * args.max_tokens} tokens, got {tokens}")
+            itls = [x for t in timings for x in t.itls]
+            ttfts = [t.ttft for t in timings]
+            results.append(Result(f"server, {n} clients", n, len(convs), tokens, seconds,
+                                  percentile(ttfts, 50), percentile(ttfts, 99),
+                                  percentile(itls, 50), percentile(itls, 99)))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return results
+
+
+def report(offline: Result | None, results: list[Result]) -> str:
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x * 1000:.0f}"
+
+    rows = ["| run | tok/s | vs offline | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) |",
+            "| --- | ---: | ---: | ---: | ---: |"]
+    for r in ([offline] if offline else []) + results:
+        ratio = f"{r.tok_per_s / offline.tok_per_s:.2f}x" if offline else "-"
+        rows.append(f"| {r.name} | {r.tok_per_s:.1f} | {ratio} | {ms(r.ttft_p50)} / "
+                    f"{ms(r.ttft_p99)} | {ms(r.itl_p50)} / {ms(r.itl_p99)} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--kv-cache-memory", default=None,
+                   help="KV-cache bytes on CPU, e.g. 1GiB (default: the engine's choice)")
+    p.add_argument("--skip-offline", action="store_true")
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args()
+    if args.kv_cache_memory:
+        from kvserve.service.cli import byte_size
+
+        args.kv_cache_memory = byte_size(args.kv_cache_memory)
+    convs = chat_workload(args.num_requests)
+    offline = None if args.skip_offline else run_offline(args, convs)
+    results = run_server_bench(args, convs)
+    print(f"\nmachine: {os.cpu_count()} CPUs; model {args.model}; {args.num_requests} chat "
+          f"requests x {args.max_tokens} new tokens, greedy, ignore_eos\n")
+    print(report(offline, results))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"offline": asdict(offline) if offline else None,
+                       "server": [asdict(r) for r in results]}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
