@@ -3,6 +3,7 @@ hash -> block map of the prefix cache. It knows nothing of requests."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from kvserve.engine.kv_events import KVEvent
@@ -45,7 +46,8 @@ class FreeBlockQueue:
         self._link(b, self.head, self.head.next)  # type: ignore[arg-type]
 
     def remove(self, b: Block) -> None:
-        assert b.prev is not None and b.next is not None, "block is not in the free queue"
+        if b.prev is None or b.next is None:  # unlinking it would corrupt the list
+            raise ValueError(f"block {b.block_id} is not in the free queue")
         b.prev.next, b.next.prev = b.next, b.prev
         b.prev = b.next = None
         self.num_free -= 1
@@ -138,9 +140,10 @@ class BlockPool:
         Cached blocks go to the tail (kept longest, LRU); blocks with nothing reusable go to the
         head so they are reused before any cached content is evicted.
         """
-        for b in blocks:
-            if b.ref_cnt <= 0:
+        for b, times in Counter(blocks).items():  # check all first: a bad call changes nothing
+            if b.ref_cnt < times:
                 raise RuntimeError(f"double free of block {b.block_id}")
+        for b in blocks:
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
                 if b.block_hash is not None:

@@ -78,7 +78,7 @@ def test_free_queue_remove_from_the_middle_keeps_the_order_of_the_rest():
 def test_free_queue_refuses_to_remove_a_block_it_does_not_hold():
     blocks = [Block(i) for i in range(3)]
     q = FreeBlockQueue(blocks[:2])
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError, match="block 2 is not in the free queue"):
         q.remove(blocks[2])
     assert [b.block_id for b in q] == [0, 1]
 
@@ -130,6 +130,16 @@ def test_double_free_raises():
     assert pool.num_free_blocks == 2
     with pytest.raises(RuntimeError, match="double free"):
         pool.free_blocks([pool.blocks[1]])  # never allocated
+
+
+def test_a_free_list_with_a_double_free_changes_nothing():
+    pool = BlockPool(3)
+    a, b = pool.get_new_blocks(2)
+    with pytest.raises(RuntimeError, match=f"double free of block {a.block_id}"):
+        pool.free_blocks([b, a, a])
+    assert (a.ref_cnt, b.ref_cnt, pool.num_free_blocks) == (1, 1, 1)
+    pool.free_blocks([a, b])
+    assert pool.num_free_blocks == 3
 
 
 # ---- BlockPool: prefix cache and LRU eviction ------------------------------------------------
