@@ -41,7 +41,8 @@ def _model() -> Schema:
         "headDim": _typed("integer", "head_dim (hidden_size / num_attention_heads).", minimum=1),
         "parameters": _typed("integer", "Parameter count (weights bytes = parameters x dtype "
                              "bytes).", format="int64", minimum=1),
-        "dtype": _typed("string", "Checkpoint dtype.", enum=["float32", "float16", "bfloat16"],
+        "dtype": _typed("string", "Checkpoint dtype (informational: the engine runs "
+                        "engine.dtype).", enum=["float32", "float16", "bfloat16"],
                         default="bfloat16"),
         "heads": _typed("integer", "num_attention_heads (default: kvHeads).", minimum=1),
         "hiddenSize": _typed("integer", "hidden_size (default: heads x headDim).", minimum=1),
@@ -81,7 +82,8 @@ def _engine() -> Schema:
                                       default=True),
         "swapSpaceGiB": _typed("number", "CPU memory (GiB) for swapped-out blocks.", minimum=0,
                                maximum=1024, default=4),
-        "dtype": _typed("string", "Weights and activations dtype (auto: the checkpoint's).",
+        "dtype": _typed("string", "Weights and activations dtype (auto: bfloat16 on GPUs, "
+                        "float32 on CPUs).",
                         enum=["auto", "float32", "float16", "bfloat16"], default="auto"),
     }, default={})
 

@@ -73,8 +73,11 @@ def engine_args(spec: ServiceSpec, sizing: Sizing) -> list[str]:
             "--gpu-memory-utilization", f"{e.gpu_memory_utilization:g}",
             "--kv-cache-dtype", e.kv_cache_dtype, "--swap-space", f"{e.swap_space_gib:g}",
             "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching",
-            "--dtype", e.dtype, "--tensor-parallel-size", str(max(sizing.gpus_per_replica, 1)),
+            "--dtype", sizing.weight_dtype,
+            "--tensor-parallel-size", str(max(sizing.gpus_per_replica, 1)),
             "--served-model-name", spec.model.served_name]
+    if spec.device == "cpu":  # the KV budget the operator planned within the pod's memory limit
+        args += ["--kv-cache-memory", str(max(sizing.kv_bytes, 0))]
     url = redis_url(spec)
     if url:
         args += ["--redis-url", url]

@@ -15,7 +15,11 @@ from kvserve.engine.memory import (
 from kvserve.operator.spec import InvalidSpecError, ServiceSpec
 
 DEFAULT_MAX_NUM_SEQS = 256  # the engine's own default (EngineConfig.max_num_seqs)
-MIN_BATCHED_TOKENS = 2048  # the engine batches max(2048, max_model_len) tokens per step
+
+
+def batched_tokens(max_model_len: int) -> int:
+    """Tokens per step, as the engine picks them with chunked prefill (engine/platform.py)."""
+    return max(2048, min(max_model_len, 8192))
 
 
 class InsufficientGPUMemoryError(InvalidSpecError):
@@ -53,10 +57,11 @@ class Sizing:
 
 
 def weight_dtype(spec: ServiceSpec) -> str:
-    """`auto` is the checkpoint's dtype on GPUs and float32 on CPUs (as the engine does)."""
+    """`auto` is bfloat16 on GPUs (as the engine resolves it); float32 on CPUs, which the operator
+    passes explicitly because the engine's CPU `auto` depends on the node's bf16 support."""
     if spec.engine.dtype != "auto":
         return spec.engine.dtype
-    return "float32" if spec.device == "cpu" else spec.model.arch.dtype
+    return "float32" if spec.device == "cpu" else "bfloat16"
 
 
 def kv_dtype(spec: ServiceSpec) -> str:
@@ -81,7 +86,7 @@ def activation_bytes(spec: ServiceSpec) -> int:
     return activation_peak_bytes(
         hidden_size=arch.hidden, intermediate_size=arch.intermediate, vocab_size=arch.vocab,
         num_heads=arch.heads, head_dim=arch.head_dim,
-        max_num_batched_tokens=max(MIN_BATCHED_TOKENS, eng.max_model_len),
+        max_num_batched_tokens=batched_tokens(eng.max_model_len),
         max_num_seqs=eng.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
         act_dtype_bytes=dtype_bytes(weight_dtype(spec)))
 

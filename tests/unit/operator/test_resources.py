@@ -124,6 +124,16 @@ def test_engine_args_parse_with_the_real_serve_cli() -> None:
     assert args.host == "0.0.0.0" and args.port == 8000
 
 
+def test_cpu_engine_gets_the_planned_kv_budget_through_the_real_cli() -> None:
+    from kvserve.service.cli import build_parser, engine_config_from_args
+
+    spec = parse_spec(load("smollm2-cpu-kind.yaml"))
+    sizing = plan(spec)
+    config = engine_config_from_args(build_parser().parse_args(engine_args(spec, sizing)))
+    assert config.kv_cache_memory == sizing.kv_bytes > 0
+    assert config.dtype == "float32" and config.model == "smollm2-135m-instruct"
+
+
 def test_router_args_parse_with_the_real_router_cli() -> None:
     from kvserve.service.cli import build_parser
 

@@ -21,9 +21,9 @@ def sized(**spec: object):
 
 def test_llama2_7b_fp16_on_a100_80gb_by_hand() -> None:
     s = sized(model={"name": "llama-2-7b"}, gpu={"type": "A100-80GB"},
-              engine={"maxModelLen": 4096, "gpuMemoryUtilization": 0.9})
+              engine={"maxModelLen": 4096, "gpuMemoryUtilization": 0.9, "dtype": "float16"})
     usable = int(81920 * MiB * 0.9)                      # 77,309,411,328
-    weights = 6_738_415_616 * 2                           # fp16 checkpoint
+    weights = 6_738_415_616 * 2                           # fp16
     mlp = 4096 * (3 * 11008 + 4 * 4096 + 3 * 32 * 128) * 2  # 4096 batched tokens, fp16
     logits = 256 * 32000 * 4 * 2                          # default max_num_seqs, fp32, x2
     kv = usable - weights - mlp - logits
@@ -61,7 +61,7 @@ def test_fp8_kv_doubles_the_blocks() -> None:
     assert fp8.bytes_per_block * 2 == fp16.bytes_per_block
     assert fp8.kv_bytes == fp16.kv_bytes
     assert fp8.num_blocks in (2 * fp16.num_blocks, 2 * fp16.num_blocks + 1)
-    assert fp8.kv_cache_dtype == "fp8" and fp16.kv_cache_dtype == "float16"
+    assert fp8.kv_cache_dtype == "fp8" and fp16.kv_cache_dtype == "bfloat16"  # auto on GPUs
 
 
 def test_impossible_spec_is_refused_with_the_numbers() -> None:
@@ -95,3 +95,11 @@ def test_memory_gib_overrides_the_catalog_and_cpu_uses_the_pod_limit() -> None:
 
 def test_default_concurrency_matches_the_engine() -> None:
     assert DEFAULT_MAX_NUM_SEQS == EngineConfig().max_num_seqs
+
+
+def test_long_context_batches_at_most_8192_tokens_like_the_engine() -> None:
+    s = sized(model={"name": "qwen2.5-7b"}, gpu={"type": "H100-80GB"},
+              engine={"maxModelLen": 32768})
+    mlp = 8192 * (3 * 18944 + 4 * 3584 + 3 * 28 * 128) * 2
+    logits = 256 * 152064 * 4 * 2
+    assert s.activation_peak_bytes == mlp + logits
