@@ -81,7 +81,9 @@ def engine_args(spec: ServiceSpec, sizing: Sizing) -> list[str]:
     url = redis_url(spec)
     if url:
         args += ["--redis-url", url]
-    return args + ["--service-name", spec.name, "--advertise-url", f"http://$(POD_IP):{PORT}"]
+    # Drain inside the pod's termination grace period, leaving time for the preStop sleep.
+    return args + ["--service-name", spec.name, "--advertise-url", f"http://$(POD_IP):{PORT}",
+                   "--shutdown-grace-period", str(DRAIN_SECONDS - 20)]
 
 
 def pod_security() -> Obj:

@@ -122,6 +122,9 @@ def test_engine_args_parse_with_the_real_serve_cli() -> None:
     assert args.redis_url == "redis://llama-2-7b-redis:6379/0"
     assert args.service_name == "llama-2-7b" and args.advertise_url == "http://$(POD_IP):8000"
     assert args.host == "0.0.0.0" and args.port == 8000
+    pod = by_name(objects(load("llama-2-7b-a100.yaml")))["Deployment/llama-2-7b-engine"]
+    grace = pod["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert 5 + args.shutdown_grace_period < grace  # preStop sleep + drain fit before SIGKILL
 
 
 def test_cpu_engine_gets_the_planned_kv_budget_through_the_real_cli() -> None:
