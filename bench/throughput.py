@@ -1,0 +1,132 @@
+"""Engine throughput on the default model vs HF transformers static batching, same run.
+
+64 chat requests sharing a ~200-token system prompt, 64 new tokens each (greedy, ignore_eos),
+in fp32 and bf16: kvserve output tok/s vs HF `generate` (batch 32, left padding), the ratio,
+KV slot utilisation (real tokens / allocated slots, sampled every step) next to a contiguous
+cache reserving max_model_len per request, and a second run with output lengths drawn from
+16..256 where static batching waits for its longest member. llama-cpp-python joins if installed.
+
+    python bench/throughput.py [--requests 64] [--dtypes float32,bfloat16] [--skip-hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from workload import chat_requests, output_lengths  # noqa: E402
+
+from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.engine.model_loader import fetch_model  # noqa: E402
+
+MAX_MODEL_LEN = 2048
+
+
+def run_kvserve(llm: LLM, prompts: list[list[int]], lengths: list[int]) -> dict:
+    engine = llm.llm_engine
+    for i, (p, n) in enumerate(zip(prompts, lengths)):
+        engine.add_request(f"b{time.monotonic_ns()}-{i}", p,
+                           SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    util, contiguous = [], []
+    q0, h0 = engine.get_stats().prefix_cache_queries, engine.get_stats().prefix_cache_hits
+    t0 = time.perf_counter()
+    tokens = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens += len(out.outputs[0].token_ids)
+        s = engine.get_stats()
+        if s.kv_slots_allocated:
+            util.append(s.kv_slot_utilization)
+            contiguous.append(s.kv_slots_used / (max(s.num_running, 1) * MAX_MODEL_LEN))
+    dt = time.perf_counter() - t0
+    s = engine.get_stats()
+    hit = (s.prefix_cache_hits - h0) / max(s.prefix_cache_queries - q0, 1)
+    return {"tok_s": tokens / dt, "seconds": dt, "tokens": tokens,
+            "kv_util": statistics.mean(util), "contiguous_util": statistics.mean(contiguous),
+            "hit_rate": hit}
+
+
+def run_hf(model_dir: Path, dtype: torch.dtype, prompts: list[list[int]], lengths: list[int],
+           batch: int = 32) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    pad = model.generation_config.pad_token_id or 0
+    t0 = time.perf_counter()
+    useful = 0
+    for i in range(0, len(prompts), batch):
+        chunk, lens = prompts[i:i + batch], lengths[i:i + batch]
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(lens),
+                           min_new_tokens=max(lens), do_sample=False, pad_token_id=pad)
+        useful += sum(lens)  # static batching runs every row to the longest; only these count
+    dt = time.perf_counter() - t0
+    return {"tok_s": useful / dt, "seconds": dt, "tokens": useful}
+
+
+def run_llama_cpp(prompts: list[list[int]], lengths: list[int]) -> dict | None:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return None
+    return None  # wired only where llama-cpp-python is installed (see docs/perf.md)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-varied", action="store_true")
+    args = ap.parse_args()
+
+    model_dir = fetch_model("smollm2-135m-instruct")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    for dtype_name in args.dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
+        llm = LLM("smollm2-135m-instruct", dtype=dtype_name, device="cpu",
+                  max_model_len=MAX_MODEL_LEN, max_num_seqs=256)
+        tok = llm.get_tokenizer()
+        prompts = [tok.apply_chat_template(c, tokenize=True, add_generation_prompt=True,
+                                           return_dict=False) for c in chat_requests(args.requests)]
+        prompts = [list(p) for p in prompts]
+        print(f"\n== {dtype_name}: {len(prompts)} requests, "
+              f"{sum(map(len, prompts))} prompt tokens, {args.new_tokens} new tokens each")
+        run_kvserve(llm, prompts[:2], [4, 4])  # warm-up (also clears nothing from the cache)
+        llm.llm_engine.reset_prefix_cache()
+        fixed = [args.new_tokens] * len(prompts)
+        ours = run_kvserve(llm, prompts, fixed)
+        print(f"kvserve: {ours['tok_s']:.1f} tok/s ({ours['seconds']:.1f}s), prefix hit rate "
+              f"{ours['hit_rate']:.1%}, KV slot utilisation {ours['kv_util']:.1%} vs contiguous "
+              f"{ours['contiguous_util']:.1%}")
+        if not args.skip_hf:
+            hf = run_hf(model_dir, dtype, prompts, fixed)
+            print(f"HF static batch 32: {hf['tok_s']:.1f} tok/s ({hf['seconds']:.1f}s) -> "
+                  f"kvserve/HF = {ours['tok_s'] / hf['tok_s']:.2f}x")
+        if not args.skip_varied:
+            lens = output_lengths(len(prompts), 16, 256, seed=1)
+            llm.llm_engine.reset_prefix_cache()
+            ours_v = run_kvserve(llm, prompts, lens)
+            line = (f"varied 16..256: kvserve {ours_v['tok_s']:.1f} tok/s, KV utilisation "
+                    f"{ours_v['kv_util']:.1%} vs contiguous {ours_v['contiguous_util']:.1%}")
+            if not args.skip_hf:
+                hf_v = run_hf(model_dir, dtype, prompts, lens)
+                line += (f"; HF static {hf_v['tok_s']:.1f} useful tok/s -> "
+                         f"{ours_v['tok_s'] / hf_v['tok_s']:.2f}x")
+            print(line)
+        del llm
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""The real default model (SmolLM2-135M-Instruct) through `LLM`: greedy output token-identical to
+HF transformers `generate` in fp32, one prompt at a time and all batched together."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from kvserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Explain the multi-head attention mechanism in the Transformer architecture",
+    "How can the GPU memory efficiency of large model inference be optimised?",
+    "What is the difference between PagedAttention and traditional KV cache management?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Who wrote Romeo and Juliet?",
+    "Translate 'good morning' into Spanish.",
+]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def chats(default_model_dir):
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    return [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True,
+                                    add_generation_prompt=True, return_dict=False)
+            for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def hf_reference(default_model_dir, chats):
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    out = []
+    for ids in chats:
+        x = torch.tensor([list(ids)])
+        gen = hf.generate(x, max_new_tokens=NEW_TOKENS, do_sample=False)  # stops at EOS
+        out.append(gen[0, x.shape[1]:].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("smollm2-135m-instruct", dtype="float32", device="cpu", max_model_len=1024,
+               kv_cache_memory=1 << 28)
+
+
+def test_greedy_equals_hf_one_at_a_time_and_batched(llm, chats, hf_reference):
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)  # stops at EOS, as HF does
+    one = [llm.generate([list(c)], params, use_tqdm=False)[0].outputs[0].token_ids
+           for c in chats]
+    batched = [o.outputs[0].token_ids
+               for o in llm.generate([list(c) for c in chats], params, use_tqdm=False)]
+    assert one == hf_reference
+    assert batched == hf_reference
+    assert sum(map(len, hf_reference)) >= 6 * NEW_TOKENS  # most answers run the full length
+
+
+def test_capital_of_france_smoke(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason == "stop"
