@@ -72,6 +72,8 @@ class LLMEngine:
             head_dim=setup.head_dim, num_blocks=setup.budget.num_blocks,
             block_size=config.block_size, kv_dtype=setup.kv_dtype, device=self.device,
             num_cpu_blocks=setup.num_cpu_blocks, attention_backend=config.attention_backend)
+        if config.calculate_kv_scales and setup.kv_dtype == torch.float8_e4m3fn:
+            self._calibrate_kv_scales()
         self.requests: dict[str, RequestState] = {}
         self._next_seq_id = 0
         self._aborted: list[RequestOutput] = []
@@ -79,6 +81,18 @@ class LLMEngine:
         self._generation_tokens = 0
         logger.info("%s; device %s, dtype %s, kv dtype %s", self.memory_budget.describe(),
                     self.device, self.dtype, setup.kv_dtype)
+
+    def _calibrate_kv_scales(self) -> None:
+        """`calculate_kv_scales=True`: FP8 scales from a representative first batch."""
+        text = ("The KV cache stores the keys and values of every token seen so far. "
+                "What is the capital of France? Paris is the capital of France. 0123456789")
+        try:
+            ids = _chat_ids(self.tokenizer, text)
+        except Exception:  # noqa: BLE001 - a model without a chat template: plain text
+            ids = prompt_token_ids(self.tokenizer, text)
+        self.runner.calibrate_kv_scales(ids[: self.max_model_len], self.dtype)
+        logger.info("fp8 KV scales from calibration: k_scale %.4g, v_scale %.4g",
+                    self.runner.k_scale, self.runner.v_scale)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
@@ -332,6 +346,12 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.pool.reset_prefix_cache()
+
+
+def _chat_ids(tokenizer: Any, text: str) -> list[int]:
+    from kvserve.engine.tokenizer import chat_token_ids
+
+    return chat_token_ids(tokenizer, [{"role": "user", "content": text}])
 
 
 def _replace(params: SamplingParams, **changes: Any) -> SamplingParams:

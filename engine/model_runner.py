@@ -9,7 +9,7 @@ import torch
 from kvserve.engine.kv_cache_manager import KVCacheManager
 from kvserve.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
 from kvserve.engine.scheduler import SchedulerOutput
-from kvserve.kernels import plan_attention
+from kvserve.kernels import compute_kv_scale, plan_attention
 from kvserve.kernels.metadata import AttentionMetadata
 
 FP8 = torch.float8_e4m3fn
@@ -81,6 +81,32 @@ class ModelRunner:
                                  backend=self.backend, plan=plan)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         return ids, positions.to(dev), meta
+
+    @torch.inference_mode()
+    def calibrate_kv_scales(self, token_ids: list[int], act_dtype: torch.dtype) -> None:
+        """FP8 cache: set k/v scales from the K/V of one calibration batch (max over layers).
+
+        The batch runs against a temporary cache in the model's dtype, so nothing is rounded
+        before the scales are known.
+        """
+        bs = self.block_size
+        n_blocks = -(-len(token_ids) // bs)
+        tmp = torch.zeros((2, len(self.kv_caches), n_blocks, *self.kv.shape[3:]),
+                          dtype=act_dtype, device=self.device)
+        caches = [(tmp[0, i], tmp[1, i]) for i in range(len(self.kv_caches))]
+        n = len(token_ids)
+        bt = torch.arange(n_blocks, dtype=torch.int32, device=self.device)[None]
+        seq_lens = torch.tensor([n], dtype=torch.int32, device=self.device)
+        qsl = torch.tensor([0, n], dtype=torch.int32, device=self.device)
+        positions = torch.arange(n, device=self.device)
+        meta = AttentionMetadata(slot_mapping=positions.clone(), block_tables=bt,
+                                 seq_lens=seq_lens, query_start_loc=qsl, max_query_len=n,
+                                 max_seq_len=n, backend=self.backend,
+                                 plan=plan_attention(bt, seq_lens, qsl, bs, n, n))
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+        self.model(ids, positions, caches, meta)
+        self.k_scale = compute_kv_scale(tmp[0])
+        self.v_scale = compute_kv_scale(tmp[1])
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager, sample_rows: list[int],
