@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 PORT   ?= 8000
 MODEL  ?= smollm2-135m-instruct
 
-.PHONY: setup run run-offline test test-fast bench clean
+.PHONY: setup run run-offline run-cluster test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -18,13 +18,19 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# Fetch the default model once, then serve it on :$(PORT) (OpenAI API; the banner shows how to call it).
 run: setup
 	$(VENV)/bin/kvserve fetch-model $(MODEL)
-	$(PY) examples/offline.py
+	$(VENV)/bin/kvserve serve $(MODEL) --port $(PORT)
 
 run-offline: setup
 	$(VENV)/bin/kvserve fetch-model $(MODEL)
 	$(PY) examples/offline.py
+
+# redis-server + 2 replicas + the prefix-aware router on :$(PORT).
+run-cluster: setup
+	$(VENV)/bin/kvserve fetch-model $(MODEL)
+	MODEL=$(MODEL) PORT=$(PORT) VENV=$(VENV) scripts/run_cluster.sh
 
 test: setup
 	$(VENV)/bin/pytest -q
