@@ -1,9 +1,12 @@
 """The CPU fast path: paged attention with batched torch ops over gathered blocks.
 
-Decodes: sequences are grouped into chunks of similar length; each chunk gathers its blocks with one
-index_select per cache ([n, key_len, kv_heads * head_dim], no transpose) and runs two bmm's with a
-block-diagonal query, so GQA needs no repeated K/V. Prefills: one SDPA per sequence over its
-gathered blocks, causal (shifted by the cached context for chunked prefill).
+Decodes: sequences are grouped into chunks of similar length (torch_plan.py); each chunk gathers
+its blocks with one index_select per cache into a reused workspace ([n, key_len, kv_heads *
+head_dim], no transpose), sized to stay in the last-level cache for the matmuls that follow. In
+fp32, two bmm's with a block-diagonal query do GQA without repeating K/V; in bf16/fp16 (whose
+small bmm's are slow on this CPU) one SDPA runs on the strided per-head view. Prefills: one SDPA
+per sequence over its gathered blocks, causal (shifted by the cached context for chunked prefill).
+fp8 caches are gathered as bytes and widened with fp8_cpu's bit trick; scales fold into the math.
 """
 
 from __future__ import annotations
@@ -11,8 +14,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvserve.kernels.fp8_cpu import FP8_TO_FP16_FACTOR, fp8_bytes_to_fp16
 from kvserve.kernels.plan import AttentionPlan
 from kvserve.kernels.torch_plan import DecodeChunk, PrefillSeq, torch_plan
+from kvserve.kernels.workspace import Workspace
 
 FP8 = torch.float8_e4m3fn
 
@@ -20,59 +25,91 @@ FP8 = torch.float8_e4m3fn
 def torch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           plan: AttentionPlan, scale: float, k_scale: float = 1.0,
                           v_scale: float = 1.0) -> torch.Tensor:
-    """Same contract as reference_paged_attention; fp8 scales are folded into the matmuls."""
-    if k_cache.dtype != FP8:  # scales describe fp8 storage only
+    """Same contract as reference_paged_attention."""
+    if k_cache.dtype == FP8:  # gathered values come out divided by 256
+        k_scale, v_scale = k_scale * FP8_TO_FP16_FACTOR, v_scale * FP8_TO_FP16_FACTOR
+    else:  # scales describe fp8 storage only
         k_scale = v_scale = 1.0
-    token_bytes = 2 * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
+    token_bytes = 2 * k_cache.shape[2] * k_cache.shape[3] * q.element_size()
     parts = torch_plan(plan, token_bytes)
-    out = torch.empty_like(q)
-    flat_k, flat_v = _flat(k_cache), _flat(v_cache)
+    ws = plan.parts.setdefault("workspace", Workspace(q.device))
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    gather = _Gather(k_cache, v_cache, q.dtype, ws)
     for chunk in parts.decode:
-        res = _decode(q, flat_k, flat_v, k_cache, chunk, scale * k_scale, v_scale)
-        out.index_copy_(0, chunk.tokens, res)
+        out.index_copy_(0, chunk.tokens, _decode(q, gather, chunk, scale * k_scale, v_scale))
     for seq in parts.prefill:
-        out[seq.start:seq.end] = _prefill(q, flat_k, flat_v, k_cache, seq, scale, k_scale, v_scale)
+        out[seq.start:seq.end] = _prefill(q, gather, seq, scale * k_scale, v_scale)
     return out
 
 
-def _flat(cache: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, block_size * kv_heads * head_dim]; fp8 as bytes (index_select has no fp8)."""
-    flat = cache.view(cache.shape[0], -1)
-    return flat.view(torch.uint8) if cache.dtype == FP8 else flat
+class _Gather:
+    """Copies a list of blocks of K or V into the workspace, in the compute dtype."""
+
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype,
+                 ws: Workspace) -> None:
+        self.fp8 = k_cache.dtype == FP8
+        self.flat = {name: cache.view(cache.shape[0], -1) for name, cache in
+                     (("k", k_cache), ("v", v_cache))}
+        if self.fp8:  # index_select has no fp8 kernel: move bytes
+            self.flat = {name: flat.view(torch.uint8) for name, flat in self.flat.items()}
+        self.width = self.flat["k"].shape[1]
+        self.kv_heads = k_cache.shape[2]
+        self.dtype, self.ws = dtype, ws
+
+    def __call__(self, name: str, blocks: torch.Tensor) -> torch.Tensor:
+        """[len(blocks), block_size * kv_heads * head_dim] in the compute dtype."""
+        flat, shape = self.flat[name], (blocks.shape[0], self.width)
+        raw = torch.index_select(flat, 0, blocks, out=self.ws.get(name, shape, flat.dtype))
+        if self.fp8:
+            raw = fp8_bytes_to_fp16(raw, out=self.ws.get(name + "16", shape, torch.float16))
+        if raw.dtype == self.dtype:
+            return raw
+        return self.ws.get(name + "c", shape, self.dtype).copy_(raw)
 
 
-def _gather(flat: torch.Tensor, blocks: torch.Tensor, cache_dtype: torch.dtype,
-            dtype: torch.dtype) -> torch.Tensor:
-    rows = flat.index_select(0, blocks)
-    return rows.view(FP8).to(dtype) if cache_dtype == FP8 else rows.to(dtype)
-
-
-def _decode(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, k_cache: torch.Tensor,
-            chunk: DecodeChunk, qk_scale: float, v_scale: float) -> torch.Tensor:
+def _decode(q: torch.Tensor, gather: _Gather, chunk: DecodeChunk, qk_scale: float,
+            v_scale: float) -> torch.Tensor:
     """[n, num_heads, head_dim] for one decode chunk."""
-    n, (kv_heads, head_dim), heads = chunk.tokens.shape[0], k_cache.shape[2:], q.shape[1]
-    group = heads // kv_heads
-    k = _gather(flat_k, chunk.blocks, k_cache.dtype, q.dtype).view(n, chunk.key_len, -1)
-    v = _gather(flat_v, chunk.blocks, k_cache.dtype, q.dtype).view(n, chunk.key_len, -1)
-    qs = q.index_select(0, chunk.tokens).view(n, kv_heads, group, 1, head_dim)
-    # Block-diagonal query [n, heads, kv_heads * head_dim]: head h only sees its KV head's slice.
-    eye = torch.eye(kv_heads, dtype=q.dtype, device=q.device).view(1, kv_heads, 1, kv_heads, 1)
-    q_big = (qs * eye).view(n, heads, kv_heads * head_dim)
-    scores = torch.baddbmm(chunk.additive_mask(q.dtype), q_big, k.transpose(1, 2), alpha=qk_scale)
-    probs = torch.softmax(scores, dim=-1)
-    full = torch.bmm(probs, v).view(n, kv_heads, group, kv_heads, head_dim)
-    res = torch.diagonal(full, dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(n, heads, head_dim)
+    n, heads, head_dim = chunk.tokens.shape[0], q.shape[1], q.shape[2]
+    k = gather("k", chunk.blocks).view(n, chunk.key_len, -1)
+    v = gather("v", chunk.blocks).view(n, chunk.key_len, -1)
+    kv_heads = k.shape[2] // head_dim
+    qs = q.index_select(0, chunk.tokens).view(n, kv_heads, heads // kv_heads, head_dim)
+    if q.dtype == torch.float32:
+        res = _decode_bmm(qs, k, v, chunk.additive_mask(q.dtype), qk_scale)
+    else:
+        res = F.scaled_dot_product_attention(
+            qs, k.view(n, -1, kv_heads, head_dim).transpose(1, 2),
+            v.view(n, -1, kv_heads, head_dim).transpose(1, 2),
+            attn_mask=chunk.additive_mask(q.dtype).unsqueeze(1), scale=qk_scale)
+    res = res.reshape(n, heads, head_dim)
     return res.mul_(v_scale) if v_scale != 1.0 else res
 
 
-def _prefill(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, k_cache: torch.Tensor,
-             seq: PrefillSeq, scale: float, k_scale: float, v_scale: float) -> torch.Tensor:
+def _decode_bmm(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                qk_scale: float) -> torch.Tensor:
+    """qs [n, kv_heads, group, d] against k/v [n, key_len, kv_heads * d] -> [n, kv, group, d].
+
+    The query is made block-diagonal ([n, heads, kv_heads * d], head h non-zero only on its KV
+    head's slice), so each bmm reads the gathered rows as they lie: no transpose, no repeat.
+    """
+    n, kv_heads, group, head_dim = qs.shape
+    eye = torch.eye(kv_heads, dtype=qs.dtype, device=qs.device).view(1, kv_heads, 1, kv_heads, 1)
+    q_big = (qs.unsqueeze(3) * eye).view(n, kv_heads * group, kv_heads * head_dim)
+    scores = torch.baddbmm(mask, q_big, k.transpose(1, 2), alpha=qk_scale)
+    probs = torch.softmax(scores, dim=-1)
+    full = torch.bmm(probs, v).view(n, kv_heads, group, kv_heads, head_dim)
+    return torch.diagonal(full, dim1=1, dim2=3).permute(0, 3, 1, 2)
+
+
+def _prefill(q: torch.Tensor, gather: _Gather, seq: PrefillSeq, qk_scale: float,
+             v_scale: float) -> torch.Tensor:
     """[end - start, num_heads, head_dim] for one sequence with several new tokens."""
-    kv_shape = (-1, *k_cache.shape[2:])
-    k = _gather(flat_k, seq.blocks, k_cache.dtype, q.dtype).view(kv_shape)[: seq.seq_len]
-    v = _gather(flat_v, seq.blocks, k_cache.dtype, q.dtype).view(kv_shape)[: seq.seq_len]
+    kv_shape = (-1, gather.kv_heads, q.shape[2])
+    k = gather("k", seq.blocks).view(kv_shape)[: seq.seq_len]
+    v = gather("v", seq.blocks).view(kv_shape)[: seq.seq_len]
     res = F.scaled_dot_product_attention(
         q[seq.start:seq.end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-        attn_mask=seq.mask, is_causal=seq.mask is None, scale=scale * k_scale, enable_gqa=True)
+        attn_mask=seq.mask, is_causal=seq.mask is None, scale=qk_scale, enable_gqa=True)
     res = res.transpose(0, 1)
     return res * v_scale if v_scale != 1.0 else res
