@@ -6,12 +6,17 @@ import asyncio
 import contextlib
 import copy
 import logging
+import os
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import kmock as kmock_lib
 import kopf
+import yaml
+from conftest import free_port
 
 from kvserve.operator.crd import GROUP, KIND, PLURAL, VERSION
 from kvserve.operator.handlers import build_registry, reconcile
@@ -280,3 +285,37 @@ async def test_timer_repairs_a_deleted_child(kmock: Any) -> None:
                        "the engine Service recreated")
     creates = [w for w in writes(kmock) if w == f"POST /api/v1/namespaces/{NS}/services"]
     assert len(creates) == 4  # redis, engine, entry, then the engine Service again
+
+
+async def test_cli_entry_point_runs_the_operator(kmock: Any, tmp_path: Any) -> None:
+    """`python -m kvserve.operator operator --all-namespaces`, as the operator image runs it: kopf
+    logs in through a kubeconfig; its liveness endpoint answers. (KMock 0.8 cannot list
+    namespaces, which kopf's namespace-scoped mode needs, so that mode is not run here.)"""
+    declare_resources(kmock)
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
+        "clusters": [{"name": "kmock", "cluster": {"server": str(kmock.url).rstrip("/")}}],
+        "users": [{"name": "kmock", "user": {}}],
+        "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock"}}]}))
+    port = free_port()
+    log = tmp_path / "operator.log"
+    with log.open("wb") as sink:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvserve.operator", "operator", "--all-namespaces",
+            "--liveness", f"http://127.0.0.1:{port}/healthz",
+            env={**os.environ, "KUBECONFIG": str(kubeconfig)},
+            stdout=sink, stderr=asyncio.subprocess.STDOUT)
+    try:
+        await create(kmock, service_cr("cli"))
+        await wait_for(lambda: stored(kmock, DEPLOYMENTS, "cli-engine") or proc.returncode,
+                       f"the Deployment from the operator process; its log: {log}")
+        assert proc.returncode is None, log.read_text()[-3000:]
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"http://127.0.0.1:{port}/healthz") as resp:
+                assert resp.status == 200
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+        await asyncio.wait_for(proc.wait(), timeout=WAIT_S)
+    assert stored(kmock, DEPLOYMENTS, "cli-engine") is not None, log.read_text()[-3000:]
