@@ -156,8 +156,13 @@ class KVCacheManager:
         self.num_registered[seq.seq_id] = 0
         return [(b.block_id, c) for b, c in zip(table, cpu)]
 
-    def can_swap_in(self, seq: Sequence) -> bool:
-        return len(self.swapped.get(seq.seq_id, ())) <= self.pool.num_free_blocks
+    def can_swap_in(self, seq: Sequence, num_new_tokens: int = 0) -> bool:
+        """Whether the seq's blocks, and the slots of its next `num_new_tokens`, fit on device."""
+        num_blocks = len(self.swapped.get(seq.seq_id, ()))
+        if num_new_tokens:
+            total = seq.num_computed_tokens + num_new_tokens
+            num_blocks = max(num_blocks, -(-total // self.block_size))
+        return num_blocks <= self.pool.num_free_blocks
 
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
         """Bring the seq's blocks back: (cpu block, device block) pairs to copy."""

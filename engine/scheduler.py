@@ -110,11 +110,12 @@ class Scheduler:
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and budget > 0 and self._has_seq_room(self.swapped[0]):
             seq = self.swapped[0]
-            if not self.kv.can_swap_in(seq):
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            # Room for its next tokens too: swapped in without it, it would be swapped out again.
+            if not self.kv.can_swap_in(seq, n):
                 break
             out.blocks_to_swap_in += self.kv.swap_in(seq)
             self.swapped.popleft()
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.kv.allocate_slots(seq, n):  # resumes next step with its blocks back
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)

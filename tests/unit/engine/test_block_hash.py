@@ -153,6 +153,14 @@ def test_hash_is_blake2b_of_parent_tokens_and_key():
     assert block_hashes(TOKENS[:32], 16, "salt") == [first.hex(), second.hex()]
 
 
+def test_container_extra_keys_do_not_depend_on_insertion_order():
+    a = block_hashes(TOKENS, 16, {"tenant": "a", "lora": 3})
+    assert a == block_hashes(TOKENS, 16, {"lora": 3, "tenant": "a"})
+    assert a != block_hashes(TOKENS, 16, {"lora": 4, "tenant": "a"})
+    assert block_hashes(TOKENS, 16, {"x", "y"}) == block_hashes(TOKENS, 16, {"y", "x"})
+    assert block_hashes(TOKENS, 16, {"x", "y"}) != block_hashes(TOKENS, 16, ("x", "y"))
+
+
 def test_unstable_extra_keys_are_rejected():
     class Tenant:  # its repr holds a memory address, different in every process
         pass

@@ -152,6 +152,18 @@ def test_swap_needs_room_on_the_other_side():
     assert not kv2.can_swap_in(a)  # 3 blocks needed, 1 free
 
 
+def test_can_swap_in_counts_the_slots_of_the_next_tokens():
+    kv = KVCacheManager(num_blocks=4, block_size=BS, num_cpu_blocks=4)
+    seq = make_seq(1, [1] * 8)
+    prefill(kv, seq)  # 2 full blocks
+    kv.swap_out(seq)
+    prefill(kv, make_seq(2, [2] * 5))  # 2 blocks: 2 left
+    seq.output_token_ids.append(3)
+    assert kv.can_swap_in(seq)  # its 2 blocks fit...
+    assert not kv.can_swap_in(seq, 1)  # ...but not the third its next token needs
+    assert kv.can_swap_in(seq, 0)
+
+
 def test_freeing_a_swapped_seq_returns_its_cpu_blocks():
     kv = KVCacheManager(num_blocks=4, block_size=BS, num_cpu_blocks=4)
     seq = make_seq(1, [1] * 7)

@@ -312,6 +312,20 @@ def test_a_swapped_request_resumes_before_waiting_ones_are_admitted():
     assert d in sim.finished
 
 
+def test_a_swapped_request_comes_back_only_when_it_can_run():
+    # a and c fill a 5-block pool; c is swapped out. Its 2 blocks fit back before the block its
+    # next token needs does: swapping it in then would only swap it out again.
+    sim = Sim(num_blocks=5, max_num_seqs=4, mode="swap", num_cpu_blocks=8)
+    a = sim.add(prompt(8), max_tokens=8)
+    c = sim.add(prompt(8, 30), max_tokens=4)
+    sim.run()
+    assert c.num_preemptions == 1 and sim.sched.num_preemptions == 1
+    swap_ins = [o for o in sim.outputs if o.blocks_to_swap_in]
+    assert len(swap_ins) == 1 and c in swap_ins[0].seqs
+    assert sim.computed == sum(s.num_tokens - 1 for s in (a, c))
+    assert len(sim.finished) == 2
+
+
 # ---- prefix cache -----------------------------------------------------------------------------
 
 def test_prefix_hits_are_counted_once_per_admission():
@@ -336,6 +350,17 @@ def test_cached_tokens_are_those_found_at_admission():
     assert b.num_cached_tokens == 8 and sim.kv.prefix_stats.hits == 8
     sim.run()
     assert sim.computed == (12 + 1) + (4 + 1)
+
+
+def test_abort_of_a_waiting_request_leaves_the_others_running():
+    sim = Sim(num_blocks=64, max_num_seqs=1)
+    a, b, c = (sim.add(prompt(5, 10 * i), max_tokens=3) for i in range(3))
+    sim.step()
+    sim.sched.finish(b)  # aborted while waiting
+    assert b.status == SequenceStatus.FINISHED and list(sim.sched.waiting) == [c]
+    sim.run()
+    assert sim.finished == [a, c] and sim.kv.num_free_blocks == 64
+    assert not sim.kv.hashes and not sim.kv.tables
 
 
 def test_abort_frees_blocks_from_every_queue():
