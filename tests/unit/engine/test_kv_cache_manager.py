@@ -85,6 +85,18 @@ def test_freed_prompt_blocks_serve_a_later_request():
     assert kv.num_free_blocks == 1
 
 
+def test_a_freed_sequence_loses_the_end_of_its_chain_first():
+    kv = KVCacheManager(num_blocks=4, block_size=BS)
+    a = make_seq(1, [4] * 4 + [5] * 4 + [6] * 4 + [7])  # 3 full blocks + 1 partial
+    prefill(kv, a)
+    ids = kv.block_ids(a)
+    kv.free(a)
+    b = make_seq(2, [1] * 5)
+    prefill(kv, b)  # 2 blocks: the partial one (nothing to keep), then the chain's last block
+    assert sorted(kv.block_ids(b)) == sorted([ids[3], ids[2]])
+    assert [blk.block_id for blk in kv.lookup_prefix(make_seq(3, a.all_token_ids))] == ids[:2]
+
+
 def test_hits_on_free_cached_blocks_count_against_the_free_blocks():
     kv = KVCacheManager(num_blocks=3, block_size=BS)
     a = make_seq(1, [3] * 9)
