@@ -37,6 +37,7 @@ _HOP_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-
 # The router's own server sets these; raw bytes are relayed, so no content-encoding is added.
 _OWN_HEADERS = {"date", "server"}
 _RETRY_STATUS = {502, 503, 504}
+_DOWN_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 _ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -123,8 +124,10 @@ class Router:
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         timeout = httpx.Timeout(self.cfg.read_timeout, connect=self.cfg.connect_timeout)
+        # Idle connections expire before uvicorn's 5 s keep-alive, so a request rarely races a
+        # server-side close.
         self.http = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(
-            max_connections=2048, max_keepalive_connections=256))
+            max_connections=2048, max_keepalive_connections=256, keepalive_expiry=2.0))
         if self.index is not None:
             await self.refresh()
             self._tasks.append(asyncio.create_task(self._refresh_loop()))
@@ -207,6 +210,9 @@ class Router:
         now = time.monotonic()
         return [i for i in infos if self.down_until.get(i.replica_id, 0.0) <= now]
 
+    def _is_down(self, replica_id: str) -> bool:
+        return self.down_until.get(replica_id, 0.0) > time.monotonic()
+
     def mark_down(self, replica_id: str) -> None:
         self.down_until[replica_id] = time.monotonic() + self.cfg.down_cooldown
         self._update_gauges()
@@ -236,7 +242,9 @@ class Router:
             from kvserve.engine.block_hash import block_hashes
 
             hashes = block_hashes(tokens, block_size, body.get("cache_salt"))
-        matches = await self._lookup(hashes)
+        # Only prefix routing needs Redis per request; the others use the set refreshed each second.
+        matches = await self._lookup(hashes) if use_index else \
+            [ReplicaMatch(i, 0) for i in self.known.values()]
         routable = self._routable([m.replica for m in matches]) or [m.replica for m in matches]
         by_id = {m.replica.replica_id: m.matched_blocks for m in matches}
         cands = [self._candidate(i, by_id.get(i.replica_id, 0)) for i in routable]
@@ -277,6 +285,9 @@ class Router:
         fwd = {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
         for cand in ranking:
             opened = await self._open(cand, method, path, query, body, fwd)
+            if opened is None and not self._is_down(cand.replica_id):
+                # A dropped connection, not a dead replica: one more try on a fresh connection.
+                opened = await self._open(cand, method, path, query, body, fwd)
             if opened is None:
                 continue
             resp, first, chunks = opened
@@ -291,7 +302,8 @@ class Router:
     async def _open(self, cand: Candidate, method: str, path: str, query: str, body: bytes,
                     headers: dict[str, str]
                     ) -> tuple[httpx.Response, bytes, AsyncIterator[bytes]] | None:
-        """Send the request and read its first body chunk; None (replica marked down) on failure."""
+        """Send the request and read its first body chunk; None on failure (the replica is marked
+        down unless only the connection dropped)."""
         assert self.http is not None
         url = cand.url.rstrip("/") + path + (f"?{query}" if query else "")
         self.inflight[cand.replica_id] = self.inflight.get(cand.replica_id, 0) + 1
@@ -313,7 +325,10 @@ class Router:
                            cand.replica_id, type(exc).__name__, exc)
             self.metrics.upstream_errors.labels(cand.replica_id, "before_first_byte").inc()
             self.metrics.retries.labels(cand.replica_id).inc()
-            self.mark_down(cand.replica_id)
+            if isinstance(exc, _DOWN_ERRORS) or resp is not None:
+                # Refused, unreachable or answering 502/503/504. A dropped connection alone may be
+                # a keep-alive race with a healthy replica: the next connect attempt will tell.
+                self.mark_down(cand.replica_id)
             return None
 
     def _release(self, cand: Candidate) -> None:

@@ -86,7 +86,7 @@ def spawn_router(name: str, model: Path, redis_url: str, tmp: Path) -> Proc:
 class RouterThread:
     """A second router inside the test process (one torch import less on 2 busy cores)."""
 
-    def __init__(self, model: Path, redis_url: str) -> None:
+    def __init__(self, model: Path, redis_url: str | None, extra: tuple[str, ...] = ()) -> None:
         import argparse
 
         import uvicorn
@@ -96,13 +96,20 @@ class RouterThread:
         parser = argparse.ArgumentParser()
         add_arguments(parser)
         self.port = free_port()
+        redis = ["--redis-url", redis_url] if redis_url else []
         cfg = config_from_args(parser.parse_args(
-            ["--port", str(self.port), "--redis-url", redis_url, "--tokenizer", str(model),
-             *ROUTER_FLAGS]))
+            ["--port", str(self.port), *redis, "--tokenizer", str(model), *ROUTER_FLAGS, *extra]))
         self.server = uvicorn.Server(uvicorn.Config(create_app(cfg), host="127.0.0.1",
                                                     port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait(self) -> None:
+        wait_until(lambda: self.server.started, timeout=120, what="the in-process router")
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -287,6 +294,38 @@ def test_streaming_through_the_router_with_the_openai_client(cluster):
     assert "".join(chunks) == same.choices[0].message.content and len(chunks) > 1
     models = client.models.list()
     assert len(models.data) == 1
+
+
+def test_static_replicas_without_redis(cluster, tiny_model_dir):
+    urls = [cluster.replicas[r].url for r in ("r1", "r2")]
+    router = RouterThread(tiny_model_dir, None, ("--replicas", ",".join(urls)))
+    try:
+        router.wait()
+        served = [chat(router.url, chat_body(TENANT_PROMPTS[0], f"static {i}")).headers[
+            "x-kvserve-replica"] for i in range(4)]
+        assert set(served) == set(urls)  # least load over the static set (ids are the URLs)
+        proc = Proc("static", None, Path(), router.url)  # type: ignore[arg-type]
+        assert router_metric(proc, "kvserve_router:redis_up") == 0
+        assert router_metric(proc, "kvserve_router:replicas_up") == 2
+    finally:
+        router.stop()
+
+
+def test_session_policy_keeps_a_session_on_one_replica(cluster, tiny_model_dir):
+    router = RouterThread(tiny_model_dir, cluster.redis.url, ("--policy", "session"))
+    try:
+        router.wait()
+        chosen = {}
+        for user in [f"user-{i}" for i in range(8)]:
+            got = {httpx.post(router.url + "/v1/chat/completions", timeout=60,
+                              headers={"x-session-id": user},
+                              json=chat_body(TENANT_PROMPTS[k], user)).headers["x-kvserve-replica"]
+                   for k in range(3)}
+            assert len(got) == 1, f"{user} moved between {got}"
+            chosen[user] = got.pop()
+        assert len(set(chosen.values())) >= 2
+    finally:
+        router.stop()
 
 
 def test_redis_outage_degrades_to_least_load_and_recovers(cluster):
