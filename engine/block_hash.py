@@ -29,8 +29,10 @@ def _canonical(key: object) -> object:
     (a set's iteration order follows the per-process string hash seed)."""
     if key is None or isinstance(key, (bool, int, float, str, bytes)):
         return key
-    if isinstance(key, (tuple, list)):
-        return type(key)(_canonical(k) for k in key)
+    if isinstance(key, list):
+        return [_canonical(k) for k in key]
+    if isinstance(key, tuple):  # named tuples too (their constructor takes fields, not an iterable)
+        return tuple(_canonical(k) for k in key)
     if isinstance(key, (set, frozenset)):
         return ("set", tuple(sorted((_canonical(k) for k in key), key=repr)))
     if isinstance(key, dict):

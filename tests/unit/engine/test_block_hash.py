@@ -159,6 +159,13 @@ def test_container_extra_keys_do_not_depend_on_insertion_order():
     assert a != block_hashes(TOKENS, 16, {"lora": 4, "tenant": "a"})
     assert block_hashes(TOKENS, 16, {"x", "y"}) == block_hashes(TOKENS, 16, {"y", "x"})
     assert block_hashes(TOKENS, 16, {"x", "y"}) != block_hashes(TOKENS, 16, ("x", "y"))
+    from typing import NamedTuple
+
+    class Key(NamedTuple):
+        tenant: str
+        lora: int
+
+    assert block_hashes(TOKENS, 16, Key("a", 3)) == block_hashes(TOKENS, 16, ("a", 3))
 
 
 def test_unstable_extra_keys_are_rejected():
