@@ -8,6 +8,7 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from kvserve.engine.block_hash import block_hashes
 from kvserve.engine.kv_cache_manager import KVCacheManager
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -416,3 +417,13 @@ def test_every_request_finishes_within_the_limits(reqs, num_blocks, max_num_seqs
     assert max(o.total_tokens for o in sim.outputs) <= sim.config.max_num_batched_tokens
     assert sim.kv.num_free_blocks == num_blocks and len(sim.kv.cpu_free) == cpu
     assert all(b.ref_cnt == 0 for b in sim.kv.pool.blocks)
+    # The router's view (events replayed) is the cache, and every cached hash is a block of some
+    # request's tokens as block_hashes computes it.
+    index: set[str] = set()
+    for e in sim.kv.pool.drain_events():
+        index = set() if e.kind == "cleared" else index
+        index = index | set(e.block_hashes) if e.kind == "stored" else index - set(e.block_hashes)
+    assert index == set(sim.kv.pool.cached_hashes())
+    known = {h for q in sim.seqs for h in block_hashes(q.all_token_ids, 4, q.extra_keys)}
+    assert index <= known
+    assert caching or not index
