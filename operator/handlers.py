@@ -60,7 +60,7 @@ def _apply(kube: KubeClient, spec: ServiceSpec, objects: list[dict]) -> ApplyRes
     return result
 
 
-def reconcile(body: Any, patch: Any, memo: Any, logger: logging.Logger, **_: Any) -> dict:
+def reconcile(body: Any, patch: Any, memo: Any, logger: logging.Logger, **_: Any) -> None:
     """create/update/resume: make the cluster match the spec, or refuse it with a reason."""
     try:
         spec = parse_spec(dict(body))
@@ -74,14 +74,13 @@ def reconcile(body: Any, patch: Any, memo: Any, logger: logging.Logger, **_: Any
         raise kopf.TemporaryError(f"Kubernetes API hiccup: {exc}", delay=RETRY_DELAY) from exc
     except KubeError as exc:  # refused (RBAC, admission): retry slowly, say why
         _write_conditions(patch, body, [Condition("Ready", "False", "ApplyFailed", str(exc))])
+        kopf.warn(body, reason="ApplyFailed", message=str(exc))
         raise kopf.TemporaryError(f"ApplyFailed: {exc}", delay=4 * RETRY_DELAY) from exc
     logger.info("applied: created=%s patched=%s deleted=%s unchanged=%d", result.created,
                 result.patched, result.deleted, len(result.unchanged))
     _write_status(body, patch, spec, result.live.get(f"Deployment/{names(spec)['engine']}"))
     if body.get("status", {}).get("sizing") != sizing.as_status():
         patch.status["sizing"] = sizing.as_status()
-    return {"created": len(result.created), "patched": len(result.patched),
-            "deleted": len(result.deleted)}
 
 
 def _write_status(body: Any, patch: Any, spec: ServiceSpec, deployment: dict | None) -> None:

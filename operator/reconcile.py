@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.operator.kube import PLURALS, KubeClient
+from kvserve.operator.kube import PLURALS, KubeClient, KubeError, KubeTransientError
 from kvserve.operator.spec import quantity_value
 
 
@@ -59,6 +59,16 @@ def key(obj: dict) -> str:
     return f"{obj['kind']}/{obj['metadata']['name']}"
 
 
+def _create(kube: KubeClient, obj: dict) -> dict | None:
+    """Create obj; None when someone else (a concurrent resync) created it first."""
+    try:
+        return kube.create(obj)
+    except KubeError as exc:
+        if exc.status != 409:
+            raise
+        return None
+
+
 def apply_objects(kube: KubeClient, objects: list[dict]) -> ApplyResult:
     """Create what is missing and patch what differs; untouched objects cost one GET."""
     result = ApplyResult()
@@ -66,9 +76,14 @@ def apply_objects(kube: KubeClient, objects: list[dict]) -> ApplyResult:
         meta = obj["metadata"]
         actual = kube.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
         if actual is None:
-            result.live[key(obj)] = kube.create(obj)
-            result.created.append(key(obj))
-            continue
+            created = _create(kube, obj)
+            if created is not None:
+                result.live[key(obj)] = created
+                result.created.append(key(obj))
+                continue
+            actual = kube.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+            if actual is None:
+                raise KubeTransientError(f"{key(obj)} both exists (409) and does not (404)", 409)
         patch = merge_patch(obj, actual)
         if patch:
             result.live[key(obj)] = kube.patch(obj, patch)
