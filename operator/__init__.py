@@ -1,1 +1,1 @@
-"""kvserve.operator: the KVInferenceService operator (kopf handlers, sizing, resources); no torch."""
+"""kvserve.operator: the KVInferenceService operator (kopf handlers, sizing, resources)."""
