@@ -84,9 +84,14 @@ def plan_body(args: argparse.Namespace) -> dict:
     return {"metadata": {"name": "plan", "namespace": "default"}, "spec": spec}
 
 
+def _cell(key: str, value: object) -> str:
+    if isinstance(value, int) and key.endswith("Bytes"):
+        return f"{value:,} ({value / (1 << 30):.2f} GiB)"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
 def format_table(status: dict) -> str:
-    rows = [(key, f"{value:,}" if isinstance(value, int) else str(value))
-            for key, value in status.items() if key != "explanation"]
+    rows = [(key, _cell(key, value)) for key, value in status.items() if key != "explanation"]
     width = max(len(key) for key, _ in rows)
     lines = [f"{key:<{width}}  {value}" for key, value in rows]
     return "\n".join(lines + ["", status["explanation"]])
