@@ -103,8 +103,10 @@ def test_chart_rbac_matches_manifest_rbac(helm: Path) -> None:
 def test_adapter_rules_and_dashboard_are_well_formed(helm: Path) -> None:
     maps = {c["metadata"]["name"]: c for c in by_kind(render(helm), "ConfigMap")}
     rules = yaml.safe_load(maps["kvserve-adapter-rules"]["data"]["config.yaml"])["rules"]
-    assert {r["name"]["as"] for r in rules} == {"vllm_kv_cache_usage_perc",
-                                                 "vllm_num_requests_waiting"}
+    from kvserve.operator.resources import CACHE_USAGE_METRIC, WAITING_METRIC
+
+    # Exactly the custom metrics the operator's HPAs ask for.
+    assert {r["name"]["as"] for r in rules} == {CACHE_USAGE_METRIC, WAITING_METRIC}
     import json
     dashboard = json.loads(maps["kvserve-dashboard"]["data"]["kvserve.json"])
     exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
