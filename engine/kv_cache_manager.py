@@ -61,6 +61,13 @@ class KVCacheManager:
             hits.append(b)
         return hits
 
+    def full_block_hashes(self, seq: Sequence, start_block: int, end_block: int) -> list[bytes]:
+        """Hashes of the seq's full blocks in [start_block, end_block) (clipped to full ones)."""
+        if not self.enable_caching:
+            return []
+        end = min(end_block, seq.num_tokens // self.block_size)
+        return self._seq_hashes(seq, end)[start_block:end] if end > start_block else []
+
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's prefix lookup in the hit-rate figures."""
         if self.enable_caching:

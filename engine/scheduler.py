@@ -101,6 +101,17 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
+    def _pending_hashes(self, out: SchedulerOutput) -> set[bytes]:
+        """Hashes of the full blocks the already scheduled sequences compute this step."""
+        bs = self.kv.block_size
+        pending: set[bytes] = set()
+        for seq, n in zip(out.seqs, out.num_tokens):
+            if n > 1:  # prefill chunks only; a decode token fills at most one block
+                start = seq.num_computed_tokens // bs
+                pending.update(self.kv.full_block_hashes(seq, start,
+                                                         (seq.num_computed_tokens + n) // bs))
+        return pending
+
     def _has_seq_room(self, seq: Sequence) -> bool:
         """Whether `seq` and the siblings it will fork after its prefill (n > 1) fit within
         max_num_seqs next to the running seqs and the forks those still owe."""
@@ -128,9 +139,16 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        # Block hashes that sequences scheduled this step are about to compute. A waiting seq
+        # whose next uncached block is among them waits one step and then hits the cache instead
+        # of computing the same prefix again (a shared system prompt is computed once).
+        pending = self._pending_hashes(out)
         while self.waiting and budget > 0 and self._has_seq_room(self.waiting[0]):
             seq = self.waiting[0]
             hits = self.kv.lookup_prefix(seq)
+            nxt = self.kv.full_block_hashes(seq, len(hits), len(hits) + 1)
+            if nxt and nxt[0] in pending:
+                break
             cached = len(hits) * self.kv.block_size
             n = seq.num_tokens - cached
             if n > budget and not self.config.enable_chunked_prefill:
@@ -144,6 +162,8 @@ class Scheduler:
                 seq.num_cached_tokens = cached
             seq.num_computed_tokens = cached
             seq.status = SequenceStatus.RUNNING
+            pending.update(self.kv.full_block_hashes(
+                seq, len(hits), (cached + n) // self.kv.block_size))
             self.running.append(seq)
             out.seqs.append(seq)
             out.num_tokens.append(n)

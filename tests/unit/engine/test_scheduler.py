@@ -427,3 +427,24 @@ def test_every_request_finishes_within_the_limits(reqs, num_blocks, max_num_seqs
     known = {h for q in sim.seqs for h in block_hashes(q.all_token_ids, 4, q.extra_keys)}
     assert index <= known
     assert caching or not index
+
+
+def test_shared_prefix_admitted_in_one_step_is_computed_once() -> None:
+    sim = Sim(num_blocks=64, block_size=4, max_num_batched_tokens=64)
+    shared = list(range(12))  # three full blocks
+    a = sim.add(shared + [50, 51])
+    b = sim.add(shared + [60, 61, 62])
+    c = sim.add([90, 91, 92, 93, 94])  # nothing in common, but FCFS keeps it behind b
+    first = sim.step()
+    assert first.seqs == [a]  # b would recompute a's prefix this very step: it waits one step
+    second = sim.step()
+    assert b in second.seqs and c in second.seqs
+    assert b.num_cached_tokens == 12 and second.num_tokens[second.seqs.index(b)] == 3
+    assert sim.kv.prefix_stats.hits == 12
+
+
+def test_no_deferral_without_prefix_caching() -> None:
+    sim = Sim(num_blocks=64, block_size=4, max_num_batched_tokens=64, caching=False)
+    shared = list(range(12))
+    a, b = sim.add(shared + [50]), sim.add(shared + [60])
+    assert sim.step().seqs == [a, b]
