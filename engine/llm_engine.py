@@ -183,6 +183,7 @@ class LLMEngine:
         outputs, self._aborted = self._aborted, []
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            self.runner.move_blocks(sched)  # a swap-in may precede the seq's next forward
             return outputs
         rows, sampling = self._sampling_rows(sched)
         result = self.runner.execute(sched, self.kv, rows, sampling)

@@ -36,7 +36,7 @@ class ModelRunner:
                                       pin_memory=device.type == "cuda")
         self.sampler = Sampler()
 
-    def _move_blocks(self, sched: SchedulerOutput) -> None:
+    def move_blocks(self, sched: SchedulerOutput) -> None:
         """Swap-out, swap-in and copy-on-write copies, before this step writes any slot."""
         if sched.blocks_to_swap_out:
             src, dst = zip(*sched.blocks_to_swap_out)
@@ -113,7 +113,7 @@ class ModelRunner:
                 sampling: SamplingMetadata | None) -> SamplerOutput | None:
         """Run one step. `sample_rows[i]` is the batch index of the seq whose last scheduled
         token's logits feed sampler row i (an index may repeat: n > 1 forks)."""
-        self._move_blocks(sched)
+        self.move_blocks(sched)
         ids, positions, meta = self.prepare(sched, kv)
         hidden = self.model(ids, positions, self.kv_caches, meta)
         if not sample_rows or sampling is None:
