@@ -103,3 +103,10 @@ def plan_memory(*, total_bytes: int, gpu_memory_utilization: float, weight_bytes
 def blocks_for_bytes(kv_bytes: int, per_block: int) -> int:
     """Blocks that fit in an explicit byte budget (CPU `kv_cache_memory`, `swap_space`)."""
     return max(kv_bytes, 0) // per_block
+
+
+def default_max_num_batched_tokens(max_model_len: int, enable_chunked_prefill: bool = True) -> int:
+    """Tokens one step may hold when the user sets none: at least 2048, up to 8192 (or, without
+    chunked prefill, a whole prompt of max_model_len)."""
+    tokens = max(2048, min(max_model_len, 8192))
+    return tokens if enable_chunked_prefill else max(tokens, max_model_len)

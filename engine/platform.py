@@ -15,7 +15,7 @@ import torch
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.errors import ConfigError, OutOfKVCacheError
 from kvserve.engine.memory import GiB, MemoryBudget, activation_peak_bytes, blocks_for_bytes, \
-    bytes_per_block, plan_memory
+    bytes_per_block, default_max_num_batched_tokens, plan_memory
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -101,9 +101,8 @@ def set_up(config: EngineConfig, model_path: Path | str,
     if max_len > model_max:
         raise ConfigError(f"max_model_len {max_len} exceeds the model's context of {model_max} "
                           "tokens; lower max_model_len")
-    batched = config.max_num_batched_tokens or max(2048, min(max_len, 8192))
-    if not config.enable_chunked_prefill:
-        batched = max(batched, max_len)
+    batched = config.max_num_batched_tokens or default_max_num_batched_tokens(
+        max_len, config.enable_chunked_prefill)
     budget = _plan(config, cfg, model, device, dtype, kv_dtype, batched, max_len,
                    (layers, kv_heads, head_dim))
     per_block = budget.bytes_per_block

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.engine.memory import (
+    default_max_num_batched_tokens,
     GiB, MemoryBudget, activation_peak_bytes, dtype_bytes, plan_memory,
 )
 from kvserve.operator.spec import InvalidSpecError, ServiceSpec
@@ -18,8 +19,8 @@ DEFAULT_MAX_NUM_SEQS = 256  # the engine's own default (EngineConfig.max_num_seq
 
 
 def batched_tokens(max_model_len: int) -> int:
-    """Tokens per step, as the engine picks them with chunked prefill (engine/platform.py)."""
-    return max(2048, min(max_model_len, 8192))
+    """Tokens per step, exactly as the engine picks them (engine/memory.py)."""
+    return default_max_num_batched_tokens(max_model_len)
 
 
 class InsufficientGPUMemoryError(InvalidSpecError):
