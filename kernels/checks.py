@@ -26,7 +26,7 @@ def require(ok: bool, argument: str, problem: str) -> None:
 
 
 def check_scale(value: float, argument: str) -> None:
-    require(isinstance(value, (int, float)) and math.isfinite(value) and value > 0, argument,
+    require(_scale_ok(value), argument,
             f"must be a finite positive float, got {value!r}")
 
 
@@ -49,10 +49,33 @@ def check_index(t: torch.Tensor, argument: str, dim: int, device: torch.device) 
     require(t.device == device, argument, f"is on {t.device}, the caches on {device}")
 
 
+def _scale_ok(value: float) -> bool:
+    return isinstance(value, (int, float)) and 0 < value < math.inf
+
+
+def _caches_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    return (k_cache.dim() == 4 and v_cache.shape == k_cache.shape
+            and k_cache.dtype in CACHE_DTYPES and v_cache.dtype == k_cache.dtype
+            and v_cache.device == k_cache.device and k_cache.is_contiguous()
+            and v_cache.is_contiguous())
+
+
+def _index_ok(t: torch.Tensor, dim: int, device: torch.device) -> bool:
+    return t.dim() == dim and t.dtype in INDEX_DTYPES and t.device == device
+
+
 def check_write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float,
                    v_scale: float) -> None:
     """Shapes, dtypes, devices, scales and the slot range of a write_kv call."""
+    device = k_cache.device
+    if (_caches_ok(k_cache, v_cache) and key.dim() == 3 and value.shape == key.shape
+            and key.shape[1:] == k_cache.shape[2:] and key.device == device
+            and value.device == device and _index_ok(slot_mapping, 1, device)
+            and slot_mapping.shape[0] == key.shape[0] and _scale_ok(k_scale)
+            and _scale_ok(v_scale)):
+        _check_slot_range(slot_mapping, k_cache)  # the fast path: every check above passed
+        return
     check_caches(k_cache, v_cache)
     require(key.dim() == 3, "key", f"expected [num_tokens, num_kv_heads, head_dim], got {tuple(key.shape)}")
     require(value.shape == key.shape, "value", f"shape {tuple(value.shape)} differs from key {tuple(key.shape)}")
@@ -65,6 +88,10 @@ def check_write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
             f"has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
     check_scale(k_scale, "k_scale")
     check_scale(v_scale, "v_scale")
+    _check_slot_range(slot_mapping, k_cache)
+
+
+def _check_slot_range(slot_mapping: torch.Tensor, k_cache: torch.Tensor) -> None:
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     if slot_mapping.numel():
         top = int(slot_mapping.max())
@@ -75,7 +102,20 @@ def check_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float, k_scale: float,
                     v_scale: float, backend: str) -> None:
-    """Everything about a paged_attention call that needs no look at the index values."""
+    """Everything about a paged_attention call that needs no look at the index values.
+
+    One boolean expression first (the hot path: 30 calls per step); only when it fails do the
+    checks below run one by one to name the argument (building no message on the way).
+    """
+    device = k_cache.device
+    if (backend in BACKENDS and _caches_ok(k_cache, v_cache) and q.dim() == 3
+            and q.dtype in QUERY_DTYPES and q.device == device and q.shape[2] == k_cache.shape[3]
+            and q.shape[1] % k_cache.shape[2] == 0 and _index_ok(block_tables, 2, device)
+            and _index_ok(seq_lens, 1, device) and _index_ok(query_start_loc, 1, device)
+            and seq_lens.shape[0] == block_tables.shape[0]
+            and query_start_loc.shape[0] == seq_lens.shape[0] + 1 and _scale_ok(scale)
+            and _scale_ok(k_scale) and _scale_ok(v_scale)):
+        return
     require(backend in BACKENDS, "backend", f"expected one of {BACKENDS}, got {backend!r}")
     check_caches(k_cache, v_cache)
     require(q.dim() == 3, "q", f"expected [num_tokens, num_heads, head_dim], got {tuple(q.shape)}")

@@ -74,3 +74,14 @@ def test_compute_kv_scale_leaves_headroom():
     assert compute_kv_scale(torch.zeros(4)) > 0
     with pytest.raises(ValueError, match="headroom"):
         compute_kv_scale(x, headroom=0.5)
+
+
+def test_fp8_bytes_widen_exactly_for_every_code():
+    from kvserve.kernels.fp8_cpu import FP8_TO_FP16_FACTOR, fp8_bytes_to_fp16
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    truth = codes.view(FP8_DTYPE).float()
+    widened = fp8_bytes_to_fp16(codes).float() * FP8_TO_FP16_FACTOR
+    finite = ~truth.isnan()
+    assert int(finite.sum()) == 254
+    assert torch.equal(widened[finite], truth[finite])
