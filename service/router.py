@@ -112,14 +112,16 @@ class Router:
         self.index = PrefixIndex.from_url(cfg.redis_url, cfg.service_name, cfg.redis_timeout) \
             if cfg.redis_url else None
         self.redis_up = False
-        self.known: dict[str, ReplicaInfo] = {
-            url: ReplicaInfo(url, url, "", cfg.block_size) for url in cfg.replicas}
+        self.known: dict[str, ReplicaInfo] = self._static()
         self.inflight: dict[str, int] = {}
         self.down_until: dict[str, float] = {}
         self.counter = 0
         self.tokenizer: Any = None
         self.http: httpx.AsyncClient | None = None
         self._tasks: list[asyncio.Task] = []
+
+    def _static(self) -> dict[str, ReplicaInfo]:
+        return {u: ReplicaInfo(u, u, "", self.cfg.block_size) for u in self.cfg.replicas}
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -172,7 +174,8 @@ class Router:
         if not self.redis_up:
             logger.info("Redis reachable: %d live replicas", len(known))
         self.redis_up = True
-        self.known = known
+        # No heartbeat at all but static replicas configured: keep those rather than nothing.
+        self.known = known or self._static()
         self._update_gauges()
 
     def _update_gauges(self) -> None:

@@ -296,6 +296,24 @@ def test_streaming_through_the_router_with_the_openai_client(cluster):
     assert len(models.data) == 1
 
 
+def test_completions_prompts_as_text_and_token_ids_are_routed_by_prefix(cluster):
+    router = cluster.routers[1]
+    text = TENANT_PROMPTS[3] + " Completions."
+    ids = prompt_tokens_for(cluster.tokenizer, "/v1/completions", {"prompt": text})
+    first = httpx.post(router.url + "/v1/completions", timeout=60,
+                       json={"model": "tiny", "prompt": text, "max_tokens": 2})
+    holder = first.headers["x-kvserve-replica"]
+    hashes = block_hashes(ids, 16)
+    wait_until(lambda: index_matches(cluster, hashes).get(holder) == len(hashes),
+               what="the completion prompt's blocks")
+    for prompt in (text, ids, [ids]):  # text, token ids, and a batch of one
+        resp = httpx.post(router.url + "/v1/completions", timeout=60,
+                          json={"model": "tiny", "prompt": prompt, "max_tokens": 2})
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-kvserve-replica"] == holder
+        assert int(resp.headers["x-kvserve-predicted-matched-tokens"]) == len(hashes) * 16
+
+
 def test_static_replicas_without_redis(cluster, tiny_model_dir):
     urls = [cluster.replicas[r].url for r in ("r1", "r2")]
     router = RouterThread(tiny_model_dir, None, ("--replicas", ",".join(urls)))
