@@ -44,30 +44,40 @@ logger = logging.getLogger(__name__)
 # Largest number of hashes per SADD, so a big snapshot never builds one huge command.
 _CHUNK = 5000
 
+# ARGV[1]: key prefix; ARGV[2]: the chain as ONE string of 32-hex-digit hashes (one argument
+# instead of one per block: cheaper to encode and send). Returns, per live replica: id, leading
+# matched blocks, then its heartbeat fields in INFO_FIELDS order.
 LOOKUP_SCRIPT = """
 local prefix = ARGV[1]
-local n = #ARGV - 1
+local blob = ARGV[2] or ''
+local n = math.floor(#blob / 32)
+local hashes = {}
+for i = 1, n do hashes[i] = string.sub(blob, (i - 1) * 32 + 1, i * 32) end
 local ids = redis.call('SMEMBERS', prefix .. 'replicas')
 local out = {}
 for _, id in ipairs(ids) do
-  local info = redis.call('HGETALL', prefix .. 'replica:' .. id)
-  if #info == 0 then
+  local info = redis.call('HMGET', prefix .. 'replica:' .. id, 'url', 'model', 'block_size',
+                          'num_running', 'num_waiting', 'kv_cache_usage', 'heartbeat_at')
+  if not info[1] then
     redis.call('SREM', prefix .. 'replicas', id)
   else
     local matched = 0
     if n > 0 then
-      local flags = redis.call('SMISMEMBER', prefix .. 'blocks:' .. id, unpack(ARGV, 2))
+      local flags = redis.call('SMISMEMBER', prefix .. 'blocks:' .. id, unpack(hashes))
       for i = 1, n do
         if flags[i] == 1 then matched = i else break end
       end
     end
     out[#out + 1] = id
     out[#out + 1] = matched
-    out[#out + 1] = info
+    for i = 1, #info do out[#out + 1] = info[i] or '' end
   end
 end
 return out
 """
+INFO_FIELDS = ("url", "model", "block_size", "num_running", "num_waiting", "kv_cache_usage",
+               "heartbeat_at")
+HASH_HEX_LEN = 32  # engine.block_hash: blake2b-128 as hex
 
 # Lua's unpack() is limited by the C stack (~8000 values); longer chains are cut (a 128k-token
 # prompt at block size 16), which only makes the predicted match conservative.
@@ -121,18 +131,13 @@ class ReplicaMatch:
     matched_blocks: int
 
 
-def _info_from_fields(replica_id: str, fields: dict[str, str]) -> ReplicaInfo:
+def _info_from_values(replica_id: str, values: Sequence[Any]) -> ReplicaInfo:
+    f = dict(zip(INFO_FIELDS, (_s(v) for v in values)))
     return ReplicaInfo(
-        replica_id=replica_id, url=fields.get("url", ""), model=fields.get("model", ""),
-        block_size=int(fields.get("block_size", 16)),
-        num_running=int(fields.get("num_running", 0)),
-        num_waiting=int(fields.get("num_waiting", 0)),
-        kv_cache_usage=float(fields.get("kv_cache_usage", 0.0)),
-        heartbeat_at=float(fields.get("heartbeat_at", 0.0)))
-
-
-def _pairs_to_dict(flat: Sequence[Any]) -> dict[str, str]:
-    return {_s(flat[i]): _s(flat[i + 1]) for i in range(0, len(flat), 2)}
+        replica_id=replica_id, url=f["url"], model=f["model"],
+        block_size=int(f["block_size"] or 16), num_running=int(f["num_running"] or 0),
+        num_waiting=int(f["num_waiting"] or 0), kv_cache_usage=float(f["kv_cache_usage"] or 0),
+        heartbeat_at=float(f["heartbeat_at"] or 0))
 
 
 def _s(value: Any) -> str:
@@ -155,17 +160,19 @@ class PrefixIndex:
 
     async def lookup(self, hashes: Sequence[str]) -> list[ReplicaMatch]:
         """Every live replica with its leading matched block count (raises RedisError)."""
-        args = [self.keys.prefix, *list(hashes)[:MAX_LOOKUP_BLOCKS]]
+        chain = list(hashes)[:MAX_LOOKUP_BLOCKS]
+        blob = "".join(chain)
+        if len(blob) != HASH_HEX_LEN * len(chain):
+            raise ValueError("block hashes must be 32-hex-digit strings from engine.block_hash")
+        args = [self.keys.prefix, blob]
         try:
             flat = await self._script(keys=[], args=args)
         except RedisConnectionError:
             # A pooled connection from before a Redis restart fails once; a fresh one may not.
             flat = await self._script(keys=[], args=args)
-        out = []
-        for i in range(0, len(flat), 3):
-            rid = _s(flat[i])
-            info = _info_from_fields(rid, _pairs_to_dict(flat[i + 2]))
-            out.append(ReplicaMatch(info, int(flat[i + 1])))
+        stride = 2 + len(INFO_FIELDS)
+        out = [ReplicaMatch(_info_from_values(_s(flat[i]), flat[i + 2 : i + stride]),
+                            int(flat[i + 1])) for i in range(0, len(flat), stride)]
         return sorted(out, key=lambda m: m.replica.replica_id)
 
     async def replicas(self) -> list[ReplicaInfo]:

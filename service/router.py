@@ -533,6 +533,7 @@ def run_from_args(ns: argparse.Namespace) -> None:
 
     logging.basicConfig(level=ns.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per proxied request
     cfg = config_from_args(ns)
     if not cfg.redis_url and not cfg.replicas:
         raise SystemExit("kvserve router: pass --redis-url and/or --replicas url,url")

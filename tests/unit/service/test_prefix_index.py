@@ -6,6 +6,7 @@ import asyncio
 import threading
 from dataclasses import dataclass
 
+import pytest
 import redis
 from kvserve.engine.block_hash import block_hashes
 from kvserve.engine.kv_events import KVEvent
@@ -103,8 +104,11 @@ async def test_replica_vanishes_when_heartbeat_stops(redis_server):
         await until(lambda: _eq(matches(index, CHAIN), {"live": 0}), what="TTL expiry")
         r = redis.Redis.from_url(redis_server.url)
         keys = IndexKeys("svc")
-        assert not r.exists(keys.blocks("dying"), keys.replica("dying"))
         assert r.smembers(keys.replicas) == {b"live"}  # swept by the lookup
+        # The block set expires too (at most one heartbeat after the entry: flushes extend it).
+        await until(lambda: not r.exists(keys.blocks("dying"), keys.replica("dying")),
+                    what="the dead replica's keys expiring")
+        assert r.exists(keys.blocks("live")) == 0 and r.exists(keys.replica("live")) == 1
         r.close()
     finally:
         await p.close(), await live.close(), await index.close()
@@ -229,3 +233,13 @@ async def test_an_expired_entry_asks_for_a_snapshot(redis_server):
         await until(lambda: _eq(matches(index, CHAIN), {"a": 4}), what="republished")
     finally:
         await p.close(), await index.close()
+
+
+async def test_lookup_rejects_hashes_that_are_not_engine_block_hashes(redis_server):
+    index = PrefixIndex.from_url(redis_server.url, "svc")
+    try:
+        assert await index.lookup([]) == []
+        with pytest.raises(ValueError, match="32-hex-digit"):
+            await index.lookup(["abc", CHAIN[0]])
+    finally:
+        await index.close()
