@@ -225,8 +225,11 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--kv-cache-memory", default=None,
-                   help="KV-cache bytes on CPU, e.g. 1GiB (default: the engine's choice)")
+    p.add_argument("--kv-cache-memory", default="1GiB",
+                   help="KV-cache size on CPU (the workload needs ~0.9 GiB in fp32)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="OMP/torch threads for both the offline engine and the server process "
+                   "(on a shared, oversubscribed CPU, 1 avoids OpenMP spin-wait stalls)")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--json-out", default=None)
     args = p.parse_args()
@@ -234,11 +237,14 @@ def main() -> None:
         from kvserve.service.cli import byte_size
 
         args.kv_cache_memory = byte_size(args.kv_cache_memory)
+    if args.threads:  # before torch is imported here, and inherited by the server process
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
     convs = chat_workload(args.num_requests)
     offline = None if args.skip_offline else run_offline(args, convs)
     results = run_server_bench(args, convs)
-    print(f"\nmachine: {os.cpu_count()} CPUs; model {args.model}; {args.num_requests} chat "
-          f"requests x {args.max_tokens} new tokens, greedy, ignore_eos\n")
+    print(f"\nmachine: {os.cpu_count()} CPUs (load {os.getloadavg()[0]:.1f}), threads "
+          f"{args.threads or 'default'}; model {args.model}; {args.num_requests} chat requests x "
+          f"{args.max_tokens} new tokens, greedy, ignore_eos\n")
     print(report(offline, results))
     if args.json_out:
         with open(args.json_out, "w") as f:

@@ -212,7 +212,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext, metrics: ServerMetrics) -> No
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        cards = [ModelCard(id=n, root=str(ctx.engine.engine.model_name),
+        cards = [ModelCard(id=n, root=str(ctx.engine.engine.config.model),
                            max_model_len=ctx.max_model_len) for n in ctx.served_model_names]
         return JSONResponse(ModelList(data=cards).model_dump())
 
@@ -278,19 +278,23 @@ class DrainingServer(uvicorn.Server):
         self.engine, self.grace = engine, grace
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
+        self._drain_requested = False
 
     async def startup(self, sockets: list | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        if self._loop is None or self._drain_task is not None or self.should_exit:
-            self.force_exit = self.should_exit
+        if self._loop is None:  # not serving yet: nothing to drain
             self.should_exit = True
-            return
-        logger.info("signal %s: draining (grace period %.0f s)", signal.Signals(sig).name,
-                    self.grace)
-        self._loop.call_soon_threadsafe(self._start_drain)
+        elif self._drain_requested:  # a second signal: stop now
+            logger.warning("second signal: exiting without waiting for running requests")
+            self.should_exit = self.force_exit = True
+        else:
+            self._drain_requested = True
+            logger.info("signal %s: draining (grace period %.0f s)", signal.Signals(sig).name,
+                        self.grace)
+            self._loop.call_soon_threadsafe(self._start_drain)
 
     def _start_drain(self) -> None:
         self._drain_task = asyncio.ensure_future(self._drain())

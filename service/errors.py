@@ -81,8 +81,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ \
-            else "error"
+        try:
+            phrase = HTTPStatus(exc.status_code).phrase
+        except ValueError:
+            phrase = "error"
         message = exc.detail if isinstance(exc.detail, str) else phrase
         return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
 

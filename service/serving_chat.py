@@ -31,7 +31,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     ctx.admit()
     prompt = chat_prompt(ctx, req)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = max_tokens_for(ctx, len(prompt), req.requested_max_tokens, param)
+    max_tokens = max_tokens_for(ctx, len(prompt), req.requested_max_tokens, param, "messages")
     params = req.sampling_params(max_tokens, req.num_logprobs)
     request_id = random_id("chatcmpl")
     streams = await start_requests(ctx, request_id, [prompt], [params], priority=req.priority,

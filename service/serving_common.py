@@ -82,14 +82,13 @@ async def parse_body(request: Request, model: type[M]) -> M:
 
 
 def max_tokens_for(ctx: ServingContext, prompt_len: int, requested: int | None,
-                   param: str = "max_tokens") -> int:
+                   param: str = "max_tokens", prompt_param: str = "prompt") -> int:
     """max_tokens for one prompt: the request's, or what fits; 400 past the context length."""
     limit = ctx.max_model_len
     if prompt_len >= limit:
         raise InvalidRequestError(
             f"This model's maximum context length is {limit} tokens. However, your prompt is "
-            f"{prompt_len} tokens; shorten it.", param="messages" if param != "max_tokens"
-            else "prompt")
+            f"{prompt_len} tokens; shorten it.", param=prompt_param)
     if requested is None:
         return limit - prompt_len
     if prompt_len + requested > limit:

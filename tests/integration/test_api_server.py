@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 from collections.abc import Iterator
 from typing import Any
 
@@ -195,6 +199,14 @@ def test_models_health_version_tokenize(server, client):
     assert text["prompt"].endswith("The quick brown fox")
 
 
+def test_example_client_script(server):
+    script = Path(__file__).parents[2] / "examples" / "client.py"
+    out = subprocess.run([sys.executable, str(script), "--base-url", server.url + "/v1",
+                          "--model", "tiny", "--max-tokens", "6"],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert re.search(r"\[\d+ prompt tokens \(\d+ cached\), [1-6] generated\]", out), out
+
+
 # ---------------------------------------------------------------------------- metrics
 
 
@@ -300,6 +312,8 @@ def assert_openai_error(resp: httpx.Response, status: int, param: str | None = N
     ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400,
      "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "word " * 400}, 400, "prompt"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [
+        {"role": "user", "content": "word " * 400}]}, 400, "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_tokens": 10_000}, 400,
      "max_tokens"),
     ("/v1/completions", '{"model": "tiny", "prompt": ', 400, None),
