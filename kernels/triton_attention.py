@@ -158,6 +158,8 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            v_scale: float = 1.0, num_splits: int | None = None) -> torch.Tensor:
     """Launch the varlen kernel (and the merge when the KV is split); `num_splits` overrides."""
     is_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if q.stride(-1) != 1:  # the kernel assumes a unit stride along head_dim
+        q = q.contiguous()
     if not is_fp8:
         k_scale = v_scale = 1.0
     heads, head_dim = q.shape[1], q.shape[2]
