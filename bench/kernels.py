@@ -124,7 +124,7 @@ def run_case(case: Case, dtype: torch.dtype, repeats: int, with_reference: bool,
 
 
 def _planned_step(args, tables, seq_lens, qsl) -> None:
-    """What one engine step costs: plan once, attend in every layer (here over one layer's cache)."""
+    """One engine step: plan once, attend in every layer (here all over one layer's cache)."""
     plan = plan_attention(tables, seq_lens, qsl, BLOCK)
     for _ in range(LAYERS):
         paged_attention(*args, backend="torch", plan=plan)

@@ -1,4 +1,4 @@
-"""kvserve.kernels: paged attention and KV-cache writes (Triton on GPU, torch on CPU, a reference)."""
+"""kvserve.kernels: paged attention and KV-cache writes (Triton on GPU, torch on CPU, reference)."""
 
 from kvserve.kernels.attention import paged_attention
 from kvserve.kernels.cache import write_kv

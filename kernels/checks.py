@@ -1,4 +1,4 @@
-"""Input validation shared by every backend: a KernelInputError naming the argument, before any launch."""
+"""Input validation for every backend: a KernelInputError naming the argument, before any launch."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def check_scale(value: float, argument: str) -> None:
 
 def check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     require(k_cache.dim() == 4, "k_cache",
-            f"expected [num_blocks, block_size, num_kv_heads, head_dim], got {tuple(k_cache.shape)}")
+            f"expected [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(k_cache.shape)}")
     require(v_cache.shape == k_cache.shape, "v_cache",
             f"shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}")
     require(k_cache.dtype in CACHE_DTYPES, "k_cache", f"unsupported dtype {k_cache.dtype}")
@@ -77,10 +78,13 @@ def check_write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
         _check_slot_range(slot_mapping, k_cache)  # the fast path: every check above passed
         return
     check_caches(k_cache, v_cache)
-    require(key.dim() == 3, "key", f"expected [num_tokens, num_kv_heads, head_dim], got {tuple(key.shape)}")
-    require(value.shape == key.shape, "value", f"shape {tuple(value.shape)} differs from key {tuple(key.shape)}")
+    require(key.dim() == 3, "key",
+            f"expected [num_tokens, num_kv_heads, head_dim], got {tuple(key.shape)}")
+    require(value.shape == key.shape, "value",
+            f"shape {tuple(value.shape)} differs from key {tuple(key.shape)}")
     require(key.shape[1:] == k_cache.shape[2:], "key",
-            f"heads/head_dim {tuple(key.shape[1:])} differ from the cache's {tuple(k_cache.shape[2:])}")
+            f"heads/head_dim {tuple(key.shape[1:])} differ from the cache's "
+            f"{tuple(k_cache.shape[2:])}")
     require(key.device == k_cache.device and value.device == k_cache.device, "key",
             "key, value and the caches must be on one device")
     check_index(slot_mapping, "slot_mapping", 1, k_cache.device)
@@ -131,7 +135,8 @@ def check_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     require(seq_lens.shape[0] == block_tables.shape[0], "seq_lens",
             f"{seq_lens.shape[0]} sequences but block_tables has {block_tables.shape[0]} rows")
     require(query_start_loc.shape[0] == seq_lens.shape[0] + 1, "query_start_loc",
-            f"expected num_seqs + 1 = {seq_lens.shape[0] + 1} entries, got {query_start_loc.shape[0]}")
+            f"expected num_seqs + 1 = {seq_lens.shape[0] + 1} entries, "
+            f"got {query_start_loc.shape[0]}")
     check_scale(scale, "scale")
     check_scale(k_scale, "k_scale")
     check_scale(v_scale, "v_scale")

@@ -71,14 +71,15 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
 
 
 def _max_used_block(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> int:
-    """Largest block id among each sequence's used entries; raises on a short table or a negative id."""
+    """Largest block id in the sequences' used entries; raises on a short table or a negative id."""
     if block_tables.shape[0] == 0:
         return -1
     needed = (seq_lens.long() + block_size - 1) // block_size
     top_needed = int(needed.max())
     require(top_needed <= block_tables.shape[1], "block_tables",
             f"has {block_tables.shape[1]} columns, a sequence needs {top_needed} blocks")
-    used = torch.arange(block_tables.shape[1], device=block_tables.device)[None, :] < needed[:, None]
+    columns = torch.arange(block_tables.shape[1], device=block_tables.device)
+    used = columns[None, :] < needed[:, None]
     if not bool(used.any()):
         return -1
     entries = block_tables[used]

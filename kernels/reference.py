@@ -1,4 +1,4 @@
-"""The oracle: plain per-sequence paged attention and KV writes in torch, obviously correct, slow."""
+"""The oracle: plain per-sequence paged attention and KV writes in torch, plainly correct."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def dequantize(cache: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.T
 
 
 def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """`x` as a cache of `dtype`: fp8 values are divided by the scale and clamped to e4m3's range."""
+    """`x` as a cache of `dtype`: fp8 values are divided by the scale, clamped to e4m3's range."""
     if dtype == torch.float8_e4m3fn:
         limit = torch.finfo(torch.float8_e4m3fn).max
         return x.to(torch.float32).div(scale).clamp_(-limit, limit).to(dtype)

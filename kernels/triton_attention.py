@@ -91,7 +91,8 @@ def _paged_attention_kernel(
         store_mask = row_ok[:, None] & d_ok[None, :]
         if NUM_SPLITS == 1:
             o_offs = token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-            tl.store(out_ptr + o_offs, (res * v_scale).to(out_ptr.dtype.element_ty), mask=store_mask)
+            tl.store(out_ptr + o_offs, (res * v_scale).to(out_ptr.dtype.element_ty),
+                     mask=store_mask)
         else:
             # Workspace [num_tokens, num_heads, NUM_SPLITS(, HEAD_DIM_P2)], log2-sum-exp per row.
             lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
@@ -162,8 +163,7 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q = q.contiguous()
     if not is_fp8:
         k_scale = v_scale = 1.0
-    heads, head_dim = q.shape[1], q.shape[2]
-    kv_heads = k_cache.shape[2]
+    heads, kv_heads = q.shape[1], k_cache.shape[2]
     cfg = plan.parts.get(("triton", kv_heads, heads))
     if cfg is None:
         cfg = plan.parts[("triton", kv_heads, heads)] = triton_config(

@@ -1,4 +1,4 @@
-"""Scratch buffers reused by every layer of a step, so the hot loop does not page-fault fresh memory."""
+"""Scratch buffers reused by every layer of a step: the hot loop does not fault in fresh memory."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from kvserve.kernels import paged_attention
 
 
 def contiguous_attention(batch, group: int) -> torch.Tensor:
-    """Per sequence: read its blocks in table order, then plain SDPA with the shifted causal mask."""
+    """Per sequence: read its blocks in table order, then SDPA with the shifted causal mask."""
     outs = []
     bs = batch.k_cache.shape[1]
     starts = batch.query_start_loc.tolist()
