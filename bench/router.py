@@ -31,7 +31,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 POLICIES = ("round-robin", "least-load", "prefix")
 WORDS = ("cache block page token tenant policy replica router latency request prompt answer "
-         "kernel batch queue memory budget prefix hash index redis stream metric scale model").split()
+         "kernel batch queue memory budget prefix hash index redis stream metric scale "
+         "model").split()
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The shared Redis prefix-hash index: a replica-side publisher and a router-side one-round-trip lookup.
+"""The shared Redis prefix-hash index: a replica-side publisher, a router-side one-round-trip lookup.
 
 Redis layout (every key under `kvserve:<service>:`):
 
@@ -17,9 +17,9 @@ blocks of the chain it holds (one SMISMEMBER per replica). The router thus learn
 prefix match at once. The script reads keys it derives from the prefix, which is fine on a single
 Redis (not Redis Cluster).
 
-The publisher never slows generation: `on_step` (engine thread) only appends to a bounded queue under
-a lock and wakes a writer task on the server's event loop. Events that cannot be written (queue full,
-Redis down) are dropped and counted; after (re)connecting, `wants_snapshot()` turns True, the engine
+The publisher never slows generation: `on_step` (engine thread) only appends to a bounded queue
+under a lock and wakes a writer task on the server's event loop. Events that cannot be written
+(queue full, Redis down) are dropped and counted; after (re)connecting, `wants_snapshot()` turns True, the engine
 thread passes `snapshot=engine.cached_block_hashes()` and the writer replaces the whole set in one
 MULTI/EXEC. Until the engine steps again (an idle replica), the set may be stale or empty.
 """

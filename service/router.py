@@ -497,7 +497,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=None,
                    help="Redis holding the prefix index and replica heartbeats")
     p.add_argument("--service-name", default=d.service_name,
-                   help="namespace of the index (keys kvserve:<service>:...); same as the replicas'")
+                   help="index namespace (keys kvserve:<service>:...), as on the replicas")
     p.add_argument("--replicas", default="",
                    help="comma-separated replica URLs: the set without Redis, the fallback with it")
     p.add_argument("--policy", choices=POLICIES, default=d.policy)

@@ -4,7 +4,7 @@
 replicas whose load is far above the mean (so one popular system prompt cannot pile every request on
 one replica); when no replica holds at least `min_match_tokens` of the prompt it falls back to
 least-load. `least-load`, `round-robin` and `session` (rendezvous hash on a header value) ignore the
-index. Every ranking lists all candidates, so the router retries on the next one when a replica fails.
+index. Every ranking lists all candidates, so the router retries the next one when a replica fails.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def _rendezvous_weight(key: str, replica_id: str) -> bytes:
 
 
 def rank_session(cands: Sequence[Candidate], session_key: str) -> list[Candidate]:
-    """Highest-random-weight hashing: a key keeps its replica while that replica stays in the set."""
+    """Highest-random-weight hashing: a key keeps its replica while that replica is in the set."""
     return sorted(cands, key=lambda c: _rendezvous_weight(session_key, c.replica_id), reverse=True)
 
 

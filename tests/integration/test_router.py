@@ -137,7 +137,8 @@ def cluster(tiny_model_dir, tmp_path_factory) -> Iterator[Cluster]:
     tmp = tmp_path_factory.mktemp("router-cluster")
     redis = RedisServer(binary, tmp)
     redis.start()
-    replicas = {rid: spawn_replica(rid, tiny_model_dir, redis.url, tmp) for rid in ("r1", "r2", "r3")}
+    replicas = {rid: spawn_replica(rid, tiny_model_dir, redis.url, tmp)
+                for rid in ("r1", "r2", "r3")}
     routers = [spawn_router("router1", tiny_model_dir, redis.url, tmp)]
     in_process = RouterThread(tiny_model_dir, redis.url)
     routers.append(Proc("router2", None, tmp / "router1.log",  # type: ignore[arg-type]
@@ -284,13 +285,14 @@ def _load_of(c: Cluster, rid: str) -> int:
 
 def test_streaming_through_the_router_with_the_openai_client(cluster):
     client = openai.Client(base_url=cluster.routers[1].url + "/v1", api_key="dummy")
+    question = [{"role": "user", "content": "Explain the KV cache"}]
     stream = client.chat.completions.create(model="tiny", max_tokens=12, temperature=0,
-                                            stream=True, messages=[
-                                                {"role": "user", "content": "Explain the KV cache"}])
-    chunks = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
+                                            stream=True, messages=question)
+    chunks = [c.choices[0].delta.content for c in stream
+              if c.choices and c.choices[0].delta.content]
     direct = client.with_options(base_url=cluster.replicas["r1"].url + "/v1")
-    same = direct.chat.completions.create(model="tiny", max_tokens=12, temperature=0, messages=[
-        {"role": "user", "content": "Explain the KV cache"}])
+    same = direct.chat.completions.create(model="tiny", max_tokens=12, temperature=0,
+                                          messages=question)
     assert "".join(chunks) == same.choices[0].message.content and len(chunks) > 1
     models = client.models.list()
     assert len(models.data) == 1

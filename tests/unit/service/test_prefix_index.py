@@ -1,4 +1,4 @@
-"""The Redis prefix index against a real redis-server: publisher events, heartbeats, TTL, outages."""
+"""The Redis prefix index on a real redis-server: publisher events, heartbeats, TTL, outages."""
 
 from __future__ import annotations
 
