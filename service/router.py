@@ -492,15 +492,16 @@ async def _forward(router: Router, path: str, request: Request) -> Response:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = RouterConfig()
     pc = d.policy_cfg
-    p.add_argument("--host", default=d.host)
-    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--host", default=d.host, help="address to listen on")
+    p.add_argument("--port", type=int, default=d.port, help="port to listen on")
     p.add_argument("--redis-url", default=None,
                    help="Redis holding the prefix index and replica heartbeats")
     p.add_argument("--service-name", default=d.service_name,
                    help="index namespace (keys kvserve:<service>:...), as on the replicas")
     p.add_argument("--replicas", default="",
                    help="comma-separated replica URLs: the set without Redis, the fallback with it")
-    p.add_argument("--policy", choices=POLICIES, default=d.policy)
+    p.add_argument("--policy", choices=POLICIES, default=d.policy,
+                   help="prefix: replica holding the longest prompt prefix, unless overloaded")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer path or model name (default: the model the replicas announce)")
     p.add_argument("--session-header", default=d.session_header,
@@ -509,13 +510,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="block size of static replicas (Redis replicas announce theirs)")
     p.add_argument("--min-match-tokens", type=int, default=pc.min_match_tokens,
                    help="predicted cache hit needed before prefix beats least load")
-    p.add_argument("--load-weight", type=float, default=pc.load_weight)
+    p.add_argument("--load-weight", type=float, default=pc.load_weight,
+                   help="score = matched fraction - load_weight * load / max load")
     p.add_argument("--overload-factor", type=float, default=pc.overload_factor,
                    help="skip replicas with load > factor * mean + slack")
     p.add_argument("--overload-slack", type=int, default=pc.overload_slack)
     p.add_argument("--down-cooldown", type=float, default=d.down_cooldown,
                    help="seconds a replica that failed stays out of routing")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info",
+                   choices=("debug", "info", "warning", "error", "critical"))
 
 
 def config_from_args(ns: argparse.Namespace) -> RouterConfig:
@@ -547,6 +550,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add `kvserve router` to the CLI's subparsers; the handler is `args.func(args)`."""
     p = subparsers.add_parser(
         "router", help="prefix-aware router in front of kvserve replicas",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="OpenAI-compatible router: sends each request to the replica that already "
                     "holds its prompt prefix (Redis index), unless that replica is overloaded.")
     add_arguments(p)
@@ -555,7 +559,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m kvserve.service.router")
+    parser = argparse.ArgumentParser(prog="python -m kvserve.service.router",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_arguments(parser)
     run_from_args(parser.parse_args(argv))
 
