@@ -122,3 +122,10 @@ def test_api_server_module_takes_the_same_flags():
     parser = cli.build_serve_parser(prog="python -m kvserve.service.api_server")
     args = parser.parse_args(["--model", "m", "--port", "9"])
     assert cli.engine_config_from_args(args).model == "m"
+
+
+@pytest.mark.slow
+def test_fetch_model_prints_the_folder(default_model_dir, capsys):
+    assert cli.main(["fetch-model"]) == 0
+    printed = capsys.readouterr().out.strip()
+    assert printed == str(default_model_dir)
