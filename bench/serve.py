@@ -190,7 +190,8 @@ def run_server_bench(args: argparse.Namespace, convs: list) -> list[Result]:
             timings, seconds = asyncio.run(run_clients(url, model, convs, n, args.max_tokens))
             tokens = sum(t.tokens for t in timings)
             if tokens != len(convs) * args.max_tokens:
-                raise AssertionError(f"expected {len(convs) * args.max_tokens} tokens, got {tokens}")
+                expected = len(convs) * args.max_tokens
+                raise AssertionError(f"expected {expected} tokens, got {tokens}")
             itls = [x for t in timings for x in t.itls]
             ttfts = [t.ttft for t in timings]
             results.append(Result(f"server, {n} clients", n, len(convs), tokens, seconds,

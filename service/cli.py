@@ -158,7 +158,8 @@ def server_config_from_args(args: argparse.Namespace) -> Any:
 
     return ServerConfig(
         host=args.host, port=args.port, served_model_names=list(args.served_model_name or []),
-        api_key=args.api_key or os.environ.get("KVSERVE_API_KEY") or None, public_paths=tuple(args.public_paths),
+        api_key=args.api_key or os.environ.get("KVSERVE_API_KEY") or None,
+        public_paths=tuple(args.public_paths),
         max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
         allowed_origins=list(args.allowed_origins),
         shutdown_grace_period=args.shutdown_grace_period, log_level=args.log_level,

@@ -1,4 +1,4 @@
-"""HTTP errors of the API server, always answered in OpenAI's shape {"error": {message, type, param, code}}."""
+"""HTTP errors of the API server, in OpenAI's shape {"error": {message, type, param, code}}."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""OpenAI/vLLM request and response models of the API server (pydantic), and request -> SamplingParams."""
+"""OpenAI/vLLM request and response models (pydantic), and request -> SamplingParams."""
 
 from __future__ import annotations
 

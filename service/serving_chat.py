@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions: messages through the chat template, answered whole or as SSE chunks."""
+"""POST /v1/chat/completions: messages through the chat template, answered whole or as SSE."""
 
 from __future__ import annotations
 

@@ -118,7 +118,8 @@ async def start_requests(ctx: ServingContext, base_id: str, prompts: Sequence[li
     return streams
 
 
-async def merge_streams(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merge_streams(streams: Sequence[RequestStream]
+                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) from several request streams as they come."""
     if len(streams) == 1:
         outputs = aiter(streams[0])

@@ -28,7 +28,8 @@ SYSTEM = ("You are a helpful assistant. Answer briefly and precisely. Paged atte
           "KV cache in fixed-size blocks, like virtual memory pages.")
 
 
-def start_server(model_dir: Any, *, engine_kw: dict | None = None, **server_kw: Any) -> ServerThread:
+def start_server(model_dir: Any, *, engine_kw: dict | None = None,
+                 **server_kw: Any) -> ServerThread:
     engine = LLMEngine.from_config(EngineConfig(
         model=str(model_dir), max_model_len=MAX_MODEL_LEN, kv_cache_memory=KV_BYTES,
         **(engine_kw or {})))
@@ -101,7 +102,8 @@ def test_chat_streaming_equals_non_streaming(client):
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
-    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finals = [c.choices[0].finish_reason for c in chunks
+              if c.choices and c.choices[0].finish_reason]
     assert finals == ["length"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens

@@ -1,4 +1,4 @@
-"""The `kvserve` CLI: vLLM flag spellings map onto EngineConfig / ServerConfig, external commands."""
+"""The `kvserve` CLI: vLLM flag spellings onto EngineConfig / ServerConfig, external commands."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""ServerMetrics: vLLM's metric names, counters from cumulative engine figures, request latencies."""
+"""ServerMetrics: vLLM's metric names, counters from cumulative engine figures, latencies."""
 
 from __future__ import annotations
 
