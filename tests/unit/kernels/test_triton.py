@@ -1,7 +1,8 @@
 """The Triton kernels under TRITON_INTERPRET=1 on CPU tensors, against the reference.
 
 Triton reads the flag when a kernel is decorated (module import) and again while interpreting,
-so the fixture sets it for this module only and (re)imports the kernel modules under it.
+so the fixture sets it for this module only, reloads the kernel modules under it, and reloads
+them once more without it afterwards.
 """
 
 import importlib
@@ -30,6 +31,8 @@ def interpreter():
         del os.environ["TRITON_INTERPRET"]
     else:
         os.environ["TRITON_INTERPRET"] = old
+    for module in (attention, cache):  # later tests (on a GPU) get compiled kernels again
+        importlib.reload(module)
 
 
 @settings(max_examples=8, deadline=None)
