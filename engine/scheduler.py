@@ -140,15 +140,18 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         # Block hashes that sequences scheduled this step are about to compute. A waiting seq
-        # whose next uncached block is among them waits one step and then hits the cache instead
-        # of computing the same prefix again (a shared system prompt is computed once).
+        # whose next uncached block is among them sits out this one step (keeping its place at
+        # the head of the queue) and then hits the cache instead of computing the same prefix
+        # again: a shared system prompt is computed once, not once per request of the step.
         pending = self._pending_hashes(out)
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0 and self._has_seq_room(self.waiting[0]):
             seq = self.waiting[0]
             hits = self.kv.lookup_prefix(seq)
             nxt = self.kv.full_block_hashes(seq, len(hits), len(hits) + 1)
             if nxt and nxt[0] in pending:
-                break
+                deferred.append(self.waiting.popleft())
+                continue
             cached = len(hits) * self.kv.block_size
             n = seq.num_tokens - cached
             if n > budget and not self.config.enable_chunked_prefill:
@@ -168,6 +171,7 @@ class Scheduler:
             out.seqs.append(seq)
             out.num_tokens.append(n)
             budget -= n
+        self.waiting.extendleft(reversed(deferred))
 
     def finish(self, seq: Sequence) -> None:
         """Retire a finished or aborted seq from whichever queue holds it; free its blocks."""
