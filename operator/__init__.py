@@ -1,1 +1,0 @@
-"""kvserve.operator: the KVInferenceService operator (kopf handlers, sizing, resources)."""

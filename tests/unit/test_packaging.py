@@ -1,0 +1,39 @@
+"""The repository root is the `kvserve` package; its `operator/` folder must never shadow the
+standard library's `operator` when a user runs `python -m ...` from the repository root."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_python_dash_m_from_the_repo_root_keeps_the_stdlib_operator() -> None:
+    out = run("-m", "json.tool", "--help")  # runpy imports collections -> operator first
+    assert out.returncode == 0, out.stderr
+    probe = run("-c", "import operator, sys; sys.path.insert(0, ''); "
+                "import importlib; print(importlib.reload(operator).__file__)")
+    assert probe.returncode == 0, probe.stderr
+    assert Path(probe.stdout.strip()).parent != ROOT / "operator"
+
+
+def test_component_packages_map_to_their_folders() -> None:
+    out = run("-c", "import kvserve.engine, kvserve.kernels, kvserve.service, kvserve.operator;"
+              "print(kvserve.engine.__file__); print(list(kvserve.operator.__path__)[0])")
+    assert out.returncode == 0, out.stderr
+    engine_init, operator_dir = out.stdout.split()
+    assert Path(engine_init) == ROOT / "engine" / "__init__.py"
+    assert Path(operator_dir) == ROOT / "operator"
+
+
+def test_api_server_module_runs_from_the_repo_root() -> None:
+    out = run("-m", "kvserve.service.api_server", "--help")
+    assert out.returncode == 0, out.stderr
+    assert "--max-num-seqs" in out.stdout and "--kv-cache-dtype" in out.stdout
