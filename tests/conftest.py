@@ -16,6 +16,15 @@ from pathlib import Path
 
 import pytest
 
+# Triton decides at `import triton` whether its own library functions (tl.max, ...) are compiled
+# or interpreted, so on a machine without CUDA the interpreter must be on before any test imports
+# triton, or the interpreted kernel tests fail after an earlier test imported it compiled.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 # The SmolLM2 chat template, so the tiny model is templated exactly like the default one.
 CHAT_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
