@@ -76,6 +76,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, Block] = {}
         self.num_evictions = 0
+        self._num_shared = 0  # blocks with ref_cnt > 1, kept as refs change (read every step)
         self._events: list[tuple[str, str]] = []  # ("stored" | "removed" | "cleared", hash)
 
     @property
@@ -116,6 +117,8 @@ class BlockPool:
             if b.ref_cnt == 0:
                 self.free_queue.remove(b)
             b.ref_cnt += 1
+            if b.ref_cnt == 2:
+                self._num_shared += 1
 
     def cache_block(self, b: Block, block_hash: bytes) -> None:
         """Register a full block under its hash (first writer wins; duplicates stay private)."""
@@ -145,6 +148,8 @@ class BlockPool:
                 raise RuntimeError(f"double free of block {b.block_id}")
         for b in blocks:
             b.ref_cnt -= 1
+            if b.ref_cnt == 1:
+                self._num_shared -= 1
             if b.ref_cnt == 0:
                 if b.block_hash is not None:
                     self.free_queue.append(b)
@@ -178,4 +183,4 @@ class BlockPool:
         return [h.hex() for h in self.cached]
 
     def num_shared_blocks(self) -> int:
-        return sum(1 for b in self.blocks if b.ref_cnt > 1)
+        return self._num_shared

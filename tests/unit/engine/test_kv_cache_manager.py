@@ -430,6 +430,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             for b in table:
                 refs[b.block_id] += 1
         assert [b.ref_cnt for b in self.kv.pool.blocks] == refs
+        assert self.kv.pool.num_shared_blocks() == sum(1 for r in refs if r > 1)
         assert set(self.kv.tables) == set(self.running), "a table without a running seq, or none"
 
     @invariant()
