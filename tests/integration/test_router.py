@@ -351,6 +351,10 @@ def test_session_policy_keeps_a_session_on_one_replica(cluster, tiny_model_dir):
 def test_redis_outage_degrades_to_least_load_and_recovers(cluster):
     router = cluster.routers[0]
     system = TENANT_PROMPTS[1] + " Redis outage."
+    # The loads frozen at the outage must be equal, or least-load rightly picks one replica.
+    wait_until(lambda: all(r["load"] == 0 and r["inflight"] == 0 for r in
+                           httpx.get(router.url + "/health").json()["replicas"]),
+               what="every replica idle")
     cluster.redis.stop()
     try:
         wait_until(lambda: router_metric(router, "kvserve_router:redis_up") == 0,
