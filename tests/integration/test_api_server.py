@@ -23,7 +23,7 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.service.api_server import ServerConfig, ServerThread, create_app
 
 MAX_MODEL_LEN = 256
-KV_BYTES = 4 << 20  # 512 blocks of 16 tokens for the tiny model
+KV_BYTES = 4 << 20  # 512 blocks of 16 tokens for the tiny model in fp32 (dtype pinned below)
 SYSTEM = ("You are a helpful assistant. Answer briefly and precisely. Paged attention stores the "
           "KV cache in fixed-size blocks, like virtual memory pages.")
 
@@ -32,7 +32,7 @@ def start_server(model_dir: Any, *, engine_kw: dict | None = None,
                  **server_kw: Any) -> ServerThread:
     engine = LLMEngine.from_config(EngineConfig(
         model=str(model_dir), max_model_len=MAX_MODEL_LEN, kv_cache_memory=KV_BYTES,
-        **(engine_kw or {})))
+        **{"dtype": "float32", **(engine_kw or {})}))
     server_kw.setdefault("served_model_names", ["tiny", "tiny-alias"])
     return ServerThread(create_app(engine, ServerConfig(**server_kw))).start()
 

@@ -35,7 +35,8 @@ def test_sigterm_drains_then_exits(tiny_model_dir, tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvserve.service.api_server", "--model", str(tiny_model_dir),
          "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-         "--max-model-len", "512", "--kv-cache-memory", "4MiB", "--shutdown-grace-period", "60",
+         "--max-model-len", "512", "--kv-cache-memory", "4MiB", "--dtype", "float32",
+         "--shutdown-grace-period", "60",
          "--log-level", "info"], stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: health(url) == 200 or proc.poll() is not None, 180, "the server")
