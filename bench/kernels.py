@@ -1,4 +1,5 @@
-"""CPU benchmark of paged attention: the torch path vs the reference vs SDPA on the same lengths
+"""CPU benchmark of paged attention: the cpu backend (fused C++ decode) and the torch path vs the
+reference vs SDPA on the same lengths
 stored contiguously (the peer a non-paged engine would run), for decode and prefill batches.
 
 Shapes are the default model's (9 query heads, 3 KV heads, head_dim 64) with block_size 16 and a
@@ -108,9 +109,11 @@ def run_case(case: Case, dtype: torch.dtype, repeats: int, with_reference: bool,
     args = (q, k_cache, v_cache, tables, seq_lens, qsl, HEAD_DIM ** -0.5)
     plan = plan_attention(tables, seq_lens, qsl, BLOCK)
     paged_attention(*args, backend="torch", plan=plan)  # builds the torch parts once
+    paged_attention(*args, backend="cpu", plan=plan)
     decode = max(case.query_lens) == 1
     fns = {
         "torch": lambda: paged_attention(*args, backend="torch", plan=plan),
+        "cpu": lambda: paged_attention(*args, backend="cpu", plan=plan),
         "torch+plan/30": lambda: _planned_step(args, tables, seq_lens, qsl),
         "sdpa": (lambda: sdpa_decode(q, k_cont, v_cont, seq_lens)) if decode
         else (lambda: sdpa_prefill(q, k_cont, v_cont, seq_lens, qsl)),
@@ -162,12 +165,13 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {opts.dtype}, "
           f"heads {HEADS}/{KV_HEADS}, head_dim {HEAD_DIM}, block {BLOCK}; "
           f"ms of {opts.clock} time, min of {repeats}")
-    print(f"{'case':32s} {'torch':>9s} {'sdpa':>9s} {'torch/sdpa':>10s} {'plan+30/30':>10s} "
-          f"{'reference':>10s} {'ref/torch':>9s}")
+    print(f"{'case':32s} {'cpu':>9s} {'torch':>9s} {'sdpa':>9s} {'cpu/sdpa':>9s} "
+          f"{'torch/sdpa':>10s} {'plan+30/30':>10s} {'reference':>10s} {'ref/torch':>9s}")
     for case in cases(opts.quick, opts.seqs):
         t = run_case(case, dtype, repeats, not opts.no_reference, opts.clock)
         ref = t.get("reference", float("nan"))
-        print(f"{case.name:32s} {t['torch']:9.2f} {t['sdpa']:9.2f} {t['torch'] / t['sdpa']:10.2f} "
+        print(f"{case.name:32s} {t['cpu']:9.2f} {t['torch']:9.2f} {t['sdpa']:9.2f} "
+              f"{t['cpu'] / t['sdpa']:9.2f} {t['torch'] / t['sdpa']:10.2f} "
               f"{t['torch+plan/30']:10.2f} {ref:10.1f} {ref / t['torch']:9.1f}", flush=True)
 
 

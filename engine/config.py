@@ -32,7 +32,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
-    attention_backend: str = "auto"  # "auto" | "torch" | "triton" | "reference"
+    attention_backend: str = "auto"  # "auto" | "cpu" | "torch" | "triton" | "reference"
     seed: int = 0
     trust_remote_code: bool = False
     revision: str | None = None
@@ -62,7 +62,7 @@ class EngineConfig:
         if self.preemption_mode not in ("recompute", "swap"):
             raise ConfigError(
                 f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        if self.attention_backend not in ("auto", "torch", "triton", "reference"):
+        if self.attention_backend not in ("auto", "cpu", "torch", "triton", "reference"):
             raise ConfigError(f"unknown attention_backend {self.attention_backend!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")

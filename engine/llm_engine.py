@@ -79,8 +79,9 @@ class LLMEngine:
         self._aborted: list[RequestOutput] = []
         self._prompt_tokens = 0
         self._generation_tokens = 0
-        logger.info("%s; device %s, dtype %s, kv dtype %s", self.memory_budget.describe(),
-                    self.device, self.dtype, setup.kv_dtype)
+        logger.info("%s; device %s, dtype %s, kv dtype %s, attention backend %s",
+                    self.memory_budget.describe(), self.device, self.dtype, setup.kv_dtype,
+                    self.runner.backend)
 
     def _calibrate_kv_scales(self) -> None:
         """`calculate_kv_scales=True`: FP8 scales from a representative first batch."""

@@ -10,6 +10,7 @@ from kvserve.engine.kv_cache_manager import KVCacheManager
 from kvserve.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.kernels import compute_kv_scale, plan_attention
+from kvserve.kernels.backend import resolve_backend
 from kvserve.kernels.metadata import AttentionMetadata
 
 FP8 = torch.float8_e4m3fn
@@ -23,7 +24,9 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.block_size = block_size
-        self.backend = attention_backend
+        # Resolved once here: on the CPU, "auto" builds the fused decode kernel now (once per
+        # machine), not in the middle of the first step.
+        self.backend = resolve_backend(attention_backend, device)
         self.k_scale, self.v_scale = k_scale, v_scale
         shape = (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         # Zeroed, not empty: padded attention reads of unused slots must never see NaN garbage.

@@ -30,6 +30,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         from kvserve.kernels.triton_attention import triton_paged_attention
 
         return triton_paged_attention(q, k_cache, v_cache, plan, scale, k_scale, v_scale)
+    if chosen == "cpu":
+        from kvserve.kernels.cpu_attention import cpu_paged_attention
+
+        return cpu_paged_attention(q, k_cache, v_cache, plan, scale, k_scale, v_scale)
     if chosen == "torch":
         from kvserve.kernels.torch_attention import torch_paged_attention
 

@@ -9,7 +9,7 @@ import torch
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 QUERY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
-BACKENDS = ("auto", "torch", "triton", "reference")
+BACKENDS = ("auto", "cpu", "torch", "triton", "reference")
 
 
 class KernelInputError(ValueError):

@@ -18,5 +18,5 @@ class AttentionMetadata:
     max_seq_len: int
     k_scale: float = 1.0  # fp8 KV cache: stored = value / scale
     v_scale: float = 1.0
-    backend: str = "auto"  # "auto" | "torch" | "triton" | "reference"
+    backend: str = "auto"  # "auto" | "cpu" | "torch" | "triton" | "reference"
     plan: object | None = None  # backend-specific precomputation shared by all layers of a step

@@ -24,8 +24,10 @@ FP8 = torch.float8_e4m3fn
 
 def torch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           plan: AttentionPlan, scale: float, k_scale: float = 1.0,
-                          v_scale: float = 1.0) -> torch.Tensor:
-    """Same contract as reference_paged_attention."""
+                          v_scale: float = 1.0, *, out: torch.Tensor | None = None,
+                          decode: bool = True) -> torch.Tensor:
+    """Same contract as reference_paged_attention. With `decode=False` the decode rows are left
+    to the caller (the CPU backend's kernel has written them into `out`)."""
     if k_cache.dtype == FP8:  # gathered values come out divided by 256
         k_scale, v_scale = k_scale * FP8_TO_FP16_FACTOR, v_scale * FP8_TO_FP16_FACTOR
     else:  # scales describe fp8 storage only
@@ -33,9 +35,10 @@ def torch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     token_bytes = 2 * k_cache.shape[2] * k_cache.shape[3] * q.element_size()
     parts = torch_plan(plan, token_bytes)
     ws = plan.parts.setdefault("workspace", Workspace(q.device))
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     gather = _Gather(k_cache, v_cache, q.dtype, ws)
-    for chunk in parts.decode:
+    for chunk in parts.decode if decode else ():
         out.index_copy_(0, chunk.tokens, _decode(q, gather, chunk, scale * k_scale, v_scale))
     for seq in parts.prefill:
         out[seq.start:seq.end] = _prefill(q, gather, seq, scale * k_scale, v_scale)

@@ -91,7 +91,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--calculate-kv-scales", action="store_true",
                    help="compute fp8 KV scales from the first batch")
     g.add_argument("--attention-backend", default=d("attention_backend"),
-                   choices=("auto", "torch", "triton", "reference"))
+                   choices=("auto", "cpu", "torch", "triton", "reference"))
     g.add_argument("--seed", type=int, default=d("seed"), help="random seed of the engine")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="allow model code from the hub (off: only built-in architectures)")

@@ -7,7 +7,6 @@ from hypothesis import given, settings
 
 from kv_batches import Spec, assert_close_to, build_batch, specs
 from kvserve.kernels import paged_attention, plan_attention
-from kvserve.kernels.torch_attention import torch_paged_attention
 
 
 @settings(max_examples=30, deadline=None)
@@ -16,15 +15,6 @@ def test_torch_matches_reference(spec):
     batch = build_batch(spec)
     expected = paged_attention(*batch.args(), backend="reference")
     assert_close_to(paged_attention(*batch.args(), backend="torch"), expected)
-
-
-def test_auto_on_cpu_is_the_torch_path():
-    spec = Spec(seqs=((33, 1), (20, 20)), num_kv_heads=2, group=2, head_dim=64, block_size=16,
-                cache_dtype=torch.bfloat16, q_dtype=torch.bfloat16, seed=2)
-    batch = build_batch(spec)
-    plan = plan_attention(batch.block_tables, batch.seq_lens, batch.query_start_loc, 16)
-    direct = torch_paged_attention(batch.q, batch.k_cache, batch.v_cache, plan, batch.scale)
-    assert torch.equal(paged_attention(*batch.args()), direct)
 
 
 def test_one_plan_serves_every_layer():

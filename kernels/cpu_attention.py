@@ -1,0 +1,134 @@
+"""The CPU backend: decode rows through a fused C++ kernel, prefill rows through the torch path.
+
+Decode is memory-bound. The torch path copies each sequence's blocks into a workspace before
+two batched matmuls read them (about 3x the bytes contiguous SDPA moves); the C++ kernel
+(csrc/cpu_decode_attention.cpp) reads K and V once, in place, through the block table, with an
+online softmax. Prefill is compute-bound and already at parity with contiguous SDPA on the
+torch path (one SDPA per sequence over its gathered blocks), so those rows stay there.
+
+The kernel is compiled on first use with torch's own extension builder (ninja + the system C++
+compiler, -O3 -march=native) into `$KVSERVE_CACHE/torch_extensions/<cpu>`, once per machine
+(~30 s). When that is impossible (no compiler, KVSERVE_CPU_KERNEL=0) `available()` is False,
+the reason is logged once, and "auto" falls back to the torch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from kvserve.kernels.plan import AttentionPlan
+
+logger = logging.getLogger("kvserve.kernels")
+SOURCE = Path(__file__).parent / "csrc" / "cpu_decode_attention.cpp"
+FP8 = torch.float8_e4m3fn
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+def _build_dir() -> Path:
+    """One build per source, flags and CPU model (-march=native code is CPU-specific)."""
+    from kvserve.engine.model_loader import cache_root
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu += next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + cpu.encode() +
+                         torch.__version__.encode()).hexdigest()[:16]
+    return cache_root() / "torch_extensions" / f"cpu_decode_{key}"
+
+
+@functools.cache
+def available() -> bool:
+    """Build (once per machine) and load the kernel; False, with the reason logged, if it cannot."""
+    if os.environ.get("KVSERVE_CPU_KERNEL", "1") == "0":
+        logger.info("CPU decode kernel disabled (KVSERVE_CPU_KERNEL=0): torch path")
+        return False
+    try:
+        from torch.utils import cpp_extension
+
+        _ninja_on_path()
+
+        build = _build_dir()
+        build.mkdir(parents=True, exist_ok=True)
+        if not (build / "kvserve_cpu_decode.so").exists():
+            logger.info("building the CPU paged-attention kernel into %s (once per machine)", build)
+        cpp_extension.load(name="kvserve_cpu_decode", sources=[str(SOURCE)],
+                           extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                           build_directory=str(build), is_python_module=False, verbose=False)
+        return hasattr(torch.ops.kvserve_cpu, "paged_decode")
+    except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
+        logger.warning("CPU paged-attention kernel unavailable (%s: %s); using the torch path",
+                       type(exc).__name__, str(exc).strip().splitlines()[-1:] or "")
+        return False
+
+
+def _ninja_on_path() -> None:
+    """torch calls `ninja` from PATH; the PyPI wheel's binary is not there unless the venv is
+    activated."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    bin_dir = getattr(ninja, "BIN_DIR", None)
+    if bin_dir and bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+
+
+@functools.cache
+def _fp8_table() -> torch.Tensor:
+    """float32 value of each e4m3 byte (NaN codes included)."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float()
+
+
+_NO_TABLE = torch.empty(0)
+
+
+def cpu_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        plan: AttentionPlan, scale: float, k_scale: float = 1.0,
+                        v_scale: float = 1.0) -> torch.Tensor:
+    """Same contract as reference_paged_attention."""
+    from kvserve.kernels.torch_attention import torch_paged_attention
+
+    parts = _parts(plan)
+    if parts["seq_ids"].numel() == 0:  # no decode rows: all prefill
+        return torch_paged_attention(q, k_cache, v_cache, plan, scale, k_scale, v_scale)
+    if k_cache.dtype == FP8:
+        kc, vc, table = k_cache.view(torch.uint8), v_cache.view(torch.uint8), _fp8_table()
+        qk_scale, out_scale = scale * k_scale, v_scale
+    else:  # scales describe fp8 storage only
+        kc, vc, table, qk_scale, out_scale = k_cache, v_cache, _NO_TABLE, scale, 1.0
+    q32 = q.contiguous() if q.dtype == torch.float32 else q.float()
+    out32 = torch.empty_like(q32)
+    torch.ops.kvserve_cpu.paged_decode(q32, kc, vc, parts["block_tables"], parts["seq_lens"],
+                                       parts["seq_ids"], parts["rows"], table, qk_scale,
+                                       out_scale, out32)
+    out = out32 if q.dtype == torch.float32 else out32.to(q.dtype)
+    if not parts["all_decode"]:  # the prefill rows, on the torch path, into the same output
+        torch_paged_attention(q, k_cache, v_cache, plan, scale, k_scale, v_scale, out=out,
+                              decode=False)
+    return out
+
+
+def _parts(plan: AttentionPlan) -> dict:
+    """Decode sequence ids and their q rows, and int32 index tensors, once per plan."""
+    if "cpu" not in plan.parts:
+        seqs = [s for s in range(plan.num_seqs) if plan.query_lens[s] == 1]
+        device = plan.block_tables.device
+        starts = plan.query_start_loc.tolist()
+        plan.parts["cpu"] = {
+            "seq_ids": torch.tensor(seqs, dtype=torch.long, device=device),
+            "rows": torch.tensor([starts[s] for s in seqs], dtype=torch.long, device=device),
+            "all_decode": len(seqs) == plan.num_seqs,
+            "block_tables": plan.block_tables.to(torch.int32).contiguous(),
+            "seq_lens": plan.seq_lens_t.to(torch.int32).contiguous(),
+        }
+    return plan.parts["cpu"]  # type: ignore[return-value]

@@ -1,0 +1,79 @@
+"""The CPU backend (fused C++ decode kernel + torch-path prefill) against the reference."""
+
+import shutil
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+from kv_batches import FP8, Spec, assert_close_to, build_batch, specs
+from kvserve.kernels import KernelInputError, paged_attention, plan_attention
+from kvserve.kernels import backend as backend_mod
+from kvserve.kernels import cpu_attention
+from kvserve.kernels.torch_attention import torch_paged_attention
+
+
+def test_the_kernel_builds_where_a_compiler_exists():
+    """On a machine with a C++ compiler (CI's), "auto" must get the fused kernel, not a fallback."""
+    assert shutil.which("c++") or shutil.which("g++"), "no C++ compiler on this machine"
+    assert cpu_attention.available()
+    assert backend_mod.resolve_backend("auto", torch.device("cpu")) == "cpu"
+
+
+@settings(max_examples=40, deadline=None)
+@given(specs())
+def test_cpu_matches_reference(spec):
+    batch = build_batch(spec)
+    expected = paged_attention(*batch.args(), backend="reference")
+    assert_close_to(paged_attention(*batch.args(), backend="cpu"), expected)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16, FP8])
+def test_long_decodes_with_outlier_keys(cache_dtype):
+    """Many blocks per sequence and a late, large score: the online softmax must rescale."""
+    spec = Spec(seqs=tuple((n, 1) for n in (700, 1, 333, 16, 17, 512)), num_kv_heads=3, group=3,
+                head_dim=64, block_size=16, cache_dtype=cache_dtype,
+                q_dtype=torch.float32 if cache_dtype == FP8 else cache_dtype, shared_blocks=2,
+                seed=5)
+    batch = build_batch(spec)
+    # A key in the last block of sequence 0 that aligns with its query: a late new maximum.
+    last_block = int(batch.block_tables[0, (700 - 1) // 16])
+    boost = batch.q[0, :3].float().mean(0) * 8 / batch.k_scale
+    batch.k_cache[last_block, 5, 0] = boost.to(batch.k_cache.dtype)
+    expected = paged_attention(*batch.args(), backend="reference")
+    assert_close_to(paged_attention(*batch.args(), backend="cpu"), expected)
+
+
+def test_int64_indices_and_one_plan_over_layers():
+    spec = Spec(seqs=((70, 1), (3, 1), (45, 1), (64, 9), (17, 17)), num_kv_heads=3, group=3,
+                head_dim=64, block_size=16, cache_dtype=torch.float32, q_dtype=torch.float32,
+                shared_blocks=2, seed=11)
+    batch = build_batch(spec)
+    tables, lens, qsl = (batch.block_tables.long(), batch.seq_lens.long(),
+                         batch.query_start_loc.long())
+    plan = plan_attention(tables, lens, qsl, 16)
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(seed)
+        q = torch.randn(batch.q.shape, generator=gen)
+        k, v = (torch.randn(batch.k_cache.shape, generator=gen) for _ in range(2))
+        args = (q, k, v, tables, lens, qsl, batch.scale)
+        expected = paged_attention(*args, backend="reference")
+        assert_close_to(paged_attention(*args, backend="cpu", plan=plan), expected)
+
+
+def test_disabled_kernel_falls_back_to_the_torch_path(monkeypatch):
+    monkeypatch.setenv("KVSERVE_CPU_KERNEL", "0")
+    cpu_attention.available.cache_clear()
+    try:
+        assert not cpu_attention.available()
+        assert backend_mod.resolve_backend("auto", torch.device("cpu")) == "torch"
+        spec = Spec(seqs=((33, 1), (20, 20)), num_kv_heads=2, group=2, head_dim=64,
+                    block_size=16, cache_dtype=torch.bfloat16, q_dtype=torch.bfloat16, seed=2)
+        batch = build_batch(spec)
+        plan = plan_attention(batch.block_tables, batch.seq_lens, batch.query_start_loc, 16)
+        direct = torch_paged_attention(batch.q, batch.k_cache, batch.v_cache, plan, batch.scale)
+        assert torch.equal(paged_attention(*batch.args()), direct)
+        with pytest.raises(KernelInputError, match="backend"):
+            backend_mod.resolve_backend("cpu", torch.device("cpu"))
+    finally:
+        cpu_attention.available.cache_clear()
