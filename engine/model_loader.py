@@ -204,6 +204,11 @@ def load_model(model_path: Path | str, dtype: torch.dtype, device: torch.device,
     model = model_cls(config, dtype=dtype, device=device)
     folder = _local_folder(model_path, revision)
     model.load_weights(iter_weights(folder))
+    if device.type == "cpu":
+        from kvserve.engine.models.packed_linear import pack_linears
+
+        packed = pack_linears(model)
+        logger.info("CPU linears prepacked for oneDNN: %d", packed)
     return model.eval(), config
 
 

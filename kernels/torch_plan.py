@@ -41,6 +41,17 @@ class PrefillSeq:
     seq_len: int
     blocks: torch.Tensor  # int64 [ceil(seq_len / block_size)]
     mask: torch.Tensor | None  # bool [end - start, seq_len], True = attend; None = plain causal
+    additive: torch.Tensor | None = None  # fp32 0 / -inf [end - start, seq_len], made on first use
+
+    def additive_mask(self) -> torch.Tensor:
+        """The causal mask (shifted by any cached context) as 0 / -inf, once per step."""
+        if self.additive is None:
+            n, device = self.end - self.start, self.blocks.device
+            rows = torch.arange(n, device=device)[:, None] + (self.seq_len - n)
+            keys = torch.arange(self.seq_len, device=device)[None, :]
+            self.additive = torch.zeros(n, self.seq_len, device=device).masked_fill_(
+                keys > rows, float("-inf"))
+        return self.additive
 
 
 @dataclass
