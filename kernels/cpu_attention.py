@@ -67,7 +67,7 @@ def available() -> bool:
         return hasattr(torch.ops.kvserve_cpu, "paged_decode")
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
         logger.warning("CPU paged-attention kernel unavailable (%s: %s); using the torch path",
-                       type(exc).__name__, str(exc).strip().splitlines()[-1:] or "")
+                       type(exc).__name__, " | ".join(str(exc).strip().splitlines()[-3:]))
         return False
 
 
