@@ -75,6 +75,33 @@ for _, id in ipairs(ids) do
 end
 return out
 """
+# The per-request hot path: only the leading matched blocks per live replica (liveness by the
+# heartbeat key's existence), no heartbeat fields, which the router already refreshes every
+# second. ARGV as LOOKUP_SCRIPT's; returns id, matched, id, matched, ...
+MATCH_SCRIPT = """
+local prefix = ARGV[1]
+local blob = ARGV[2] or ''
+local n = math.floor(#blob / 32)
+local hashes = {}
+for i = 1, n do hashes[i] = string.sub(blob, (i - 1) * 32 + 1, i * 32) end
+local out = {}
+for _, id in ipairs(redis.call('SMEMBERS', prefix .. 'replicas')) do
+  if redis.call('EXISTS', prefix .. 'replica:' .. id) == 0 then
+    redis.call('SREM', prefix .. 'replicas', id)
+  else
+    local matched = 0
+    if n > 0 then
+      local flags = redis.call('SMISMEMBER', prefix .. 'blocks:' .. id, unpack(hashes))
+      for i = 1, n do
+        if flags[i] == 1 then matched = i else break end
+      end
+    end
+    out[#out + 1] = id
+    out[#out + 1] = matched
+  end
+end
+return out
+"""
 INFO_FIELDS = ("url", "model", "block_size", "num_running", "num_waiting", "kv_cache_usage",
                "heartbeat_at")
 HASH_HEX_LEN = 32  # engine.block_hash: blake2b-128 as hex
@@ -151,6 +178,7 @@ class PrefixIndex:
         self.client = client
         self.keys = IndexKeys(service)
         self._script = client.register_script(LOOKUP_SCRIPT)
+        self._match_script = client.register_script(MATCH_SCRIPT)
 
     @classmethod
     def from_url(cls, redis_url: str, service: str, timeout: float = 0.5) -> PrefixIndex:
@@ -160,20 +188,29 @@ class PrefixIndex:
 
     async def lookup(self, hashes: Sequence[str]) -> list[ReplicaMatch]:
         """Every live replica with its leading matched block count (raises RedisError)."""
+        flat = await self._call(self._script, hashes)
+        stride = 2 + len(INFO_FIELDS)
+        out = [ReplicaMatch(_info_from_values(_s(flat[i]), flat[i + 2 : i + stride]),
+                            int(flat[i + 1])) for i in range(0, len(flat), stride)]
+        return sorted(out, key=lambda m: m.replica.replica_id)
+
+    async def match_counts(self, hashes: Sequence[str]) -> dict[str, int]:
+        """{replica id: leading matched blocks} of every live replica, in one round trip: the
+        router's per-request call (it knows the replicas' heartbeat fields from `replicas()`)."""
+        flat = await self._call(self._match_script, hashes)
+        return {_s(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+    async def _call(self, script: Any, hashes: Sequence[str]) -> Any:
         chain = list(hashes)[:MAX_LOOKUP_BLOCKS]
         blob = "".join(chain)
         if len(blob) != HASH_HEX_LEN * len(chain):
             raise ValueError("block hashes must be 32-hex-digit strings from engine.block_hash")
         args = [self.keys.prefix, blob]
         try:
-            flat = await self._script(keys=[], args=args)
+            return await script(keys=[], args=args)
         except RedisConnectionError:
             # A pooled connection from before a Redis restart fails once; a fresh one may not.
-            flat = await self._script(keys=[], args=args)
-        stride = 2 + len(INFO_FIELDS)
-        out = [ReplicaMatch(_info_from_values(_s(flat[i]), flat[i + 2 : i + stride]),
-                            int(flat[i + 1])) for i in range(0, len(flat), stride)]
-        return sorted(out, key=lambda m: m.replica.replica_id)
+            return await script(keys=[], args=args)
 
     async def replicas(self) -> list[ReplicaInfo]:
         return [m.replica for m in await self.lookup([])]

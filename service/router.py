@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -119,6 +120,8 @@ class Router:
         self.tokenizer: Any = None
         self.http: httpx.AsyncClient | None = None
         self._tasks: list[asyncio.Task] = []
+        self._pending_refresh: asyncio.Task | None = None
+        self._chat_encoder: Any = None
 
     def _static(self) -> dict[str, ReplicaInfo]:
         return {u: ReplicaInfo(u, u, "", self.cfg.block_size) for u in self.cfg.replicas}
@@ -139,7 +142,7 @@ class Router:
         self._update_gauges()
 
     async def close(self) -> None:
-        for t in self._tasks:
+        for t in self._tasks + ([self._pending_refresh] if self._pending_refresh else []):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.http is not None:
@@ -225,15 +228,29 @@ class Router:
         return Candidate(info.replica_id, info.url, load, info.kv_cache_usage, matched_blocks)
 
     async def _lookup(self, hashes: list[str]) -> list[ReplicaMatch]:
-        """One Redis round trip when Redis is up; the last known set (no matches) otherwise."""
+        """One Redis round trip when Redis is up; the last known set (no matches) otherwise.
+
+        Redis answers only the matched block counts of the live replicas; their heartbeat fields
+        (URL, load) come from the set `refresh` re-reads every second.
+        """
         if self.index is not None and self.redis_up:
             try:
-                matches = await self.index.lookup(hashes)
-                self._redis_ok({m.replica.replica_id: m.replica for m in matches})
-                return matches
+                counts = await self.index.match_counts(hashes)
             except (RedisError, OSError) as exc:
                 self._redis_failed(exc)
+            else:
+                if any(rid not in self.known for rid in counts) and self._pending_refresh is None:
+                    self._pending_refresh = asyncio.create_task(self._refresh_now())
+                return [ReplicaMatch(self.known[rid], n) for rid, n in counts.items()
+                        if rid in self.known]
         return [ReplicaMatch(i, 0) for i in self.known.values()]
+
+    async def _refresh_now(self) -> None:
+        """A replica joined since the last refresh: learn its URL and load now."""
+        try:
+            await self.refresh()
+        finally:
+            self._pending_refresh = None
 
     async def route(self, path: str, body: dict[str, Any], headers: Any) -> RouteInfo:
         start = time.perf_counter()
@@ -269,7 +286,11 @@ class Router:
         if self.tokenizer is None:
             return None
         try:
-            return prompt_tokens_for(self.tokenizer, path, body)
+            if self._chat_encoder is None or self._chat_encoder.tokenizer is not self.tokenizer:
+                from kvserve.engine.tokenizer import ChatEncoder
+
+                self._chat_encoder = ChatEncoder(self.tokenizer)
+            return prompt_tokens_for(self.tokenizer, path, body, self._chat_encoder)
         except Exception as exc:  # a malformed body: the replica will answer with the 400
             logger.debug("cannot tokenize request for routing: %s", exc)
             return None
@@ -400,16 +421,18 @@ def _message_text(content: Any) -> Any:
     return content
 
 
-def prompt_tokens_for(tokenizer: Any, path: str, body: dict[str, Any]) -> list[int] | None:
-    """Token ids of a chat or completion request body, via the engine's own tokenizer helpers."""
+def prompt_tokens_for(tokenizer: Any, path: str, body: dict[str, Any],
+                      chat_encoder: Any = None) -> list[int] | None:
+    """Token ids of a chat or completion request body, via the engine's own tokenizer helpers
+    (`chat_encoder`: an engine.tokenizer.ChatEncoder over the same tokenizer, for speed)."""
     from kvserve.engine.tokenizer import chat_token_ids, prompt_token_ids
 
     if path.endswith("/chat/completions"):
         messages = [{"role": m["role"], "content": _message_text(m.get("content")) or ""}
                     for m in body["messages"]]
-        return chat_token_ids(tokenizer, messages,
-                              add_generation_prompt=body.get("add_generation_prompt", True),
-                              chat_template=body.get("chat_template"))
+        encode = chat_encoder or functools.partial(chat_token_ids, tokenizer)
+        return encode(messages, add_generation_prompt=body.get("add_generation_prompt", True),
+                      chat_template=body.get("chat_template"))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
         prompt = prompt[0]  # a batch of prompts: route by the first

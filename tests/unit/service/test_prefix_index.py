@@ -56,6 +56,9 @@ async def test_lookup_returns_leading_match_per_live_replica(redis_server):
         # b holds blocks 0-1 and 3-7: the hole at block 2 stops its leading match at 2.
         b.on_step([KVEvent("stored", tuple(CHAIN[:2] + CHAIN[3:]))], Stats())
         await until(lambda: _eq(matches(index, CHAIN), {"a": 5, "b": 2}), what="lookup")
+        assert await index.match_counts(CHAIN) == {"a": 5, "b": 2}  # the router's fast path
+        other = block_hashes(list(range(1, 16 * 8 + 1)), 16)  # another prompt: nothing held
+        assert await index.match_counts(other) == {"a": 0, "b": 0}
         await until(lambda: _eq(_loads(index), {"a": 3, "b": 0}), what="next heartbeat")
         infos = {i.replica_id: i for i in await index.replicas()}
         assert infos["a"].url == "http://a:8000" and infos["a"].model == "tiny"
