@@ -33,7 +33,7 @@ def run_kvserve(llm: LLM, prompts: list[list[int]], lengths: list[int]) -> dict:
     for i, (p, n) in enumerate(zip(prompts, lengths)):
         engine.add_request(f"b{time.monotonic_ns()}-{i}", p,
                            SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-    util, contiguous = [], []
+    util, seq_util, contiguous = [], [], []
     q0, h0 = engine.get_stats().prefix_cache_queries, engine.get_stats().prefix_cache_hits
     t0 = time.perf_counter()
     tokens = 0
@@ -44,12 +44,14 @@ def run_kvserve(llm: LLM, prompts: list[list[int]], lengths: list[int]) -> dict:
         s = engine.get_stats()
         if s.kv_slots_allocated:
             util.append(s.kv_slot_utilization)
+            seq_util.append(s.kv_seq_slot_utilization)
             contiguous.append(s.kv_slots_used / (max(s.num_running, 1) * MAX_MODEL_LEN))
     dt = time.perf_counter() - t0
     s = engine.get_stats()
     hit = (s.prefix_cache_hits - h0) / max(s.prefix_cache_queries - q0, 1)
     return {"tok_s": tokens / dt, "seconds": dt, "tokens": tokens,
-            "kv_util": statistics.mean(util), "contiguous_util": statistics.mean(contiguous),
+            "kv_util": statistics.mean(util), "kv_seq_util": statistics.mean(seq_util),
+            "contiguous_util": statistics.mean(contiguous),
             "hit_rate": hit}
 
 
@@ -108,7 +110,8 @@ def main() -> None:
         fixed = [args.new_tokens] * len(prompts)
         ours = run_kvserve(llm, prompts, fixed)
         print(f"kvserve: {ours['tok_s']:.1f} tok/s ({ours['seconds']:.1f}s), prefix hit rate "
-              f"{ours['hit_rate']:.1%}, KV slot utilisation {ours['kv_util']:.1%} vs contiguous "
+              f"{ours['hit_rate']:.1%}, KV slot utilisation {ours['kv_util']:.1%} physical "
+              f"(shared blocks once), {ours['kv_seq_util']:.1%} per sequence, vs contiguous "
               f"{ours['contiguous_util']:.1%}")
         if not args.skip_hf:
             hf = run_hf(model_dir, dtype, prompts, fixed)
@@ -119,7 +122,8 @@ def main() -> None:
             llm.llm_engine.reset_prefix_cache()
             ours_v = run_kvserve(llm, prompts, lens)
             line = (f"varied 16..256: kvserve {ours_v['tok_s']:.1f} tok/s, KV utilisation "
-                    f"{ours_v['kv_util']:.1%} vs contiguous {ours_v['contiguous_util']:.1%}")
+                    f"{ours_v['kv_util']:.1%} physical, {ours_v['kv_seq_util']:.1%} per sequence, "
+                    f"vs contiguous {ours_v['contiguous_util']:.1%}")
             if not args.skip_hf:
                 hf_v = run_hf(model_dir, dtype, prompts, lens)
                 line += (f"; HF static {hf_v['tok_s']:.1f} useful tok/s -> "

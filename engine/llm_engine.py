@@ -321,8 +321,9 @@ class LLMEngine:
     def get_stats(self) -> EngineStats:
         kv, pool, sch = self.kv, self.kv.pool, self.scheduler
         allocated = kv.allocated_slots()
-        waste = sum(len(kv.tables.get(s.seq_id, ())) * self.block_size - s.num_computed_tokens
-                    for s in sch.running)
+        seq_slots = sum(len(kv.tables.get(s.seq_id, ())) for s in sch.running) * self.block_size
+        seq_tokens = sum(s.num_computed_tokens for s in sch.running)
+        waste = seq_slots - seq_tokens
         return EngineStats(
             num_running=len(sch.running), num_waiting=len(sch.waiting),
             num_swapped=len(sch.swapped), kv_cache_usage=pool.usage(),
@@ -333,7 +334,8 @@ class LLMEngine:
             prefix_cache_hits=kv.prefix_stats.hits, num_preemptions=sch.num_preemptions,
             num_evictions=pool.num_evictions, kv_slots_used=max(allocated - max(waste, 0), 0),
             kv_slots_allocated=allocated, prompt_tokens=self._prompt_tokens,
-            generation_tokens=self._generation_tokens)
+            generation_tokens=self._generation_tokens, kv_seq_tokens=seq_tokens,
+            kv_seq_slots=seq_slots)
 
     def drain_kv_events(self) -> list[KVEvent]:
         return self.kv.pool.drain_events()

@@ -26,6 +26,10 @@ class EngineStats:
     kv_slots_allocated: int  # token slots of held blocks
     prompt_tokens: int  # cumulative prompt tokens of admitted requests
     generation_tokens: int  # cumulative generated tokens
+    # Per sequence (a shared block counted once for each sequence using it): what each request
+    # sees of its own block table.
+    kv_seq_tokens: int = 0  # computed tokens of the running sequences
+    kv_seq_slots: int = 0  # token slots of their block tables
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -35,3 +39,9 @@ class EngineStats:
     def kv_slot_utilization(self) -> float:
         """Real tokens / allocated slots (1.0 = no slot wasted); 1.0 when nothing is held."""
         return self.kv_slots_used / self.kv_slots_allocated if self.kv_slots_allocated else 1.0
+
+    @property
+    def kv_seq_slot_utilization(self) -> float:
+        """Per-sequence view: each request's tokens / the slots of its own block table (a shared
+        prefix block counts for every request reading it); 1.0 when nothing runs."""
+        return self.kv_seq_tokens / self.kv_seq_slots if self.kv_seq_slots else 1.0

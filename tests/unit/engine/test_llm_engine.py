@@ -215,3 +215,24 @@ def test_chat_applies_the_template(llm):
     expected = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     assert out.prompt == expected
     assert out.prompt_token_ids == tok(expected, add_special_tokens=False)["input_ids"]
+
+
+def test_kv_slot_utilisation_physical_and_per_sequence(tiny_model_dir):
+    """Two requests sharing two full prompt blocks: physically those blocks count once, per
+    sequence they count for each request; both figures are exact after the prefill."""
+    llm = make_llm(tiny_model_dir)
+    engine, bs = llm.llm_engine, llm.llm_engine.block_size
+    shared = list(range(5, 5 + 2 * bs))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine.add_request("a", shared + [1, 2, 3], params)
+    engine.step()  # a's prefill registers the two shared blocks
+    engine.add_request("b", shared + [4, 5, 6, 7, 8], params)
+    engine.step()  # a decodes, b hits the shared blocks and prefills its 5 own tokens
+    s = engine.get_stats()
+    a, b = (engine.requests[r].seqs[0] for r in ("a", "b"))
+    assert (a.num_computed_tokens, b.num_computed_tokens) == (2 * bs + 4, 2 * bs + 5)
+    assert s.kv_seq_tokens == 4 * bs + 9 and s.kv_seq_slots == 6 * bs
+    assert s.kv_seq_slot_utilization == (4 * bs + 9) / (6 * bs)
+    assert s.kv_slots_allocated == 4 * bs  # 2 shared + 1 own each
+    assert s.kv_slot_utilization == (2 * bs + 9) / (4 * bs)
+    engine.abort_request(["a", "b"])
