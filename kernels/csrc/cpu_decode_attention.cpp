@@ -70,13 +70,17 @@ struct Row<uint8_t> {  // fp8 e4m3 bytes, decoded through a table
 #define KVSERVE_AVX2 1
 #include <immintrin.h>
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {  // bf16 is the top half of an fp32
+inline __m256 load8(const float* p, const float*) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p, const float*) {  // bf16: the top half of an fp32
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
-inline __m256 load8(const at::Half* p) {
+inline __m256 load8(const at::Half* p, const float*) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const uint8_t* p, const float* lut) {  // fp8 e4m3 bytes via the table
+  const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_i32gather_ps(lut, idx, 4);
 }
 
 // Lane j of the result = sum of the 8 lanes of a[j].
@@ -88,16 +92,12 @@ inline __m256 sum8x8(const __m256* a) {
                        _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-template <typename T>
-constexpr bool kSimd = !std::is_same<T, uint8_t>::value;
-
 // scores[h * block_size + t] = q_h . k_t for the rounded-up 8-row tiles of one block and one KV
 // head's query group. Rows past ntok lie inside the block (block_size % 8 == 0): read, unused.
 template <typename T>
 inline void block_scores_simd(const T* k, int64_t tok_stride, int64_t ntok, const float* qs,
                               int64_t group, int64_t head_dim, int64_t block_size,
-                              float* scores) {
-  if constexpr (kSimd<T>)  // fp8 bytes take the generic path
+                              const float* lut, float* scores) {
   for (int64_t t0 = 0; t0 < ntok; t0 += 8) {
     for (int64_t h = 0; h < group; ++h) {
       const float* qh = qs + h * head_dim;
@@ -106,7 +106,7 @@ inline void block_scores_simd(const T* k, int64_t tok_stride, int64_t ntok, cons
       for (int64_t d = 0; d < head_dim; d += 8) {
         const __m256 qv = _mm256_loadu_ps(qh + d);
         for (int j = 0; j < 8; ++j)
-          acc[j] = _mm256_fmadd_ps(qv, load8(k + (t0 + j) * tok_stride + d), acc[j]);
+          acc[j] = _mm256_fmadd_ps(qv, load8(k + (t0 + j) * tok_stride + d, lut), acc[j]);
       }
       _mm256_storeu_ps(scores + h * block_size + t0, sum8x8(acc));
     }
@@ -116,12 +116,12 @@ inline void block_scores_simd(const T* k, int64_t tok_stride, int64_t ntok, cons
 // acc_h += p[h * block_size + t] * v_t for t < ntok, over one KV head's query group.
 template <typename T>
 inline void block_values_simd(const T* v, int64_t tok_stride, int64_t ntok, const float* p,
-                              int64_t group, int64_t head_dim, int64_t block_size, float* acc) {
-  if constexpr (kSimd<T>)
+                              int64_t group, int64_t head_dim, int64_t block_size,
+                              const float* lut, float* acc) {
   for (int64_t t = 0; t < ntok; ++t) {
     const T* vr = v + t * tok_stride;
     for (int64_t d = 0; d < head_dim; d += 8) {
-      const __m256 vv = load8(vr + d);
+      const __m256 vv = load8(vr + d, lut);
       for (int64_t h = 0; h < group; ++h) {
         float* a = acc + h * head_dim + d;
         const __m256 w = _mm256_set1_ps(p[h * block_size + t]);
@@ -174,7 +174,7 @@ void decode_kernel(const float* q, int64_t q_tok_stride, const T* k_cache, const
   const int64_t heads_per_task = kv_heads / split;
   const int64_t block_bytes = block_stride * static_cast<int64_t>(sizeof(T));
 #if KVSERVE_AVX2
-  const bool simd = kSimd<T> && head_dim % 8 == 0 && block_size % 8 == 0;
+  const bool simd = head_dim % 8 == 0 && block_size % 8 == 0;
 #endif
   at::parallel_for(0, n * split, 1, [&](int64_t begin, int64_t end) {
     const int64_t width = heads_per_task * group;  // query heads of one task
@@ -212,7 +212,7 @@ void decode_kernel(const float* q, int64_t q_tok_stride, const T* k_cache, const
           for (int64_t g = 0; g < heads_per_task; ++g)
             block_scores_simd(k_cache + base + (g0 + g) * head_dim, tok_stride, ntok,
                               qs.data() + g * group * head_dim, group, head_dim, block_size,
-                              scores.data() + g * group * block_size);
+                              lut, scores.data() + g * group * block_size);
         } else
 #endif
         for (int64_t t = 0; t < ntok; ++t) {
@@ -252,7 +252,7 @@ void decode_kernel(const float* q, int64_t q_tok_stride, const T* k_cache, const
           for (int64_t g = 0; g < heads_per_task; ++g)
             block_values_simd(v_cache + base + (g0 + g) * head_dim, tok_stride, ntok,
                               scores.data() + g * group * block_size, group, head_dim,
-                              block_size, acc.data() + g * group * head_dim);
+                              block_size, lut, acc.data() + g * group * head_dim);
         } else
 #endif
         for (int64_t t = 0; t < ntok; ++t) {
