@@ -195,8 +195,9 @@ def load_config(model_path: Path | str, revision: str | None = None,
 
 
 def load_model(model_path: Path | str, dtype: torch.dtype, device: torch.device,
-               revision: str | None = None) -> tuple[nn.Module, object]:
-    """Our model class for the config's architecture, with the HF weights streamed into it."""
+               revision: str | None = None, pack_linears: bool = True) -> tuple[nn.Module, object]:
+    """Our model class for the config's architecture, with the HF weights streamed into it (on
+    CPU with its linears prepacked for oneDNN unless `pack_linears=False`)."""
     from kvserve.engine.models import model_class_for
 
     config = load_config(model_path, revision)
@@ -204,10 +205,10 @@ def load_model(model_path: Path | str, dtype: torch.dtype, device: torch.device,
     model = model_cls(config, dtype=dtype, device=device)
     folder = _local_folder(model_path, revision)
     model.load_weights(iter_weights(folder))
-    if device.type == "cpu":
-        from kvserve.engine.models.packed_linear import pack_linears
+    if device.type == "cpu" and pack_linears:
+        from kvserve.engine.models.packed_linear import pack_linears as pack
 
-        packed = pack_linears(model)
+        packed = pack(model)
         logger.info("CPU linears prepacked for oneDNN: %d", packed)
     return model.eval(), config
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from kvserve.engine.errors import ConfigError, ModelNotFoundError
 from kvserve.engine.model_loader import iter_weights, load_model
@@ -175,7 +176,8 @@ def test_bf16_error_is_no_worse_than_hf_bf16(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     ours, config = load_model(tiny_model_dir, torch.bfloat16, torch.device("cpu"))
-    assert ours.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.bfloat16
+    proj = ours.model.layers[0].mlp.gate_up_proj  # oneDNN-packed where this CPU supports it
+    assert getattr(proj, "packed_weight", getattr(proj, "weight", None)).dtype == torch.bfloat16
     tokens = list(range(5, 25))
     paged = PagedSequences(config)
     paged.caches = [(k.bfloat16(), v.bfloat16()) for k, v in paged.caches]
@@ -191,7 +193,8 @@ def test_bf16_error_is_no_worse_than_hf_bf16(tiny_model_dir):
 
 
 def test_fused_weights_hold_the_checkpoint_tensors(tiny_model_dir):
-    ours, config = load_model(tiny_model_dir, torch.float32, torch.device("cpu"))
+    ours, config = load_model(tiny_model_dir, torch.float32, torch.device("cpu"),
+                              pack_linears=False)
     weights = dict(iter_weights(tiny_model_dir))
     attn, mlp = ours.model.layers[1].self_attn, ours.model.layers[1].mlp
     q_size, kv_size = attn.q_size, attn.kv_size
@@ -201,6 +204,27 @@ def test_fused_weights_hold_the_checkpoint_tensors(tiny_model_dir):
     assert torch.equal(mlp.gate_up_proj.weight[config.intermediate_size:],
                        weights["model.layers.1.mlp.up_proj.weight"])
     assert ours.lm_head.weight is ours.model.embed_tokens.weight  # tied
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linears_give_the_plain_model_outputs(tiny_model_dir, dtype):
+    """CPU loads swap nn.Linear for oneDNN-prepacked weights: same logits as the plain model."""
+    from kvserve.engine.models.packed_linear import PackedLinear
+
+    packed, config = load_model(tiny_model_dir, dtype, torch.device("cpu"))
+    plain, _ = load_model(tiny_model_dir, dtype, torch.device("cpu"), pack_linears=False)
+    kinds = {type(m) for m in packed.modules() if isinstance(m, (nn.Linear, PackedLinear))}
+    if torch.backends.mkldnn.is_available() and (
+            dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        assert kinds == {PackedLinear}
+    tokens = list(range(5, 40))
+    logits = []
+    for model in (packed, plain):
+        paged = PagedSequences(config)
+        paged.caches = [(k.to(dtype), v.to(dtype)) for k, v in paged.caches]
+        logits.append(paged.step(model, {0: tokens})[0])
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(logits[0], logits[1], atol=tol, rtol=tol)
 
 
 def test_unsupported_architecture_is_a_config_error(tmp_path, tiny_model_dir):
