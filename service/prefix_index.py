@@ -44,60 +44,51 @@ logger = logging.getLogger(__name__)
 # Largest number of hashes per SADD, so a big snapshot never builds one huge command.
 _CHUNK = 5000
 
-# ARGV[1]: key prefix; ARGV[2]: the chain as ONE string of 32-hex-digit hashes (one argument
-# instead of one per block: cheaper to encode and send). Returns, per live replica: id, leading
-# matched blocks, then its heartbeat fields in INFO_FIELDS order.
-LOOKUP_SCRIPT = """
+# Both scripts take ARGV[1]: key prefix; ARGV[2]: the chain as ONE string of 32-hex-digit hashes
+# (one argument instead of one per block: cheaper to encode and send). They share this prelude
+# (split the chain) and a function giving a replica's leading matched blocks.
+_LUA_PRELUDE = """
 local prefix = ARGV[1]
 local blob = ARGV[2] or ''
 local n = math.floor(#blob / 32)
 local hashes = {}
 for i = 1, n do hashes[i] = string.sub(blob, (i - 1) * 32 + 1, i * 32) end
-local ids = redis.call('SMEMBERS', prefix .. 'replicas')
+local function leading_matched(id)
+  if n == 0 then return 0 end
+  local flags = redis.call('SMISMEMBER', prefix .. 'blocks:' .. id, unpack(hashes))
+  local matched = 0
+  for i = 1, n do
+    if flags[i] == 1 then matched = i else break end
+  end
+  return matched
+end
 local out = {}
-for _, id in ipairs(ids) do
+"""
+# Per live replica: id, leading matched blocks, then its heartbeat fields in INFO_FIELDS order
+# (the router's once-a-second refresh). Replicas whose heartbeat expired are swept.
+LOOKUP_SCRIPT = _LUA_PRELUDE + """
+for _, id in ipairs(redis.call('SMEMBERS', prefix .. 'replicas')) do
   local info = redis.call('HMGET', prefix .. 'replica:' .. id, 'url', 'model', 'block_size',
                           'num_running', 'num_waiting', 'kv_cache_usage', 'heartbeat_at')
   if not info[1] then
     redis.call('SREM', prefix .. 'replicas', id)
   else
-    local matched = 0
-    if n > 0 then
-      local flags = redis.call('SMISMEMBER', prefix .. 'blocks:' .. id, unpack(hashes))
-      for i = 1, n do
-        if flags[i] == 1 then matched = i else break end
-      end
-    end
     out[#out + 1] = id
-    out[#out + 1] = matched
+    out[#out + 1] = leading_matched(id)
     for i = 1, #info do out[#out + 1] = info[i] or '' end
   end
 end
 return out
 """
-# The per-request hot path: only the leading matched blocks per live replica (liveness by the
-# heartbeat key's existence), no heartbeat fields, which the router already refreshes every
-# second. ARGV as LOOKUP_SCRIPT's; returns id, matched, id, matched, ...
-MATCH_SCRIPT = """
-local prefix = ARGV[1]
-local blob = ARGV[2] or ''
-local n = math.floor(#blob / 32)
-local hashes = {}
-for i = 1, n do hashes[i] = string.sub(blob, (i - 1) * 32 + 1, i * 32) end
-local out = {}
+# The per-request hot path: id, matched, id, matched, ... for the live replicas (liveness by the
+# heartbeat key's existence), without the heartbeat fields the router already holds.
+MATCH_SCRIPT = _LUA_PRELUDE + """
 for _, id in ipairs(redis.call('SMEMBERS', prefix .. 'replicas')) do
   if redis.call('EXISTS', prefix .. 'replica:' .. id) == 0 then
     redis.call('SREM', prefix .. 'replicas', id)
   else
-    local matched = 0
-    if n > 0 then
-      local flags = redis.call('SMISMEMBER', prefix .. 'blocks:' .. id, unpack(hashes))
-      for i = 1, n do
-        if flags[i] == 1 then matched = i else break end
-      end
-    end
     out[#out + 1] = id
-    out[#out + 1] = matched
+    out[#out + 1] = leading_matched(id)
   end
 end
 return out
