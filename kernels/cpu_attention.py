@@ -31,6 +31,12 @@ FP8 = torch.float8_e4m3fn
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
+def _cflags() -> list[str]:
+    """KVSERVE_CPU_KERNEL_SIMD=0 builds the portable loops only (what a CPU without AVX2 runs)."""
+    no_simd = os.environ.get("KVSERVE_CPU_KERNEL_SIMD", "1") == "0"
+    return CFLAGS + (["-DKVSERVE_NO_SIMD"] if no_simd else [])
+
+
 def _build_dir() -> Path:
     """One build per source, flags and CPU model (-march=native code is CPU-specific)."""
     from kvserve.engine.model_loader import cache_root
@@ -41,7 +47,7 @@ def _build_dir() -> Path:
             cpu += next((line for line in f if line.startswith("flags")), "")
     except OSError:
         pass
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + cpu.encode() +
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_cflags()).encode() + cpu.encode() +
                          torch.__version__.encode()).hexdigest()[:16]
     return cache_root() / "torch_extensions" / f"cpu_decode_{key}"
 
@@ -62,7 +68,7 @@ def available() -> bool:
         if not (build / "kvserve_cpu_decode.so").exists():
             logger.info("building the CPU paged-attention kernel into %s (once per machine)", build)
         cpp_extension.load(name="kvserve_cpu_decode", sources=[str(SOURCE)],
-                           extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                           extra_cflags=_cflags(), extra_ldflags=["-fopenmp"],
                            build_directory=str(build), is_python_module=False, verbose=False)
         return hasattr(torch.ops.kvserve_cpu, "paged_decode")
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path

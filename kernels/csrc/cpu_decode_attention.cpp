@@ -2,13 +2,15 @@
 //
 // The torch path gathers every block into a workspace before two batched matmuls read it, so
 // decode moves ~3x the bytes contiguous SDPA moves. This kernel walks the block table instead:
-// for each (sequence, KV head) it scores the group's query heads against each block's keys,
-// keeps an online softmax (running max and sum per head, rescaled once per block) and
-// accumulates the values, reading K and V exactly once, straight from the pool.
+// for each sequence (or, with few sequences, each sequence and KV head) it scores every query
+// head against each block's keys, keeps an online softmax (running max and sum per head,
+// rescaled once per block) and accumulates the values, reading K and V exactly once, straight
+// from the pool, while the next block is prefetched.
 //
 // Caches: float32, bfloat16, float16, or fp8 e4m3 passed as uint8 bytes with a 256-entry
-// decode table. Queries and output are float32 (the Python wrapper converts). Loops over
-// head_dim are written for the compiler to vectorise (built with -O3 -march=native).
+// decode table. Queries and output are float32 (the Python wrapper converts). Built with -O3
+// -march=native: explicit AVX2 for the score and value loops where the CPU has it, loops the
+// compiler vectorises otherwise. Measurements: docs/perf.md, "Kernels".
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -63,7 +65,7 @@ struct Row<uint8_t> {  // fp8 e4m3 bytes, decoded through a table
   }
 };
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && !defined(KVSERVE_NO_SIMD)
 // Explicit AVX2 for the two inner loops. Scores: 8 keys at a time, one 8-lane accumulator per
 // key, then one transpose-and-add tree gives the 8 dot products (instead of a horizontal sum
 // per dot, which the compiler's vectorised reduction does). Values: 8 lanes of head_dim.

@@ -77,3 +77,39 @@ def test_disabled_kernel_falls_back_to_the_torch_path(monkeypatch):
             backend_mod.resolve_backend("cpu", torch.device("cpu"))
     finally:
         cpu_attention.available.cache_clear()
+
+
+PORTABLE_CHECK = """
+import sys, torch
+sys.path.insert(0, {here!r})
+from hypothesis import given, settings
+from kv_batches import assert_close_to, build_batch, specs
+from kvserve.kernels import cpu_attention, paged_attention
+assert cpu_attention.available() and "-DKVSERVE_NO_SIMD" in cpu_attention._cflags()
+
+@settings(max_examples=25, deadline=None, database=None)
+@given(specs())
+def check(spec):
+    batch = build_batch(spec)
+    expected = paged_attention(*batch.args(), backend="reference")
+    assert_close_to(paged_attention(*batch.args(), backend="cpu"), expected)
+
+check()
+print("portable kernel ok")
+"""
+
+
+def test_portable_loops_without_simd_match_the_reference():
+    """The loops a CPU without AVX2 (aarch64, old x86) runs, built apart in a subprocess (one
+    process can load only one build of the op)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = str(Path(__file__).parent)
+    env = {**os.environ, "KVSERVE_CPU_KERNEL_SIMD": "0"}
+    done = subprocess.run([sys.executable, "-c", PORTABLE_CHECK.format(here=here)], env=env,
+                          capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "portable kernel ok" in done.stdout
