@@ -35,12 +35,12 @@ def torch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     else:  # scales describe fp8 storage only
         k_scale = v_scale = 1.0
     token_bytes = 2 * k_cache.shape[2] * k_cache.shape[3] * q.element_size()
-    parts = torch_plan(plan, token_bytes)
+    parts = torch_plan(plan, token_bytes, with_decode=decode)
     ws = plan.parts.setdefault("workspace", Workspace(q.device))
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     gather = _Gather(k_cache, v_cache, q.dtype, ws)
-    for chunk in parts.decode if decode else ():
+    for chunk in parts.decode:
         out.index_copy_(0, chunk.tokens, _decode(q, gather, chunk, scale * k_scale, v_scale))
     for seq in parts.prefill:
         out[seq.start:seq.end] = _prefill(q, gather, seq, scale * k_scale, v_scale)

@@ -61,12 +61,13 @@ class TorchPlan:
 
 
 def torch_plan(plan: AttentionPlan, bytes_per_token: int,
-               chunk_bytes: int = CHUNK_BYTES) -> TorchPlan:
-    """Split the batch into decode chunks and prefill sequences (cached in plan.parts)."""
-    key = ("torch", bytes_per_token, chunk_bytes)
+               chunk_bytes: int = CHUNK_BYTES, with_decode: bool = True) -> TorchPlan:
+    """Split the batch into decode chunks and prefill sequences (cached in plan.parts).
+    `with_decode=False`: prefill only (the CPU backend's kernel serves the decode rows)."""
+    key = ("torch", bytes_per_token, chunk_bytes, with_decode)
     if key not in plan.parts:
         tables = plan.block_tables.long()
-        decode = [s for s in range(plan.num_seqs) if plan.query_lens[s] == 1]
+        decode = [s for s in range(plan.num_seqs) if plan.query_lens[s] == 1 and with_decode]
         prefill = [s for s in range(plan.num_seqs) if plan.query_lens[s] > 1]
         starts = plan.query_start_loc.tolist()
         plan.parts[key] = TorchPlan(
