@@ -157,8 +157,6 @@ static inline __attribute__((always_inline)) float exp_nonpositive(float x) {
   return p * scale;
 }
 
-constexpr int64_t kPrefetchAhead = 1;
-
 template <typename T, int64_t D>
 void decode_kernel(const float* q, int64_t q_tok_stride, const T* k_cache, const T* v_cache,
                    int64_t block_stride, int64_t tok_stride, const int32_t* block_tables,
@@ -198,10 +196,9 @@ void decode_kernel(const float* q, int64_t q_tok_stride, const T* k_cache, const
         const int64_t base = static_cast<int64_t>(table[b]) * block_stride;
         const int64_t ntok = std::min(block_size, len - b * block_size);
         // Blocks lie anywhere in the pool, out of the hardware prefetcher's sight: ask for the
-        // next block(s) into L2 while this one is computed (1 ahead measured best here).
-        for (int64_t ahead = (b == 0 ? 1 : kPrefetchAhead); ahead <= kPrefetchAhead; ++ahead) {
-          if (b + ahead >= num_blocks) break;
-          const int64_t next = static_cast<int64_t>(table[b + ahead]) * block_stride;
+        // next block into L2 while this one is computed (two ahead measured no better).
+        if (b + 1 < num_blocks) {
+          const int64_t next = static_cast<int64_t>(table[b + 1]) * block_stride;
           const char* kn = reinterpret_cast<const char*>(k_cache + next);
           const char* vn = reinterpret_cast<const char*>(v_cache + next);
           for (int64_t off = 0; off < block_bytes; off += 64) {
