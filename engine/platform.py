@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from kvserve.engine.config import EngineConfig
+from kvserve.engine.cpu_allocator import keep_activation_memory
 from kvserve.engine.errors import ConfigError, OutOfKVCacheError
 from kvserve.engine.memory import GiB, MemoryBudget, activation_peak_bytes, blocks_for_bytes, \
     bytes_per_block, default_max_num_batched_tokens, plan_memory
@@ -94,6 +95,8 @@ def set_up(config: EngineConfig, model_path: Path | str,
     kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    else:
+        keep_activation_memory()
     model, cfg = load_model(model_path, dtype, device, revision=config.revision)
     layers, kv_heads, head_dim = _model_shape(cfg)
     model_max = getattr(cfg, "max_position_embeddings", None) or 2048
