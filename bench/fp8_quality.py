@@ -28,6 +28,8 @@ from kvserve import LLM, SamplingParams
 from kvserve.kernels.reference import dequantize, quantize
 
 FP8 = torch.float8_e4m3fn
+# The first six are tests/integration/test_fp8_kv.py's prompts, kept verbatim so that this
+# script's figures on `--prompts 6` line up with the test's; bench/ does not import tests/.
 PROMPTS = [
     "What is the capital of France?",
     "Explain the multi-head attention mechanism in the Transformer architecture",
