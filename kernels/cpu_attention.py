@@ -26,7 +26,10 @@ import torch
 from kvserve.kernels.plan import AttentionPlan
 
 logger = logging.getLogger("kvserve.kernels")
-SOURCE = Path(__file__).parent / "csrc" / "cpu_decode_attention.cpp"
+CSRC = Path(__file__).parent / "csrc"
+# One extension: the decode kernel and the fused elementwise ops (csrc/cpu_ops.cpp, used through
+# kernels/cpu_ops.py) are built and loaded together.
+SOURCES = (CSRC / "cpu_decode_attention.cpp", CSRC / "cpu_ops.cpp")
 FP8 = torch.float8_e4m3fn
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
@@ -47,7 +50,8 @@ def _build_dir() -> Path:
             cpu += next((line for line in f if line.startswith("flags")), "")
     except OSError:
         pass
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_cflags()).encode() + cpu.encode() +
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) +
+                         " ".join(_cflags()).encode() + cpu.encode() +
                          torch.__version__.encode()).hexdigest()[:16]
     return cache_root() / "torch_extensions" / f"cpu_decode_{key}"
 
@@ -67,10 +71,11 @@ def available() -> bool:
         build.mkdir(parents=True, exist_ok=True)
         if not (build / "kvserve_cpu_decode.so").exists():
             logger.info("building the CPU paged-attention kernel into %s (once per machine)", build)
-        cpp_extension.load(name="kvserve_cpu_decode", sources=[str(SOURCE)],
+        cpp_extension.load(name="kvserve_cpu_decode", sources=[str(p) for p in SOURCES],
                            extra_cflags=_cflags(), extra_ldflags=["-fopenmp"],
                            build_directory=str(build), is_python_module=False, verbose=False)
-        return hasattr(torch.ops.kvserve_cpu, "paged_decode")
+        return hasattr(torch.ops.kvserve_cpu, "paged_decode") and \
+            hasattr(torch.ops.kvserve_ops, "rms_norm")
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
         logger.warning("CPU paged-attention kernel unavailable (%s: %s); using the torch path",
                        type(exc).__name__, " | ".join(str(exc).strip().splitlines()[-3:]))

@@ -13,10 +13,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvserve.engine.errors import ConfigError, ModelNotFoundError
+from kvserve.kernels import cpu_ops as ops
 from kvserve.kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -69,11 +69,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
 
-    def forward(self, x: Tensor) -> Tensor:
-        # Normalise in fp32 like HF, then scale in the model dtype.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """norm(x); with `residual`: (norm(x + residual), x + residual), the add fused in."""
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -91,14 +91,8 @@ class RotaryEmbedding(nn.Module):
                              persistent=False)
 
     def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos, sin [T, 1, D/2] of each token, gathered once per step for all layers."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [T, heads, D] rotated in HF's rotate-half layout."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        """cos, sin [T, D/2] of each token, gathered once per step for all layers."""
+        return self.cos[positions], self.sin[positions]
 
 
 def rope_inv_freq(config, head_dim: int) -> tuple[Tensor, float, int]:
@@ -178,16 +172,16 @@ class LlamaAttention(nn.Module):
         self.o_proj = _linear(self.q_size, d.hidden, d.o_bias, dtype, device)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], kv_cache: tuple[Tensor, Tensor],
-                attn: AttentionMetadata, ops: AttentionOps) -> Tensor:
+                attn: AttentionMetadata, attn_ops: AttentionOps) -> Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k = ops.rotary_embedding(q, k, *rope)
         k_cache, v_cache = kv_cache
-        ops.write(k, v, k_cache, v_cache, attn)
-        out = ops.attend(q, k_cache, v_cache, attn, self.scale)
+        attn_ops.write(k, v, k_cache, v_cache, attn)
+        out = attn_ops.attend(q, k_cache, v_cache, attn, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -199,8 +193,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = _linear(d.intermediate, d.hidden, d.mlp_bias, dtype, device)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -211,10 +204,18 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(d.hidden, d.eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(d.hidden, d.eps, dtype, device)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], kv_cache: tuple[Tensor, Tensor],
-                attn: AttentionMetadata, ops: AttentionOps) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, attn, ops)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: Tensor, residual: Tensor | None, rope: tuple[Tensor, Tensor],
+                kv_cache: tuple[Tensor, Tensor], attn: AttentionMetadata,
+                attn_ops: AttentionOps) -> tuple[Tensor, Tensor]:
+        """(this layer's MLP output, the residual stream before it): the next layer, or the
+        final norm, adds the two in its fused add + RMSNorm."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, rope, kv_cache, attn, attn_ops)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -228,14 +229,17 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(d.hidden, d.eps, dtype, device)
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
-                attn: AttentionMetadata, ops: AttentionOps) -> Tensor:
+                attn: AttentionMetadata, attn_ops: AttentionOps) -> Tensor:
         if kv_caches:
-            attn = ops.prepare(attn, kv_caches[0][0].shape[1])
+            attn = attn_ops.prepare(attn, kv_caches[0][0].shape[1])
         x = self.embed_tokens(input_ids)
         rope = self.rotary_emb(positions)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, kv_cache, attn, ops)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, kv_cache, attn, attn_ops)
+        if residual is None:  # no layers
+            return self.norm(x)
+        return self.norm(x, residual)[0]
 
 
 # HF checkpoint name -> (our fused parameter, shard index) for the fused projections.

@@ -1,0 +1,89 @@
+"""The decoder's elementwise ops: RMSNorm (with the residual add fused), SiLU-and-mul, RoPE.
+
+Each function has two implementations with the same results up to float rounding: the plain
+torch expression (the reference, used on GPUs and wherever the C++ build is unavailable) and,
+for CPU float32/bfloat16 tensors, one fused C++ loop from csrc/cpu_ops.cpp (built with the
+decode kernel, see cpu_attention.py). Unfused, a decode step ran ~25 small ATen kernels per
+layer around the matmuls; the figures are in docs/perf.md ("Fused elementwise ops").
+KVSERVE_FUSED_OPS=0 keeps the torch expressions.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.cache
+def fused_available() -> bool:
+    """Whether the C++ ops are built and enabled (builds them once per machine)."""
+    if os.environ.get("KVSERVE_FUSED_OPS", "1") == "0":
+        return False
+    from kvserve.kernels import cpu_attention
+
+    return cpu_attention.available()
+
+
+def _fused(x: Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype in _DTYPES and fused_available()
+
+
+# ---- torch references -------------------------------------------------------------------------
+def torch_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """HF's LlamaRMSNorm: normalise in float32, round to x's dtype, scale by the weight."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def torch_silu_and_mul(x: Tensor) -> Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def torch_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [T, heads, D] rotated in HF's rotate-half layout; cos, sin [T, D/2]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+# ---- the ops the model calls ------------------------------------------------------------------
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm of x [T, hidden]."""
+    if _fused(x) and x.dim() == 2 and x.stride(-1) == 1:
+        return torch.ops.kvserve_ops.rms_norm(x, weight, eps)
+    return torch_rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(RMSNorm(x + residual), x + residual). The fused path updates `residual` in place and
+    returns it; callers must own it (the decoder's running residual stream)."""
+    if _fused(x) and x.dim() == 2 and x.stride(-1) == 1 and residual.is_contiguous():
+        out = torch.ops.kvserve_ops.add_rms_norm(x, residual, weight, eps)
+        return out, residual
+    residual = x + residual
+    return torch_rms_norm(residual, weight, eps), residual
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    """[T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
+    if _fused(x) and x.dim() == 2 and x.stride(-1) == 1:
+        return torch.ops.kvserve_ops.silu_and_mul(x)
+    return torch_silu_and_mul(x)
+
+
+def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """Rotate q [T, Hq, D] and k [T, Hk, D] (views into the fused qkv output are fine) by
+    cos, sin [T, D/2]. The fused path rotates in place and returns q and k themselves."""
+    if _fused(q) and q.stride(-1) == 1 and q.stride(1) == q.shape[2] and \
+            k.stride(-1) == 1 and k.stride(1) == k.shape[2] and cos.dtype == q.dtype:
+        torch.ops.kvserve_ops.rotary_embedding(q, k, cos, sin)
+        return q, k
+    return torch_rope(q, cos, sin), torch_rope(k, cos, sin)

@@ -1,0 +1,220 @@
+// The decoder's elementwise ops fused for the CPU, one pass over memory each (vLLM's custom ops:
+// rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding).
+//
+// Unfused, a decode step runs ~25 small ATen kernels per layer around the matmuls (RMSNorm alone
+// is pow, mean, add, rsqrt, mul, to, mul), each a pass over the activations with its own
+// dispatch and allocation. Here each op is one loop per token row, parallel over rows, computing
+// in float32 whatever the storage dtype (float32 or bfloat16) and rounding once on store.
+// Results equal the torch expressions in engine/models/llama.py up to float rounding (tested).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+inline float to_f(float x) { return x; }
+inline float to_f(at::BFloat16 x) { return static_cast<float>(x); }
+template <typename T>
+inline T from_f(float x) { return static_cast<T>(x); }
+
+// e^x for x <= 0 (as in cpu_decode_attention.cpp): a degree-6 polynomial for 2^f times an
+// exponent built in the bits, so the loops using it vectorise; relative error ~1e-7.
+static inline __attribute__((always_inline)) float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float t = x * 1.44269504088896341f;
+  const float fi = std::floor(t);
+  const float f = t - fi;
+  float p = 2.169060899e-4f;
+  p = p * f + 1.244308194e-3f;
+  p = p * f + 9.678472765e-3f;
+  p = p * f + 5.548352376e-2f;
+  p = p * f + 2.402298003e-1f;
+  p = p * f + 6.931470037e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+constexpr int64_t kGrain = 4;  // rows per task: decode batches have few rows, each ~576 wide
+
+void check_rows(const at::Tensor& x, const char* op, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, op, ": ", name,
+              " must be 2-D with contiguous rows");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op, ": ",
+              name, " must be float32 or bfloat16");
+}
+
+// out = w * (x / rms(x)); with `residual`: residual += x first and the norm is of the sum.
+template <typename T>
+void rms_rows(const T* x, int64_t x_stride, T* residual, int64_t r_stride, const T* w, T* out,
+              int64_t o_stride, int64_t rows, int64_t n, float eps) {
+  at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* xi = x + i * x_stride;
+      T* oi = out + i * o_stride;
+      float ss = 0.f;
+      if (residual != nullptr) {
+        T* ri = residual + i * r_stride;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t j = 0; j < n; ++j) {
+          const float s = to_f(xi[j]) + to_f(ri[j]);
+          const T st = from_f<T>(s);
+          ri[j] = st;
+          const float sr = to_f(st);
+          ss += sr * sr;
+        }
+        xi = ri;
+      } else {
+#pragma omp simd reduction(+ : ss)
+        for (int64_t j = 0; j < n; ++j) ss += to_f(xi[j]) * to_f(xi[j]);
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) {
+        // like HF: normalise in float32, round to the model dtype, then scale by the weight
+        const T normed = from_f<T>(to_f(xi[j]) * inv);
+        oi[j] = from_f<T>(to_f(w[j]) * to_f(normed));
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "rms_norm", "x");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type(),
+              "rms_norm: weight must be contiguous [hidden] in x's dtype");
+  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
+    rms_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), nullptr, 0,
+                       weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), out.stride(0),
+                       x.size(0), x.size(1), static_cast<float>(eps));
+  });
+  return out;
+}
+
+// residual += x; returns rms_norm(residual) * weight (vLLM's fused_add_rms_norm, not in place
+// on x: x is usually a matmul output that nothing else reads).
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                        double eps) {
+  check_rows(x, "add_rms_norm", "x");
+  check_rows(residual, "add_rms_norm", "residual");
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
+              "add_rms_norm: x and residual must have the same shape and dtype");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type(),
+              "add_rms_norm: weight must be contiguous [hidden] in x's dtype");
+  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_rms_norm", [&] {
+    rms_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), residual.data_ptr<scalar_t>(),
+                       residual.stride(0), weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                       out.stride(0), x.size(0), x.size(1), static_cast<float>(eps));
+  });
+  return out;
+}
+
+// [T, 2I] (gate | up) -> [T, I] = silu(gate) * up, silu(g) = g * sigmoid(g) with
+// sigmoid from e^-|g| (never overflows): 1 / (1 + e) for g >= 0, e / (1 + e) below.
+template <typename T>
+void silu_mul_rows(const T* src, int64_t stride, T* dst, int64_t rows, int64_t n) {
+  at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* g = src + i * stride;
+      const T* u = g + n;
+      T* o = dst + i * n;
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) {
+        const float gv = to_f(g[j]);
+        const float e = exp_nonpositive(-std::fabs(gv));
+        const float sig = (gv >= 0.f ? 1.f : e) / (1.f + e);
+        // like torch: silu rounded to the dtype, then the product
+        o[j] = from_f<T>(to_f(from_f<T>(gv * sig)) * to_f(u[j]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_rows(x, "silu_and_mul", "x");
+  TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul: the last dimension must be even");
+  const int64_t rows = x.size(0), n = x.size(1) / 2;
+  at::Tensor out = at::empty({rows, n}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "silu_and_mul", [&] {
+    silu_mul_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), out.data_ptr<scalar_t>(), rows,
+                            n);
+  });
+  return out;
+}
+
+// In place, HF's rotate-half layout: for each head, (x1, x2) -> (x1 cos - x2 sin,
+// x2 cos + x1 sin) over the two halves of head_dim. x: [T, heads, D] with contiguous heads
+// (a view into the fused qkv output is fine); cos, sin: [T, D / 2] in x's dtype.
+template <typename T>
+void rope_rows(T* x, int64_t tok_stride, int64_t heads, int64_t d, const T* cos, const T* sin,
+               int64_t cs_stride, int64_t rows) {
+  const int64_t half = d / 2;
+  at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* c = cos + i * cs_stride;
+      const T* s = sin + i * cs_stride;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* x1 = x + i * tok_stride + h * d;
+        T* x2 = x1 + half;
+#pragma omp simd
+        for (int64_t j = 0; j < half; ++j) {
+          const float a = to_f(x1[j]), b = to_f(x2[j]), cj = to_f(c[j]), sj = to_f(s[j]);
+          // rounded per product like the torch expression, so bf16 matches it closely
+          const float ac = to_f(from_f<T>(a * cj)), bs = to_f(from_f<T>(b * sj));
+          const float bc = to_f(from_f<T>(b * cj)), as = to_f(from_f<T>(a * sj));
+          x1[j] = from_f<T>(ac - bs);
+          x2[j] = from_f<T>(bc + as);
+        }
+      }
+    }
+  });
+}
+
+void rope_one(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
+              "rotary_embedding: q/k must be [T, heads, head_dim] with contiguous heads");
+  TORCH_CHECK(x.size(2) % 2 == 0, "rotary_embedding: head_dim must be even");
+  TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.stride(1) == 1 &&
+                  sin.strides() == cos.strides() && cos.size(0) == x.size(0) &&
+                  cos.size(1) == x.size(2) / 2 && cos.scalar_type() == x.scalar_type() &&
+                  sin.scalar_type() == x.scalar_type(),
+              "rotary_embedding: cos/sin must be [T, head_dim / 2] in q's dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rotary_embedding", [&] {
+    rope_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), x.size(1), x.size(2),
+                        cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), cos.stride(0),
+                        x.size(0));
+  });
+}
+
+void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+  rope_one(q, cos, sin);
+  rope_one(k, cos, sin);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvserve_ops, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvserve_ops, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_embedding", &rotary_embedding);
+}
