@@ -30,6 +30,7 @@ CSRC = Path(__file__).parent / "csrc"
 # One extension: the decode kernel and the fused elementwise ops (csrc/cpu_ops.cpp, used through
 # kernels/cpu_ops.py) are built and loaded together.
 SOURCES = (CSRC / "cpu_decode_attention.cpp", CSRC / "cpu_ops.cpp")
+HEADERS = (CSRC / "fast_exp.h",)
 FP8 = torch.float8_e4m3fn
 # -fno-trapping-math lets GCC if-convert (and so vectorise) loops with a select or a clamp in
 # them, such as silu's sigmoid: no result changes, we never read the FP exception flags.
@@ -52,7 +53,7 @@ def _build_dir() -> Path:
             cpu += next((line for line in f if line.startswith("flags")), "")
     except OSError:
         pass
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) +
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) +
                          " ".join(_cflags()).encode() + cpu.encode() +
                          torch.__version__.encode()).hexdigest()[:16]
     return cache_root() / "torch_extensions" / f"cpu_decode_{key}"

@@ -24,7 +24,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "fast_exp.h"
+
 namespace {
+
+using kvserve_fast_exp::exp_nonpositive;
 
 template <typename T>
 struct Row {
@@ -71,6 +75,8 @@ struct Row<uint8_t> {  // fp8 e4m3 bytes, decoded through a table
 // per dot, which the compiler's vectorised reduction does). Values: 8 lanes of head_dim.
 #define KVSERVE_AVX2 1
 #include <immintrin.h>
+
+using kvserve_fast_exp::exp8_nonpositive;
 
 inline __m256 load8(const float* p, const float*) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::BFloat16* p, const float*) {  // bf16: the top half of an fp32
@@ -155,24 +161,6 @@ inline void block_values_simd(const T* v, int64_t tok_stride, int64_t ntok, cons
   }
 }
 
-// exp_nonpositive (below) on 8 lanes.
-inline __m256 exp8_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-  const __m256 fi = _mm256_floor_ps(t);
-  const __m256 f = _mm256_sub_ps(t, fi);
-  __m256 p = _mm256_set1_ps(2.169060899e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.244308194e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.678472765e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.548352376e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402298003e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931470037e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvttps_epi32(fi), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-
 // One head's scores of one block (rounded up to 8 lanes, lanes past ntok set to -FLT_MAX
 // first): the new running max, scores replaced by e^(s - max), returns their sum.
 inline float softmax_block_simd(float* sc, int64_t ntok, float& top_io) {
@@ -200,28 +188,6 @@ inline float softmax_block_simd(float* sc, int64_t ntok, float& top_io) {
 #else
 #define KVSERVE_AVX2 0
 #endif
-
-// e^x for x <= 0 (softmax exponents after subtracting the max), written so loops vectorise:
-// 2^(x log2 e) split into an integer power (built in the exponent bits) and 2^f, f in [0, 1),
-// by a degree-6 least-squares polynomial (relative error 8.5e-8 measured in float32 over
-// [0, 1); the Taylor-like coefficients used before erred by 6.7e-6).
-static inline __attribute__((always_inline)) float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float t = x * 1.44269504088896341f;
-  const float fi = std::floor(t);
-  const float f = t - fi;
-  float p = 2.169060899e-4f;
-  p = p * f + 1.244308194e-3f;
-  p = p * f + 9.678472765e-3f;
-  p = p * f + 5.548352376e-2f;
-  p = p * f + 2.402298003e-1f;
-  p = p * f + 6.931470037e-1f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 template <typename T, int64_t D>
 void decode_kernel(const float* q, int64_t q_tok_stride, const T* k_cache, const T* v_cache,

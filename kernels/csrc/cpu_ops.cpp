@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "fast_exp.h"
+
 namespace {
 
 inline float to_f(float x) { return x; }
@@ -23,25 +25,7 @@ inline float to_f(at::BFloat16 x) { return static_cast<float>(x); }
 template <typename T>
 inline T from_f(float x) { return static_cast<T>(x); }
 
-// e^x for x <= 0 (as in cpu_decode_attention.cpp): a degree-6 polynomial for 2^f times an
-// exponent built in the bits, so the loops using it vectorise; relative error ~1e-7.
-static inline __attribute__((always_inline)) float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float t = x * 1.44269504088896341f;
-  const float fi = std::floor(t);
-  const float f = t - fi;
-  float p = 2.169060899e-4f;
-  p = p * f + 1.244308194e-3f;
-  p = p * f + 9.678472765e-3f;
-  p = p * f + 5.548352376e-2f;
-  p = p * f + 2.402298003e-1f;
-  p = p * f + 6.931470037e-1f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
+using kvserve_fast_exp::exp_nonpositive;
 
 constexpr int64_t kGrain = 4;  // rows per task: decode batches have few rows, each ~576 wide
 
