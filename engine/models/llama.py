@@ -188,7 +188,6 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, d: LlamaDims, dtype, device=None) -> None:
         super().__init__()
-        self.intermediate = d.intermediate
         self.gate_up_proj = _linear(d.hidden, 2 * d.intermediate, d.mlp_bias, dtype, device)
         self.down_proj = _linear(d.intermediate, d.hidden, d.mlp_bias, dtype, device)
 
