@@ -27,10 +27,11 @@ from kvserve.kernels.plan import AttentionPlan
 
 logger = logging.getLogger("kvserve.kernels")
 CSRC = Path(__file__).parent / "csrc"
-# One extension: the decode kernel and the fused elementwise ops (csrc/cpu_ops.cpp, used through
-# kernels/cpu_ops.py) are built and loaded together.
-SOURCES = (CSRC / "cpu_decode_attention.cpp", CSRC / "cpu_ops.cpp")
-HEADERS = (CSRC / "fast_exp.h",)
+# One extension: the decode and prefill kernels and the fused elementwise ops (csrc/cpu_ops.cpp,
+# used through kernels/cpu_ops.py) are built and loaded together.
+SOURCES = (CSRC / "cpu_decode_attention.cpp", CSRC / "cpu_prefill_attention.cpp",
+           CSRC / "cpu_ops.cpp")
+HEADERS = (CSRC / "fast_exp.h", CSRC / "bf16.h", CSRC / "cpu_attention_common.h")
 FP8 = torch.float8_e4m3fn
 # -fno-trapping-math lets GCC if-convert (and so vectorise) loops with a select or a clamp in
 # them, such as silu's sigmoid: no result changes, we never read the FP exception flags.
@@ -78,6 +79,7 @@ def available() -> bool:
                            extra_cflags=_cflags(), extra_ldflags=["-fopenmp"],
                            build_directory=str(build), is_python_module=False, verbose=False)
         return hasattr(torch.ops.kvserve_cpu, "paged_decode") and \
+            hasattr(torch.ops.kvserve_cpu, "paged_prefill") and \
             hasattr(torch.ops.kvserve_ops, "rms_norm")
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
         logger.warning("CPU paged-attention kernel unavailable (%s: %s); using the torch path",
@@ -104,36 +106,37 @@ def _fp8_table() -> torch.Tensor:
 
 
 _NO_TABLE = torch.empty(0)
+# New tokens per prefill task: each key block the kernel reads serves rows x group query vectors
+# (32 x 3 for the default model); larger tiles also mean fewer, longer tasks to balance.
+PREFILL_TILE_ROWS = 32
 
 
 def cpu_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         plan: AttentionPlan, scale: float, k_scale: float = 1.0,
                         v_scale: float = 1.0) -> torch.Tensor:
     """Same contract as reference_paged_attention."""
-    from kvserve.kernels.torch_attention import torch_paged_attention
-
     parts = _parts(plan)
-    if parts["seq_ids"].numel() == 0:  # no decode rows: all prefill
-        return torch_paged_attention(q, k_cache, v_cache, plan, scale, k_scale, v_scale)
     if k_cache.dtype == FP8:
         kc, vc, table = k_cache.view(torch.uint8), v_cache.view(torch.uint8), _fp8_table()
         qk_scale, out_scale = scale * k_scale, v_scale
     else:  # scales describe fp8 storage only
         kc, vc, table, qk_scale, out_scale = k_cache, v_cache, _NO_TABLE, scale, 1.0
-    q32 = q.contiguous() if q.dtype == torch.float32 else q.float()
-    out32 = torch.empty_like(q32)
-    torch.ops.kvserve_cpu.paged_decode(q32, kc, vc, parts["block_tables"], parts["seq_lens"],
-                                       parts["seq_ids"], parts["rows"], table, qk_scale,
-                                       out_scale, out32)
-    out = out32 if q.dtype == torch.float32 else out32.to(q.dtype)
-    if not parts["all_decode"]:  # the prefill rows, on the torch path, into the same output
-        torch_paged_attention(q, k_cache, v_cache, plan, scale, k_scale, v_scale, out=out,
-                              decode=False)
-    return out
+    # The kernels read and write float32 or bfloat16 rows; float16 goes through float32.
+    native = q.dtype in (torch.float32, torch.bfloat16)
+    qk = q.contiguous() if native else q.float()
+    out = torch.empty_like(qk)
+    if parts["seq_ids"].numel():
+        torch.ops.kvserve_cpu.paged_decode(qk, kc, vc, parts["block_tables"], parts["seq_lens"],
+                                           parts["seq_ids"], parts["rows"], table, qk_scale,
+                                           out_scale, out)
+    if parts["tiles"].numel():
+        torch.ops.kvserve_cpu.paged_prefill(qk, kc, vc, parts["block_tables"], parts["tiles"],
+                                            table, qk_scale, out_scale, out)
+    return out if native else out.to(q.dtype)
 
 
 def _parts(plan: AttentionPlan) -> dict:
-    """Decode sequence ids and their q rows, and int32 index tensors, once per plan."""
+    """Decode sequence ids and their q rows, prefill tiles, int32 tables, once per plan."""
     if "cpu" not in plan.parts:
         seqs = [s for s in range(plan.num_seqs) if plan.query_lens[s] == 1]
         device = plan.block_tables.device
@@ -141,8 +144,25 @@ def _parts(plan: AttentionPlan) -> dict:
         plan.parts["cpu"] = {
             "seq_ids": torch.tensor(seqs, dtype=torch.long, device=device),
             "rows": torch.tensor([starts[s] for s in seqs], dtype=torch.long, device=device),
-            "all_decode": len(seqs) == plan.num_seqs,
+            "tiles": _prefill_tiles(plan, starts),
             "block_tables": plan.block_tables.to(torch.int32).contiguous(),
             "seq_lens": plan.seq_lens_t.to(torch.int32).contiguous(),
         }
     return plan.parts["cpu"]  # type: ignore[return-value]
+
+
+def _prefill_tiles(plan: AttentionPlan, starts: list[int]) -> torch.Tensor:
+    """int64 [n, 4] (sequence, first q row, rows, position of that row) for the sequences with
+    more than one new token, cut into tiles of PREFILL_TILE_ROWS, the costliest first (the
+    kernel hands them out in this order)."""
+    tiles = []
+    for s in range(plan.num_seqs):
+        n = plan.query_lens[s]
+        if n < 2:
+            continue
+        context = plan.seq_lens[s] - n
+        for r in range(0, n, PREFILL_TILE_ROWS):
+            rows = min(PREFILL_TILE_ROWS, n - r)
+            tiles.append((s, starts[s] + r, rows, context + r))
+    tiles.sort(key=lambda t: -t[2] * (t[3] + t[2]))  # ~ rows x keys seen
+    return torch.tensor(tiles, dtype=torch.long).reshape(-1, 4)

@@ -8,9 +8,9 @@
 // from the pool, while the next block is prefetched.
 //
 // Caches: float32, bfloat16, float16, or fp8 e4m3 passed as uint8 bytes with a 256-entry
-// decode table. Queries and output are float32 (the Python wrapper converts). Built with -O3
-// -march=native: explicit AVX2 for the score and value loops where the CPU has it, loops the
-// compiler vectorises otherwise. Measurements: docs/perf.md, "Kernels".
+// decode table. Queries and output are float32 or bfloat16 (the Python wrapper converts
+// float16). Built with -O3 -march=native: explicit AVX2 for the score and value loops where the
+// CPU has it, loops the compiler vectorises otherwise. Measurements: docs/perf.md, "Kernels".
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -24,72 +24,22 @@
 #include <type_traits>
 #include <vector>
 
-#include "fast_exp.h"
+#include "cpu_attention_common.h"
 
 namespace {
 
+using kvserve_attn::q_to_float;
+using kvserve_attn::Row;
+using kvserve_attn::store_out;
 using kvserve_fast_exp::exp_nonpositive;
 
-template <typename T>
-struct Row {
-  // Returns a float view of n values at src (converted into buf when T is not float).
-  static const float* load(const T* src, float* buf, int64_t n, const float* lut);
-};
+#if KVSERVE_AVX2
+using kvserve_attn::load8;
+using kvserve_attn::softmax_block_simd;
 
-template <>
-struct Row<float> {
-  static const float* load(const float* src, float*, int64_t, const float*) { return src; }
-};
-
-template <>
-struct Row<at::BFloat16> {
-  static const float* load(const at::BFloat16* src, float* buf, int64_t n, const float*) {
-    const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-    uint32_t* out = reinterpret_cast<uint32_t*>(buf);
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
-    return buf;
-  }
-};
-
-template <>
-struct Row<at::Half> {
-  static const float* load(const at::Half* src, float* buf, int64_t n, const float*) {
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
-    return buf;
-  }
-};
-
-template <>
-struct Row<uint8_t> {  // fp8 e4m3 bytes, decoded through a table
-  static const float* load(const uint8_t* src, float* buf, int64_t n, const float* lut) {
-    for (int64_t i = 0; i < n; ++i) buf[i] = lut[src[i]];
-    return buf;
-  }
-};
-
-#if defined(__AVX2__) && defined(__FMA__) && !defined(KVSERVE_NO_SIMD)
-// Explicit AVX2 for the two inner loops. Scores: 8 keys at a time, one 8-lane accumulator per
-// key, then one transpose-and-add tree gives the 8 dot products (instead of a horizontal sum
-// per dot, which the compiler's vectorised reduction does). Values: 8 lanes of head_dim.
-#define KVSERVE_AVX2 1
-#include <immintrin.h>
-
-using kvserve_fast_exp::exp8_nonpositive;
-
-inline __m256 load8(const float* p, const float*) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p, const float*) {  // bf16: the top half of an fp32
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-inline __m256 load8(const at::Half* p, const float*) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-inline __m256 load8(const uint8_t* p, const float* lut) {  // fp8 e4m3 bytes via the table
-  const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_i32gather_ps(lut, idx, 4);
-}
+// Scores: 8 keys at a time, one 8-lane accumulator per key, then one transpose-and-add tree
+// gives the 8 dot products (instead of a horizontal sum per dot, which the compiler's
+// vectorised reduction does). Values: 8 lanes of head_dim.
 
 // Lane j of the result = sum of the 8 lanes of a[j].
 inline __m256 sum8x8(const __m256* a) {
@@ -161,41 +111,18 @@ inline void block_values_simd(const T* v, int64_t tok_stride, int64_t ntok, cons
   }
 }
 
-// One head's scores of one block (rounded up to 8 lanes, lanes past ntok set to -FLT_MAX
-// first): the new running max, scores replaced by e^(s - max), returns their sum.
-inline float softmax_block_simd(float* sc, int64_t ntok, float& top_io) {
-  const int64_t padded = (ntok + 7) / 8 * 8;
-  for (int64_t t = ntok; t < padded; ++t) sc[t] = -FLT_MAX;
-  __m256 mx = _mm256_set1_ps(top_io);
-  for (int64_t t = 0; t < padded; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sc + t));
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-  const float top = _mm_cvtss_f32(m4);
-  const __m256 tv = _mm256_set1_ps(top);
-  __m256 sum = _mm256_setzero_ps();
-  for (int64_t t = 0; t < padded; t += 8) {
-    const __m256 e = exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sc + t), tv));
-    _mm256_storeu_ps(sc + t, e);
-    sum = _mm256_add_ps(sum, e);
-  }
-  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-  s4 = _mm_hadd_ps(s4, s4);
-  s4 = _mm_hadd_ps(s4, s4);
-  top_io = top;
-  return _mm_cvtss_f32(s4);
-}
-#else
-#define KVSERVE_AVX2 0
-#endif
 
-template <typename T, int64_t D>
-void decode_kernel(const float* q, int64_t q_tok_stride, const T* k_cache, const T* v_cache,
+
+#endif  // KVSERVE_AVX2
+
+// QT: the query/output storage (float, or uint16_t bfloat16 bits); T: the cache's.
+template <typename T, typename QT, int64_t D>
+void decode_kernel(const QT* q, int64_t q_tok_stride, const T* k_cache, const T* v_cache,
                    int64_t block_stride, int64_t tok_stride, const int32_t* block_tables,
                    int64_t bt_stride, const int32_t* seq_lens, const int64_t* seq_ids,
                    const int64_t* rows, int64_t n, int64_t heads, int64_t kv_heads,
                    int64_t runtime_head_dim, int64_t block_size, float qk_scale, float v_scale,
-                   const float* lut, float* out) {
+                   const float* lut, QT* out) {
   // D > 0: head_dim known at compile time (the common sizes), so the loops over it unroll.
   const int64_t head_dim = D > 0 ? D : runtime_head_dim;
   const int64_t group = heads / kv_heads;
@@ -217,8 +144,8 @@ void decode_kernel(const float* q, int64_t q_tok_stride, const T* k_cache, const
       const int64_t i = task / split, g0 = (task % split) * heads_per_task;
       const int64_t s = seq_ids[i], row = rows[i];
       const int64_t len = seq_lens[s];
-      const float* qrow = q + row * q_tok_stride + g0 * group * head_dim;
-      for (int64_t x = 0; x < width * head_dim; ++x) qs[x] = qrow[x] * qk_scale;
+      const QT* qrow = q + row * q_tok_stride + g0 * group * head_dim;
+      for (int64_t x = 0; x < width * head_dim; ++x) qs[x] = q_to_float(qrow[x]) * qk_scale;
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -FLT_MAX);
       std::fill(l.begin(), l.end(), 0.f);
@@ -313,10 +240,11 @@ void decode_kernel(const float* q, int64_t q_tok_stride, const T* k_cache, const
           }
         }
       }
-      float* orow = out + row * q_tok_stride + g0 * group * head_dim;
+      QT* orow = out + row * q_tok_stride + g0 * group * head_dim;
       for (int64_t h = 0; h < width; ++h) {
         const float norm = v_scale / l[h];
-        for (int64_t d = 0; d < head_dim; ++d) orow[h * head_dim + d] = acc[h * head_dim + d] * norm;
+        for (int64_t d = 0; d < head_dim; ++d)
+          store_out(orow + h * head_dim + d, acc[h * head_dim + d] * norm);
       }
     }
   });
@@ -326,8 +254,9 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
                   const at::Tensor& seq_ids, const at::Tensor& rows, const at::Tensor& lut,
                   double qk_scale, double v_scale, at::Tensor& out) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "paged_decode: q and out must be float32");
+  TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
+                  out.scalar_type() == q.scalar_type(),
+              "paged_decode: q and out must be float32 or bfloat16, the same");
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous() && block_tables.is_contiguous(),
               "paged_decode: tensors must be contiguous");
@@ -339,15 +268,21 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   const int64_t block_stride = block_size * kv_heads * head_dim, tok_stride = kv_heads * head_dim;
   const float* lut_ptr = lut.numel() ? lut.data_ptr<float>() : nullptr;
-#define KVSERVE_DECODE_D(T, D)                                                                  \
-  decode_kernel<T, D>(q.data_ptr<float>(), heads * head_dim,                                      \
+#define KVSERVE_DECODE_QD(T, QT, D)                                                             \
+  decode_kernel<T, QT, D>(reinterpret_cast<const QT*>(q.data_ptr()), heads * head_dim,            \
                    reinterpret_cast<const T*>(k_cache.data_ptr()),                             \
                    reinterpret_cast<const T*>(v_cache.data_ptr()), block_stride, tok_stride,    \
                    block_tables.data_ptr<int32_t>(), block_tables.size(1),                      \
                    seq_lens.data_ptr<int32_t>(), seq_ids.data_ptr<int64_t>(),                   \
                    rows.data_ptr<int64_t>(), seq_ids.numel(), heads, kv_heads, head_dim,        \
                    block_size, static_cast<float>(qk_scale), static_cast<float>(v_scale),       \
-                   lut_ptr, out.data_ptr<float>())
+                   lut_ptr, reinterpret_cast<QT*>(out.data_ptr()))
+#define KVSERVE_DECODE_D(T, D)                                                                  \
+  if (q.scalar_type() == at::kFloat) {                                                          \
+    KVSERVE_DECODE_QD(T, float, D);                                                             \
+  } else {                                                                                      \
+    KVSERVE_DECODE_QD(T, uint16_t, D);                                                          \
+  }
 #define KVSERVE_DECODE(T)                                     \
   switch (head_dim) {                                         \
     case 64: KVSERVE_DECODE_D(T, 64); break;                  \
@@ -366,6 +301,7 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   }
 #undef KVSERVE_DECODE
 #undef KVSERVE_DECODE_D
+#undef KVSERVE_DECODE_QD
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 // is pow, mean, add, rsqrt, mul, to, mul), each a pass over the activations with its own
 // dispatch and allocation. Here each op is one loop per token row, parallel over rows, computing
 // in float32 whatever the storage dtype (float32 or bfloat16) and rounding once on store.
+// bfloat16 data is handled as its uint16_t bits (bf16.h), which GCC vectorises.
 // Results equal the torch expressions in engine/models/llama.py up to float rounding (tested).
 
 #include <ATen/ATen.h>
@@ -16,14 +17,33 @@
 #include <cstdint>
 #include <cstring>
 
+#include "bf16.h"
 #include "fast_exp.h"
 
 namespace {
 
+// Storage types: float, or uint16_t holding bfloat16 bits.
 inline float to_f(float x) { return x; }
-inline float to_f(at::BFloat16 x) { return static_cast<float>(x); }
+inline float to_f(uint16_t x) { return kvserve_bf16::to_float(x); }
 template <typename T>
-inline T from_f(float x) { return static_cast<T>(x); }
+inline T from_f(float x);
+template <>
+inline float from_f<float>(float x) { return x; }
+template <>
+inline uint16_t from_f<uint16_t>(float x) { return kvserve_bf16::from_float(x); }
+
+// Calls fn with a value of the storage type of dtype (float32: float, bfloat16: uint16_t).
+template <typename Fn>
+void dispatch_storage(at::ScalarType dtype, Fn&& fn) {
+  if (dtype == at::kFloat) {
+    fn(float{});
+  } else {
+    fn(uint16_t{});
+  }
+}
+
+template <typename S>
+S* ptr(const at::Tensor& t) { return reinterpret_cast<S*>(t.data_ptr()); }
 
 using kvserve_fast_exp::exp_nonpositive;
 
@@ -77,9 +97,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
                   weight.scalar_type() == x.scalar_type(),
               "rms_norm: weight must be contiguous [hidden] in x's dtype");
   at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
-    rms_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), nullptr, 0,
-                       weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), out.stride(0),
+  dispatch_storage(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    rms_rows<scalar_t>(ptr<scalar_t>(x), x.stride(0), nullptr, 0,
+                       ptr<scalar_t>(weight), ptr<scalar_t>(out), out.stride(0),
                        x.size(0), x.size(1), static_cast<float>(eps));
   });
   return out;
@@ -97,9 +118,10 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
                   weight.scalar_type() == x.scalar_type(),
               "add_rms_norm: weight must be contiguous [hidden] in x's dtype");
   at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_rms_norm", [&] {
-    rms_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), residual.data_ptr<scalar_t>(),
-                       residual.stride(0), weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+  dispatch_storage(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    rms_rows<scalar_t>(ptr<scalar_t>(x), x.stride(0), ptr<scalar_t>(residual),
+                       residual.stride(0), ptr<scalar_t>(weight), ptr<scalar_t>(out),
                        out.stride(0), x.size(0), x.size(1), static_cast<float>(eps));
   });
   return out;
@@ -131,8 +153,9 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul: the last dimension must be even");
   const int64_t rows = x.size(0), n = x.size(1) / 2;
   at::Tensor out = at::empty({rows, n}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "silu_and_mul", [&] {
-    silu_mul_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), out.data_ptr<scalar_t>(), rows,
+  dispatch_storage(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    silu_mul_rows<scalar_t>(ptr<scalar_t>(x), x.stride(0), ptr<scalar_t>(out), rows,
                             n);
   });
   return out;
@@ -175,9 +198,10 @@ void rope_one(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
                   cos.size(1) == x.size(2) / 2 && cos.scalar_type() == x.scalar_type() &&
                   sin.scalar_type() == x.scalar_type(),
               "rotary_embedding: cos/sin must be [T, head_dim / 2] in q's dtype");
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rotary_embedding", [&] {
-    rope_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), x.size(1), x.size(2),
-                        cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), cos.stride(0),
+  dispatch_storage(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    rope_rows<scalar_t>(ptr<scalar_t>(x), x.stride(0), x.size(1), x.size(2),
+                        ptr<scalar_t>(cos), ptr<scalar_t>(sin), cos.stride(0),
                         x.size(0));
   });
 }

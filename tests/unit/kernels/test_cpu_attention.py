@@ -1,4 +1,4 @@
-"""The CPU backend (fused C++ decode kernel + torch-path prefill) against the reference."""
+"""The CPU backend (fused C++ decode and prefill kernels) against the reference."""
 
 import shutil
 
@@ -40,6 +40,24 @@ def test_long_decodes_with_outlier_keys(cache_dtype):
     last_block = int(batch.block_tables[0, (700 - 1) // 16])
     boost = batch.q[0, :3].float().mean(0) * 8 / batch.k_scale
     batch.k_cache[last_block, 5, 0] = boost.to(batch.k_cache.dtype)
+    expected = paged_attention(*batch.args(), backend="reference")
+    assert_close_to(paged_attention(*batch.args(), backend="cpu"), expected)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, FP8])
+def test_long_prefills_across_tiles(cache_dtype):
+    """Prompts and chunked prefills of many tiles (PREFILL_TILE_ROWS each), one ending inside
+    a block, next to decodes, with a late outlier key: tiles must meet, the causal limit must
+    move with each row, and the online softmax must rescale."""
+    spec = Spec(seqs=((203, 203), (517, 301), (1, 1), (90, 1), (70, 37)), num_kv_heads=3,
+                group=3, head_dim=64, block_size=16, cache_dtype=cache_dtype,
+                q_dtype=torch.float32 if cache_dtype == FP8 else cache_dtype, shared_blocks=2,
+                seed=7)
+    assert 301 > 3 * cpu_attention.PREFILL_TILE_ROWS
+    batch = build_batch(spec)
+    block = int(batch.block_tables[1, 400 // 16])
+    boost = batch.q[int(batch.query_start_loc[1]) + 250, :3].float().mean(0) * 8 / batch.k_scale
+    batch.k_cache[block, 400 % 16, 0] = boost.to(batch.k_cache.dtype)
     expected = paged_attention(*batch.args(), backend="reference")
     assert_close_to(paged_attention(*batch.args(), backend="cpu"), expected)
 
