@@ -115,6 +115,175 @@ inline void block_values_simd(const T* v, int64_t tok_stride, int64_t ntok, cons
 
 #endif  // KVSERVE_AVX2
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && \
+    !defined(KVSERVE_NO_SIMD)
+// bfloat16 queries on a bfloat16 cache (a bf16 model), on CPUs with AVX512-BF16 (Zen 4,
+// Sapphire Rapids): vdpbf16ps multiplies 32 bf16 pairs and accumulates them into 16 float32
+// lanes, so neither K nor V is widened. Scores: each key row against the query row, 16 keys
+// reduced together by one shuffle tree. Values: two keys' rows interleaved (unpack lo/hi), each
+// dot with the pair of their bf16 weights, so the accumulators hold head_dim in a fixed lane
+// order undone when the output is written. Probabilities are rounded to bf16 for that product
+// as HF's bf16 attention does; softmax and accumulation stay float32.
+#define KVSERVE_AVX512BF16 1
+
+// The slot of key j (0..15) in sum16x16's input that puts its sum at output lane j.
+constexpr int sum_slot(int j) { return 4 * (j % 4) + j / 4; }
+
+// Output lane 4k + e = the sum of the 16 lanes of v[4e + k] (see sum_slot).
+inline __m512 sum16x16(const __m512* v) {
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+}
+
+inline __m512 dp_bf16(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
+}
+
+// scores[t] = qk_scale * q . k_t for t < ntok of one block (0 for the block's later slots);
+// NC = head_dim / 32.
+template <int NC>
+inline void scores_bf16(const uint16_t* k, int64_t tok_stride, int64_t ntok, int64_t block_size,
+                        const uint16_t* q, float qk_scale, float* scores) {
+  __m512i qv[NC];
+  for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_si512(q + 32 * c);
+  const __m512 scale = _mm512_set1_ps(qk_scale);
+  for (int64_t t0 = 0; t0 < block_size; t0 += 16) {
+    __m512 v[16];
+    for (int j = 0; j < 16; ++j) {
+      __m512 acc = _mm512_setzero_ps();
+      if (t0 + j < ntok)
+        for (int c = 0; c < NC; ++c)
+          acc = dp_bf16(acc, _mm512_loadu_si512(k + (t0 + j) * tok_stride + 32 * c), qv[c]);
+      v[sum_slot(j)] = acc;
+    }
+    const __m512 r = _mm512_mul_ps(sum16x16(v), scale);
+    if (block_size - t0 >= 16) {
+      _mm512_storeu_ps(scores + t0, r);
+    } else {
+      _mm512_mask_storeu_ps(scores + t0, static_cast<__mmask16>((1u << (block_size - t0)) - 1), r);
+    }
+  }
+}
+
+// acc_h += sum_t p_h[t] v_t for NH heads at once, t < ntok (p_h[ntok] is 0 when ntok is odd).
+// acc_h is 2 NC vectors in the interleaved order (lo, hi per 32 columns).
+template <int NC, int NH>
+inline void values_bf16(const uint16_t* v, int64_t tok_stride, int64_t ntok, const uint16_t* p,
+                        int64_t p_stride, float* acc, int64_t acc_stride) {
+  __m512 a[NH][2 * NC];
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < 2 * NC; ++c) a[h][c] = _mm512_loadu_ps(acc + h * acc_stride + 16 * c);
+  for (int64_t t = 0; t < ntok; t += 2) {
+    __m512i lo[NC], hi[NC];
+    for (int c = 0; c < NC; ++c) {
+      const __m512i r0 = _mm512_loadu_si512(v + t * tok_stride + 32 * c);
+      const __m512i r1 = t + 1 < ntok ? _mm512_loadu_si512(v + (t + 1) * tok_stride + 32 * c)
+                                      : _mm512_setzero_si512();
+      lo[c] = _mm512_unpacklo_epi16(r0, r1);
+      hi[c] = _mm512_unpackhi_epi16(r0, r1);
+    }
+    for (int h = 0; h < NH; ++h) {
+      int32_t pair;
+      std::memcpy(&pair, p + h * p_stride + t, sizeof pair);
+      const __m512i pp = _mm512_set1_epi32(pair);
+      for (int c = 0; c < NC; ++c) {
+        a[h][2 * c] = dp_bf16(a[h][2 * c], lo[c], pp);
+        a[h][2 * c + 1] = dp_bf16(a[h][2 * c + 1], hi[c], pp);
+      }
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < 2 * NC; ++c) _mm512_storeu_ps(acc + h * acc_stride + 16 * c, a[h][c]);
+}
+
+template <int NC>
+inline void values_bf16_heads(const uint16_t* v, int64_t tok_stride, int64_t ntok,
+                              const uint16_t* p, int64_t p_stride, int64_t heads, float* acc,
+                              int64_t acc_stride) {
+  constexpr int NH = NC == 1 ? 4 : NC == 2 ? 3 : 2;  // NH x 2 NC accumulators + 2 NC rows <= 32
+  int64_t h = 0;
+  for (; h + NH <= heads; h += NH)
+    values_bf16<NC, NH>(v, tok_stride, ntok, p + h * p_stride, p_stride, acc + h * acc_stride,
+                        acc_stride);
+  for (; h < heads; ++h)
+    values_bf16<NC, 1>(v, tok_stride, ntok, p + h * p_stride, p_stride, acc + h * acc_stride,
+                       acc_stride);
+}
+
+// Column d of a head's output from its interleaved accumulator (see values_bf16).
+inline int64_t interleaved_index(int64_t d) {
+  const int64_t c = d / 32, lane = (d % 32) / 8, i = d % 8;
+  return 32 * c + 16 * (i / 4) + 4 * lane + i % 4;
+}
+
+// One task of decode_kernel (a sequence and KV heads [g0, g0 + nkv)) on the bf16 path.
+template <int NC>
+void decode_task_bf16(const uint16_t* qrow, const uint16_t* k_cache, const uint16_t* v_cache,
+                      int64_t block_stride, int64_t tok_stride, const int32_t* table, int64_t len,
+                      int64_t g0, int64_t nkv, int64_t group, int64_t block_size, float qk_scale,
+                      float v_scale, float* scores, uint16_t* pbf, float* acc, float* m, float* l,
+                      uint16_t* orow) {
+  constexpr int64_t D = 32 * NC;
+  const int64_t width = nkv * group;
+  std::fill(acc, acc + width * D, 0.f);
+  std::fill(m, m + width, -FLT_MAX);
+  std::fill(l, l + width, 0.f);
+  const int64_t num_blocks = (len + block_size - 1) / block_size;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t base = static_cast<int64_t>(table[b]) * block_stride;
+    const int64_t ntok = std::min(block_size, len - b * block_size);
+    if (b + 1 < num_blocks) {
+      const int64_t next = static_cast<int64_t>(table[b + 1]) * block_stride;
+      for (int64_t off = 0; off < block_stride * 2; off += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(k_cache + next) + off, 0, 2);
+        __builtin_prefetch(reinterpret_cast<const char*>(v_cache + next) + off, 0, 2);
+      }
+    }
+    for (int64_t g = 0; g < nkv; ++g)
+      for (int64_t h = 0; h < group; ++h) {
+        const int64_t w = g * group + h;
+        scores_bf16<NC>(k_cache + base + (g0 + g) * D, tok_stride, ntok, block_size,
+                        qrow + w * D, qk_scale, scores + w * block_size);
+      }
+    for (int64_t w = 0; w < width; ++w) {
+      float* sc = scores + w * block_size;
+      const float prev = m[w];
+      const float sum = softmax_block_simd(sc, ntok, m[w]);
+      const float corr = exp_nonpositive(prev - m[w]);
+      l[w] = l[w] * corr + sum;
+      if (corr != 1.f) {
+        const __m512 f = _mm512_set1_ps(corr);
+        for (int64_t d = 0; d < D; d += 16)
+          _mm512_storeu_ps(acc + w * D + d, _mm512_mul_ps(f, _mm512_loadu_ps(acc + w * D + d)));
+      }
+      uint16_t* pw = pbf + w * (block_size + 1);
+      for (int64_t t = 0; t < ntok; ++t) pw[t] = kvserve_bf16::from_float(sc[t]);
+      pw[ntok] = 0;  // the odd key's partner weighs nothing
+    }
+    for (int64_t g = 0; g < nkv; ++g)
+      values_bf16_heads<NC>(v_cache + base + (g0 + g) * D, tok_stride, ntok,
+                            pbf + g * group * (block_size + 1), block_size + 1, group,
+                            acc + g * group * D, D);
+  }
+  for (int64_t w = 0; w < width; ++w) {
+    const float norm = v_scale / l[w];
+    for (int64_t d = 0; d < D; ++d)
+      orow[w * D + d] = kvserve_bf16::from_float(acc[w * D + interleaved_index(d)] * norm);
+  }
+}
+#else
+#define KVSERVE_AVX512BF16 0
+#endif
+
 // QT: the query/output storage (float, or uint16_t bfloat16 bits); T: the cache's.
 template <typename T, typename QT, int64_t D>
 void decode_kernel(const QT* q, int64_t q_tok_stride, const T* k_cache, const T* v_cache,
@@ -135,16 +304,45 @@ void decode_kernel(const QT* q, int64_t q_tok_stride, const T* k_cache, const T*
 #if KVSERVE_AVX2
   const bool simd = head_dim % 8 == 0 && block_size % 8 == 0;
 #endif
+#if KVSERVE_AVX512BF16
+  constexpr bool bf16_types = std::is_same_v<T, at::BFloat16> && std::is_same_v<QT, uint16_t>;
+  const bool bf16_path = bf16_types && head_dim % 32 == 0 && head_dim <= 128 &&
+                         block_size % 8 == 0;
+#endif
   at::parallel_for(0, n * split, 1, [&](int64_t begin, int64_t end) {
     const int64_t width = heads_per_task * group;  // query heads of one task
     std::vector<float> qs(width * head_dim), acc(width * head_dim);
     std::vector<float> scores(width * block_size), m(width), l(width);
     std::vector<float> kbuf(head_dim), vbuf(head_dim);
+#if KVSERVE_AVX512BF16
+    std::vector<uint16_t> pbf(bf16_path ? width * (block_size + 1) : 0);
+#endif
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / split, g0 = (task % split) * heads_per_task;
       const int64_t s = seq_ids[i], row = rows[i];
       const int64_t len = seq_lens[s];
       const QT* qrow = q + row * q_tok_stride + g0 * group * head_dim;
+#if KVSERVE_AVX512BF16
+      if constexpr (bf16_types) {
+        if (bf16_path) {
+          const auto* kc = reinterpret_cast<const uint16_t*>(k_cache);
+          const auto* vc = reinterpret_cast<const uint16_t*>(v_cache);
+          QT* orow = out + row * q_tok_stride + g0 * group * head_dim;
+#define KVSERVE_BF16_TASK(NC)                                                                   \
+  decode_task_bf16<NC>(qrow, kc, vc, block_stride, tok_stride, block_tables + s * bt_stride, len, \
+                       g0, heads_per_task, group, block_size, qk_scale, v_scale, scores.data(), \
+                       pbf.data(), acc.data(), m.data(), l.data(), orow)
+          switch (head_dim / 32) {
+            case 1: KVSERVE_BF16_TASK(1); break;
+            case 2: KVSERVE_BF16_TASK(2); break;
+            case 3: KVSERVE_BF16_TASK(3); break;
+            default: KVSERVE_BF16_TASK(4); break;
+          }
+#undef KVSERVE_BF16_TASK
+          continue;
+        }
+      }
+#endif
       for (int64_t x = 0; x < width * head_dim; ++x) qs[x] = q_to_float(qrow[x]) * qk_scale;
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -FLT_MAX);
