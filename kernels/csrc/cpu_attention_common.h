@@ -109,4 +109,32 @@ inline float softmax_block_simd(float* sc, int64_t ntok, float& top_io) {
 #define KVSERVE_AVX2 0
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && \
+    !defined(KVSERVE_NO_SIMD)
+// bfloat16 dot products (AVX512-BF16: Zen 4, Sapphire Rapids): vdpbf16ps multiplies 32 bf16
+// pairs and accumulates them into 16 float32 lanes, so bf16 K/V need no widening.
+#define KVSERVE_AVX512BF16 1
+
+inline __m512 dp_bf16(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
+}
+
+// Value rows are multiplied two keys at a time: rows t and t + 1 interleaved by unpack lo/hi
+// (per 32 columns), each 32-bit lane a (v_t[d], v_t+1[d]) pair, dotted with the pair of their
+// weights. The float32 accumulators then hold head_dim in a fixed order: column d of a head
+// is at interleaved_index(d).
+inline int64_t interleaved_index(int64_t d) {
+  const int64_t c = d / 32, lane = (d % 32) / 8, i = d % 8;
+  return 32 * c + 16 * (i / 4) + 4 * lane + i % 4;
+}
+
+// lo, hi = the interleaved pairs of rows r0, r1 (32 bf16 columns each).
+inline void interleave_rows(__m512i r0, __m512i r1, __m512i& lo, __m512i& hi) {
+  lo = _mm512_unpacklo_epi16(r0, r1);
+  hi = _mm512_unpackhi_epi16(r0, r1);
+}
+#else
+#define KVSERVE_AVX512BF16 0
+#endif
+
 }  // namespace kvserve_attn

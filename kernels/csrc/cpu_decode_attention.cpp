@@ -112,19 +112,17 @@ inline void block_values_simd(const T* v, int64_t tok_stride, int64_t ntok, cons
 }
 
 
-
 #endif  // KVSERVE_AVX2
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && \
-    !defined(KVSERVE_NO_SIMD)
-// bfloat16 queries on a bfloat16 cache (a bf16 model), on CPUs with AVX512-BF16 (Zen 4,
-// Sapphire Rapids): vdpbf16ps multiplies 32 bf16 pairs and accumulates them into 16 float32
-// lanes, so neither K nor V is widened. Scores: each key row against the query row, 16 keys
-// reduced together by one shuffle tree. Values: two keys' rows interleaved (unpack lo/hi), each
-// dot with the pair of their bf16 weights, so the accumulators hold head_dim in a fixed lane
-// order undone when the output is written. Probabilities are rounded to bf16 for that product
-// as HF's bf16 attention does; softmax and accumulation stay float32.
-#define KVSERVE_AVX512BF16 1
+#if KVSERVE_AVX512BF16
+using kvserve_attn::dp_bf16;
+using kvserve_attn::interleaved_index;
+
+// bfloat16 queries on a bfloat16 cache (a bf16 model) with AVX512-BF16 (cpu_attention_common.h):
+// neither K nor V is widened. Scores: each key row against the query row, 16 keys reduced
+// together by one shuffle tree. Values: two keys at a time, interleaved (interleaved_index).
+// Probabilities are rounded to bf16 for that product as HF's bf16 attention does; softmax and
+// accumulation stay float32.
 
 // The slot of key j (0..15) in sum16x16's input that puts its sum at output lane j.
 constexpr int sum_slot(int j) { return 4 * (j % 4) + j / 4; }
@@ -142,10 +140,6 @@ inline __m512 sum16x16(const __m512* v) {
     y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44),
                          _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
   return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
-}
-
-inline __m512 dp_bf16(__m512 acc, __m512i a, __m512i b) {
-  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
 }
 
 // scores[t] = qk_scale * q . k_t for t < ntok of one block (0 for the block's later slots);
@@ -188,8 +182,7 @@ inline void values_bf16(const uint16_t* v, int64_t tok_stride, int64_t ntok, con
       const __m512i r0 = _mm512_loadu_si512(v + t * tok_stride + 32 * c);
       const __m512i r1 = t + 1 < ntok ? _mm512_loadu_si512(v + (t + 1) * tok_stride + 32 * c)
                                       : _mm512_setzero_si512();
-      lo[c] = _mm512_unpacklo_epi16(r0, r1);
-      hi[c] = _mm512_unpackhi_epi16(r0, r1);
+      kvserve_attn::interleave_rows(r0, r1, lo[c], hi[c]);
     }
     for (int h = 0; h < NH; ++h) {
       int32_t pair;
@@ -217,12 +210,6 @@ inline void values_bf16_heads(const uint16_t* v, int64_t tok_stride, int64_t nto
   for (; h < heads; ++h)
     values_bf16<NC, 1>(v, tok_stride, ntok, p + h * p_stride, p_stride, acc + h * acc_stride,
                        acc_stride);
-}
-
-// Column d of a head's output from its interleaved accumulator (see values_bf16).
-inline int64_t interleaved_index(int64_t d) {
-  const int64_t c = d / 32, lane = (d % 32) / 8, i = d % 8;
-  return 32 * c + 16 * (i / 4) + 4 * lane + i % 4;
 }
 
 // One task of decode_kernel (a sequence and KV heads [g0, g0 + nkv)) on the bf16 path.
@@ -280,9 +267,7 @@ void decode_task_bf16(const uint16_t* qrow, const uint16_t* k_cache, const uint1
       orow[w * D + d] = kvserve_bf16::from_float(acc[w * D + interleaved_index(d)] * norm);
   }
 }
-#else
-#define KVSERVE_AVX512BF16 0
-#endif
+#endif  // KVSERVE_AVX512BF16
 
 // QT: the query/output storage (float, or uint16_t bfloat16 bits); T: the cache's.
 template <typename T, typename QT, int64_t D>

@@ -195,6 +195,168 @@ inline void block_values_portable(const float* v, int64_t v_stride, int64_t ntok
   }
 }
 
+#if KVSERVE_AVX512BF16
+using kvserve_attn::dp_bf16;
+using kvserve_attn::interleaved_index;
+
+// The bf16 model on AVX512-BF16 (cpu_attention_common.h): the same tiles, with bf16 pairs.
+//   scores: Qp[j][w] = (q_w[2j], q_w[2j+1]) as one 32-bit lane, 16 query vectors a register,
+//           dotted with the broadcast pair (k_t[2j], k_t[2j+1]) read straight from the cache;
+//   values: Pp[i][w] = (p_2i[w], p_2i+1[w]) broadcast, dotted with the interleaved V rows
+//           2i, 2i+1 (built once per block), so O holds head_dim in interleaved order.
+
+// St[t0 .. t0 + 4)[w0 .. w0 + 16 WC) = qk_scale * sum_j K pairs x Qp.
+template <int WC>
+inline void scores_tile_bf16(const uint16_t* k, int64_t k_stride, const uint32_t* qp,
+                             int64_t wp, int64_t pairs, float qk_scale, float* st) {
+  __m512 acc[4][WC];
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < WC; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < pairs; ++j) {
+    __m512i qv[WC];
+    for (int c = 0; c < WC; ++c) qv[c] = _mm512_loadu_si512(qp + j * wp + 16 * c);
+    for (int r = 0; r < 4; ++r) {
+      int32_t kp;
+      std::memcpy(&kp, k + r * k_stride + 2 * j, sizeof kp);
+      const __m512i kb = _mm512_set1_epi32(kp);
+      for (int c = 0; c < WC; ++c) acc[r][c] = dp_bf16(acc[r][c], kb, qv[c]);
+    }
+  }
+  const __m512 scale = _mm512_set1_ps(qk_scale);
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < WC; ++c)
+      _mm512_storeu_ps(st + r * wp + 16 * c, _mm512_mul_ps(acc[r][c], scale));
+}
+
+// Rows t < ntok rounded up to 4 (inside the block: read, then masked).
+inline void block_scores_bf16(const uint16_t* k, int64_t k_stride, int64_t ntok,
+                              const uint32_t* qp, int64_t wp, int64_t pairs, float qk_scale,
+                              float* st) {
+  for (int64_t t = 0; t < ntok; t += 4) {
+    const uint16_t* kt = k + t * k_stride;
+    float* s = st + t * wp;
+    int64_t c = 0;
+    for (; c + 4 <= wp / 16; c += 4)
+      scores_tile_bf16<4>(kt, k_stride, qp + 16 * c, wp, pairs, qk_scale, s + 16 * c);
+    switch (wp / 16 - c) {
+      case 3: scores_tile_bf16<3>(kt, k_stride, qp + 16 * c, wp, pairs, qk_scale, s + 16 * c); break;
+      case 2: scores_tile_bf16<2>(kt, k_stride, qp + 16 * c, wp, pairs, qk_scale, s + 16 * c); break;
+      case 1: scores_tile_bf16<1>(kt, k_stride, qp + 16 * c, wp, pairs, qk_scale, s + 16 * c); break;
+      default: break;
+    }
+  }
+}
+
+// O[w0 .. w0 + RW) += sum_i Pp[i][w] . Vi[i]: RW x 2 NC accumulators (NC = head_dim / 32).
+template <int NC, int RW>
+inline void values_tile_bf16(const uint32_t* vi, int64_t npairs, const uint32_t* pp, int64_t wp,
+                             float* o) {
+  constexpr int D = 32 * NC;
+  __m512 acc[RW][2 * NC];
+  for (int r = 0; r < RW; ++r)
+    for (int c = 0; c < 2 * NC; ++c) acc[r][c] = _mm512_loadu_ps(o + r * D + 16 * c);
+  for (int64_t i = 0; i < npairs; ++i) {
+    __m512i vv[2 * NC];
+    for (int c = 0; c < 2 * NC; ++c) vv[c] = _mm512_loadu_si512(vi + i * D + 16 * c);
+    for (int r = 0; r < RW; ++r) {
+      const __m512i p = _mm512_set1_epi32(static_cast<int32_t>(pp[i * wp + r]));
+      for (int c = 0; c < 2 * NC; ++c) acc[r][c] = dp_bf16(acc[r][c], vv[c], p);
+    }
+  }
+  for (int r = 0; r < RW; ++r)
+    for (int c = 0; c < 2 * NC; ++c) _mm512_storeu_ps(o + r * D + 16 * c, acc[r][c]);
+}
+
+template <int NC>
+inline void block_values_bf16(const uint32_t* vi, int64_t npairs, const uint32_t* pp, int64_t wp,
+                              int64_t width, float* o) {
+  constexpr int D = 32 * NC;
+  constexpr int RW = NC == 1 ? 8 : NC == 2 ? 4 : 2;  // RW x 2 NC + 2 NC registers <= 32
+  int64_t w = 0;
+  for (; w + RW <= width; w += RW) values_tile_bf16<NC, RW>(vi, npairs, pp + w, wp, o + w * D);
+  for (; w < width; ++w) values_tile_bf16<NC, 1>(vi, npairs, pp + w, wp, o + w * D);
+}
+
+// One task of prefill_kernel on the bf16 path: tile (s, row0, rows, pos0), KV head g.
+template <int NC>
+void prefill_task_bf16(const uint16_t* q, int64_t q_tok_stride, const uint16_t* k_cache,
+                       const uint16_t* v_cache, int64_t block_stride, int64_t tok_stride,
+                       const int32_t* table, int64_t row0, int64_t rows, int64_t pos0, int64_t g,
+                       int64_t group, int64_t block_size, float qk_scale, float v_scale,
+                       uint32_t* qp, float* st, uint32_t* pp, uint32_t* vi, float* o, float* m,
+                       float* l, float* corr, uint16_t* out) {
+  constexpr int64_t D = 32 * NC, pairs = D / 2;
+  const int64_t width = rows * group, wp = (width + 15) / 16 * 16;
+  const auto* q32 = reinterpret_cast<const uint32_t*>(q);
+  std::fill(qp, qp + pairs * wp, 0u);
+  for (int64_t j = 0; j < rows; ++j)
+    for (int64_t h = 0; h < group; ++h) {
+      const uint32_t* qrow = q32 + ((row0 + j) * q_tok_stride + (g * group + h) * D) / 2;
+      const int64_t w = j * group + h;
+      for (int64_t i = 0; i < pairs; ++i) qp[i * wp + w] = qrow[i];
+    }
+  std::fill(o, o + width * D, 0.f);
+  std::fill(m, m + wp, -FLT_MAX);
+  std::fill(l, l + wp, 0.f);
+  const int64_t kv_len = pos0 + rows;
+  const int64_t num_blocks = (kv_len + block_size - 1) / block_size;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t first = b * block_size;
+    const int64_t ntok = std::min(block_size, kv_len - first);
+    const int64_t base = static_cast<int64_t>(table[b]) * block_stride + g * D;
+    block_scores_bf16(k_cache + base, tok_stride, ntok, qp, wp, pairs, qk_scale, st);
+    const bool diagonal = first + ntok - 1 > pos0;
+    if (diagonal)
+      for (int64_t t = 0; t < ntok; ++t)
+        for (int64_t w = 0; w < width; ++w)
+          if (first + t > pos0 + w / group) st[t * wp + w] = -FLT_MAX;
+    block_softmax(st, ntok, wp, m, l, corr);
+    if (diagonal)
+      for (int64_t t = 0; t < ntok; ++t)
+        for (int64_t w = 0; w < width; ++w)
+          if (first + t > pos0 + w / group) st[t * wp + w] = 0.f;
+    for (int64_t w = 0; w < width; ++w) {
+      if (corr[w] == 1.f) continue;
+      const __m512 f = _mm512_set1_ps(corr[w]);
+      for (int64_t d = 0; d < D; d += 16)
+        _mm512_storeu_ps(o + w * D + d, _mm512_mul_ps(f, _mm512_loadu_ps(o + w * D + d)));
+    }
+    // Pp and Vi for the key pairs of this block (an odd last key pairs with zeros).
+    const int64_t npairs = (ntok + 1) / 2;
+    for (int64_t i = 0; i < npairs; ++i) {
+      const bool two = 2 * i + 1 < ntok;
+      for (int64_t w = 0; w < wp; w += 16) {
+        const __m512i a = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(
+            _mm512_cvtneps_pbh(_mm512_loadu_ps(st + 2 * i * wp + w))));
+        const __m512i b = two ? _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(
+                                    _mm512_cvtneps_pbh(_mm512_loadu_ps(st + (2 * i + 1) * wp + w))))
+                              : _mm512_setzero_si512();
+        _mm512_storeu_si512(pp + i * wp + w, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+      }
+      const uint16_t* v0 = v_cache + base + 2 * i * tok_stride;
+      for (int64_t c = 0; c < NC; ++c) {
+        const __m512i r0 = _mm512_loadu_si512(v0 + 32 * c);
+        const __m512i r1 = two ? _mm512_loadu_si512(v0 + tok_stride + 32 * c)
+                               : _mm512_setzero_si512();
+        __m512i lo, hi;
+        kvserve_attn::interleave_rows(r0, r1, lo, hi);
+        _mm512_storeu_si512(vi + i * D + 32 * c, lo);
+        _mm512_storeu_si512(vi + i * D + 32 * c + 16, hi);
+      }
+    }
+    block_values_bf16<NC>(vi, npairs, pp, wp, width, o);
+  }
+  for (int64_t j = 0; j < rows; ++j)
+    for (int64_t h = 0; h < group; ++h) {
+      const int64_t w = j * group + h;
+      const float norm = v_scale / l[w];
+      uint16_t* orow = out + (row0 + j) * q_tok_stride + (g * group + h) * D;
+      for (int64_t d = 0; d < D; ++d)
+        orow[d] = kvserve_bf16::from_float(o[w * D + interleaved_index(d)] * norm);
+    }
+}
+#endif  // KVSERVE_AVX512BF16
+
 template <typename T, typename QT>
 void prefill_kernel(const QT* q, int64_t q_tok_stride, const T* k_cache, const T* v_cache,
                     int64_t block_stride, int64_t tok_stride, const int32_t* block_tables,
@@ -208,15 +370,54 @@ void prefill_kernel(const QT* q, int64_t q_tok_stride, const T* k_cache, const T
 #if KVSERVE_AVX2
   const bool simd = head_dim % 8 == 0 && block_size % 4 == 0;
 #endif
+#if KVSERVE_AVX512BF16
+  constexpr bool bf16_types = std::is_same_v<T, at::BFloat16> && std::is_same_v<QT, uint16_t>;
+  const bool bf16_path = bf16_types && head_dim % 32 == 0 && head_dim <= 128 &&
+                         block_size % 4 == 0;
+  const int64_t wp16 = (max_width + 15) / 16 * 16;
+#endif
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> qt(head_dim * max_wp), st(block_size * max_wp), o(max_width * head_dim);
     std::vector<float> m(max_wp), l(max_wp), corr(max_wp);
     std::vector<float> kbuf(block_size * head_dim), vbuf(block_size * head_dim);
+#if KVSERVE_AVX512BF16
+    std::vector<uint32_t> qp, pp, vi;
+    if (bf16_path) {
+      qp.resize(head_dim / 2 * wp16);
+      pp.resize((block_size + 1) / 2 * wp16);
+      vi.resize((block_size + 1) / 2 * head_dim);
+      st.resize(block_size * wp16);
+      m.resize(wp16);
+      l.resize(wp16);
+      corr.resize(wp16);
+    }
+#endif
     for (int64_t task = next++; task < total; task = next++) {
       const int64_t* tile = tiles + (task / kv_heads) * 4;
       const int64_t g = task % kv_heads;
       const int64_t s = tile[0], row0 = tile[1], rows = tile[2], pos0 = tile[3];
+#if KVSERVE_AVX512BF16
+      if constexpr (bf16_types) {
+        if (bf16_path) {
+#define KVSERVE_BF16_TASK(NC)                                                                    \
+  prefill_task_bf16<NC>(reinterpret_cast<const uint16_t*>(q), q_tok_stride,                      \
+                        reinterpret_cast<const uint16_t*>(k_cache),                              \
+                        reinterpret_cast<const uint16_t*>(v_cache), block_stride, tok_stride,    \
+                        block_tables + s * bt_stride, row0, rows, pos0, g, group, block_size,    \
+                        qk_scale, v_scale, qp.data(), st.data(), pp.data(), vi.data(), o.data(), \
+                        m.data(), l.data(), corr.data(), reinterpret_cast<uint16_t*>(out))
+          switch (head_dim / 32) {
+            case 1: KVSERVE_BF16_TASK(1); break;
+            case 2: KVSERVE_BF16_TASK(2); break;
+            case 3: KVSERVE_BF16_TASK(3); break;
+            default: KVSERVE_BF16_TASK(4); break;
+          }
+#undef KVSERVE_BF16_TASK
+          continue;
+        }
+      }
+#endif
       const int64_t width = rows * group, wp = (width + 7) / 8 * 8;
       // Qt[d][w], w = token * group + head within the KV head's group; padding columns are 0.
       std::fill(qt.begin(), qt.begin() + head_dim * wp, 0.f);
