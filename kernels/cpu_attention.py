@@ -1,12 +1,15 @@
-"""The CPU backend: decode rows through a fused C++ kernel, prefill rows through the torch path.
+"""The CPU backend: decode and prefill rows through fused C++ kernels that read the block table.
 
 Decode is memory-bound. The torch path copies each sequence's blocks into a workspace before
-two batched matmuls read them (about 3x the bytes contiguous SDPA moves); the C++ kernel
-(csrc/cpu_decode_attention.cpp) reads K and V once, in place, through the block table, with an
-online softmax. Prefill is compute-bound and already at parity with contiguous SDPA on the
-torch path (one SDPA per sequence over its gathered blocks), so those rows stay there.
+two batched matmuls read them (about 3x the bytes contiguous SDPA moves); the decode kernel
+(csrc/cpu_decode_attention.cpp) reads K and V once, in place, with an online softmax. The
+prefill kernel (csrc/cpu_prefill_attention.cpp) serves every row of a sequence with more than one
+new token: tiles of PREFILL_TILE_ROWS tokens x one KV head, each key block a small GEMM, with the
+causal limit per row; the torch path ran a Python loop of small bmm's per sequence there
+(18 -> 7.6 ms a layer for the benchmark's prefill step in bf16, docs/perf.md). On CPUs with
+AVX512-BF16 both kernels multiply bf16 K/V without widening them.
 
-The kernel is compiled on first use with torch's own extension builder (ninja + the system C++
+The kernels are compiled on first use with torch's own extension builder (ninja + the system C++
 compiler, -O3 -march=native -fno-trapping-math) into `$KVSERVE_CACHE/torch_extensions/<cpu>`, once per machine
 (~30 s). When that is impossible (no compiler, KVSERVE_CPU_KERNEL=0) `available()` is False,
 the reason is logged once, and "auto" falls back to the torch path.
