@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <cstdint>
+#include <type_traits>
 
 #include "bf16.h"
 #include "fast_exp.h"
@@ -52,6 +53,15 @@ struct Row<uint8_t> {  // fp8 e4m3 bytes, decoded through a table
     return buf;
   }
 };
+
+// Blocks lie anywhere in the pool, out of the hardware prefetcher's sight: the kernels ask for
+// the next block's K and V (`bytes` each) into L2 while this one is computed.
+inline void prefetch_block(const void* k, const void* v, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) {
+    __builtin_prefetch(static_cast<const char*>(k) + off, 0, 2);
+    __builtin_prefetch(static_cast<const char*>(v) + off, 0, 2);
+  }
+}
 
 // Query and output rows: float32, or bfloat16 as its uint16_t bits.
 inline float q_to_float(float x) { return x; }
@@ -126,6 +136,17 @@ inline __m512 dp_bf16(__m512 acc, __m512i a, __m512i b) {
 inline int64_t interleaved_index(int64_t d) {
   const int64_t c = d / 32, lane = (d % 32) / 8, i = d % 8;
   return 32 * c + 16 * (i / 4) + 4 * lane + i % 4;
+}
+
+// fn(std::integral_constant<int, NC>{}) for NC = head_dim / 32 in 1..4 (head_dim <= 128).
+template <typename Fn>
+inline void with_chunks(int64_t head_dim, Fn&& fn) {
+  switch (head_dim / 32) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    default: fn(std::integral_constant<int, 4>{}); break;
+  }
 }
 
 // lo, hi = the interleaved pairs of rows r0, r1 (32 bf16 columns each).

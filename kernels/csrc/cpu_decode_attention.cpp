@@ -230,10 +230,7 @@ void decode_task_bf16(const uint16_t* qrow, const uint16_t* k_cache, const uint1
     const int64_t ntok = std::min(block_size, len - b * block_size);
     if (b + 1 < num_blocks) {
       const int64_t next = static_cast<int64_t>(table[b + 1]) * block_stride;
-      for (int64_t off = 0; off < block_stride * 2; off += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(k_cache + next) + off, 0, 2);
-        __builtin_prefetch(reinterpret_cast<const char*>(v_cache + next) + off, 0, 2);
-      }
+      kvserve_attn::prefetch_block(k_cache + next, v_cache + next, block_stride * 2);
     }
     for (int64_t g = 0; g < nkv; ++g)
       for (int64_t h = 0; h < group; ++h) {
@@ -313,17 +310,12 @@ void decode_kernel(const QT* q, int64_t q_tok_stride, const T* k_cache, const T*
           const auto* kc = reinterpret_cast<const uint16_t*>(k_cache);
           const auto* vc = reinterpret_cast<const uint16_t*>(v_cache);
           QT* orow = out + row * q_tok_stride + g0 * group * head_dim;
-#define KVSERVE_BF16_TASK(NC)                                                                   \
-  decode_task_bf16<NC>(qrow, kc, vc, block_stride, tok_stride, block_tables + s * bt_stride, len, \
-                       g0, heads_per_task, group, block_size, qk_scale, v_scale, scores.data(), \
-                       pbf.data(), acc.data(), m.data(), l.data(), orow)
-          switch (head_dim / 32) {
-            case 1: KVSERVE_BF16_TASK(1); break;
-            case 2: KVSERVE_BF16_TASK(2); break;
-            case 3: KVSERVE_BF16_TASK(3); break;
-            default: KVSERVE_BF16_TASK(4); break;
-          }
-#undef KVSERVE_BF16_TASK
+          kvserve_attn::with_chunks(head_dim, [&](auto nc) {
+            decode_task_bf16<decltype(nc)::value>(
+                qrow, kc, vc, block_stride, tok_stride, block_tables + s * bt_stride, len, g0,
+                heads_per_task, group, block_size, qk_scale, v_scale, scores.data(), pbf.data(),
+                acc.data(), m.data(), l.data(), orow);
+          });
           continue;
         }
       }
@@ -337,16 +329,9 @@ void decode_kernel(const QT* q, int64_t q_tok_stride, const T* k_cache, const T*
       for (int64_t b = 0; b < num_blocks; ++b) {
         const int64_t base = static_cast<int64_t>(table[b]) * block_stride;
         const int64_t ntok = std::min(block_size, len - b * block_size);
-        // Blocks lie anywhere in the pool, out of the hardware prefetcher's sight: ask for the
-        // next block into L2 while this one is computed (two ahead measured no better).
-        if (b + 1 < num_blocks) {
+        if (b + 1 < num_blocks) {  // two blocks ahead measured no better
           const int64_t next = static_cast<int64_t>(table[b + 1]) * block_stride;
-          const char* kn = reinterpret_cast<const char*>(k_cache + next);
-          const char* vn = reinterpret_cast<const char*>(v_cache + next);
-          for (int64_t off = 0; off < block_bytes; off += 64) {
-            __builtin_prefetch(kn + off, 0, 2);
-            __builtin_prefetch(vn + off, 0, 2);
-          }
+          kvserve_attn::prefetch_block(k_cache + next, v_cache + next, block_bytes);
         }
 #if KVSERVE_AVX2
         if (simd) {

@@ -400,20 +400,15 @@ void prefill_kernel(const QT* q, int64_t q_tok_stride, const T* k_cache, const T
 #if KVSERVE_AVX512BF16
       if constexpr (bf16_types) {
         if (bf16_path) {
-#define KVSERVE_BF16_TASK(NC)                                                                    \
-  prefill_task_bf16<NC>(reinterpret_cast<const uint16_t*>(q), q_tok_stride,                      \
-                        reinterpret_cast<const uint16_t*>(k_cache),                              \
-                        reinterpret_cast<const uint16_t*>(v_cache), block_stride, tok_stride,    \
-                        block_tables + s * bt_stride, row0, rows, pos0, g, group, block_size,    \
-                        qk_scale, v_scale, qp.data(), st.data(), pp.data(), vi.data(), o.data(), \
-                        m.data(), l.data(), corr.data(), reinterpret_cast<uint16_t*>(out))
-          switch (head_dim / 32) {
-            case 1: KVSERVE_BF16_TASK(1); break;
-            case 2: KVSERVE_BF16_TASK(2); break;
-            case 3: KVSERVE_BF16_TASK(3); break;
-            default: KVSERVE_BF16_TASK(4); break;
-          }
-#undef KVSERVE_BF16_TASK
+          kvserve_attn::with_chunks(head_dim, [&](auto nc) {
+            prefill_task_bf16<decltype(nc)::value>(
+                reinterpret_cast<const uint16_t*>(q), q_tok_stride,
+                reinterpret_cast<const uint16_t*>(k_cache),
+                reinterpret_cast<const uint16_t*>(v_cache), block_stride, tok_stride,
+                block_tables + s * bt_stride, row0, rows, pos0, g, group, block_size, qk_scale,
+                v_scale, qp.data(), st.data(), pp.data(), vi.data(), o.data(), m.data(),
+                l.data(), corr.data(), reinterpret_cast<uint16_t*>(out));
+          });
           continue;
         }
       }
