@@ -24,6 +24,17 @@ def test_python_dash_m_from_the_repo_root_keeps_the_stdlib_operator() -> None:
     assert Path(probe.stdout.strip()).parent != ROOT / "operator"
 
 
+def test_the_kernels_folder_does_not_shadow_hf_kernels_from_the_repo_root() -> None:
+    """transformers >= 5.25 imports the `kernels` package (HF's hub kernels) when it is installed,
+    whenever a model config is built; from the repository root our kernels/ folder came first."""
+    out = run("-c", "import kvserve.engine.model_loader, importlib.util, transformers;"
+              "transformers.AutoConfig.for_model('llama');"
+              "spec = importlib.util.find_spec('kernels');"
+              "print(spec.origin if spec else 'absent')")
+    assert out.returncode == 0, out.stderr
+    assert Path(out.stdout.strip()) != ROOT / "kernels" / "__init__.py"
+
+
 def test_component_packages_map_to_their_folders() -> None:
     out = run("-c", "import kvserve.engine, kvserve.kernels, kvserve.service, kvserve.operator;"
               "print(kvserve.engine.__file__); print(list(kvserve.operator.__path__)[0])")
