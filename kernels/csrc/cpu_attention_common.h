@@ -54,6 +54,30 @@ struct Row<uint8_t> {  // fp8 e4m3 bytes, decoded through a table
   }
 };
 
+// fn(cache_tag, query_tag) with null pointers typed by the storage of the cache (float,
+// at::BFloat16, at::Half, or uint8_t fp8 bytes) and of q/out (float, or uint16_t bf16 bits).
+template <typename Fn>
+inline void with_types(const char* op, const at::Tensor& k_cache, const at::Tensor& q,
+                       const float* lut, Fn&& fn) {
+  auto with_q = [&](auto cache_tag) {
+    if (q.scalar_type() == at::kFloat) {
+      fn(cache_tag, static_cast<float*>(nullptr));
+    } else {
+      fn(cache_tag, static_cast<uint16_t*>(nullptr));
+    }
+  };
+  switch (k_cache.scalar_type()) {
+    case at::kFloat: with_q(static_cast<float*>(nullptr)); break;
+    case at::kBFloat16: with_q(static_cast<at::BFloat16*>(nullptr)); break;
+    case at::kHalf: with_q(static_cast<at::Half*>(nullptr)); break;
+    case at::kByte:
+      TORCH_CHECK(lut != nullptr, op, ": fp8 bytes need the decode table");
+      with_q(static_cast<uint8_t*>(nullptr));
+      break;
+    default: TORCH_CHECK(false, op, ": unsupported cache dtype ", k_cache.scalar_type());
+  }
+}
+
 // Blocks lie anywhere in the pool, out of the hardware prefetcher's sight: the kernels ask for
 // the next block's K and V (`bytes` each) into L2 while this one is computed.
 inline void prefetch_block(const void* k, const void* v, int64_t bytes) {
@@ -124,6 +148,12 @@ inline float softmax_block_simd(float* sc, int64_t ntok, float& top_io) {
 // bfloat16 dot products (AVX512-BF16: Zen 4, Sapphire Rapids): vdpbf16ps multiplies 32 bf16
 // pairs and accumulates them into 16 float32 lanes, so bf16 K/V need no widening.
 #define KVSERVE_AVX512BF16 1
+
+// The bf16-pair paths serve a bf16 cache read by bf16 queries (a bf16 model), head_dim <= 128.
+template <typename T, typename QT>
+constexpr bool kBf16Types = std::is_same_v<T, at::BFloat16> && std::is_same_v<QT, uint16_t>;
+
+inline bool bf16_head_dim(int64_t head_dim) { return head_dim % 32 == 0 && head_dim <= 128; }
 
 inline __m512 dp_bf16(__m512 acc, __m512i a, __m512i b) {
   return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));

@@ -287,9 +287,8 @@ void decode_kernel(const QT* q, int64_t q_tok_stride, const T* k_cache, const T*
   const bool simd = head_dim % 8 == 0 && block_size % 8 == 0;
 #endif
 #if KVSERVE_AVX512BF16
-  constexpr bool bf16_types = std::is_same_v<T, at::BFloat16> && std::is_same_v<QT, uint16_t>;
-  const bool bf16_path = bf16_types && head_dim % 32 == 0 && head_dim <= 128 &&
-                         block_size % 8 == 0;
+  constexpr bool bf16_types = kvserve_attn::kBf16Types<T, QT>;
+  const bool bf16_path = bf16_types && kvserve_attn::bf16_head_dim(head_dim) && block_size % 8 == 0;
 #endif
   at::parallel_for(0, n * split, 1, [&](int64_t begin, int64_t end) {
     const int64_t width = heads_per_task * group;  // query heads of one task
@@ -436,40 +435,25 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   const int64_t block_stride = block_size * kv_heads * head_dim, tok_stride = kv_heads * head_dim;
   const float* lut_ptr = lut.numel() ? lut.data_ptr<float>() : nullptr;
-#define KVSERVE_DECODE_QD(T, QT, D)                                                             \
-  decode_kernel<T, QT, D>(reinterpret_cast<const QT*>(q.data_ptr()), heads * head_dim,            \
-                   reinterpret_cast<const T*>(k_cache.data_ptr()),                             \
-                   reinterpret_cast<const T*>(v_cache.data_ptr()), block_stride, tok_stride,    \
-                   block_tables.data_ptr<int32_t>(), block_tables.size(1),                      \
-                   seq_lens.data_ptr<int32_t>(), seq_ids.data_ptr<int64_t>(),                   \
-                   rows.data_ptr<int64_t>(), seq_ids.numel(), heads, kv_heads, head_dim,        \
-                   block_size, static_cast<float>(qk_scale), static_cast<float>(v_scale),       \
-                   lut_ptr, reinterpret_cast<QT*>(out.data_ptr()))
-#define KVSERVE_DECODE_D(T, D)                                                                  \
-  if (q.scalar_type() == at::kFloat) {                                                          \
-    KVSERVE_DECODE_QD(T, float, D);                                                             \
-  } else {                                                                                      \
-    KVSERVE_DECODE_QD(T, uint16_t, D);                                                          \
-  }
-#define KVSERVE_DECODE(T)                                     \
-  switch (head_dim) {                                         \
-    case 64: KVSERVE_DECODE_D(T, 64); break;                  \
-    case 128: KVSERVE_DECODE_D(T, 128); break;                \
-    default: KVSERVE_DECODE_D(T, 0); break;                   \
-  }
-  switch (k_cache.scalar_type()) {
-    case at::kFloat: KVSERVE_DECODE(float); break;
-    case at::kBFloat16: KVSERVE_DECODE(at::BFloat16); break;
-    case at::kHalf: KVSERVE_DECODE(at::Half); break;
-    case at::kByte:
-      TORCH_CHECK(lut_ptr != nullptr, "paged_decode: fp8 bytes need the decode table");
-      KVSERVE_DECODE(uint8_t);
-      break;
-    default: TORCH_CHECK(false, "paged_decode: unsupported cache dtype ", k_cache.scalar_type());
-  }
-#undef KVSERVE_DECODE
-#undef KVSERVE_DECODE_D
-#undef KVSERVE_DECODE_QD
+  kvserve_attn::with_types("paged_decode", k_cache, q, lut_ptr, [&](auto* cache, auto* query) {
+    using T = std::remove_pointer_t<decltype(cache)>;
+    using QT = std::remove_pointer_t<decltype(query)>;
+    auto run = [&](auto dim) {  // head_dim fixed at compile time for the common sizes
+      decode_kernel<T, QT, decltype(dim)::value>(
+          reinterpret_cast<const QT*>(q.data_ptr()), heads * head_dim,
+          reinterpret_cast<const T*>(k_cache.data_ptr()),
+          reinterpret_cast<const T*>(v_cache.data_ptr()), block_stride, tok_stride,
+          block_tables.data_ptr<int32_t>(), block_tables.size(1), seq_lens.data_ptr<int32_t>(),
+          seq_ids.data_ptr<int64_t>(), rows.data_ptr<int64_t>(), seq_ids.numel(), heads,
+          kv_heads, head_dim, block_size, static_cast<float>(qk_scale),
+          static_cast<float>(v_scale), lut_ptr, reinterpret_cast<QT*>(out.data_ptr()));
+    };
+    switch (head_dim) {
+      case 64: run(std::integral_constant<int64_t, 64>{}); break;
+      case 128: run(std::integral_constant<int64_t, 128>{}); break;
+      default: run(std::integral_constant<int64_t, 0>{}); break;
+    }
+  });
 }
 
 }  // namespace

@@ -56,6 +56,12 @@ void check_rows(const at::Tensor& x, const char* op, const char* name) {
               name, " must be float32 or bfloat16");
 }
 
+void check_weight(const at::Tensor& weight, const at::Tensor& x, const char* op) {
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type(),
+              op, ": weight must be contiguous [hidden] in x's dtype");
+}
+
 // out = w * (x / rms(x)); with `residual`: residual += x first and the norm is of the sum.
 template <typename T>
 void rms_rows(const T* x, int64_t x_stride, T* residual, int64_t r_stride, const T* w, T* out,
@@ -93,9 +99,7 @@ void rms_rows(const T* x, int64_t x_stride, T* residual, int64_t r_stride, const
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "rms_norm", "x");
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) &&
-                  weight.scalar_type() == x.scalar_type(),
-              "rms_norm: weight must be contiguous [hidden] in x's dtype");
+  check_weight(weight, x, "rms_norm");
   at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
   dispatch_storage(x.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -114,9 +118,7 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
   check_rows(residual, "add_rms_norm", "residual");
   TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
               "add_rms_norm: x and residual must have the same shape and dtype");
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) &&
-                  weight.scalar_type() == x.scalar_type(),
-              "add_rms_norm: weight must be contiguous [hidden] in x's dtype");
+  check_weight(weight, x, "add_rms_norm");
   at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
   dispatch_storage(x.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);

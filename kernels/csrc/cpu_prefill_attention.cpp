@@ -69,7 +69,8 @@ template <int R>
 inline void scores_rows(const float* k, int64_t k_stride, const float* qt, int64_t wp,
                         int64_t head_dim, float* st) {
   int64_t c = 0;
-  for (; c + 3 <= wp / 8; c += 3) scores_tile<R, 3>(k, k_stride, qt + 8 * c, wp, head_dim, st + 8 * c);
+  for (; c + 3 <= wp / 8; c += 3)
+    scores_tile<R, 3>(k, k_stride, qt + 8 * c, wp, head_dim, st + 8 * c);
   switch (wp / 8 - c) {
     case 2: scores_tile<R, 2>(k, k_stride, qt + 8 * c, wp, head_dim, st + 8 * c); break;
     case 1: scores_tile<R, 1>(k, k_stride, qt + 8 * c, wp, head_dim, st + 8 * c); break;
@@ -80,7 +81,8 @@ inline void scores_rows(const float* k, int64_t k_stride, const float* qt, int64
 // St[t][0 .. wp) for t < ntok (rounded up to 4 rows, which lie inside the block).
 inline void block_scores(const float* k, int64_t k_stride, int64_t ntok, const float* qt,
                          int64_t wp, int64_t head_dim, float* st) {
-  for (int64_t t = 0; t < ntok; t += 4) scores_rows<4>(k + t * k_stride, k_stride, qt, wp, head_dim, st + t * wp);
+  for (int64_t t = 0; t < ntok; t += 4)
+    scores_rows<4>(k + t * k_stride, k_stride, qt, wp, head_dim, st + t * wp);
 }
 
 // O[w0 .. w0 + RW)[d0 .. d0 + 8 DC) += sum_t Pt[t][w] V[t][d]: RW x DC accumulators, the RW
@@ -120,7 +122,8 @@ inline void values_rows(const float* v, int64_t v_stride, int64_t ntok, const fl
 inline void block_values(const float* v, int64_t v_stride, int64_t ntok, const float* pt,
                          int64_t wp, int64_t width, float* o, int64_t head_dim) {
   int64_t w = 0;
-  for (; w + 3 <= width; w += 3) values_rows<3>(v, v_stride, ntok, pt + w, wp, o + w * head_dim, head_dim);
+  for (; w + 3 <= width; w += 3)
+    values_rows<3>(v, v_stride, ntok, pt + w, wp, o + w * head_dim, head_dim);
   switch (width - w) {
     case 2: values_rows<2>(v, v_stride, ntok, pt + w, wp, o + w * head_dim, head_dim); break;
     case 1: values_rows<1>(v, v_stride, ntok, pt + w, wp, o + w * head_dim, head_dim); break;
@@ -238,10 +241,11 @@ inline void block_scores_bf16(const uint16_t* k, int64_t k_stride, int64_t ntok,
     int64_t c = 0;
     for (; c + 4 <= wp / 16; c += 4)
       scores_tile_bf16<4>(kt, k_stride, qp + 16 * c, wp, pairs, qk_scale, s + 16 * c);
+    const uint32_t* q = qp + 16 * c;
     switch (wp / 16 - c) {
-      case 3: scores_tile_bf16<3>(kt, k_stride, qp + 16 * c, wp, pairs, qk_scale, s + 16 * c); break;
-      case 2: scores_tile_bf16<2>(kt, k_stride, qp + 16 * c, wp, pairs, qk_scale, s + 16 * c); break;
-      case 1: scores_tile_bf16<1>(kt, k_stride, qp + 16 * c, wp, pairs, qk_scale, s + 16 * c); break;
+      case 3: scores_tile_bf16<3>(kt, k_stride, q, wp, pairs, qk_scale, s + 16 * c); break;
+      case 2: scores_tile_bf16<2>(kt, k_stride, q, wp, pairs, qk_scale, s + 16 * c); break;
+      case 1: scores_tile_bf16<1>(kt, k_stride, q, wp, pairs, qk_scale, s + 16 * c); break;
       default: break;
     }
   }
@@ -371,9 +375,8 @@ void prefill_kernel(const QT* q, int64_t q_tok_stride, const T* k_cache, const T
   const bool simd = head_dim % 8 == 0 && block_size % 4 == 0;
 #endif
 #if KVSERVE_AVX512BF16
-  constexpr bool bf16_types = std::is_same_v<T, at::BFloat16> && std::is_same_v<QT, uint16_t>;
-  const bool bf16_path = bf16_types && head_dim % 32 == 0 && head_dim <= 128 &&
-                         block_size % 4 == 0;
+  constexpr bool bf16_types = kvserve_attn::kBf16Types<T, QT>;
+  const bool bf16_path = bf16_types && kvserve_attn::bf16_head_dim(head_dim) && block_size % 4 == 0;
   const int64_t wp16 = (max_width + 15) / 16 * 16;
 #endif
   std::atomic<int64_t> next{0};
@@ -521,33 +524,17 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   const int64_t block_stride = block_size * kv_heads * head_dim, tok_stride = kv_heads * head_dim;
   const float* lut_ptr = lut.numel() ? lut.data_ptr<float>() : nullptr;
-#define KVSERVE_PREFILL_Q(T, QT)                                                                 \
-  prefill_kernel<T, QT>(reinterpret_cast<const QT*>(q.data_ptr()), heads * head_dim,             \
-                        reinterpret_cast<const T*>(k_cache.data_ptr()),                         \
-                        reinterpret_cast<const T*>(v_cache.data_ptr()), block_stride,           \
-                        tok_stride, block_tables.data_ptr<int32_t>(), block_tables.size(1),     \
-                        tiles.data_ptr<int64_t>(), n_tiles, max_rows, heads, kv_heads,          \
-                        head_dim, block_size, static_cast<float>(qk_scale),                     \
-                        static_cast<float>(v_scale), lut_ptr,                                   \
-                        reinterpret_cast<QT*>(out.data_ptr()))
-#define KVSERVE_PREFILL(T)                                                                       \
-  if (q.scalar_type() == at::kFloat) {                                                           \
-    KVSERVE_PREFILL_Q(T, float);                                                                 \
-  } else {                                                                                       \
-    KVSERVE_PREFILL_Q(T, uint16_t);                                                              \
-  }
-  switch (k_cache.scalar_type()) {
-    case at::kFloat: KVSERVE_PREFILL(float); break;
-    case at::kBFloat16: KVSERVE_PREFILL(at::BFloat16); break;
-    case at::kHalf: KVSERVE_PREFILL(at::Half); break;
-    case at::kByte:
-      TORCH_CHECK(lut_ptr != nullptr, "paged_prefill: fp8 bytes need the decode table");
-      KVSERVE_PREFILL(uint8_t);
-      break;
-    default: TORCH_CHECK(false, "paged_prefill: unsupported cache dtype ", k_cache.scalar_type());
-  }
-#undef KVSERVE_PREFILL
-#undef KVSERVE_PREFILL_Q
+  kvserve_attn::with_types("paged_prefill", k_cache, q, lut_ptr, [&](auto* cache, auto* query) {
+    using T = std::remove_pointer_t<decltype(cache)>;
+    using QT = std::remove_pointer_t<decltype(query)>;
+    prefill_kernel<T, QT>(reinterpret_cast<const QT*>(q.data_ptr()), heads * head_dim,
+                          reinterpret_cast<const T*>(k_cache.data_ptr()),
+                          reinterpret_cast<const T*>(v_cache.data_ptr()), block_stride, tok_stride,
+                          block_tables.data_ptr<int32_t>(), block_tables.size(1),
+                          tiles.data_ptr<int64_t>(), n_tiles, max_rows, heads, kv_heads, head_dim,
+                          block_size, static_cast<float>(qk_scale), static_cast<float>(v_scale),
+                          lut_ptr, reinterpret_cast<QT*>(out.data_ptr()));
+  });
 }
 
 }  // namespace
