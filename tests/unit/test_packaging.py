@@ -48,3 +48,28 @@ def test_api_server_module_runs_from_the_repo_root() -> None:
     out = run("-m", "kvserve.service.api_server", "--help")
     assert out.returncode == 0, out.stderr
     assert "--max-num-seqs" in out.stdout and "--kv-cache-dtype" in out.stdout
+
+
+def test_no_script_shadows_an_installed_top_level_module() -> None:
+    """`python bench/x.py` puts bench/ first on sys.path, so a bench/kernels.py would be imported
+    as HF's `kernels` by transformers (it was, until renamed kernels_cpu.py). Every script folder's
+    module names must be free among the installed top-level modules."""
+    import importlib.util
+
+    clashes = []
+    for folder in ("bench", "examples", "scripts"):
+        for path in sorted((ROOT / folder).glob("*.py")):
+            spec = importlib.util.find_spec(path.stem)
+            if spec is not None and spec.origin and Path(spec.origin).parent != path.parent:
+                clashes.append(f"{folder}/{path.name} shadows {spec.origin}")
+    assert not clashes
+
+
+def test_a_bench_script_builds_a_model_config() -> None:
+    """With bench/ first on sys.path, as `python bench/throughput.py` runs, build a llama config,
+    which makes transformers import HF's `kernels`."""
+    out = subprocess.run([sys.executable, "-c", "import workload, transformers;"
+                          "transformers.AutoConfig.for_model('llama'); print('ok')"],
+                         cwd=ROOT / "bench", capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
