@@ -11,7 +11,10 @@ of them only), `fp8-layer` (per-layer scales from the run's amax, vLLM's 200 hea
 `fp8-k-hadamard` (K rotated by a normalised 64x64 Hadamard before rounding and back after;
 q.k is unchanged by the rotation), `fp8-k-mean-hadamard` (the same after subtracting each
 layer's mean post-RoPE key, which shifts every logit of a query by the same amount, so softmax
-is unchanged).
+is unchanged). Two rows are whole models rather than cache transforms, for the noise floor:
+`bf16-model` (the model run in bf16, weights and cache, as `dtype="auto"` picks on a CPU with
+bf16 matmuls) and `bf16-model-fp8` (that model with the real fp8 cache, scale 1.0); both are
+scored against the same fp32 reference.
 
     python bench/fp8_quality.py [--prompts 32] [--tokens 32] [--variants fp8,fp8-k,...]
 """
@@ -85,11 +88,14 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=len(PROMPTS))
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--variants", default="bf16,fp8,fp8-k,fp8-v,fp8-layer,fp8-k-hadamard,"
-                                          "fp8-k-mean-hadamard")
+                                          "fp8-k-mean-hadamard,bf16-model,bf16-model-fp8")
     args = ap.parse_args()
     n_tok = args.tokens
-    llm = LLM("smollm2-135m-instruct", dtype="float32", device="cpu", max_model_len=512,
-              kv_cache_memory=1 << 27, enable_prefix_caching=False)
+    def make_llm(dtype: str, **kw) -> LLM:
+        return LLM("smollm2-135m-instruct", dtype=dtype, device="cpu", max_model_len=512,
+                   kv_cache_memory=1 << 27, enable_prefix_caching=False, **kw)
+
+    llm = make_llm("float32")
     tok = llm.get_tokenizer()
     chats = [list(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=True,
                                           add_generation_prompt=True, return_dict=False))
@@ -103,7 +109,9 @@ def main() -> None:
     variant: dict = {}
 
     def write(key, value, kc, vc, slots, k_scale=1.0, v_scale=1.0, **kw):
-        i = layer_of[kc.data_ptr()]
+        i = layer_of.get(kc.data_ptr())
+        if i is None:  # another model's cache (the bf16-model rows): written as it is
+            return real_write(key, value, kc, vc, slots, k_scale, v_scale, **kw)
         if not variant:  # the reference pass: record statistics, write unchanged
             amax_k[i] = max(amax_k[i], key.abs().max())
             amax_v[i] = max(amax_v[i], value.abs().max())
@@ -125,10 +133,10 @@ def main() -> None:
 
     kernels.write_kv = write  # the model resolves it on its first forward
 
-    def greedy(prompts, max_tokens=n_tok):
+    def greedy(prompts, max_tokens=n_tok, model=llm):
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params,
-                                                                   use_tqdm=False)]
+        return [list(o.outputs[0].token_ids) for o in model.generate(prompts, params,
+                                                                     use_tqdm=False)]
 
     ref = greedy(chats)
     head_dim = llm.llm_engine.runner.kv_caches[0][0].shape[-1]
@@ -144,22 +152,26 @@ def main() -> None:
         "fp8-layer": dict(k=1, v=1, ks=k_layer, vs=v_layer),
         "fp8-k-hadamard": dict(k=1, v=0, ks=one, vs=one, rot=had),
         "fp8-k-mean-hadamard": dict(k=1, v=0, ks=one, vs=one, rot=had, mean=1),
+        "bf16-model": dict(model=dict(dtype="bfloat16")),
+        "bf16-model-fp8": dict(model=dict(dtype="bfloat16", kv_cache_dtype="fp8")),
     }
-    print(f"{len(chats)} prompts x {n_tok} greedy tokens, fp32 model; agreement with the fp32 "
-          "cache")
+    print(f"{len(chats)} prompts x {n_tok} greedy tokens; agreement with the fp32 model and its "
+          "fp32 cache")
     print(f"{'variant':22s} {'free-running':>12s} {'teacher-forced':>15s}")
     for name in args.variants.split(","):
         variant.clear()
         variant.update(variants[name])
         t0 = time.perf_counter()
-        out = greedy(chats)
+        model = make_llm(**variant["model"]) if "model" in variant else llm
+        out = greedy(chats, model=model)
         free = sum(x == y for a, b in zip(out, ref) for x, y in zip(a, b)) / (len(ref) * n_tok)
         hist = [c + r[:i] for c, r in zip(chats, ref) for i in range(n_tok)]
         target = [r[i] for r in ref for i in range(n_tok)]
-        got = [o[0] for o in greedy(hist, 1)]
+        got = [o[0] for o in greedy(hist, 1, model)]
         forced = sum(g == t for g, t in zip(got, target)) / len(target)
         print(f"{name:22s} {free:12.1%} {forced:15.1%}   ({time.perf_counter() - t0:.0f} s)",
               flush=True)
+        del model
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """FP8 KV cache end to end on the default model (SmolLM2-135M-Instruct, fp32 weights, CPU).
 
 Measured here (docs/perf.md): free-running greedy output with the e4m3 cache matches the fp32
-cache on only ~46% of the first 32 positions (one early flip changes everything after it); the
-fp8 run is token-identical to an fp32 cache fed K/V rounded through e4m3 (so the kernels store
-and read e4m3 exactly and the loss is e4m3's 3 mantissa bits); and given the same history
-(teacher forcing) the fp8 cache picks the fp32 cache's greedy token at >= 90% of positions.
+cache on only ~45-75% of the first 32 positions (one early flip changes everything after it);
+running the whole model in bf16 scores 73.9% on the same measure (bench/fp8_quality.py), so a
+free-running 90% is beyond even bf16 weights on this model. What is asserted instead: the fp8 run
+is token-identical to an fp32 cache fed K/V rounded through e4m3 (so the kernels store and read
+e4m3 exactly and the loss is e4m3's 3 mantissa bits), and given the same history (teacher
+forcing) the fp8 cache picks the fp32 cache's greedy token at >= 90% of positions.
 """
 
 from __future__ import annotations
