@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.kernels.cpu_ops import argmax
 
 # Below this temperature a row is greedy (the same threshold as SamplingParams.greedy).
 GREEDY_EPS = 1e-5
@@ -183,7 +184,11 @@ class Sampler:
     top_p_candidates: int = TOP_P_CANDIDATES
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """Sample one token per row of `logits` (fp32 [S, V]); `logits` is never modified."""
+        """Sample one token per row of `logits` ([S, V], any float dtype); `logits` is never
+        modified. Every stage but the plain argmax runs on a float32 copy."""
+        if meta.all_greedy and meta.max_num_logprobs is None and meta.min_tokens_block is None \
+                and meta.no_penalties:
+            return SamplerOutput(argmax(logits), None, None)  # widening to fp32 keeps the order
         logits = logits.float()
         raw_logprobs = None if meta.max_num_logprobs is None else logits.log_softmax(dim=-1)
         if meta.min_tokens_block is not None:
@@ -193,12 +198,12 @@ class Sampler:
         if not meta.no_penalties:
             logits = apply_penalties(logits, meta)
         if meta.all_greedy:
-            sampled = logits.argmax(dim=-1)
+            sampled = argmax(logits)
         else:
             sampled = _sample_random(logits, meta, self.top_p_candidates)
             if not meta.all_random:
                 greedy_rows = meta.temperature < GREEDY_EPS
-                sampled = torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
+                sampled = torch.where(greedy_rows, argmax(logits), sampled)
         if raw_logprobs is None:
             return SamplerOutput(sampled, None, None)
         return gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)

@@ -1,4 +1,5 @@
-"""The decoder's elementwise ops: RMSNorm (with the residual add fused), SiLU-and-mul, RoPE.
+"""The decoder's elementwise ops: RMSNorm (with the residual add fused), SiLU-and-mul, RoPE;
+and the greedy sampler's row argmax.
 
 Each function has two implementations with the same results up to float rounding: the plain
 torch expression (the reference, used on GPUs and wherever the C++ build is unavailable) and,
@@ -87,3 +88,11 @@ def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Te
         torch.ops.kvserve_ops.rotary_embedding(q, k, cos, sin)
         return q, k
     return torch_rope(q, cos, sin), torch_rope(k, cos, sin)
+
+
+def argmax(x: Tensor) -> Tensor:
+    """int64 [S]: each row's first largest value of x [S, V] (the first NaN, if any), as
+    torch.argmax(x, -1). The fused path reads bf16 logits as they are, with no float32 copy."""
+    if _fused(x) and x.dim() == 2 and x.stride(-1) == 1 and x.shape[1] > 0:
+        return torch.ops.kvserve_ops.argmax(x)
+    return x.argmax(dim=-1)

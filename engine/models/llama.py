@@ -276,8 +276,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn, self._ops)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """[S, hidden] -> fp32 logits [S, vocab]."""
-        return self.lm_head(hidden).float()
+        """[S, hidden] -> logits [S, vocab] in the model's dtype; the sampler widens them to
+        float32 for every stage but a plain greedy argmax, which needs no copy."""
+        return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Copy HF-named tensors in (fusing q/k/v and gate/up); every parameter must be set."""

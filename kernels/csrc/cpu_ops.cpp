@@ -1,5 +1,6 @@
 // The decoder's elementwise ops fused for the CPU, one pass over memory each (vLLM's custom ops:
-// rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding).
+// rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding), and the greedy sampler's
+// row argmax.
 //
 // Unfused, a decode step runs ~25 small ATen kernels per layer around the matmuls (RMSNorm alone
 // is pow, mean, add, rsqrt, mul, to, mul), each a pass over the activations with its own
@@ -213,6 +214,47 @@ void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const
   rope_one(k, cos, sin);
 }
 
+// Greedy sampling: the index of each row's largest value, the first one on ties, the first NaN
+// if the row has one (torch.argmax's contract). ATen's argmax keeps an index beside every
+// compared value and does not vectorise: 64 x 49,152 bf16 logits took 4-6 ms, against which
+// two vectorised passes (the max with a NaN flag, then a scan for its first position, from L2)
+// take ~0.3 ms. bf16 logits are read as they are: widening is exact and keeps the order.
+template <typename T>
+void argmax_rows(const T* x, int64_t stride, int64_t* out, int64_t rows, int64_t n) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* r = x + i * stride;
+      float best = -INFINITY;
+      int nan = 0;
+#pragma omp simd reduction(max : best) reduction(| : nan)
+      for (int64_t j = 0; j < n; ++j) {
+        const float v = to_f(r[j]);
+        best = std::max(best, v);
+        nan |= v != v;
+      }
+      int64_t at = 0;
+      if (nan) {
+        while (!std::isnan(to_f(r[at]))) ++at;
+      } else {
+        while (to_f(r[at]) != best) ++at;  // best is one of the row's values (-inf rows: 0)
+      }
+      out[i] = at;
+    }
+  });
+}
+
+at::Tensor argmax(const at::Tensor& x) {
+  check_rows(x, "argmax", "x");
+  TORCH_CHECK(x.size(1) > 0, "argmax: rows must not be empty");
+  const int64_t rows = x.size(0), n = x.size(1);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  dispatch_storage(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    argmax_rows<scalar_t>(ptr<scalar_t>(x), x.stride(0), out.data_ptr<int64_t>(), rows, n);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvserve_ops, m) {
@@ -220,6 +262,7 @@ TORCH_LIBRARY(kvserve_ops, m) {
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+  m.def("argmax(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_ops, CPU, m) {
@@ -227,4 +270,5 @@ TORCH_LIBRARY_IMPL(kvserve_ops, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("argmax", &argmax);
 }

@@ -69,6 +69,21 @@ def test_greedy_equals_argmax():
     assert out.logprobs is None and out.logprob_token_ids is None
 
 
+def test_bf16_logits_sample_as_their_float32_widening():
+    """A bf16 model hands the sampler bf16 logits (ties are common at 8 bits): plain greedy reads
+    them as they are, every other path widens them first; both must pick what fp32 would."""
+    logits = (seeded_logits(2, 8, 49152, scale=0.05)).bfloat16()
+    logits[0, 9] = logits[0, 4] = logits[0].max() + 1  # a tie: the first index wins
+    wide = logits.float()
+    greedy = [SamplingParams(temperature=0.0)] * 8
+    assert sample(logits, greedy).sampled_token_ids.tolist() == wide.argmax(dim=-1).tolist()
+    assert int(sample(logits, greedy).sampled_token_ids[0]) == 4
+    with_logprobs = sample(logits, [SamplingParams(temperature=0.0, logprobs=2)] * 8)
+    assert torch.equal(with_logprobs.sampled_token_ids, wide.argmax(dim=-1))
+    torch.testing.assert_close(with_logprobs.logprobs[:, 0],
+                               wide.log_softmax(-1).max(dim=-1).values)
+
+
 def test_greedy_rows_in_a_mixed_batch_take_the_argmax():
     torch.manual_seed(1)
     logits = seeded_logits(1, 12, 200, scale=0.1)  # flat: random rows rarely hit the argmax

@@ -90,3 +90,24 @@ def test_disabled_fused_ops_use_the_torch_expressions(monkeypatch):
         assert torch.equal(cpu_ops.rms_norm(x, w, 1e-6), cpu_ops.torch_rms_norm(x, w, 1e-6))
     finally:
         cpu_ops.fused_available.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_is_torch_argmax_on_ties_nan_and_inf(dtype):
+    """First index of the max on ties (bf16 logits are full of them), the first NaN of a row
+    with NaNs, 0 for a row of -inf; rows of a wider tensor (a stride > width) too."""
+    gen = torch.Generator().manual_seed(3)
+    wide = (torch.randn(9, 5000, generator=gen) * 4).to(dtype)
+    x = wide[:, :4099]
+    x[0, 4000] = x[0, 17] = x[0, 2048] = 1e4
+    x[1, 3000] = x[1, 5] = float("nan")
+    x[1, 0] = float("inf")
+    x[2] = float("-inf")
+    x[3, 4098] = float("inf")
+    x[4] = 0.0
+    x[5, :] = -1e30
+    x[5, 4097] = -1e29
+    got = cpu_ops.argmax(x)
+    assert got.dtype == torch.int64 and got.shape == (9,)
+    assert got.tolist() == x.argmax(dim=-1).tolist()
+    assert got[:6].tolist() == [17, 5, 0, 4098, 0, 4097]
