@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.kernels import cpu_ops
 from kvserve.kernels.backend import resolve_backend
 from kvserve.kernels.checks import check_write_kv
 from kvserve.kernels.reference import quantize, reference_write_kv
@@ -28,7 +29,10 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 def torch_write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
                    v_scale: float = 1.0) -> None:
-    """One index_copy_ per cache over the flattened slots; negative slots are dropped first."""
+    """One index_copy_ per cache over the flattened slots; negative slots are dropped first.
+    float32/bf16 rows into a cache of their dtype on the CPU take the fused C++ copy instead."""
+    if cpu_ops.fused_write_kv(key, value, k_cache, v_cache, slot_mapping):
+        return
     slots = slot_mapping.long()
     if slots.numel() and int(slots.min()) < 0:
         keep = slots >= 0

@@ -1,5 +1,5 @@
 """The decoder's elementwise ops: RMSNorm (with the residual add fused), SiLU-and-mul, RoPE;
-and the greedy sampler's row argmax.
+the KV cache write's row copy; and the greedy sampler's row argmax.
 
 Each function has two implementations with the same results up to float rounding: the plain
 torch expression (the reference, used on GPUs and wherever the C++ build is unavailable) and,
@@ -96,3 +96,17 @@ def argmax(x: Tensor) -> Tensor:
     if _fused(x) and x.dim() == 2 and x.stride(-1) == 1 and x.shape[1] > 0:
         return torch.ops.kvserve_ops.argmax(x)
     return x.argmax(dim=-1)
+
+
+def fused_write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
+                   slot_mapping: Tensor) -> bool:
+    """Copy key/value [T, kv_heads, D] rows into their slots in one C++ pass (negative slots
+    skipped) when the caches hold the rows' dtype; False (nothing written) otherwise."""
+    if not (_fused(key) and k_cache.dtype == key.dtype == value.dtype == v_cache.dtype and
+            slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and
+            k_cache.is_contiguous() and v_cache.is_contiguous() and
+            key.stride(-1) == 1 and key.stride(1) == key.shape[2] and
+            value.stride(-1) == 1 and value.stride(1) == value.shape[2]):
+        return False
+    torch.ops.kvserve_ops.write_kv(key, value, k_cache, v_cache, slot_mapping)
+    return True

@@ -85,3 +85,26 @@ def test_fp8_bytes_widen_exactly_for_every_code():
     finite = ~truth.isnan()
     assert int(finite.sum()) == 254
     assert torch.equal(widened[finite], truth[finite])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_cpu_copy_of_strided_qkv_views_equals_the_reference(dtype):
+    """The model writes k and v as views into one fused qkv output (row stride > width); the
+    C++ row copy must take them, skip negative slots and match the reference write."""
+    from kvserve.kernels import cpu_ops
+
+    assert cpu_ops.fused_available()
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(10, 6 * 64, generator=gen).to(dtype)
+    key = qkv[:, 2 * 64:4 * 64].view(10, 2, 64)
+    value = qkv[:, 4 * 64:].view(10, 2, 64)
+    assert not key.is_contiguous()
+    slots = torch.tensor([3, 40, -1, 0, 47, 8, -1, 9, 21, 22])
+    k_cache, v_cache = caches(dtype)
+    k_ref, v_ref = caches(dtype)
+    assert cpu_ops.fused_write_kv(key, value, k_cache, v_cache, slots)
+    write_kv(key, value, k_ref, v_ref, slots, backend="reference")
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    # rows of another dtype than the cache are not the fused copy's: the torch path casts them
+    assert not cpu_ops.fused_write_kv(key.float() if dtype != torch.float32 else key.double(),
+                                      value, k_cache, v_cache, slots)
