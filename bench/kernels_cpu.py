@@ -20,7 +20,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from kvserve.kernels import paged_attention, plan_attention, write_kv
+from kvserve.kernels.attention import paged_attention
+from kvserve.kernels.cache import write_kv
+from kvserve.kernels.plan import plan_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 LAYERS = 30  # the plan is built once per step and shared by this many calls

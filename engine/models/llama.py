@@ -133,12 +133,12 @@ class AttentionOps:
 
     @classmethod
     def resolve(cls) -> "AttentionOps":
-        from kvserve import kernels
+        from kvserve.kernels import attention, cache, plan
 
-        takes_plan = "plan" in inspect.signature(kernels.paged_attention).parameters
-        planner = getattr(kernels, "plan_attention", None) if takes_plan else None
-        write_backend = "backend" in inspect.signature(kernels.write_kv).parameters
-        return cls(kernels.write_kv, kernels.paged_attention, planner, write_backend)
+        takes_plan = "plan" in inspect.signature(attention.paged_attention).parameters
+        planner = plan.plan_attention if takes_plan else None
+        write_backend = "backend" in inspect.signature(cache.write_kv).parameters
+        return cls(cache.write_kv, attention.paged_attention, planner, write_backend)
 
     def prepare(self, attn: AttentionMetadata, block_size: int) -> AttentionMetadata:
         """attn with a plan shared by every layer (the runner usually supplies one already)."""

@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kvserve.kernels as kernels
 from kvserve import LLM, SamplingParams
+from kvserve.kernels import cache as write_kv_module
 from kvserve.kernels.reference import dequantize, quantize
 
 pytestmark = pytest.mark.slow
@@ -87,14 +87,15 @@ def test_fp8_budget_holds_four_times_the_fp32_blocks(fp32_llm, fp8_llm):
 
 def test_fp8_equals_an_fp32_cache_holding_e4m3_rounded_values(fp8_llm, chats, monkeypatch):
     fp8_out = greedy(fp8_llm, chats)
-    real_write = kernels.write_kv
+    real_write = write_kv_module.write_kv
 
     def rounded_write(key, value, k_cache, v_cache, slots, k_scale=1.0, v_scale=1.0, **kw):
         def rnd(x, s):
             return dequantize(quantize(x, s, FP8), s, x.dtype)
         real_write(rnd(key, k_scale), rnd(value, v_scale), k_cache, v_cache, slots, **kw)
 
-    monkeypatch.setattr(kernels, "write_kv", rounded_write)  # the model resolves it at build
+    # the model resolves it at build
+    monkeypatch.setattr(write_kv_module, "write_kv", rounded_write)
     fake = greedy(make_llm(), chats)
     assert fake == fp8_out
 

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from kv_batches import Spec, build_batch
-from kvserve.kernels import paged_attention
+from kvserve.kernels.attention import paged_attention
 
 
 def contiguous_attention(batch, group: int) -> torch.Tensor:
