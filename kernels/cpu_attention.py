@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from kvserve.kernels.plan import AttentionPlan
+from kvserve.paths import cache_root
 
 logger = logging.getLogger("kvserve.kernels")
 CSRC = Path(__file__).parent / "csrc"
@@ -49,8 +50,6 @@ def _cflags() -> list[str]:
 
 def _build_dir() -> Path:
     """One build per source, flags and CPU model (-march=native code is CPU-specific)."""
-    from kvserve.engine.model_loader import cache_root
-
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:

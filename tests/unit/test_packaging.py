@@ -1,6 +1,6 @@
 """The repository root is the `kvserve` package and each top-level folder one of its components;
-run from the repository root (`python -m ...`, `python -c ...`), no folder may shadow a module of the
-same name: the standard library's `operator`, HF's `kernels` that transformers imports."""
+run from the repository root (`python -m ...`, `python -c ...`), no folder may shadow a module of
+the same name: the standard library's `operator`, HF's `kernels` that transformers imports."""
 
 from __future__ import annotations
 
@@ -87,12 +87,15 @@ def test_api_server_module_runs_from_the_repo_root() -> None:
 def test_no_script_shadows_an_installed_top_level_module() -> None:
     """`python bench/x.py` puts bench/ first on sys.path, so a bench/kernels.py would be imported
     as HF's `kernels` by transformers (it was, until renamed kernels_cpu.py). Every script folder's
-    module names must be free among the installed top-level modules."""
+    module names must be free among the installed top-level modules, and so must the modules at
+    the root (kvserve.paths), which `python -m`/`-c` run there can import as top-level ones."""
     import importlib.util
 
     clashes = []
-    for folder in ("bench", "examples", "scripts"):
+    for folder in ("bench", "examples", "scripts", "."):
         for path in sorted((ROOT / folder).glob("*.py")):
+            if path.stem == "__init__":
+                continue
             spec = importlib.util.find_spec(path.stem)
             if spec is not None and spec.origin and Path(spec.origin).parent != path.parent:
                 clashes.append(f"{folder}/{path.name} shadows {spec.origin}")
