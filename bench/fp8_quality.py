@@ -27,10 +27,10 @@ import time
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.kernels import cache as write_kv_module
+from kvserve.kernels import write_kv as write_kv_module
+from kvserve.kernels.fp8 import FP8_DTYPE
 from kvserve.kernels.reference import dequantize, quantize
 
-FP8 = torch.float8_e4m3fn
 # The first six are tests/integration/test_fp8_kv.py's prompts, kept verbatim so that this
 # script's figures on `--prompts 6` line up with the test's; bench/ does not import tests/.
 PROMPTS = [
@@ -80,7 +80,7 @@ def hadamard(n: int) -> torch.Tensor:
 
 
 def rnd(x: torch.Tensor, scale: float) -> torch.Tensor:
-    return dequantize(quantize(x, scale, FP8), scale, x.dtype)
+    return dequantize(quantize(x, scale, FP8_DTYPE), scale, x.dtype)
 
 
 def main() -> None:

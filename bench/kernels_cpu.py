@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kernels.attention import paged_attention
-from kvserve.kernels.cache import write_kv
+from kvserve.kernels.write_kv import write_kv
 from kvserve.kernels.plan import plan_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16

@@ -34,7 +34,7 @@ try:
 except ImportError:
     sys.exit("kvserve is not importable: run from the repository with its venv, or pip install -e .")
 from kvserve.kernels.attention import paged_attention
-from kvserve.kernels.cache import write_kv
+from kvserve.kernels.write_kv import write_kv
 from kvserve.kernels.plan import plan_attention
 from kvserve.kernels.triton_attention import triton_paged_attention
 

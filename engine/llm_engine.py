@@ -27,6 +27,7 @@ from kvserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.engine.sequence import Sequence
 from kvserve.engine.stats import EngineStats
 from kvserve.engine.tokenizer import load_tokenizer, prompt_token_ids
+from kvserve.kernels.fp8 import FP8_DTYPE
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -72,7 +73,7 @@ class LLMEngine:
             head_dim=setup.head_dim, num_blocks=setup.budget.num_blocks,
             block_size=config.block_size, kv_dtype=setup.kv_dtype, device=self.device,
             num_cpu_blocks=setup.num_cpu_blocks, attention_backend=config.attention_backend)
-        if config.calculate_kv_scales and setup.kv_dtype == torch.float8_e4m3fn:
+        if config.calculate_kv_scales and setup.kv_dtype == FP8_DTYPE:
             self._calibrate_kv_scales()
         self.requests: dict[str, RequestState] = {}
         self._next_seq_id = 0

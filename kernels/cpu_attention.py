@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from kvserve.kernels.fp8 import FP8_DTYPE
 from kvserve.kernels.plan import AttentionPlan
 from kvserve.paths import cache_root
 
@@ -36,7 +37,6 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "cpu_decode_attention.cpp", CSRC / "cpu_prefill_attention.cpp",
            CSRC / "cpu_ops.cpp")
 HEADERS = (CSRC / "fast_exp.h", CSRC / "bf16.h", CSRC / "cpu_attention_common.h")
-FP8 = torch.float8_e4m3fn
 # -fno-trapping-math lets GCC if-convert (and so vectorise) loops with a select or a clamp in
 # them, such as silu's sigmoid: no result changes, we never read the FP exception flags.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]
@@ -104,7 +104,7 @@ def _ninja_on_path() -> None:
 @functools.cache
 def _fp8_table() -> torch.Tensor:
     """float32 value of each e4m3 byte (NaN codes included)."""
-    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float()
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_DTYPE).float()
 
 
 _NO_TABLE = torch.empty(0)
@@ -118,7 +118,7 @@ def cpu_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         v_scale: float = 1.0) -> torch.Tensor:
     """Same contract as reference_paged_attention."""
     parts = _parts(plan)
-    if k_cache.dtype == FP8:
+    if k_cache.dtype == FP8_DTYPE:
         kc, vc, table = k_cache.view(torch.uint8), v_cache.view(torch.uint8), _fp8_table()
         qk_scale, out_scale = scale * k_scale, v_scale
     else:  # scales describe fp8 storage only

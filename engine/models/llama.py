@@ -132,9 +132,9 @@ class AttentionOps:
 
     @classmethod
     def resolve(cls) -> "AttentionOps":
-        from kvserve.kernels import attention, cache, plan
+        from kvserve.kernels import attention, plan, write_kv
 
-        return cls(cache.write_kv, attention.paged_attention, plan.plan_attention)
+        return cls(write_kv.write_kv, attention.paged_attention, plan.plan_attention)
 
     def prepare(self, attn: AttentionMetadata, block_size: int) -> AttentionMetadata:
         """attn with a plan shared by every layer (the runner usually supplies one already)."""

@@ -7,7 +7,7 @@ import torch
 
 from kv_batches import Spec, build_batch
 from kvserve.kernels.attention import paged_attention
-from kvserve.kernels.cache import write_kv
+from kvserve.kernels.write_kv import write_kv
 from kvserve.kernels.checks import KernelInputError
 from kvserve.kernels.plan import plan_attention
 
