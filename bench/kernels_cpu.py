@@ -6,7 +6,7 @@ Shapes are the default model's (9 query heads, 3 KV heads, head_dim 64) with blo
 shuffled block pool. Timings are the minimum over repeats, candidates interleaved, so a noisy
 shared machine biases all of them alike. Prints milliseconds and ratios.
 
-    python bench/kernels_cpu.py --quick            # ~1 min
+    python bench/kernels_cpu.py --quick            # a few shapes
     python bench/kernels_cpu.py --dtype bfloat16   # full sweep
 """
 

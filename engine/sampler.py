@@ -7,16 +7,8 @@ exponential race `argmax(probs / Exponential(1))`, whose noise comes from the ro
 `torch.Generator` when the request has a seed (so its tokens do not depend on the rest of the batch)
 and from one global draw otherwise.
 
-Measured with `python bench/sampler.py` (64 x 49152 fp32 batch, one CPU thread, median
-CPU ms per call, on a 2-core machine shared with other jobs at load ~10, so +-40%):
-
-    all greedy                                   4
-    temperature only                             46-74
-    temperature + top_k=50                       93-100
-    temperature + top_p=0.9                      96-141   (vLLM's full sort of every row: ~500)
-    penalties only (512 prompt + 64 output ids)  12-25    (a dense [S, V] count tensor: ~60)
-    top_k + top_p + min_p + penalties + seeds    121-167
-    same + 5 logprobs                            160-180
+`python bench/sampler.py` times each setting against a full sort of every row (vLLM's top-p);
+its figures are in docs/perf.md.
 """
 
 from __future__ import annotations
@@ -256,7 +248,7 @@ def apply_top_k_top_p(
 
     top-k keeps the k largest logits; top-p then keeps the smallest prefix of the renormalised,
     descending distribution whose mass reaches p (vLLM's semantics). Instead of sorting the whole
-    vocabulary (~0.5 s for 64 x 49152 on one CPU thread), each row is first solved on its
+    vocabulary, the costliest step of a sampled batch on the CPU, each row is first solved on its
     `candidates` largest logits; only rows whose kept set may reach past them (a flat
     distribution, or top_k above the candidates) are sorted in full. Which way a row goes depends
     on that row alone, so seeded rows stay independent of the batch. Without top-p, the k-th

@@ -5,14 +5,14 @@ two batched matmuls read them (about 3x the bytes contiguous SDPA moves); the de
 (csrc/cpu_decode_attention.cpp) reads K and V once, in place, with an online softmax. The
 prefill kernel (csrc/cpu_prefill_attention.cpp) serves every row of a sequence with more than one
 new token: tiles of PREFILL_TILE_ROWS tokens x one KV head, each key block a small GEMM, with the
-causal limit per row; the torch path ran a Python loop of small bmm's per sequence there
-(18 -> 7.6 ms a layer for the benchmark's prefill step in bf16, docs/perf.md). On CPUs with
-AVX512-BF16 both kernels multiply bf16 K/V without widening them.
+causal limit per row, where the torch path runs a Python loop of small bmm's per sequence. On
+CPUs with AVX512-BF16 both kernels multiply bf16 K/V without widening them.
 
 The kernels are compiled on first use with torch's own extension builder (ninja + the system C++
-compiler, -O3 -march=native -fno-trapping-math) into `$KVSERVE_CACHE/torch_extensions/<cpu>`, once per machine
-(~30 s). When that is impossible (no compiler, KVSERVE_CPU_KERNEL=0) `available()` is False,
-the reason is logged once, and "auto" falls back to the torch path.
+compiler, -O3 -march=native -fno-trapping-math) into `$KVSERVE_CACHE/torch_extensions/<cpu>`,
+once per machine and source version, so only the first engine start pays the build. When that
+is impossible (no compiler, KVSERVE_CPU_KERNEL=0) `available()` is False, the reason is logged
+once, and "auto" falls back to the torch path.
 """
 
 from __future__ import annotations

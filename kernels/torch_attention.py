@@ -113,8 +113,8 @@ def _prefill(q: torch.Tensor, gather: _Gather, seq: PrefillSeq, qk_scale: float,
 
     Each KV head's query group is stacked into one matrix ([kv_heads, n * group, d]), so two
     bmm's per tile do GQA without repeating K/V; scores and softmax are fp32, the bmm's run in
-    the compute dtype (bf16 on AMX). Measured faster than SDPA here, whose bf16 CPU path with a
-    mask or enable_gqa falls back to its slow math kernel (docs/perf.md). Query rows are tiled so
+    the compute dtype (bf16 on AMX). Faster than SDPA, whose bf16 CPU path with a mask or
+    enable_gqa falls back to its slow math kernel (docs/perf.md). Query rows are tiled so
     the fp32 scores stay ~PREFILL_TILE_BYTES whatever the prompt length.
     """
     n, heads, head_dim = seq.end - seq.start, q.shape[1], q.shape[2]

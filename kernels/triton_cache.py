@@ -37,8 +37,8 @@ def triton_write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
                     v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
                     v_scale: float = 1.0, quantize_in_kernel: bool | None = None) -> None:
     """Launch one program per token. fp8 is quantised in the kernel on a GPU; on the CPU
-    (the interpreter converts fp32 -> e4m3 wrongly, see NOTES.md) torch quantises and the kernel
-    copies bytes, unless `quantize_in_kernel` says otherwise."""
+    (Triton's interpreter rounds some fp32 -> e4m3 conversions wrongly) torch quantises and the
+    kernel copies bytes, unless `quantize_in_kernel` says otherwise."""
     if key.shape[0] == 0:
         return
     if key.stride(-1) != 1 or value.stride(-1) != 1:
