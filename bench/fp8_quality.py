@@ -26,11 +26,11 @@ import time
 
 import torch
 
-import kvserve.kernels as kernels
 from kvserve import LLM, SamplingParams
+from kvserve.kernels import write_kv as write_kv_module
+from kvserve.kernels.fp8 import FP8_DTYPE
 from kvserve.kernels.reference import dequantize, quantize
 
-FP8 = torch.float8_e4m3fn
 # The first six are tests/integration/test_fp8_kv.py's prompts, kept verbatim so that this
 # script's figures on `--prompts 6` line up with the test's; bench/ does not import tests/.
 PROMPTS = [
@@ -80,7 +80,7 @@ def hadamard(n: int) -> torch.Tensor:
 
 
 def rnd(x: torch.Tensor, scale: float) -> torch.Tensor:
-    return dequantize(quantize(x, scale, FP8), scale, x.dtype)
+    return dequantize(quantize(x, scale, FP8_DTYPE), scale, x.dtype)
 
 
 def main() -> None:
@@ -105,7 +105,7 @@ def main() -> None:
     amax_k, amax_v = torch.zeros(n_layers), torch.zeros(n_layers)
     k_sum: list[torch.Tensor | float] = [0.0] * n_layers
     k_count = [0] * n_layers
-    real_write = kernels.write_kv
+    real_write = write_kv_module.write_kv
     variant: dict = {}
 
     def write(key, value, kc, vc, slots, k_scale=1.0, v_scale=1.0, **kw):
@@ -131,7 +131,7 @@ def main() -> None:
             value = rnd(value, vs)
         return real_write(key, value, kc, vc, slots, **kw)
 
-    kernels.write_kv = write  # the model resolves it on its first forward
+    write_kv_module.write_kv = write  # the model resolves it on its first forward
 
     def greedy(prompts, max_tokens=n_tok, model=llm):
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)

@@ -6,7 +6,7 @@ Shapes are the default model's (9 query heads, 3 KV heads, head_dim 64) with blo
 shuffled block pool. Timings are the minimum over repeats, candidates interleaved, so a noisy
 shared machine biases all of them alike. Prints milliseconds and ratios.
 
-    python bench/kernels_cpu.py --quick            # ~1 min
+    python bench/kernels_cpu.py --quick            # a few shapes
     python bench/kernels_cpu.py --dtype bfloat16   # full sweep
 """
 
@@ -20,7 +20,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from kvserve.kernels import paged_attention, plan_attention, write_kv
+from kvserve.kernels.attention import paged_attention
+from kvserve.kernels.write_kv import write_kv
+from kvserve.kernels.plan import plan_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 LAYERS = 30  # the plan is built once per step and shared by this many calls

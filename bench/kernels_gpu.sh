@@ -33,7 +33,9 @@ try:
     import kvserve  # noqa: F401  (installed, or the repository as package "kvserve")
 except ImportError:
     sys.exit("kvserve is not importable: run from the repository with its venv, or pip install -e .")
-from kvserve.kernels import paged_attention, plan_attention, write_kv
+from kvserve.kernels.attention import paged_attention
+from kvserve.kernels.write_kv import write_kv
+from kvserve.kernels.plan import plan_attention
 from kvserve.kernels.triton_attention import triton_paged_attention
 
 SMOKE = os.environ.get("KV_BENCH_SMOKE") == "1"

@@ -364,7 +364,7 @@ async def default_tokenizer_latency(c: Cluster, prompts: list[str], args: argpar
     """The same decisions with SmolLM2's tokenizer (49k vocab: fewer, cheaper tokens), if cached."""
     if args.model == "default":
         return None
-    from kvserve.engine.model_loader import cache_root
+    from kvserve.paths import cache_root
 
     folder = cache_root() / "models" / "smollm2-135m-instruct"
     if not (folder / "tokenizer.json").is_file():

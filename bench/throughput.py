@@ -18,17 +18,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from workload import chat_requests, output_lengths  # noqa: E402
+from workload import chat_requests, output_lengths  # bench/ is sys.path[0] when run as a script
 
-from kvserve import LLM, SamplingParams  # noqa: E402
-from kvserve.engine.model_loader import fetch_model  # noqa: E402
+from kvserve import LLM, SamplingParams
+from kvserve.engine.model_loader import fetch_model
 
 MAX_MODEL_LEN = 2048
 

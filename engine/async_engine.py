@@ -15,11 +15,18 @@ import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvserve.engine.errors import KVServeError
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # for annotations only: llm_engine pulls in torch and the model code
+    from kvserve.engine.config import EngineConfig
+    from kvserve.engine.kv_events import KVEvent
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.engine.memory import MemoryBudget
+    from kvserve.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +50,8 @@ class EngineObserver(Protocol):
 
     def request_aborted(self, request_id: str) -> None: ...
 
-    def after_step(self, outputs: list[RequestOutput], stats: Any, events: list[Any],
-                   engine: Any) -> None: ...
+    def after_step(self, outputs: list[RequestOutput], stats: EngineStats, events: list[KVEvent],
+                   engine: LLMEngine) -> None: ...
 
 
 class RequestStream:
@@ -122,12 +129,15 @@ class _State:
 class AsyncEngine:
     """Runs `engine` in its own thread; `add_request` returns a RequestStream."""
 
-    def __init__(self, engine: Any, observers: Sequence[EngineObserver] = (),
+    def __init__(self, engine: LLMEngine, observers: Sequence[EngineObserver] = (),
                  idle_tick: float | None = None) -> None:
         self.engine = engine
+        # Fixed for the engine's life, so the server reads them here, not through self.engine.
+        self.config: EngineConfig = engine.config
+        self.memory_budget: MemoryBudget = engine.memory_budget
         self.observers = list(observers)
         self.idle_tick = idle_tick  # wake up this often when idle (observers that poll), or never
-        self.last_stats: Any = None
+        self.last_stats: EngineStats | None = None
         self.draining = False
         self.error: BaseException | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -136,7 +146,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def from_config(cls, config: Any, **kwargs: Any) -> AsyncEngine:
+    def from_config(cls, config: EngineConfig, **kwargs: Any) -> AsyncEngine:
         from kvserve.engine.llm_engine import LLMEngine
 
         return cls(LLMEngine.from_config(config), **kwargs)
@@ -153,6 +163,7 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
 
     @property
     def is_running(self) -> bool:

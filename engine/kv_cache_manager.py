@@ -18,6 +18,23 @@ class PrefixCacheStats:
     hits: int = 0  # of which found in the cache
 
 
+@dataclass(frozen=True)
+class KVCacheStats:
+    """The block manager's figures at one moment (`KVCacheManager.make_stats()`)."""
+
+    usage: float  # fraction of device blocks referenced by live sequences, 0..1
+    num_total_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int  # blocks holding a hash in the prefix cache (in use or free)
+    num_shared_blocks: int  # blocks referenced by more than one sequence
+    num_evictions: int  # cumulative cached blocks evicted
+    num_cpu_blocks: int
+    num_free_cpu_blocks: int
+    prefix_cache_queries: int  # cumulative prompt tokens looked up
+    prefix_cache_hits: int  # cumulative prompt tokens found cached
+    allocated_slots: int  # token slots in blocks held by sequences (shared blocks counted once)
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  num_cpu_blocks: int = 0) -> None:
@@ -184,9 +201,30 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
+    def num_blocks_of(self, seq: Sequence) -> int:
+        """Device blocks in the seq's block table."""
+        return len(self.tables.get(seq.seq_id, ()))
+
     def usage(self) -> float:
         return self.pool.usage()
 
     def allocated_slots(self) -> int:
         """Token slots in blocks held by running sequences (shared blocks counted once)."""
         return (self.pool.num_blocks - self.pool.num_free_blocks) * self.block_size
+
+    def make_stats(self) -> KVCacheStats:
+        """A snapshot of the figures; reading it changes nothing (see take_alloc_seconds)."""
+        pool = self.pool
+        return KVCacheStats(
+            usage=pool.usage(), num_total_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_free_blocks, num_cached_blocks=len(pool.cached),
+            num_shared_blocks=pool.num_shared_blocks(), num_evictions=pool.num_evictions,
+            num_cpu_blocks=self.num_cpu_blocks, num_free_cpu_blocks=len(self.cpu_free),
+            prefix_cache_queries=self.prefix_stats.queries,
+            prefix_cache_hits=self.prefix_stats.hits, allocated_slots=self.allocated_slots())
+
+    def take_alloc_seconds(self) -> list[float]:
+        """Durations of the allocate_slots calls since the last take (the newest 4,096 kept)."""
+        out = list(self.alloc_seconds)
+        self.alloc_seconds.clear()
+        return out

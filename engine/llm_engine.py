@@ -27,6 +27,7 @@ from kvserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.engine.sequence import Sequence
 from kvserve.engine.stats import EngineStats
 from kvserve.engine.tokenizer import load_tokenizer, prompt_token_ids
+from kvserve.kernels.fp8 import FP8_DTYPE
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -72,7 +73,7 @@ class LLMEngine:
             head_dim=setup.head_dim, num_blocks=setup.budget.num_blocks,
             block_size=config.block_size, kv_dtype=setup.kv_dtype, device=self.device,
             num_cpu_blocks=setup.num_cpu_blocks, attention_backend=config.attention_backend)
-        if config.calculate_kv_scales and setup.kv_dtype == torch.float8_e4m3fn:
+        if config.calculate_kv_scales and setup.kv_dtype == FP8_DTYPE:
             self._calibrate_kv_scales()
         self.requests: dict[str, RequestState] = {}
         self._next_seq_id = 0
@@ -143,7 +144,7 @@ class LLMEngine:
         if params.n > self.config.max_num_seqs:
             raise InvalidRequestError(
                 f"n={params.n} exceeds max_num_seqs {self.config.max_num_seqs}", "n")
-        total = self.kv.pool.num_blocks * self.block_size
+        total = self.memory_budget.num_blocks * self.block_size
         if len(ids) + params.max_tokens > total:
             raise InvalidRequestError(
                 f"this request needs up to {len(ids) + params.max_tokens} KV slots but the whole "
@@ -319,21 +320,22 @@ class LLMEngine:
 
     # ---- figures ------------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
-        kv, pool, sch = self.kv, self.kv.pool, self.scheduler
-        allocated = kv.allocated_slots()
-        seq_slots = sum(len(kv.tables.get(s.seq_id, ())) for s in sch.running) * self.block_size
+        cache, sch = self.kv.make_stats(), self.scheduler
+        seq_slots = sum(self.kv.num_blocks_of(s) for s in sch.running) * self.block_size
         seq_tokens = sum(s.num_computed_tokens for s in sch.running)
         waste = seq_slots - seq_tokens
         return EngineStats(
             num_running=len(sch.running), num_waiting=len(sch.waiting),
-            num_swapped=len(sch.swapped), kv_cache_usage=pool.usage(),
-            block_size=self.block_size, num_total_blocks=pool.num_blocks,
-            num_free_blocks=pool.num_free_blocks, num_cached_blocks=len(pool.cached),
-            num_shared_blocks=pool.num_shared_blocks(), num_cpu_blocks=kv.num_cpu_blocks,
-            num_free_cpu_blocks=len(kv.cpu_free), prefix_cache_queries=kv.prefix_stats.queries,
-            prefix_cache_hits=kv.prefix_stats.hits, num_preemptions=sch.num_preemptions,
-            num_evictions=pool.num_evictions, kv_slots_used=max(allocated - max(waste, 0), 0),
-            kv_slots_allocated=allocated, prompt_tokens=self._prompt_tokens,
+            num_swapped=len(sch.swapped), kv_cache_usage=cache.usage,
+            block_size=self.block_size, num_total_blocks=cache.num_total_blocks,
+            num_free_blocks=cache.num_free_blocks, num_cached_blocks=cache.num_cached_blocks,
+            num_shared_blocks=cache.num_shared_blocks, num_cpu_blocks=cache.num_cpu_blocks,
+            num_free_cpu_blocks=cache.num_free_cpu_blocks,
+            prefix_cache_queries=cache.prefix_cache_queries,
+            prefix_cache_hits=cache.prefix_cache_hits,
+            num_preemptions=sch.num_preemptions, num_evictions=cache.num_evictions,
+            kv_slots_used=max(cache.allocated_slots - max(waste, 0), 0),
+            kv_slots_allocated=cache.allocated_slots, prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens, kv_seq_tokens=seq_tokens,
             kv_seq_slots=seq_slots)
 
@@ -344,9 +346,7 @@ class LLMEngine:
         return self.kv.pool.cached_hashes()
 
     def drain_block_alloc_seconds(self) -> list[float]:
-        out = list(self.kv.alloc_seconds)
-        self.kv.alloc_seconds.clear()
-        return out
+        return self.kv.take_alloc_seconds()
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.pool.reset_prefix_cache()

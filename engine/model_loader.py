@@ -4,7 +4,6 @@ and stream HF weights into our own model classes."""
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import torch
 from torch import nn
 
 from kvserve.engine.errors import ModelNotFoundError
+from kvserve.paths import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -40,11 +40,6 @@ KNOWN_MODELS: dict[str, GGUFWheelSource] = {
         description="HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32)",
     ),
 }
-
-
-def cache_root() -> Path:
-    """`$KVSERVE_CACHE` or `~/.cache/kvserve`."""
-    return Path(os.environ.get("KVSERVE_CACHE", Path.home() / ".cache" / "kvserve"))
 
 
 def _is_complete(folder: Path) -> bool:
@@ -249,5 +244,5 @@ def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         del state
 
 
-__all__ = ["KNOWN_MODELS", "cache_root", "fetch_model", "iter_weights",
+__all__ = ["KNOWN_MODELS", "fetch_model", "iter_weights",
            "load_config", "load_model", "resolve_model"]

@@ -9,11 +9,11 @@ import torch
 from kvserve.engine.kv_cache_manager import KVCacheManager
 from kvserve.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
 from kvserve.engine.scheduler import SchedulerOutput
-from kvserve.kernels import compute_kv_scale, plan_attention
 from kvserve.kernels.backend import resolve_backend
+from kvserve.kernels.fp8 import compute_kv_scale
 from kvserve.kernels.metadata import AttentionMetadata
+from kvserve.kernels.plan import plan_attention
 
-FP8 = torch.float8_e4m3fn
 
 
 class ModelRunner:

@@ -13,10 +13,11 @@ from typing import Any
 import torch
 
 from kvserve.engine.config import EngineConfig
-from kvserve.engine.cpu_allocator import keep_activation_memory
 from kvserve.engine.errors import ConfigError, OutOfKVCacheError
+from kvserve.engine.malloc_tuning import keep_activation_memory
 from kvserve.engine.memory import GiB, MemoryBudget, activation_peak_bytes, blocks_for_bytes, \
     bytes_per_block, default_max_num_batched_tokens, plan_memory
+from kvserve.kernels.fp8 import FP8_DTYPE
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -64,7 +65,7 @@ def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     if name == "auto":
         return model_dtype
     if name in ("fp8", "fp8_e4m3"):
-        return torch.float8_e4m3fn
+        return FP8_DTYPE
     return _DTYPES[name]
 
 

@@ -7,22 +7,13 @@ exponential race `argmax(probs / Exponential(1))`, whose noise comes from the ro
 `torch.Generator` when the request has a seed (so its tokens do not depend on the rest of the batch)
 and from one global draw otherwise.
 
-Measured with `python -m kvserve.engine.sampler` (64 x 49152 fp32 batch, one CPU thread, median
-CPU ms per call, on a 2-core machine shared with other jobs at load ~10, so +-40%):
-
-    all greedy                                   4
-    temperature only                             46-74
-    temperature + top_k=50                       93-100
-    temperature + top_p=0.9                      96-141   (vLLM's full sort of every row: ~500)
-    penalties only (512 prompt + 64 output ids)  12-25    (a dense [S, V] count tensor: ~60)
-    top_k + top_p + min_p + penalties + seeds    121-167
-    same + 5 logprobs                            160-180
+`python bench/sampler.py` times each setting against a full sort of every row (vLLM's top-p);
+its figures are in docs/perf.md.
 """
 
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -257,7 +248,7 @@ def apply_top_k_top_p(
 
     top-k keeps the k largest logits; top-p then keeps the smallest prefix of the renormalised,
     descending distribution whose mass reaches p (vLLM's semantics). Instead of sorting the whole
-    vocabulary (~0.5 s for 64 x 49152 on one CPU thread), each row is first solved on its
+    vocabulary, the costliest step of a sampled batch on the CPU, each row is first solved on its
     `candidates` largest logits; only rows whose kept set may reach past them (a flat
     distribution, or top_k above the candidates) are sorted in full. Which way a row goes depends
     on that row alone, so seeded rows stay independent of the batch. Without top-p, the k-th
@@ -359,49 +350,3 @@ def gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, k: int) -
         sampled_lp = torch.cat([sampled_lp, top_lp], dim=1)
         sampled_col = torch.cat([sampled_col, top_ids], dim=1)
     return SamplerOutput(sampled, sampled_lp, sampled_col, ranks)
-
-
-def _time_one(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata, reps: int) -> float:
-    """Median CPU time of one call in ms (CPU time, not wall: the machine is shared)."""
-    sampler(logits, meta)
-    times = []
-    for _ in range(reps):
-        start = time.process_time()
-        sampler(logits, meta)
-        times.append(time.process_time() - start)
-    return sorted(times)[len(times) // 2] * 1e3
-
-
-def _bench(rows: int = 64, vocab: int = 49152, reps: int = 15) -> None:
-    """Print the per-call CPU time of a rows x vocab batch for common settings, on one thread."""
-    torch.set_num_threads(1)
-    logits = torch.randn(rows, vocab) * 3
-    prompts = [torch.randint(vocab, (512,)).tolist() for _ in range(rows)]
-    outputs = [torch.randint(vocab, (64,)).tolist() for _ in range(rows)]
-    full = dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, presence_penalty=0.5,
-                frequency_penalty=0.5, repetition_penalty=1.1, seed=1)
-    cases = {
-        "all greedy": SamplingParams(temperature=0.0),
-        "temperature only": SamplingParams(temperature=0.8),
-        "temperature + top_k=50": SamplingParams(temperature=0.8, top_k=50),
-        "temperature + top_p=0.9": SamplingParams(temperature=0.8, top_p=0.9),
-        "penalties only (512 prompt + 64 output ids)": SamplingParams(
-            temperature=0.0, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1),
-        "all of the above + per-row seeds": SamplingParams(**full),
-        "all of the above + 5 logprobs": SamplingParams(**full, logprobs=5),
-    }
-    sampler = Sampler()
-    print(f"{rows} x {vocab}, fp32, 1 CPU thread, median CPU ms per call")
-    for name, p in cases.items():
-        gens = {r: make_generator(r, "cpu") for r in range(rows)} if p.seed is not None else {}
-        meta = SamplingMetadata.build([p] * rows, prompts, outputs, gens, vocab, "cpu")
-        print(f"  {name:45s} {_time_one(sampler, logits, meta, reps):8.1f}")
-    meta = SamplingMetadata.build(
-        [cases["temperature + top_p=0.9"]] * rows, prompts, outputs, {}, vocab, "cpu")
-    ours = _time_one(sampler, logits, meta, reps)
-    peer = _time_one(Sampler(top_p_candidates=vocab), logits, meta, reps)  # vLLM's full sort
-    print(f"  top_p=0.9: full-sort peer {peer:.1f} ms / ours {ours:.1f} ms = {peer / ours:.1f}x")
-
-
-if __name__ == "__main__":
-    _bench()

@@ -52,11 +52,10 @@ class ChatEncoder:
     normaliser, pre-tokeniser and model see it, so the pieces between them are tokenized
     independently and concatenating per-piece ids gives the ids of the whole text. A chat's
     pieces repeat across requests (a tenant's system prompt, the earlier turns), so with an LRU
-    of piece -> ids the router tokenizes only the new message: ~1 ms -> ~0.1 ms for a
-    400-token system prompt with SmolLM2's tokenizer (docs/perf.md). Where that independence
-    does not hold (added tokens that strip whitespace, a Metaspace pre-tokeniser that marks only
-    the first piece, ...) a probe at construction sees the difference and every call tokenizes
-    the whole text, as `chat_token_ids` does.
+    of piece -> ids the router tokenizes only the new message (the saving: docs/perf.md). Where
+    that independence does not hold (added tokens that strip whitespace, a Metaspace
+    pre-tokeniser that marks only the first piece, ...) a probe at construction sees the
+    difference and every call tokenizes the whole text, as `chat_token_ids` does.
     """
 
     PROBE = [{"role": "system", "content": " Be brief.\n"},

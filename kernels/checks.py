@@ -6,7 +6,9 @@ import math
 
 import torch
 
-CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+from kvserve.kernels.fp8 import FP8_DTYPE
+
+CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, FP8_DTYPE)
 QUERY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 BACKENDS = ("auto", "cpu", "torch", "triton", "reference")

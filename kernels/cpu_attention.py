@@ -5,14 +5,14 @@ two batched matmuls read them (about 3x the bytes contiguous SDPA moves); the de
 (csrc/cpu_decode_attention.cpp) reads K and V once, in place, with an online softmax. The
 prefill kernel (csrc/cpu_prefill_attention.cpp) serves every row of a sequence with more than one
 new token: tiles of PREFILL_TILE_ROWS tokens x one KV head, each key block a small GEMM, with the
-causal limit per row; the torch path ran a Python loop of small bmm's per sequence there
-(18 -> 7.6 ms a layer for the benchmark's prefill step in bf16, docs/perf.md). On CPUs with
-AVX512-BF16 both kernels multiply bf16 K/V without widening them.
+causal limit per row, where the torch path runs a Python loop of small bmm's per sequence. On
+CPUs with AVX512-BF16 both kernels multiply bf16 K/V without widening them.
 
 The kernels are compiled on first use with torch's own extension builder (ninja + the system C++
-compiler, -O3 -march=native -fno-trapping-math) into `$KVSERVE_CACHE/torch_extensions/<cpu>`, once per machine
-(~30 s). When that is impossible (no compiler, KVSERVE_CPU_KERNEL=0) `available()` is False,
-the reason is logged once, and "auto" falls back to the torch path.
+compiler, -O3 -march=native -fno-trapping-math) into `$KVSERVE_CACHE/torch_extensions/<cpu>`,
+once per machine and source version, so only the first engine start pays the build. When that
+is impossible (no compiler, KVSERVE_CPU_KERNEL=0) `available()` is False, the reason is logged
+once, and "auto" falls back to the torch path.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ from pathlib import Path
 
 import torch
 
+from kvserve.kernels.fp8 import FP8_DTYPE
 from kvserve.kernels.plan import AttentionPlan
+from kvserve.paths import cache_root
 
 logger = logging.getLogger("kvserve.kernels")
 CSRC = Path(__file__).parent / "csrc"
@@ -35,7 +37,6 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "cpu_decode_attention.cpp", CSRC / "cpu_prefill_attention.cpp",
            CSRC / "cpu_ops.cpp")
 HEADERS = (CSRC / "fast_exp.h", CSRC / "bf16.h", CSRC / "cpu_attention_common.h")
-FP8 = torch.float8_e4m3fn
 # -fno-trapping-math lets GCC if-convert (and so vectorise) loops with a select or a clamp in
 # them, such as silu's sigmoid: no result changes, we never read the FP exception flags.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]
@@ -49,8 +50,6 @@ def _cflags() -> list[str]:
 
 def _build_dir() -> Path:
     """One build per source, flags and CPU model (-march=native code is CPU-specific)."""
-    from kvserve.engine.model_loader import cache_root
-
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -105,7 +104,7 @@ def _ninja_on_path() -> None:
 @functools.cache
 def _fp8_table() -> torch.Tensor:
     """float32 value of each e4m3 byte (NaN codes included)."""
-    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float()
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_DTYPE).float()
 
 
 _NO_TABLE = torch.empty(0)
@@ -119,7 +118,7 @@ def cpu_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         v_scale: float = 1.0) -> torch.Tensor:
     """Same contract as reference_paged_attention."""
     parts = _parts(plan)
-    if k_cache.dtype == FP8:
+    if k_cache.dtype == FP8_DTYPE:
         kc, vc, table = k_cache.view(torch.uint8), v_cache.view(torch.uint8), _fp8_table()
         qk_scale, out_scale = scale * k_scale, v_scale
     else:  # scales describe fp8 storage only

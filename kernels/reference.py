@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.kernels.fp8 import FP8_DTYPE, FP8_MAX
+
 
 def dequantize(cache: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """Cache values as `dtype`: fp8 entries are multiplied back by their per-tensor scale."""
-    if cache.dtype == torch.float8_e4m3fn:
+    if cache.dtype == FP8_DTYPE:
         return cache.to(torch.float32).mul(scale).to(dtype)
     return cache.to(dtype)
 
 
 def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """`x` as a cache of `dtype`: fp8 values are divided by the scale, clamped to e4m3's range."""
-    if dtype == torch.float8_e4m3fn:
-        limit = torch.finfo(torch.float8_e4m3fn).max
-        return x.to(torch.float32).div(scale).clamp_(-limit, limit).to(dtype)
+    if dtype == FP8_DTYPE:
+        return x.to(torch.float32).div(scale).clamp_(-FP8_MAX, FP8_MAX).to(dtype)
     return x.to(dtype)
 
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvserve.kernels.fp8 import FP8_DTYPE
 from kvserve.kernels.fp8_cpu import FP8_TO_FP16_FACTOR, fp8_bytes_to_fp16
 from kvserve.kernels.plan import AttentionPlan
 from kvserve.kernels.torch_plan import DecodeChunk, PrefillSeq, torch_plan
 from kvserve.kernels.workspace import Workspace
 
-FP8 = torch.float8_e4m3fn
 PREFILL_TILE_BYTES = 8 << 20  # fp32 scores of one prefill tile (all heads)
 
 
@@ -30,7 +30,7 @@ def torch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           decode: bool = True) -> torch.Tensor:
     """Same contract as reference_paged_attention. With `decode=False` the decode rows are left
     to the caller (the CPU backend's kernel has written them into `out`)."""
-    if k_cache.dtype == FP8:  # gathered values come out divided by 256
+    if k_cache.dtype == FP8_DTYPE:  # gathered values come out divided by 256
         k_scale, v_scale = k_scale * FP8_TO_FP16_FACTOR, v_scale * FP8_TO_FP16_FACTOR
     else:  # scales describe fp8 storage only
         k_scale = v_scale = 1.0
@@ -52,7 +52,7 @@ class _Gather:
 
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype,
                  ws: Workspace) -> None:
-        self.fp8 = k_cache.dtype == FP8
+        self.fp8 = k_cache.dtype == FP8_DTYPE
         self.flat = {name: cache.view(cache.shape[0], -1) for name, cache in
                      (("k", k_cache), ("v", v_cache))}
         if self.fp8:  # index_select has no fp8 kernel: move bytes
@@ -113,8 +113,8 @@ def _prefill(q: torch.Tensor, gather: _Gather, seq: PrefillSeq, qk_scale: float,
 
     Each KV head's query group is stacked into one matrix ([kv_heads, n * group, d]), so two
     bmm's per tile do GQA without repeating K/V; scores and softmax are fp32, the bmm's run in
-    the compute dtype (bf16 on AMX). Measured faster than SDPA here, whose bf16 CPU path with a
-    mask or enable_gqa falls back to its slow math kernel (docs/perf.md). Query rows are tiled so
+    the compute dtype (bf16 on AMX). Faster than SDPA, whose bf16 CPU path with a mask or
+    enable_gqa falls back to its slow math kernel (docs/perf.md). Query rows are tiled so
     the fp32 scores stay ~PREFILL_TILE_BYTES whatever the prompt length.
     """
     n, heads, head_dim = seq.end - seq.start, q.shape[1], q.shape[2]

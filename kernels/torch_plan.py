@@ -10,7 +10,7 @@ import torch
 from kvserve.kernels.plan import AttentionPlan
 
 # Gathered K+V bytes per decode chunk: small enough to stay in the last-level cache between the
-# gather and the matmuls that read it (measured on a 32 MiB L3, see docs/perf.md).
+# gather and the matmuls that read it (the sweep that chose it: docs/perf.md).
 CHUNK_BYTES = 8 << 20
 
 

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.kernels.fp8 import FP8_DTYPE
 from kvserve.kernels.plan import AttentionPlan
 
 LOG2E = 1.4426950408889634
@@ -158,7 +159,7 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            plan: AttentionPlan, scale: float, k_scale: float = 1.0,
                            v_scale: float = 1.0, num_splits: int | None = None) -> torch.Tensor:
     """Launch the varlen kernel (and the merge when the KV is split); `num_splits` overrides."""
-    is_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    is_fp8 = k_cache.dtype == FP8_DTYPE
     if q.stride(-1) != 1:  # the kernel assumes a unit stride along head_dim
         q = q.contiguous()
     if not is_fp8:

@@ -6,9 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.kernels.fp8 import FP8_DTYPE
 from kvserve.kernels.reference import quantize
 
-FP8 = torch.float8_e4m3fn
 
 
 @triton.jit
@@ -37,17 +37,17 @@ def triton_write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
                     v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
                     v_scale: float = 1.0, quantize_in_kernel: bool | None = None) -> None:
     """Launch one program per token. fp8 is quantised in the kernel on a GPU; on the CPU
-    (the interpreter converts fp32 -> e4m3 wrongly, see NOTES.md) torch quantises and the kernel
-    copies bytes, unless `quantize_in_kernel` says otherwise."""
+    (Triton's interpreter rounds some fp32 -> e4m3 conversions wrongly) torch quantises and the
+    kernel copies bytes, unless `quantize_in_kernel` says otherwise."""
     if key.shape[0] == 0:
         return
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         key, value = key.contiguous(), value.contiguous()
-    in_kernel = k_cache.dtype == FP8 and (
+    in_kernel = k_cache.dtype == FP8_DTYPE and (
         quantize_in_kernel if quantize_in_kernel is not None else key.device.type == "cuda")
-    if k_cache.dtype == FP8 and not in_kernel:
-        key = quantize(key, k_scale, FP8).view(torch.uint8)
-        value = quantize(value, v_scale, FP8).view(torch.uint8)
+    if k_cache.dtype == FP8_DTYPE and not in_kernel:
+        key = quantize(key, k_scale, FP8_DTYPE).view(torch.uint8)
+        value = quantize(value, v_scale, FP8_DTYPE).view(torch.uint8)
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     heads, head_dim = key.shape[1], key.shape[2]
     _write_kv_kernel[(key.shape[0],)](

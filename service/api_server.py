@@ -165,7 +165,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics,
     names = config.served_model_names or [engine.model_name]
     ctx = ServingContext(engine=engine, served_model_names=names,
                          tokenizer=copy.deepcopy(engine.tokenizer), max_waiting=config.max_waiting)
-    metrics.set_cache_config(engine.engine.block_size, engine.engine.memory_budget.num_blocks)
+    metrics.set_cache_config(engine.memory_budget.block_size, engine.memory_budget.num_blocks)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -212,7 +212,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext, metrics: ServerMetrics) -> No
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        cards = [ModelCard(id=n, root=str(ctx.engine.engine.config.model),
+        cards = [ModelCard(id=n, root=str(ctx.engine.config.model),
                            max_model_len=ctx.max_model_len) for n in ctx.served_model_names]
         return JSONResponse(ModelList(data=cards).model_dump())
 

@@ -7,7 +7,6 @@ tables with `kvserve.kernels`. q/k/v and gate/up are fused into one matmul each 
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -124,25 +123,22 @@ def rope_inv_freq(config, head_dim: int) -> tuple[Tensor, float, int]:
 
 @dataclass(frozen=True)
 class AttentionOps:
-    """The kernels' entry points and which optional arguments they take, resolved once."""
+    """The kernels' entry points, looked up on their modules once per model, at its first forward
+    (so a test or benchmark that swaps `write_kv` on its module sees what the model writes)."""
 
     write_kv: Callable
     paged_attention: Callable
-    plan_attention: Callable | None
-    write_takes_backend: bool
+    plan_attention: Callable
 
     @classmethod
     def resolve(cls) -> "AttentionOps":
-        from kvserve import kernels
+        from kvserve.kernels import attention, plan, write_kv
 
-        takes_plan = "plan" in inspect.signature(kernels.paged_attention).parameters
-        planner = getattr(kernels, "plan_attention", None) if takes_plan else None
-        write_backend = "backend" in inspect.signature(kernels.write_kv).parameters
-        return cls(kernels.write_kv, kernels.paged_attention, planner, write_backend)
+        return cls(write_kv.write_kv, attention.paged_attention, plan.plan_attention)
 
     def prepare(self, attn: AttentionMetadata, block_size: int) -> AttentionMetadata:
         """attn with a plan shared by every layer (the runner usually supplies one already)."""
-        if self.plan_attention is None or attn.plan is not None:
+        if attn.plan is not None:
             return attn
         plan = self.plan_attention(attn.block_tables, attn.seq_lens, attn.query_start_loc,
                                    block_size)
@@ -150,16 +146,14 @@ class AttentionOps:
 
     def write(self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
               attn: AttentionMetadata) -> None:
-        extra = {"backend": attn.backend} if self.write_takes_backend else {}
         self.write_kv(k, v, k_cache, v_cache, attn.slot_mapping, attn.k_scale, attn.v_scale,
-                      **extra)
+                      backend=attn.backend)
 
     def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, attn: AttentionMetadata,
                scale: float) -> Tensor:
-        extra = {"plan": attn.plan} if self.plan_attention is not None else {}
         return self.paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens,
                                     attn.query_start_loc, scale, attn.k_scale, attn.v_scale,
-                                    backend=attn.backend, **extra)
+                                    backend=attn.backend, plan=attn.plan)
 
 
 class LlamaAttention(nn.Module):

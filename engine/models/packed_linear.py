@@ -2,10 +2,9 @@
 oneDNN's matmul wants, instead of on every call.
 
 `F.linear` on a CPU tensor hands oneDNN (or MKL) a plain row-major weight, which is reordered
-internally on every call; a decode step calls ~120 linears over 135M weights, so this is paid
-120 times a step. Packing once (the same `torch.ops.mkldnn` ops inductor's freezing pass emits)
-measured here, batch 64, default model shapes: bf16 0.90 ms vs 1.23 ms per layer and 6.2 vs
-11.7 ms for the 49152-wide lm_head; fp32 ~20% (docs/perf.md). Outputs equal F.linear's up to
+internally on every call, so a step pays the reorder once per linear of every layer. Packing
+once (the same `torch.ops.mkldnn` ops inductor's freezing pass emits) takes that out of every
+step; the gain per layer and for the lm_head is in docs/perf.md. Outputs equal F.linear's up to
 float rounding; `pack_linears` checks that on a probe input and keeps F.linear where it is not so.
 """
 

@@ -216,8 +216,8 @@ void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const
 
 // k_cache/v_cache[slot] = key/value row by row, both in one pass, negative slots skipped; the
 // new tokens' rows may be strided views into the fused qkv output. Caches in the rows' dtype
-// (fp8 is quantised and written by the torch path). Two index_copy_ calls took ~27 us each
-// for a 64-token decode step (a layer), mostly dispatch and the slot scan for negatives.
+// (fp8 is quantised and written by the torch path). It replaces two index_copy_ calls a layer,
+// whose cost at decode is mostly dispatch and their scans of the slots for negatives.
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
               at::Tensor& v_cache, const at::Tensor& slots) {
   TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && key.stride(2) == 1 &&
@@ -256,9 +256,9 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cach
 
 // Greedy sampling: the index of each row's largest value, the first one on ties, the first NaN
 // if the row has one (torch.argmax's contract). ATen's argmax keeps an index beside every
-// compared value and does not vectorise: 64 x 49,152 bf16 logits took 4-6 ms, against which
-// two vectorised passes (the max with a NaN flag, then a scan for its first position, from L2)
-// take ~0.3 ms. bf16 logits are read as they are: widening is exact and keeps the order.
+// compared value and does not vectorise; two vectorised passes (the max with a NaN flag, then a
+// scan for its first position, from L2) are an order of magnitude cheaper (docs/perf.md).
+// bf16 logits are read as they are: widening is exact and keeps the order.
 template <typename T>
 void argmax_rows(const T* x, int64_t stride, int64_t* out, int64_t rows, int64_t n) {
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {

@@ -12,10 +12,10 @@ forcing) the fp8 cache picks the fp32 cache's greedy token at >= 90% of position
 from __future__ import annotations
 
 import pytest
-import torch
 
-import kvserve.kernels as kernels
 from kvserve import LLM, SamplingParams
+from kvserve.kernels import write_kv as write_kv_module
+from kvserve.kernels.fp8 import FP8_DTYPE
 from kvserve.kernels.reference import dequantize, quantize
 
 pytestmark = pytest.mark.slow
@@ -29,7 +29,6 @@ PROMPTS = [
     "Who wrote Romeo and Juliet?",
 ]
 NEW_TOKENS = 32
-FP8 = torch.float8_e4m3fn
 
 
 def make_llm(**kwargs) -> LLM:
@@ -87,14 +86,15 @@ def test_fp8_budget_holds_four_times_the_fp32_blocks(fp32_llm, fp8_llm):
 
 def test_fp8_equals_an_fp32_cache_holding_e4m3_rounded_values(fp8_llm, chats, monkeypatch):
     fp8_out = greedy(fp8_llm, chats)
-    real_write = kernels.write_kv
+    real_write = write_kv_module.write_kv
 
     def rounded_write(key, value, k_cache, v_cache, slots, k_scale=1.0, v_scale=1.0, **kw):
         def rnd(x, s):
-            return dequantize(quantize(x, s, FP8), s, x.dtype)
+            return dequantize(quantize(x, s, FP8_DTYPE), s, x.dtype)
         real_write(rnd(key, k_scale), rnd(value, v_scale), k_cache, v_cache, slots, **kw)
 
-    monkeypatch.setattr(kernels, "write_kv", rounded_write)  # the model resolves it at build
+    # the model resolves it at build
+    monkeypatch.setattr(write_kv_module, "write_kv", rounded_write)
     fake = greedy(make_llm(), chats)
     assert fake == fp8_out
 

@@ -1,11 +1,14 @@
-"""The repository root is the `kvserve` package; its `operator/` folder must never shadow the
-standard library's `operator` when a user runs `python -m ...` from the repository root."""
+"""The repository root is the `kvserve` package and each top-level folder one of its components;
+run from the repository root (`python -m ...`, `python -c ...`), no folder may shadow a module of
+the same name: the standard library's `operator`, HF's `kernels` that transformers imports."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,13 +38,44 @@ def test_the_kernels_folder_does_not_shadow_hf_kernels_from_the_repo_root() -> N
     assert Path(out.stdout.strip()) != ROOT / "kernels" / "__init__.py"
 
 
+COMPONENTS = ("engine", "kernels", "service", "operator")
+
+
 def test_component_packages_map_to_their_folders() -> None:
     out = run("-c", "import kvserve.engine, kvserve.kernels, kvserve.service, kvserve.operator;"
-              "print(kvserve.engine.__file__); print(list(kvserve.operator.__path__)[0])")
+              "print(*(list(getattr(kvserve, c).__path__)[0] for c in "
+              f"{COMPONENTS!r}))")
     assert out.returncode == 0, out.stderr
-    engine_init, operator_dir = out.stdout.split()
-    assert Path(engine_init) == ROOT / "engine" / "__init__.py"
-    assert Path(operator_dir) == ROOT / "operator"
+    assert [Path(p) for p in out.stdout.split()] == [ROOT / c for c in COMPONENTS]
+
+
+@pytest.mark.parametrize("cwd", ["root", "elsewhere"])
+def test_transformers_operator_and_kvserve_import_together(cwd: str, tmp_path: Path) -> None:
+    """The line a user types first, from the checkout root and from any other folder; importing
+    kvserve leaves sys.path as it found it."""
+    code = ("import sys; before = list(sys.path);"
+            "import transformers, operator; import kvserve.kernels, kvserve.operator;"
+            "from kvserve import LLM; transformers.AutoConfig.for_model('llama');"
+            "assert sys.path == before, 'sys.path changed';"
+            "print(operator.__file__); print(LLM.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT if cwd == "root" else tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    operator_file, llm_module = out.stdout.split()
+    assert Path(operator_file).parent != ROOT / "operator"
+    assert llm_module == "kvserve.engine.llm"
+
+
+def test_no_component_folder_wins_over_a_module_of_its_name() -> None:
+    """From the checkout root each folder name resolves to the installed module of that name when
+    there is one (operator, kernels), else to a bare namespace: never to a regular package here."""
+    out = run("-c", "import importlib.util;"
+              f"specs = [importlib.util.find_spec(c) for c in {COMPONENTS!r}];"
+              "print(*(s.origin if s and s.origin else 'namespace' for s in specs))")
+    assert out.returncode == 0, out.stderr
+    origins = dict(zip(COMPONENTS, out.stdout.split()))
+    assert origins["operator"] != "namespace" and origins["kernels"] != "namespace"
+    assert not [c for c, o in origins.items() if o != "namespace" and ROOT / c in Path(o).parents]
 
 
 def test_api_server_module_runs_from_the_repo_root() -> None:
@@ -53,12 +87,15 @@ def test_api_server_module_runs_from_the_repo_root() -> None:
 def test_no_script_shadows_an_installed_top_level_module() -> None:
     """`python bench/x.py` puts bench/ first on sys.path, so a bench/kernels.py would be imported
     as HF's `kernels` by transformers (it was, until renamed kernels_cpu.py). Every script folder's
-    module names must be free among the installed top-level modules."""
+    module names must be free among the installed top-level modules, and so must the modules at
+    the root (kvserve.paths), which `python -m`/`-c` run there can import as top-level ones."""
     import importlib.util
 
     clashes = []
-    for folder in ("bench", "examples", "scripts"):
+    for folder in ("bench", "examples", "scripts", "."):
         for path in sorted((ROOT / folder).glob("*.py")):
+            if path.stem == "__init__":
+                continue
             spec = importlib.util.find_spec(path.stem)
             if spec is not None and spec.origin and Path(spec.origin).parent != path.parent:
                 clashes.append(f"{folder}/{path.name} shadows {spec.origin}")

@@ -197,6 +197,33 @@ def test_prefix_stats_count_what_is_recorded():
     assert off.prefix_stats.queries == 0 and off.pool.cached_hashes() == []
 
 
+
+def test_make_stats_describes_blocks_tables_and_lookups():
+    kv = KVCacheManager(num_blocks=8, block_size=BS, num_cpu_blocks=4)
+    a, b = make_seq(1, [7] * 9), make_seq(2, [7] * 9)
+    prefill(kv, a)  # 3 blocks, the first 2 full and cached
+    prefill(kv, b)  # hits a's 2 full blocks, so they are shared; 1 block of its own
+    kv.record_lookup(9, 8)
+    kv.swap_out(b)
+    stats = kv.make_stats()
+    assert (stats.num_total_blocks, stats.num_free_blocks) == (8, 5)
+    assert stats.usage == pytest.approx(3 / 8) and stats.allocated_slots == 3 * BS
+    assert (stats.num_cached_blocks, stats.num_shared_blocks) == (2, 0)
+    assert (stats.num_cpu_blocks, stats.num_free_cpu_blocks) == (4, 1)
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (9, 8)
+    assert kv.num_blocks_of(a) == 3 and kv.num_blocks_of(b) == 0
+    assert kv.make_stats() == stats  # a snapshot: reading it changes nothing
+
+
+def test_alloc_seconds_are_taken_once():
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    prefill(kv, make_seq(1, [1] * 5))
+    prefill(kv, make_seq(2, [2] * 5))
+    taken = kv.take_alloc_seconds()
+    assert len(taken) == 2 and all(t >= 0 for t in taken)
+    assert kv.take_alloc_seconds() == []
+
+
 class KVMemory:
     """Simulated device and CPU KV memory: slot -> token id written there (None = never)."""
 

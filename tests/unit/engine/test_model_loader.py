@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kvserve.engine.errors import ModelNotFoundError
-from kvserve.engine.model_loader import (KNOWN_MODELS, cache_root, fetch_model, iter_weights,
-                                         load_model, resolve_model)
+from kvserve.engine.model_loader import (KNOWN_MODELS, fetch_model, iter_weights, load_model,
+                                         resolve_model)
 
 
 def test_local_folder_resolves_to_itself(tiny_model_dir):
@@ -41,11 +41,6 @@ def test_missing_path_is_not_taken_for_a_hub_id(tmp_path):
 def test_hub_id_is_passed_through():
     assert resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct") == \
         "HuggingFaceTB/SmolLM2-135M-Instruct"
-
-
-def test_cache_root_follows_env(monkeypatch, tmp_path):
-    monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path))
-    assert cache_root() == tmp_path
 
 
 def test_fetch_unknown_name_is_model_not_found(tmp_path):

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
+from kvserve.kernels.fp8 import FP8_DTYPE as FP8
 from kvserve.kernels.reference import quantize
 
-FP8 = torch.float8_e4m3fn
 # (atol, rtol) against the fp32 reference, by the dtype the attention computes in.
 TOLERANCE = {torch.float32: (2e-5, 1e-4), torch.float16: (4e-3, 4e-3),
              torch.bfloat16: (4e-2, 4e-2)}

@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from kv_batches import Spec, build_batch
-from kvserve.kernels import KernelInputError, paged_attention, plan_attention, write_kv
+from kvserve.kernels.attention import paged_attention
+from kvserve.kernels.write_kv import write_kv
+from kvserve.kernels.checks import KernelInputError
+from kvserve.kernels.plan import plan_attention
 
 SPEC = Spec(seqs=((20, 1), (9, 9)), num_kv_heads=2, group=2, head_dim=64, block_size=8,
             cache_dtype=torch.float32, q_dtype=torch.float32, seed=0)

@@ -7,7 +7,9 @@ import torch
 from hypothesis import given, settings
 
 from kv_batches import FP8, Spec, assert_close_to, build_batch, specs
-from kvserve.kernels import KernelInputError, paged_attention, plan_attention
+from kvserve.kernels.attention import paged_attention
+from kvserve.kernels.checks import KernelInputError
+from kvserve.kernels.plan import plan_attention
 from kvserve.kernels import backend as backend_mod
 from kvserve.kernels import cpu_attention
 from kvserve.kernels.torch_attention import torch_paged_attention
@@ -102,7 +104,8 @@ import sys, torch
 sys.path.insert(0, {here!r})
 from hypothesis import given, settings
 from kv_batches import assert_close_to, build_batch, specs
-from kvserve.kernels import cpu_attention, paged_attention
+from kvserve.kernels import cpu_attention
+from kvserve.kernels.attention import paged_attention
 assert cpu_attention.available() and "-DKVSERVE_NO_SIMD" in cpu_attention._cflags()
 
 @settings(max_examples=25, deadline=None, database=None)

@@ -4,7 +4,8 @@ import torch
 import torch.nn.functional as F
 
 from kv_batches import Spec, build_batch
-from kvserve.kernels import paged_attention
+from kvserve.kernels.attention import paged_attention
+from kvserve.kernels.fp8 import FP8_DTYPE
 
 
 def contiguous_attention(batch, group: int) -> torch.Tensor:
@@ -37,7 +38,7 @@ def test_reference_matches_contiguous_sdpa_on_a_mixed_batch():
 
 def test_reference_dequantizes_fp8_with_the_scales():
     spec = Spec(seqs=((20, 1), (12, 4)), num_kv_heads=1, group=2, head_dim=64, block_size=16,
-                cache_dtype=torch.float8_e4m3fn, q_dtype=torch.float32, seed=5)
+                cache_dtype=FP8_DTYPE, q_dtype=torch.float32, seed=5)
     batch = build_batch(spec)
     out = paged_attention(*batch.args(), backend="reference")
     torch.testing.assert_close(out, contiguous_attention(batch, 2), atol=1e-5, rtol=1e-5)

@@ -6,7 +6,8 @@ import torch
 from hypothesis import given, settings
 
 from kv_batches import Spec, assert_close_to, build_batch, specs
-from kvserve.kernels import paged_attention, plan_attention
+from kvserve.kernels.attention import paged_attention
+from kvserve.kernels.plan import plan_attention
 
 
 @settings(max_examples=30, deadline=None)

@@ -13,7 +13,9 @@ import torch
 from hypothesis import given, settings
 
 from kv_batches import FP8, Spec, assert_close_to, build_batch, specs
-from kvserve.kernels import paged_attention, plan_attention, write_kv
+from kvserve.kernels.attention import paged_attention
+from kvserve.kernels.write_kv import write_kv
+from kvserve.kernels.plan import plan_attention
 from kvserve.kernels.reference import quantize
 
 

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from kvserve.kernels import FP8_DTYPE, compute_kv_scale, write_kv
+from kvserve.kernels.write_kv import write_kv
+from kvserve.kernels.fp8 import FP8_DTYPE, compute_kv_scale
 
 SENTINEL = 7.0
 

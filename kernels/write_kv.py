@@ -7,6 +7,7 @@ import torch
 from kvserve.kernels import cpu_ops
 from kvserve.kernels.backend import resolve_backend
 from kvserve.kernels.checks import check_write_kv
+from kvserve.kernels.fp8 import FP8_DTYPE
 from kvserve.kernels.reference import quantize, reference_write_kv
 
 
@@ -39,7 +40,7 @@ def torch_write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
         slots, key, value = slots[keep], key[keep], value[keep]
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
     flat_v = v_cache.view(-1, *v_cache.shape[2:])
-    if k_cache.dtype == torch.float8_e4m3fn:
+    if k_cache.dtype == FP8_DTYPE:
         # index_copy_ has no fp8 kernel: copy the bytes.
         flat_k, flat_v = flat_k.view(torch.uint8), flat_v.view(torch.uint8)
         key = quantize(key, k_scale, k_cache.dtype).view(torch.uint8)

@@ -1,4 +1,4 @@
-"""cpu_allocator: activation-sized CPU tensors come from glibc's heap, which is never trimmed,
+"""malloc_tuning: activation-sized CPU tensors come from glibc's heap, which is never trimmed,
 so a step does not page-fault its activations in again (each case in a fresh process, since
 mallopt settings are process-wide)."""
 
@@ -11,7 +11,7 @@ import pytest
 
 PROBE = r"""
 import sys, torch
-from kvserve.engine.cpu_allocator import keep_activation_memory
+from kvserve.engine.malloc_tuning import keep_activation_memory
 tuned = keep_activation_memory() if sys.argv[1] == "1" else False
 
 def heap():
@@ -56,11 +56,11 @@ def test_glibc_default_maps_such_tensors_apart():
 
 
 def test_opt_out(monkeypatch):
-    from kvserve.engine import cpu_allocator
+    from kvserve.engine import malloc_tuning
 
     monkeypatch.setenv("KVSERVE_CPU_MALLOC_TUNE", "0")
-    cpu_allocator.keep_activation_memory.cache_clear()
+    malloc_tuning.keep_activation_memory.cache_clear()
     try:
-        assert cpu_allocator.keep_activation_memory() is False
+        assert malloc_tuning.keep_activation_memory() is False
     finally:
-        cpu_allocator.keep_activation_memory.cache_clear()
+        malloc_tuning.keep_activation_memory.cache_clear()

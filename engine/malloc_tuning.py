@@ -2,12 +2,12 @@
 up to 32 MiB from its heap and never to hand freed heap back to the kernel.
 
 torch has no caching allocator on the CPU. With glibc's defaults a step's big activations (a
-2,048-token prefill allocates 25 MB gate/up outputs, 12 MB MLP products, ...) are mmap'ed and
-munmap'ed call after call, or carved from a heap top that is trimmed on free, so every step
-page-faults its activations in again: measured on the default model, 362,000 minor faults
-(1.4 GB of zeroed pages) in one 2,048-token prefill step, which took 6.7 s; with these two
-settings 12 faults and 4.5-4.8 s (docs/perf.md; the whole benchmark moved within its noise). The price is that the process keeps its peak
-activation memory, as a GPU engine keeps its memory pool. `KVSERVE_CPU_MALLOC_TUNE=0` leaves
+long prefill's gate/up outputs and MLP products are tens of MB each) are mmap'ed and munmap'ed
+call after call, or carved from a heap top that is trimmed on free, so every step page-faults
+its activations in again, as freshly zeroed pages, and a prefill step spends much of its time
+in the kernel (docs/perf.md). With both settings the pages stay mapped from one step to the
+next. The price is that the process keeps its peak activation memory, as a GPU engine keeps its
+memory pool. `KVSERVE_CPU_MALLOC_TUNE=0` leaves
 glibc's defaults (e.g. when jemalloc or tcmalloc is preloaded).
 """
 

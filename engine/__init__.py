@@ -1,1 +1,0 @@
-"""kvserve.engine"""
