@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.engine.errors import ConfigError
+from kvserve.engine.memory import kv_heads_per_rank  # noqa: F401 - re-exported with its rule
 
 
 def check_tensor_parallel(size: int, num_heads: int, num_kv_heads: int,
@@ -73,11 +74,6 @@ class TPShape:
         v_start = rank * per_rank
         return cls(rank, size, heads, rank * heads, kv, kv_start, inter, rank * inter,
                    v_start, per_rank, max(min(per_rank, vocab - v_start), 0))
-
-
-def kv_heads_per_rank(num_kv_heads: int, size: int) -> int:
-    """KV heads each rank caches (the memory budget's per-rank block size uses it)."""
-    return max(num_kv_heads // size, 1)
 
 
 class TPGroup:

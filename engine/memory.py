@@ -107,6 +107,11 @@ def plan_memory(*, total_bytes: int, gpu_memory_utilization: float, weight_bytes
     )
 
 
+def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int) -> int:
+    """KV heads each rank caches: its share, or one replicated head when N > kv_heads."""
+    return max(num_kv_heads // tensor_parallel_size, 1)
+
+
 def rank_weight_bytes(weight_bytes: int, tensor_parallel_size: int) -> int:
     """One rank's share of the weights (rounded up; the replicated norms are noise)."""
     return -(-weight_bytes // tensor_parallel_size)

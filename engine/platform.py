@@ -15,10 +15,11 @@ import torch
 
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.cpu_allocator import keep_activation_memory
-from kvserve.engine.distributed import TPGroup, check_tensor_parallel, kv_heads_per_rank
+from kvserve.engine.distributed import TPGroup, check_tensor_parallel
 from kvserve.engine.errors import ConfigError, OutOfKVCacheError
 from kvserve.engine.memory import GiB, MemoryBudget, activation_peak_bytes, blocks_for_bytes, \
-    bytes_per_block, default_max_num_batched_tokens, plan_memory, rank_weight_bytes
+    bytes_per_block, default_max_num_batched_tokens, kv_heads_per_rank, plan_memory, \
+    rank_weight_bytes
 from kvserve.engine.workers import CacheSpec, WorkerGroup
 
 logger = logging.getLogger("kvserve.engine")
