@@ -100,6 +100,12 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
         return cls(config)
 
+    def check_health(self) -> None:
+        """WorkerDiedError when a tensor-parallel worker is gone (even while idle); safe to
+        call from another thread (it only looks at the worker processes)."""
+        if self.runner.workers is not None:
+            self.runner.workers.check_alive()
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do with one rank); idempotent. Dropping
         the engine or leaving the interpreter stops them too."""
