@@ -195,7 +195,12 @@ class WorkerGroup:
                           f"file://{store}", threads)
         group = cls(spec)
         try:
-            group.wait_for("joining")
+            try:
+                group.wait_for("joining")
+            except WorkerDiedError as exc:  # before any of our code ran in the worker
+                raise WorkerDiedError(
+                    f"{exc}\nWorkers are spawned: a script that starts tensor_parallel_size > 1 "
+                    "needs an `if __name__ == \"__main__\":` guard around its code") from None
             tp = init_group(0, spec)
         except BaseException:
             group.close()
