@@ -38,11 +38,11 @@ class EngineConfig:
     revision: str | None = None
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1:
+        # Whether N splits the model (heads, KV heads, MLP) is checked where the model's config
+        # is known, before any worker starts (engine/platform.py).
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ConfigError(
-                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet: kvserve "
-                "runs one model replica per device. Use tensor_parallel_size=1 and scale out with "
-                "more replicas (the operator's `replicas`/`autoscaling`).")
+                f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.block_size not in (8, 16, 32):
             raise ConfigError(f"block_size must be 8, 16 or 32, got {self.block_size}")
         if self.max_num_seqs < 1:

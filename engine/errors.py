@@ -23,3 +23,7 @@ class ConfigError(KVServeError, ValueError):
 
 class OutOfKVCacheError(KVServeError):
     """The KV cache is too small to hold even one request of the configured length."""
+
+
+class WorkerDiedError(KVServeError):
+    """A tensor-parallel worker process died or failed; the engine cannot continue."""

@@ -40,6 +40,10 @@ class LLM:
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel worker processes (a no-op with one rank)."""
+        self.llm_engine.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 

@@ -72,7 +72,8 @@ class LLMEngine:
             setup.model, num_layers=setup.num_layers, num_kv_heads=setup.num_kv_heads,
             head_dim=setup.head_dim, num_blocks=setup.budget.num_blocks,
             block_size=config.block_size, kv_dtype=setup.kv_dtype, device=self.device,
-            num_cpu_blocks=setup.num_cpu_blocks, attention_backend=config.attention_backend)
+            num_cpu_blocks=setup.num_cpu_blocks, attention_backend=config.attention_backend,
+            workers=setup.workers)
         if config.calculate_kv_scales and setup.kv_dtype == FP8_DTYPE:
             self._calibrate_kv_scales()
         self.requests: dict[str, RequestState] = {}
@@ -99,6 +100,18 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
         return cls(config)
+
+    def check_health(self) -> None:
+        """WorkerDiedError when a tensor-parallel worker is gone (even while idle); safe to
+        call from another thread (it only looks at the worker processes)."""
+        if self.runner.workers is not None:
+            self.runner.workers.check_alive()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do with one rank); idempotent. Dropping
+        the engine or leaving the interpreter stops them too."""
+        if self.runner.workers is not None:
+            self.runner.workers.close()
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,

@@ -4,6 +4,11 @@
     bytes_per_block = 2 * layers * kv_heads * head_dim * dtype_bytes * block_size
     num_blocks      = kv_bytes // bytes_per_block
     max_concurrency = num_blocks * block_size // tokens_per_request
+
+With tensor parallelism over N devices every term is one rank's: weight_bytes = the model's / N,
+kv_heads = the rank's KV heads (max(kv_heads / N, 1): replicated when N > kv_heads), and the
+activation peak of a rank's slice of the MLP and heads (plus the full logits on the driver). Every
+rank gets the same number of blocks, each holding its heads' share of every block.
 """
 
 from __future__ import annotations
@@ -49,14 +54,16 @@ def kv_cache_bytes(total_mem: int, gpu_memory_utilization: float, weight_bytes: 
 
 def activation_peak_bytes(hidden_size: int, intermediate_size: int, vocab_size: int,
                           num_heads: int, head_dim: int, max_num_batched_tokens: int,
-                          max_num_seqs: int, act_dtype_bytes: int) -> int:
-    """A conservative estimate of one forward pass's transient memory.
+                          max_num_seqs: int, act_dtype_bytes: int,
+                          tensor_parallel_size: int = 1) -> int:
+    """A conservative estimate of one forward pass's transient memory (on one rank).
 
     The peak is the larger of the MLP (gate + up + act of `max_num_batched_tokens` tokens, plus the
-    residual stream and q/k/v) and the logits of the sequences sampled in one step (fp32).
+    residual stream and q/k/v) and the logits of the sequences sampled in one step (fp32). With N
+    ranks the MLP and heads are a rank's 1/N; the logits stay whole: rank 0 gathers and samples.
     """
-    tokens = max_num_batched_tokens
-    mlp = tokens * (3 * intermediate_size + 4 * hidden_size + 3 * num_heads * head_dim)
+    tokens, n = max_num_batched_tokens, tensor_parallel_size
+    mlp = tokens * (3 * intermediate_size // n + 4 * hidden_size + 3 * num_heads // n * head_dim)
     logits = max_num_seqs * vocab_size * 4 * 2  # logits + softmax copy, fp32
     return mlp * act_dtype_bytes + logits
 
@@ -98,6 +105,16 @@ def plan_memory(*, total_bytes: int, gpu_memory_utilization: float, weight_bytes
         tokens_per_request=tokens_per_request,
         max_concurrency=num_blocks * block_size // max(tokens_per_request, 1),
     )
+
+
+def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int) -> int:
+    """KV heads each rank caches: its share, or one replicated head when N > kv_heads."""
+    return max(num_kv_heads // tensor_parallel_size, 1)
+
+
+def rank_weight_bytes(weight_bytes: int, tensor_parallel_size: int) -> int:
+    """One rank's share of the weights (rounded up; the replicated norms are noise)."""
+    return -(-weight_bytes // tensor_parallel_size)
 
 
 def blocks_for_bytes(kv_bytes: int, per_block: int) -> int:

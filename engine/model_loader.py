@@ -14,12 +14,16 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from kvserve.engine.errors import ModelNotFoundError
 from kvserve.paths import cache_root
+
+if TYPE_CHECKING:
+    from kvserve.engine.distributed import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -190,16 +194,19 @@ def load_config(model_path: Path | str, revision: str | None = None,
 
 
 def load_model(model_path: Path | str, dtype: torch.dtype, device: torch.device,
-               revision: str | None = None, pack_linears: bool = True) -> tuple[nn.Module, object]:
+               revision: str | None = None, pack_linears: bool = True,
+               tp: "TPGroup | None" = None) -> tuple[nn.Module, object]:
     """Our model class for the config's architecture, with the HF weights streamed into it (on
-    CPU with its linears prepacked for oneDNN unless `pack_linears=False`)."""
+    CPU with its linears prepacked for oneDNN unless `pack_linears=False`). With `tp`, this
+    rank's shard only: each rank reads just its slices of the checkpoint."""
     from kvserve.engine.models import model_class_for
 
     config = load_config(model_path, revision)
     model_cls = model_class_for(config)
-    model = model_cls(config, dtype=dtype, device=device)
+    extra = {"tp": tp} if tp is not None else {}
+    model = model_cls(config, dtype=dtype, device=device, **extra)
     folder = _local_folder(model_path, revision)
-    model.load_weights(iter_weights(folder))
+    model.load_weights(iter_weights(folder, lazy=tp is not None))
     if device.type == "cpu" and pack_linears:
         from kvserve.engine.models.packed_linear import pack_linears as pack
 
@@ -223,8 +230,22 @@ def _local_folder(model_path: Path | str, revision: str | None = None) -> Path:
             f"cannot download weights for {model_path!r} from the Hugging Face hub: {exc}") from exc
 
 
-def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs from *.safetensors files, else pytorch_model*.bin, one at a time."""
+class LazyTensor:
+    """One safetensors tensor not yet read: `narrow` reads only the rows or columns asked for,
+    so a tensor-parallel rank never holds more of the checkpoint than its shard."""
+
+    def __init__(self, handle) -> None:
+        self._slice = handle
+        self.shape = tuple(handle.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return self._slice[index]
+
+
+def iter_weights(folder: Path, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs from *.safetensors files, else pytorch_model*.bin, one at a time;
+    `lazy`: safetensors entries come as LazyTensor (a .bin file is read whole either way)."""
     st_files = sorted(folder.glob("*.safetensors"))
     if st_files:
         from safetensors import safe_open
@@ -232,7 +253,7 @@ def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         for file in st_files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, (LazyTensor(f.get_slice(name)) if lazy else f.get_tensor(name))
         return
     bin_files = sorted(folder.glob("pytorch_model*.bin"))
     if not bin_files:

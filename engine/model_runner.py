@@ -1,8 +1,15 @@
 """ModelRunner: owns the model and the KV-cache tensors; turns a SchedulerOutput into one
 flattened forward pass (prefill and decode tokens together, no padding) and samples the rows
-the engine asks for. It makes no scheduling decisions."""
+the engine asks for. It makes no scheduling decisions.
+
+With tensor parallelism the driver's runner builds each step's inputs once (a StepInput of CPU
+tensors), hands them to the worker processes, and every rank runs the same `run_step` against its
+own shard and KV cache; only the driver samples."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,14 +21,48 @@ from kvserve.kernels.fp8 import compute_kv_scale
 from kvserve.kernels.metadata import AttentionMetadata
 from kvserve.kernels.plan import plan_attention
 
+if TYPE_CHECKING:
+    from kvserve.engine.workers import WorkerGroup
+
+BlockPairs = list[tuple[int, int]]
+
+
+@dataclass
+class BlockMoves:
+    """Swap-out, swap-in and copy-on-write (src, dst) block pairs of one step."""
+
+    swap_out: BlockPairs = field(default_factory=list)
+    swap_in: BlockPairs = field(default_factory=list)
+    copy: BlockPairs = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.swap_out or self.swap_in or self.copy)
+
+
+@dataclass
+class StepInput:
+    """One step's flattened batch as CPU tensors: what the driver broadcasts to every rank."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [B, W] int32
+    seq_lens: torch.Tensor  # [B] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    max_query_len: int
+    max_seq_len: int
+    sample_rows: list[int]  # batch index per sampled row (may repeat: n > 1)
+    moves: BlockMoves
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, num_layers: int, num_kv_heads: int,
                  head_dim: int, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  device: torch.device, num_cpu_blocks: int = 0, attention_backend: str = "auto",
-                 k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                 k_scale: float = 1.0, v_scale: float = 1.0,
+                 workers: "WorkerGroup | None" = None) -> None:
         self.model = model
+        self.workers = workers  # the other ranks (tensor parallel, driver only)
         self.device = device
         self.block_size = block_size
         # Resolved once here: on the CPU, "auto" builds the fused decode kernel now (once per
@@ -40,21 +81,27 @@ class ModelRunner:
         self.sampler = Sampler()
 
     def move_blocks(self, sched: SchedulerOutput) -> None:
-        """Swap-out, swap-in and copy-on-write copies, before this step writes any slot."""
-        if sched.blocks_to_swap_out:
-            src, dst = zip(*sched.blocks_to_swap_out)
+        """Swap-out, swap-in and copy-on-write copies, before this step writes any slot (on every
+        rank: a step with nothing to compute may still move blocks)."""
+        moves = _moves(sched)
+        if moves and self.workers is not None:
+            self.workers.broadcast("move", moves)
+        self.apply_moves(moves)
+
+    def apply_moves(self, m: BlockMoves) -> None:
+        if m.swap_out:
+            src, dst = zip(*m.swap_out)
             self.cpu_kv[:, :, list(dst)] = self.kv[:, :, list(src)].to("cpu")  # type: ignore[index]
-        if sched.blocks_to_swap_in:
-            src, dst = zip(*sched.blocks_to_swap_in)
+        if m.swap_in:
+            src, dst = zip(*m.swap_in)
             self.kv[:, :, list(dst)] = self.cpu_kv[:, :, list(src)].to(self.device)  # type: ignore[index]
-        if sched.blocks_to_copy:
-            src, dst = zip(*sched.blocks_to_copy)
+        if m.copy:
+            src, dst = zip(*m.copy)
             self.kv[:, :, list(dst)] = self.kv[:, :, list(src)]
 
-    def prepare(self, sched: SchedulerOutput, kv: KVCacheManager) -> tuple[torch.Tensor,
-                                                                           torch.Tensor,
-                                                                           AttentionMetadata]:
-        """Token ids, positions and attention metadata of the flattened batch."""
+    def build_step(self, sched: SchedulerOutput, kv: KVCacheManager,
+                   sample_rows: list[int]) -> StepInput:
+        """Token ids, positions, slot mapping and block tables of the flattened batch."""
         input_ids: list[int] = []
         starts: list[int] = []
         tables: list[list[int]] = []
@@ -74,16 +121,28 @@ class ModelRunner:
         slots = (bt[seq_idx, positions // self.block_size].long() * self.block_size
                  + positions % self.block_size)
         seq_lens = (start_t + q_lens).to(torch.int32)
+        return StepInput(torch.tensor(input_ids, dtype=torch.int64), positions, slots, bt,
+                         seq_lens, qsl, int(q_lens.max()), int(seq_lens.max()), sample_rows,
+                         _moves(sched))
+
+    def prepare(self, sched: SchedulerOutput, kv: KVCacheManager) -> tuple[torch.Tensor,
+                                                                           torch.Tensor,
+                                                                           AttentionMetadata]:
+        """Token ids, positions and attention metadata of the flattened batch, on the device."""
+        return self.to_device(self.build_step(sched, kv, []))
+
+    def to_device(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor,
+                                                  AttentionMetadata]:
         dev = self.device
-        bt, seq_lens, qsl = bt.to(dev), seq_lens.to(dev), qsl.to(dev)
-        max_q, max_s = int(q_lens.max()), int(seq_lens.max())
+        bt, seq_lens = step.block_tables.to(dev), step.seq_lens.to(dev)
+        qsl = step.query_start_loc.to(dev)
+        max_q, max_s = step.max_query_len, step.max_seq_len
         plan = plan_attention(bt, seq_lens, qsl, self.block_size, max_q, max_s)
-        meta = AttentionMetadata(slot_mapping=slots.to(dev), block_tables=bt, seq_lens=seq_lens,
-                                 query_start_loc=qsl, max_query_len=max_q, max_seq_len=max_s,
-                                 k_scale=self.k_scale, v_scale=self.v_scale,
+        meta = AttentionMetadata(slot_mapping=step.slot_mapping.to(dev), block_tables=bt,
+                                 seq_lens=seq_lens, query_start_loc=qsl, max_query_len=max_q,
+                                 max_seq_len=max_s, k_scale=self.k_scale, v_scale=self.v_scale,
                                  backend=self.backend, plan=plan)
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        return ids, positions.to(dev), meta
+        return step.input_ids.to(dev), step.positions.to(dev), meta
 
     @torch.inference_mode()
     def calibrate_kv_scales(self, token_ids: list[int], act_dtype: torch.dtype) -> None:
@@ -92,6 +151,8 @@ class ModelRunner:
         The batch runs against a temporary cache in the model's dtype, so nothing is rounded
         before the scales are known.
         """
+        if self.workers is not None:
+            self.workers.broadcast("calibrate", (token_ids, act_dtype))
         bs = self.block_size
         n_blocks = -(-len(token_ids) // bs)
         tmp = torch.zeros((2, len(self.kv_caches), n_blocks, *self.kv.shape[3:]),
@@ -110,18 +171,42 @@ class ModelRunner:
         self.model(ids, positions, caches, meta)
         self.k_scale = compute_kv_scale(tmp[0])
         self.v_scale = compute_kv_scale(tmp[1])
+        tp = getattr(self.model, "tp", None)
+        if tp is not None:  # every rank the scales of the whole model, as with one rank
+            self.k_scale, self.v_scale = tp.all_reduce_max([self.k_scale, self.v_scale])
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager, sample_rows: list[int],
                 sampling: SamplingMetadata | None) -> SamplerOutput | None:
         """Run one step. `sample_rows[i]` is the batch index of the seq whose last scheduled
         token's logits feed sampler row i (an index may repeat: n > 1 forks)."""
-        self.move_blocks(sched)
-        ids, positions, meta = self.prepare(sched, kv)
+        step = self.build_step(sched, kv, sample_rows if sampling is not None else [])
+        if self.workers is None:
+            logits = self.run_step(step)
+        else:
+            self.workers.broadcast("step", step)
+            try:
+                logits = self.run_step(step)
+            except RuntimeError as exc:  # a collective whose peer died, most likely
+                raise self.workers.failed(exc) from exc
+        if logits is None or sampling is None:
+            return None
+        return self.sampler(logits, sampling)
+
+    @torch.inference_mode()
+    def run_step(self, step: StepInput) -> torch.Tensor | None:
+        """Every rank: move blocks, run the forward, and (rank 0) return the sampled rows'
+        logits; the other ranks only take part in the collectives."""
+        self.apply_moves(step.moves)
+        ids, positions, meta = self.to_device(step)
         hidden = self.model(ids, positions, self.kv_caches, meta)
-        if not sample_rows or sampling is None:
+        if not step.sample_rows:
             return None
         last = meta.query_start_loc[1:].long() - 1
-        rows = last[torch.tensor(sample_rows, device=self.device)]
-        logits = self.model.compute_logits(hidden[rows])
-        return self.sampler(logits, sampling)
+        rows = last[torch.tensor(step.sample_rows, device=self.device)]
+        return self.model.compute_logits(hidden[rows])
+
+
+def _moves(sched: SchedulerOutput) -> BlockMoves:
+    return BlockMoves(list(sched.blocks_to_swap_out), list(sched.blocks_to_swap_in),
+                      list(sched.blocks_to_copy))

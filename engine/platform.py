@@ -1,5 +1,6 @@
 """Engine start-up: pick device and dtypes, load the model, and size the KV cache with the
-memory budget (CUDA: profiled; CPU: an explicit or safe byte budget)."""
+memory budget (CUDA: profiled; CPU: an explicit or safe byte budget). With tensor_parallel_size
+N > 1 it first checks that N splits the model, starts the N - 1 workers, and sizes one rank."""
 
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ from typing import Any
 import torch
 
 from kvserve.engine.config import EngineConfig
+from kvserve.engine.distributed import TPGroup, check_tensor_parallel
 from kvserve.engine.errors import ConfigError, OutOfKVCacheError
 from kvserve.engine.malloc_tuning import keep_activation_memory
 from kvserve.engine.memory import GiB, MemoryBudget, activation_peak_bytes, blocks_for_bytes, \
-    bytes_per_block, default_max_num_batched_tokens, plan_memory
+    bytes_per_block, default_max_num_batched_tokens, kv_heads_per_rank, plan_memory, \
+    rank_weight_bytes
+from kvserve.engine.workers import CacheSpec, WorkerGroup
 from kvserve.kernels.fp8 import FP8_DTYPE
 
 logger = logging.getLogger("kvserve.engine")
@@ -41,6 +45,7 @@ class EngineSetup:
     head_dim: int
     vocab_size: int
     eos_token_ids: list[int]
+    workers: WorkerGroup | None = None  # ranks 1..N-1 (tensor parallel)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -93,13 +98,56 @@ def set_up(config: EngineConfig, model_path: Path | str,
            load_model: Callable[..., tuple[torch.nn.Module, Any]]) -> EngineSetup:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     else:
         keep_activation_memory()
-    model, cfg = load_model(model_path, dtype, device, revision=config.revision)
+    workers, tp = None, None
+    if config.tensor_parallel_size > 1:
+        workers, tp = _start_workers(config, model_path, dtype, device)
+    try:
+        setup = _set_up_rank0(config, model_path, load_model, device, dtype, tp)
+        if workers is not None:
+            workers.wait_for("ready")
+            workers.init_cache(CacheSpec(
+                setup.num_layers, setup.num_kv_heads, setup.head_dim, setup.budget.num_blocks,
+                config.block_size, setup.kv_dtype, setup.num_cpu_blocks,
+                config.attention_backend))
+    except BaseException:
+        if workers is not None:
+            workers.close()
+        raise
+    setup.workers = workers
+    return setup
+
+
+def _start_workers(config: EngineConfig, model_path: Path | str, dtype: torch.dtype,
+                   device: torch.device) -> tuple[WorkerGroup, TPGroup]:
+    """Refuse an N that cannot split this model (before any process starts), then start them."""
+    from kvserve.engine.model_loader import load_config
+
+    n = config.tensor_parallel_size
+    cfg = load_config(model_path, config.revision, config.trust_remote_code)
+    layers, kv_heads, _ = _model_shape(cfg)
+    check_tensor_parallel(n, cfg.num_attention_heads, kv_heads,
+                          getattr(cfg, "intermediate_size", 4 * cfg.hidden_size))
+    if device.type == "cuda" and torch.cuda.device_count() < n:
+        raise ConfigError(f"tensor_parallel_size={n} needs {n} GPUs, this machine shows "
+                          f"{torch.cuda.device_count()}")
+    group, tp = WorkerGroup.start(str(model_path), config.revision, dtype, device.type, n)
+    logger.info("tensor parallel: %d ranks (%s), %d torch thread(s) per rank", n,
+                "nccl" if device.type == "cuda" else "gloo", group.spec.threads)
+    return group, tp
+
+
+def _set_up_rank0(config: EngineConfig, model_path: Path | str,
+                  load_model: Callable[..., tuple[torch.nn.Module, Any]], device: torch.device,
+                  dtype: torch.dtype, tp: TPGroup | None) -> EngineSetup:
+    kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype)
+    extra = {"tp": tp} if tp is not None else {}
+    model, cfg = load_model(model_path, dtype, device, revision=config.revision, **extra)
     layers, kv_heads, head_dim = _model_shape(cfg)
+    kv_heads = kv_heads_per_rank(kv_heads, config.tensor_parallel_size)
     model_max = getattr(cfg, "max_position_embeddings", None) or 2048
     max_len = config.max_model_len or model_max
     if max_len > model_max:
@@ -119,15 +167,20 @@ def set_up(config: EngineConfig, model_path: Path | str,
 def _plan(config: EngineConfig, cfg: Any, model: torch.nn.Module, device: torch.device,
           dtype: torch.dtype, kv_dtype: torch.dtype, batched: int, max_len: int,
           shape: tuple[int, int, int]) -> MemoryBudget:
-    layers, kv_heads, head_dim = shape
+    layers, kv_heads, head_dim = shape  # kv_heads: this rank's
+    tp = config.tensor_parallel_size
     kv_bytes_el = torch.finfo(kv_dtype).bits // 8
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = _weight_bytes(model, cfg, dtype, tp)
     act = activation_peak_bytes(cfg.hidden_size, getattr(cfg, "intermediate_size", 4 * cfg.hidden_size),
                                 cfg.vocab_size, cfg.num_attention_heads, head_dim, batched,
-                                config.max_num_seqs, torch.finfo(dtype).bits // 8)
+                                config.max_num_seqs, torch.finfo(dtype).bits // 8,
+                                tensor_parallel_size=tp)
+    device_memory = os.environ.get("KVSERVE_DEVICE_MEMORY")
     if device.type == "cuda":
         _, total = torch.cuda.mem_get_info(device)
         util = config.gpu_memory_utilization
+    elif device_memory:  # a CPU dry run of a GPU plan: each rank as a device of this size
+        total, util = int(float(device_memory)), config.gpu_memory_utilization
     else:
         total = _cpu_kv_budget(config) + weights + act
         util = 1.0
@@ -147,6 +200,16 @@ def _plan(config: EngineConfig, cfg: Any, model: torch.nn.Module, device: torch.
             f"{weights / GiB:.2f} GiB. Raise gpu_memory_utilization / kv_cache_memory or use a "
             "smaller model")
     return budget
+
+
+def _weight_bytes(model: torch.nn.Module, cfg: Any, dtype: torch.dtype, tp: int) -> int:
+    """Weight bytes one rank is charged: the loaded model's, or with N ranks the whole model's
+    / N (rounded up), the same convention as the operator's sizing. The unsharded model is
+    built on the meta device to count it, so no rank ever holds it."""
+    if tp == 1:
+        return sum(p.numel() * p.element_size() for p in model.parameters())
+    whole = type(model)(cfg, dtype=dtype, device=torch.device("meta"))
+    return rank_weight_bytes(sum(p.numel() * p.element_size() for p in whole.parameters()), tp)
 
 
 def _cpu_kv_budget(config: EngineConfig) -> int:

@@ -132,9 +132,17 @@ def engine_volumes(spec: ServiceSpec, sizing: Sizing) -> tuple[list[Obj], list[O
               {"name": "cache", "mountPath": "/var/cache/kvserve"},
               {"name": "config", "mountPath": "/etc/kvserve", "readOnly": True}]
     if sizing.gpus_per_replica > 1:  # NCCL needs a large /dev/shm between tensor-parallel ranks
-        vols.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}})
+        vols.append({"name": "shm", "emptyDir": {"medium": "Memory",
+                                                 "sizeLimit": shm_size(sizing.gpus_per_replica)}})
         mounts.append({"name": "shm", "mountPath": "/dev/shm"})
     return vols, mounts
+
+
+def shm_size(gpus: int) -> str:
+    """/dev/shm for N tensor-parallel ranks: NCCL's shared-memory transport and proxy buffers
+    (container runtimes default to 64 MiB, far too little), 1 GiB per rank, at least 2 GiB.
+    Memory-backed, so it counts against the pod's memory limit."""
+    return f"{max(2, gpus)}Gi"
 
 
 def engine_container(spec: ServiceSpec, sizing: Sizing, mounts: list[Obj]) -> Obj:

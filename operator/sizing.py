@@ -2,7 +2,9 @@
 
 GPUs per replica is the smallest power of two (tensor parallel: weights and KV heads split across
 the GPUs) whose per-GPU budget holds `maxNumSeqs x maxModelLen` tokens of KV (one full-length
-request when maxNumSeqs is unset). Pure: no Kubernetes, no torch.
+request when maxNumSeqs is unset). Every term is one rank's, exactly as the engine computes it with
+`--tensor-parallel-size N` (engine/memory.py). A replica is one pod on one node: counts above
+GPUS_PER_NODE (multi-node tensor parallelism) are refused. Pure: no Kubernetes, no torch.
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ from dataclasses import dataclass
 
 from kvserve.engine.memory import (
     default_max_num_batched_tokens,
-    GiB, MemoryBudget, activation_peak_bytes, dtype_bytes, plan_memory,
+    GiB, MemoryBudget, activation_peak_bytes, dtype_bytes, kv_heads_per_rank, plan_memory,
+    rank_weight_bytes,
 )
 from kvserve.operator.spec import InvalidSpecError, ServiceSpec
 
 DEFAULT_MAX_NUM_SEQS = 256  # the engine's own default (EngineConfig.max_num_seqs)
+GPUS_PER_NODE = 8  # the most GPUs one replica (one pod, one node) may use
 
 
 def batched_tokens(max_model_len: int) -> int:
@@ -71,25 +75,28 @@ def kv_dtype(spec: ServiceSpec) -> str:
 
 
 def gpu_candidates(spec: ServiceSpec) -> list[int]:
-    """Powers of two up to maxPerReplica that split the attention and KV heads evenly."""
+    """Powers of two up to maxPerReplica that the engine can split the model over (heads, KV
+    heads, MLP: engine/distributed.py's rule)."""
     if spec.device == "cpu":
         return [1]
     arch, out, n = spec.model.arch, [], 1
     while n <= spec.max_gpus_per_replica:
-        if arch.heads % n == 0 and (arch.kv_heads % n == 0 or n % arch.kv_heads == 0):
+        if arch.heads % n == 0 and (arch.kv_heads % n == 0 or n % arch.kv_heads == 0) and \
+                arch.intermediate % n == 0:
             out.append(n)
         n *= 2
     return out
 
 
-def activation_bytes(spec: ServiceSpec) -> int:
+def activation_bytes(spec: ServiceSpec, gpus: int = 1) -> int:
+    """One rank's activation peak with the model split over `gpus`."""
     arch, eng = spec.model.arch, spec.engine
     return activation_peak_bytes(
         hidden_size=arch.hidden, intermediate_size=arch.intermediate, vocab_size=arch.vocab,
         num_heads=arch.heads, head_dim=arch.head_dim,
         max_num_batched_tokens=batched_tokens(eng.max_model_len),
         max_num_seqs=eng.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
-        act_dtype_bytes=dtype_bytes(weight_dtype(spec)))
+        act_dtype_bytes=dtype_bytes(weight_dtype(spec)), tensor_parallel_size=max(gpus, 1))
 
 
 def budget_per_gpu(spec: ServiceSpec, gpus: int) -> MemoryBudget:
@@ -98,8 +105,8 @@ def budget_per_gpu(spec: ServiceSpec, gpus: int) -> MemoryBudget:
     weights = arch.parameters * dtype_bytes(weight_dtype(spec))
     return plan_memory(
         total_bytes=spec.gpu_memory_bytes, gpu_memory_utilization=eng.gpu_memory_utilization,
-        weight_bytes=-(-weights // gpus), activation_peak=activation_bytes(spec),
-        num_layers=arch.layers, num_kv_heads=max(arch.kv_heads // gpus, 1),
+        weight_bytes=rank_weight_bytes(weights, gpus), activation_peak=activation_bytes(spec, gpus),
+        num_layers=arch.layers, num_kv_heads=kv_heads_per_rank(arch.kv_heads, gpus),
         head_dim=arch.head_dim, kv_dtype_bytes=dtype_bytes(kv_dtype(spec)),
         block_size=eng.block_size, tokens_per_request=eng.max_model_len)
 
@@ -120,8 +127,18 @@ def plan(spec: ServiceSpec) -> Sizing:
     for gpus in candidates:
         budget = budget_per_gpu(spec, gpus)
         if budget.num_blocks >= blocks_needed(spec):
+            if gpus > GPUS_PER_NODE:
+                raise InvalidSpecError(_multi_node(spec, gpus), reason="MultiNodeUnsupported")
             return _sizing(spec, gpus, budget)
     raise InsufficientGPUMemoryError(_refusal(spec, candidates[-1], budget))
+
+
+def _multi_node(spec: ServiceSpec, gpus: int) -> str:
+    return (f"{spec.model.key} needs {gpus} GPUs per replica, more than one node's "
+            f"{GPUS_PER_NODE}: multi-node tensor parallelism (one replica over several machines) "
+            "is not supported. Lower maxModelLen/maxNumSeqs, use kvCacheDtype fp8 or a bigger "
+            "GPU type, or set spec.gpu.maxPerReplica <= 8 (docs/operations.md: how it would map "
+            "onto a LeaderWorkerSet)")
 
 
 def _device_words(spec: ServiceSpec, gpus: int) -> str:
@@ -145,6 +162,11 @@ def _sizing(spec: ServiceSpec, gpus: int, b: MemoryBudget) -> Sizing:
         f"{b.bytes_per_block / 1024:.0f} KiB per block of {eng.block_size} tokens ({kdt}) -> "
         f"{b.num_blocks} blocks = {b.num_blocks * eng.block_size} tokens -> max concurrency "
         f"{b.max_concurrency} requests of {eng.max_model_len} tokens")
+    if gpus > 1 and spec.device != "cpu":
+        explanation += (f"; tensor parallel over {gpus} GPUs of one node "
+                        f"(--tensor-parallel-size {gpus}, NCCL, memory-backed /dev/shm), each "
+                        f"holding 1/{gpus} of the weights and "
+                        f"{kv_heads_per_rank(arch.kv_heads, gpus)} of {arch.kv_heads} KV heads")
     share = gpus if spec.device != "cpu" else 1
     return Sizing(
         gpus_per_replica=0 if spec.device == "cpu" else gpus, weight_bytes=weights,

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 
 import kvserve
 from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.errors import KVServeError
 from kvserve.engine.tokenizer import prompt_token_ids
 from kvserve.service.errors import error_body, install_error_handlers
 from kvserve.service.metrics import CONTENT_TYPE, ServerMetrics
@@ -218,7 +219,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext, metrics: ServerMetrics) -> No
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if ctx.engine.error is not None or (not ctx.engine.is_running):
+        if ctx.engine.error is not None or (not ctx.engine.is_running) or _workers_dead(ctx):
             return JSONResponse({"status": "dead"}, status_code=503)
         if ctx.engine.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
@@ -257,6 +258,15 @@ def _add_routes(app: FastAPI, ctx: ServingContext, metrics: ServerMetrics) -> No
         ctx.resolve_model(req.model)
         return JSONResponse(DetokenizeResponse(prompt=ctx.tokenizer.decode(req.tokens))
                             .model_dump())
+
+
+def _workers_dead(ctx: ServingContext) -> bool:
+    """A tensor-parallel worker died (noticed even while no request runs)."""
+    try:
+        getattr(ctx.engine.engine, "check_health", lambda: None)()
+    except KVServeError:
+        return True
+    return False
 
 
 async def _disconnect_safe(work: Any) -> Response:
@@ -406,7 +416,10 @@ def run_server(engine_config: Any, config: ServerConfig) -> int:
                                timeout_graceful_shutdown=max(int(config.shutdown_grace_period), 1))
     server = DrainingServer(uv_config, app.state.engine, config.shutdown_grace_period)
     logger.info("listening on http://%s:%d (OpenAI API under /v1)", config.host, config.port)
-    server.run()
+    try:
+        server.run()
+    finally:
+        llm_engine.shutdown()  # tensor-parallel workers go with the server
     return 0
 
 

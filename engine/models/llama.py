@@ -3,6 +3,9 @@
 One forward takes a flattened batch of prefill and decode tokens ([T] ids and positions, no
 padding); each layer writes its new K/V through the slot mapping and attends through the block
 tables with `kvserve.kernels`. q/k/v and gate/up are fused into one matmul each at load time.
+With a TPGroup (tensor parallelism) each rank holds its heads, its slice of the MLP and of the
+vocabulary (engine/distributed.py), and all-reduces after o_proj, down_proj and the embedding;
+without one the model is the plain unsharded one, with no collective.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
+from kvserve.engine.distributed import TPGroup, TPShape
 from kvserve.engine.errors import ConfigError, ModelNotFoundError
+from kvserve.engine.models.parallel_layers import VocabParallelEmbedding, rank_slice, read_slice
 from kvserve.kernels import cpu_ops as ops
 from kvserve.kernels.metadata import AttentionMetadata
 
@@ -157,11 +162,12 @@ class AttentionOps:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, d: LlamaDims, dtype, device=None) -> None:
+    def __init__(self, d: LlamaDims, s: TPShape, tp: TPGroup | None, dtype, device=None) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = d.num_heads, d.num_kv_heads, d.head_dim
-        self.q_size, self.kv_size = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, d.head_dim
+        self.q_size, self.kv_size = s.num_heads * d.head_dim, s.num_kv_heads * d.head_dim
         self.scale = d.head_dim ** -0.5
+        self.tp = tp
         self.qkv_proj = _linear(d.hidden, self.q_size + 2 * self.kv_size, d.qkv_bias, dtype, device)
         self.o_proj = _linear(self.q_size, d.hidden, d.o_bias, dtype, device)
 
@@ -176,24 +182,27 @@ class LlamaAttention(nn.Module):
         k_cache, v_cache = kv_cache
         attn_ops.write(k, v, k_cache, v_cache, attn)
         out = attn_ops.attend(q, k_cache, v_cache, attn, self.scale)
-        return self.o_proj(out.reshape(t, self.q_size))
+        out = self.o_proj(out.reshape(t, self.q_size))
+        return out if self.tp is None else self.tp.all_reduce(out)  # row parallel
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, d: LlamaDims, dtype, device=None) -> None:
+    def __init__(self, d: LlamaDims, s: TPShape, tp: TPGroup | None, dtype, device=None) -> None:
         super().__init__()
-        self.gate_up_proj = _linear(d.hidden, 2 * d.intermediate, d.mlp_bias, dtype, device)
-        self.down_proj = _linear(d.intermediate, d.hidden, d.mlp_bias, dtype, device)
+        self.tp = tp
+        self.gate_up_proj = _linear(d.hidden, 2 * s.intermediate, d.mlp_bias, dtype, device)
+        self.down_proj = _linear(s.intermediate, d.hidden, d.mlp_bias, dtype, device)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return out if self.tp is None else self.tp.all_reduce(out)  # row parallel
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, d: LlamaDims, dtype, device=None) -> None:
+    def __init__(self, d: LlamaDims, s: TPShape, tp: TPGroup | None, dtype, device=None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(d, dtype, device)
-        self.mlp = LlamaMLP(d, dtype, device)
+        self.self_attn = LlamaAttention(d, s, tp, dtype, device)
+        self.mlp = LlamaMLP(d, s, tp, dtype, device)
         self.input_layernorm = RMSNorm(d.hidden, d.eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(d.hidden, d.eps, dtype, device)
 
@@ -212,13 +221,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, d: LlamaDims, dtype, device=None) -> None:
+    def __init__(self, config, d: LlamaDims, s: TPShape, tp: TPGroup | None, dtype,
+                 device=None) -> None:
         super().__init__()
-        self.embed_tokens = torch.nn.utils.skip_init(
-            nn.Embedding, d.vocab, d.hidden, dtype=dtype, device=device)
+        if tp is None:
+            self.embed_tokens = torch.nn.utils.skip_init(
+                nn.Embedding, d.vocab, d.hidden, dtype=dtype, device=device)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(s, d.hidden, tp, dtype, device)
         self.rotary_emb = RotaryEmbedding(config, d.head_dim, dtype, device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(d, dtype, device) for _ in range(d.num_layers))
+            LlamaDecoderLayer(d, s, tp, dtype, device) for _ in range(d.num_layers))
         self.norm = RMSNorm(d.hidden, d.eps, dtype, device)
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
@@ -243,16 +256,20 @@ _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 class LlamaForCausalLM(nn.Module):
     """Llama / Mistral / Qwen2 causal LM over a paged KV cache (interface used by ModelRunner)."""
 
-    def __init__(self, config, dtype: torch.dtype, device: torch.device | None = None) -> None:
+    def __init__(self, config, dtype: torch.dtype, device: torch.device | None = None,
+                 tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.config, self.dtype = config, dtype
+        self.config, self.dtype, self.tp = config, dtype, tp
         self.dims = d = LlamaDims.from_config(config)
+        rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
+        self.shard = s = TPShape.of(rank, size, d.num_heads, d.num_kv_heads, d.intermediate,
+                                    d.vocab)
         window = getattr(config, "sliding_window", None)
         if window and getattr(config, "use_sliding_window", True):
             logger.warning("sliding_window=%s is not implemented: attention is full, so keep "
                            "max_model_len <= %s to match the reference model", window, window)
-        self.model = LlamaModel(config, d, dtype, device)
-        self.lm_head = _linear(d.hidden, d.vocab, False, dtype, device)
+        self.model = LlamaModel(config, d, s, tp, dtype, device)
+        self.lm_head = _linear(d.hidden, s.vocab_per_rank, False, dtype, device)
         if d.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._ops: AttentionOps | None = None
@@ -269,10 +286,12 @@ class LlamaForCausalLM(nn.Module):
             self._ops = AttentionOps.resolve()
         return self.model(input_ids, positions, kv_caches, attn, self._ops)
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
+    def compute_logits(self, hidden: Tensor) -> Tensor | None:
         """[S, hidden] -> logits [S, vocab] in the model's dtype; the sampler widens them to
-        float32 for every stage but a plain greedy argmax, which needs no copy."""
-        return self.lm_head(hidden)
+        float32 for every stage but a plain greedy argmax, which needs no copy. Tensor parallel:
+        each rank's vocabulary slice is gathered to rank 0; the other ranks get None."""
+        logits = self.lm_head(hidden)
+        return logits if self.tp is None else self.tp.gather_logits(logits, self.dims.vocab)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Copy HF-named tensors in (fusing q/k/v and gate/up); every parameter must be set."""
@@ -303,12 +322,24 @@ class LlamaForCausalLM(nn.Module):
             return f"{module_prefix}.{fused}.{leaf}", shard
         return name, None
 
-    def _copy(self, param: nn.Parameter, shard: int | None, name: str, tensor: Tensor) -> None:
+    def _copy(self, param: nn.Parameter, shard: int | None, name: str, source) -> None:
+        """`source`: the checkpoint tensor, or (tensor parallel) a lazy one this rank reads only
+        its slice of."""
         dest = param.data
         if shard is not None:
             sizes = self._shard_sizes(name)
             offset = sum(sizes[:shard])
             dest = dest.narrow(0, offset, sizes[shard])
+        tensor = source
+        if self.tp is not None:
+            prefix, _, leaf = name.rpartition(".")
+            sl = rank_slice(prefix.rpartition(".")[2], leaf, self.shard, self.dims.head_dim)
+            if sl is not None and sl.zero:
+                dest.zero_()
+                return
+            tensor = read_slice(source, sl)
+            if sl is not None and sl.dim == 0 and dest.shape[0] > sl.length:  # vocab padding
+                dest = dest.narrow(0, 0, sl.length)
         if dest.shape != tensor.shape:
             raise ModelNotFoundError(
                 f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model expects "
@@ -317,11 +348,11 @@ class LlamaForCausalLM(nn.Module):
             dest.copy_(tensor)
 
     def _shard_sizes(self, name: str) -> list[int]:
-        d = self.dims
+        d, s = self.dims, self.shard
         if ".self_attn." in name:
-            return [d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim,
-                    d.num_kv_heads * d.head_dim]
-        return [d.intermediate, d.intermediate]
+            return [s.num_heads * d.head_dim, s.num_kv_heads * d.head_dim,
+                    s.num_kv_heads * d.head_dim]
+        return [s.intermediate, s.intermediate]
 
     def _expected_names(self) -> set[str]:
         """The HF checkpoint names this model needs (fused params expanded back)."""

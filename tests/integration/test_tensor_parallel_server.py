@@ -1,0 +1,97 @@
+"""The OpenAI server over a 2-rank tensor-parallel engine: the openai client gets the tokens one
+rank gives; a killed worker turns /health to 503 and requests into errors; SIGTERM of a server
+process leaves no worker behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import psutil
+from conftest import free_port
+
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.service.api_server import ServerConfig, ServerThread, create_app
+
+PROMPT = "Paged attention stores the KV cache in"
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def complete(url: str) -> str:
+    client = openai.Client(base_url=url + "/v1", api_key="unused", max_retries=0)
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0)
+    return out.choices[0].text
+
+
+def serve(model_dir, tp: int) -> ServerThread:
+    engine = LLMEngine.from_config(EngineConfig(
+        model=str(model_dir), max_model_len=256, kv_cache_memory=4 << 20, dtype="float32",
+        tensor_parallel_size=tp))
+    return ServerThread(create_app(engine, ServerConfig(served_model_names=["tiny"]))).start()
+
+
+def test_two_ranks_serve_the_same_text_and_a_dead_worker_is_a_503(tiny_model_dir) -> None:
+    one = serve(tiny_model_dir, 1)
+    try:
+        expected = complete(one.url)
+    finally:
+        one.stop()
+    srv = serve(tiny_model_dir, 2)
+    engine = srv.server.engine.engine
+    try:
+        assert complete(srv.url) == expected
+        assert httpx.get(srv.url + "/health").status_code == 200
+        os.kill(engine.runner.workers.procs[0].pid, signal.SIGKILL)
+        wait_for(lambda: httpx.get(srv.url + "/health").status_code == 503, 30, "/health 503")
+        try:
+            complete(srv.url)
+            raise AssertionError("a request on a dead engine succeeded")
+        except openai.APIStatusError as exc:
+            assert exc.status_code >= 500
+    finally:
+        srv.stop()
+        engine.shutdown()
+
+
+def test_sigterm_leaves_no_worker_process(tiny_model_dir, tmp_path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = (tmp_path / "server.log").open("w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvserve.service.api_server", "--model", str(tiny_model_dir),
+         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+         "--max-model-len", "256", "--kv-cache-memory", "4MiB", "--dtype", "float32",
+         "--tensor-parallel-size", "2", "--log-level", "info"],
+        stdout=log, stderr=subprocess.STDOUT)
+    try:
+        def up() -> bool:
+            try:
+                return httpx.get(url + "/health", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return proc.poll() is not None
+        wait_for(up, 240, "the server")
+        assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        assert workers, "no tensor-parallel worker process found"
+        assert complete(url)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        _, alive = psutil.wait_procs(workers, timeout=30)
+        assert not alive, f"left behind: {alive}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
