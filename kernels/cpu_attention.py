@@ -17,11 +17,14 @@ once, and "auto" falls back to the torch path.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import platform
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -77,9 +80,11 @@ def available() -> bool:
         build.mkdir(parents=True, exist_ok=True)
         if not (build / "kvserve_cpu_decode.so").exists():
             logger.info("building the CPU paged-attention kernel into %s (once per machine)", build)
-        cpp_extension.load(name="kvserve_cpu_decode", sources=[str(p) for p in SOURCES],
-                           extra_cflags=_cflags(), extra_ldflags=["-fopenmp"],
-                           build_directory=str(build), is_python_module=False, verbose=False)
+        with build_lock(build):
+            cpp_extension.load(name="kvserve_cpu_decode", sources=[str(p) for p in SOURCES],
+                               extra_cflags=_cflags(), extra_ldflags=["-fopenmp"],
+                               build_directory=str(build), is_python_module=False,
+                               verbose=False)
         return hasattr(torch.ops.kvserve_cpu, "paged_decode") and \
             hasattr(torch.ops.kvserve_cpu, "paged_prefill") and \
             hasattr(torch.ops.kvserve_ops, "rms_norm")
@@ -87,6 +92,27 @@ def available() -> bool:
         logger.warning("CPU paged-attention kernel unavailable (%s: %s); using the torch path",
                        type(exc).__name__, " | ".join(str(exc).strip().splitlines()[-3:]))
         return False
+
+
+@contextlib.contextmanager
+def build_lock(build: Path) -> Iterator[None]:
+    """Serialise builds of one build folder with an flock, and clear a stale torch baton.
+
+    torch's own build lock is a plain `lock` file (a FileBaton): a build killed mid-way (a test
+    timeout, an OOM kill, a pod stopped during its first start) leaves it behind, and every later
+    process waits on it forever. An flock dies with its process, so whoever holds it knows no
+    other kvserve build is running and any `lock` file left there is stale.
+    """
+    with open(build / "kvserve.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            baton = build / "lock"
+            if baton.exists():
+                logger.warning("removing a stale build lock %s (a build was killed)", baton)
+                baton.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _ninja_on_path() -> None:

@@ -1,6 +1,8 @@
 """The CPU backend (fused C++ decode and prefill kernels) against the reference."""
 
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -20,6 +22,18 @@ def test_the_kernel_builds_where_a_compiler_exists():
     assert shutil.which("c++") or shutil.which("g++"), "no C++ compiler on this machine"
     assert cpu_attention.available()
     assert backend_mod.resolve_backend("auto", torch.device("cpu")) == "cpu"
+
+
+def test_a_build_killed_mid_way_does_not_block_the_next_start():
+    """torch's build lock is a plain file: one left by a killed build made every later process
+    wait forever. A fresh process must load the kernel past it (the timeout turns a hang into a
+    failure) and leave no stale lock behind."""
+    assert cpu_attention.available()
+    build = cpu_attention._build_dir()
+    (build / "lock").touch()
+    code = "from kvserve.kernels import cpu_attention; assert cpu_attention.available()"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=240)
+    assert not (build / "lock").exists()
 
 
 @settings(max_examples=40, deadline=None)
