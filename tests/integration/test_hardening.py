@@ -1,0 +1,252 @@
+"""Hostile and unsupported input against a real server (uvicorn + httpx/openai, tiny model): every
+case is a 4xx in OpenAI's shape, and the server still answers a normal request afterwards."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from test_api_server import CHAT, assert_openai_error, post, start_server
+
+from kvserve.service.api_server import ServerThread
+from kvserve.service.protocol import RequestLimits
+
+LIMITS = RequestLimits(max_prompts=8, max_prompt_tokens=200, max_n=4, max_stop=4,
+                       max_stop_len=32, max_logprobs=5, max_json_depth=16)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir) -> Iterator[ServerThread]:
+    srv = start_server(tiny_model_dir, limits=LIMITS)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def client(server) -> openai.Client:
+    return openai.Client(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def still_serving(server: ServerThread) -> None:
+    """/health is ok and a normal completion still runs after the hostile one."""
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    ok = post(server.url, "/v1/completions", {"model": "tiny", "prompt": "alive?",
+                                              "max_tokens": 2, "seed": 7, "temperature": 1.0})
+    assert ok.status_code == 200, ok.text
+
+
+def raw_post(server: ServerThread, path: str, text: str) -> httpx.Response:
+    return post(server.url, path, text.encode())
+
+
+# ---------------------------------------------------------------------------- numbers
+
+
+@pytest.mark.parametrize("seed", [str(2**64 + 5), str(2**63), str(-(2**63) - 1), "1" + "0" * 30,
+                                  "9" * 5000])  # the last is past Python's int-parsing limit
+def test_a_seed_outside_64_bits_is_400_and_the_engine_lives(server, seed):
+    body = '{"model": "tiny", "prompt": "x", "max_tokens": 2, "temperature": 1, "seed": %s}' % seed
+    assert_openai_error(raw_post(server, "/v1/completions", body), 400,
+                        None if len(seed) > 4300 else "seed")
+    still_serving(server)
+
+
+@pytest.mark.parametrize("seed", [2**63 - 1, -(2**63), 0])
+def test_seeds_at_the_ends_of_the_range_are_served(server, seed):
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 2, "temperature": 1, "seed": seed,
+            "n": 2}
+    resp = post(server.url, "/v1/completions", body)
+    assert resp.status_code == 200, resp.text
+    assert post(server.url, "/v1/completions", body).json()["choices"] == resp.json()["choices"]
+
+
+FLOATS = ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+          "repetition_penalty"]
+
+
+@pytest.mark.parametrize("field", FLOATS)
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_nan_and_infinity_are_400_naming_the_field(server, field, value):
+    body = '{"model": "tiny", "prompt": "x", "max_tokens": 2, "%s": %s}' % (field, value)
+    assert_openai_error(raw_post(server, "/v1/completions", body), 400, field)
+    chat = '{"model": "tiny", "messages": %s, "max_tokens": 2, "%s": %s}' % (
+        json.dumps(CHAT), field, value)
+    assert_openai_error(raw_post(server, "/v1/chat/completions", chat), 400, field)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"temperature": 1000}, "temperature"),
+    ({"repetition_penalty": 1e6}, "repetition_penalty"),
+    ({"max_tokens": 10**30}, "max_tokens"),
+    ({"top_k": 10**30}, "top_k"),
+    ({"priority": 10**30}, "priority"),
+    ({"min_tokens": 10**30}, "min_tokens"),
+    ({"stop_token_ids": [10**30]}, "stop_token_ids.0"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids.0"),
+    ({"prompt": [[1, 2, 10**30]]}, "prompt"),
+    ({"prompt": [1, -2]}, "prompt"),
+])
+def test_out_of_range_integers_and_floats_are_400(server, body, param):
+    resp = post(server.url, "/v1/completions", {"model": "tiny", "prompt": "x", **body})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"].startswith(param)
+    still_serving(server)
+
+
+@pytest.mark.parametrize("tokens", [[10**30], [-1], [2**40]])
+def test_detokenize_refuses_ids_it_cannot_decode(server, tokens):
+    assert_openai_error(post(server.url, "/detokenize", {"tokens": tokens}), 400, None)
+    still_serving(server)
+
+
+# ---------------------------------------------------------------------------- shapes and sizes
+
+
+def test_deeply_nested_json_is_400(server):
+    deep = '{"model": "tiny", "prompt": "x", "extra": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    assert_openai_error(raw_post(server, "/v1/completions", deep), 400)
+    over = '{"model": "tiny", "prompt": "x", "extra": ' + "[" * 20 + "]" * 20 + "}"
+    resp = raw_post(server, "/v1/completions", over)
+    assert_openai_error(resp, 400)
+    assert "nest" in resp.json()["error"]["message"]
+    fits = '{"model": "tiny", "prompt": "x", "max_tokens": 1, "extra": ' + "[" * 10 + \
+        "]" * 10 + "}"
+    assert raw_post(server, "/v1/completions", fits).status_code == 200
+    still_serving(server)
+
+
+def test_invalid_utf8_and_lone_surrogates_are_400(server):
+    assert_openai_error(post(server.url, "/v1/completions",
+                             b'{"model": "tiny", "prompt": "\xff\xfe"}'), 400)
+    lone = '{"model": "tiny", "prompt": "a\\ud800b", "max_tokens": 1}'
+    assert_openai_error(raw_post(server, "/v1/completions", lone), 400)
+    chat = '{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}'
+    assert_openai_error(raw_post(server, "/v1/chat/completions", chat), 400)
+    still_serving(server)
+
+
+def test_too_many_prompts_is_400_at_once(server):
+    resp = post(server.url, "/v1/completions", {"model": "tiny", "prompt": ["x"] * 100_000})
+    assert_openai_error(resp, 400, "prompt")
+    assert "8" in resp.json()["error"]["message"]  # names the cap
+    ids = post(server.url, "/v1/completions", {"model": "tiny", "prompt": [[5]] * 9})
+    assert_openai_error(ids, 400, "prompt")
+    ok = post(server.url, "/v1/completions", {"model": "tiny", "prompt": ["x"] * 8,
+                                              "max_tokens": 1})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 8
+    still_serving(server)
+
+
+def test_total_prompt_tokens_over_the_cap_is_400(server):
+    ids = [[5] * 80] * 3  # 240 tokens in all, each prompt fits the context
+    assert_openai_error(post(server.url, "/v1/completions", {"model": "tiny", "prompt": ids}),
+                        400, "prompt")
+    ok = post(server.url, "/v1/completions", {"model": "tiny", "prompt": ids[:2],
+                                              "max_tokens": 1})
+    assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"n": 5}, "n"),
+    ({"n": 10**30}, "n"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop": "x" * 33}, "stop"),
+    ({"stop_token_ids": [1, 2, 3, 4, 5]}, "stop_token_ids"),
+    ({"logprobs": 6}, "logprobs"),
+])
+def test_caps_on_n_stop_and_logprobs(server, body, param):
+    resp = post(server.url, "/v1/completions", {"model": "tiny", "prompt": "x", **body})
+    assert_openai_error(resp, 400, param)
+
+
+def test_chat_top_logprobs_cap(server):
+    body = {"model": "tiny", "messages": CHAT, "logprobs": True, "top_logprobs": 6}
+    assert_openai_error(post(server.url, "/v1/chat/completions", body), 400, "top_logprobs")
+
+
+# ---------------------------------------------------------------------------- unsupported fields
+
+
+UNSUPPORTED = [
+    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("/v1/chat/completions", "tool_choice", "required"),
+    ("/v1/chat/completions", "functions", [{"name": "f"}]),
+    ("/v1/chat/completions", "function_call", {"name": "f"}),
+    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+    ("/v1/chat/completions", "logit_bias", {"5": 100}),
+    ("/v1/chat/completions", "use_beam_search", True),
+    ("/v1/chat/completions", "guided_json", {"type": "object"}),
+    ("/v1/chat/completions", "guided_regex", "a+"),
+    ("/v1/chat/completions", "guided_choice", ["a", "b"]),
+    ("/v1/chat/completions", "prompt_logprobs", 1),
+    ("/v1/chat/completions", "continue_final_message", True),
+    ("/v1/completions", "best_of", 3),
+    ("/v1/completions", "use_beam_search", True),
+    ("/v1/completions", "logit_bias", {"5": -100}),
+    ("/v1/completions", "response_format", {"type": "json_schema", "json_schema": {}}),
+    ("/v1/completions", "guided_grammar", "root ::= 'a'"),
+    ("/v1/completions", "prompt_logprobs", 0),
+    ("/v1/completions", "allowed_token_ids", [1, 2]),
+    ("/v1/completions", "bad_words", ["x"]),
+    ("/v1/completions", "suffix", "tail"),
+]
+
+
+def _base(path: str) -> dict[str, Any]:
+    if path == "/v1/chat/completions":
+        return {"model": "tiny", "messages": CHAT, "max_tokens": 1}
+    return {"model": "tiny", "prompt": "x", "max_tokens": 1}
+
+
+@pytest.mark.parametrize("path, field, value", UNSUPPORTED)
+def test_known_but_unsupported_fields_are_refused_by_name(server, path, field, value):
+    resp = post(server.url, path, {**_base(path), field: value})
+    assert_openai_error(resp, 400, field)
+    assert field in resp.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path, extra", [
+    ("/v1/completions", {"best_of": 1}),
+    ("/v1/completions", {"best_of": 2, "n": 2}),
+    ("/v1/completions", {"use_beam_search": False, "logit_bias": {}}),
+    ("/v1/chat/completions", {"tools": [], "tool_choice": "none"}),
+    ("/v1/chat/completions", {"tool_choice": "auto", "parallel_tool_calls": True}),
+    ("/v1/chat/completions", {"response_format": {"type": "text"}}),
+    ("/v1/chat/completions", {"some_vendor_extra": {"a": 1}, "metadata": {"k": "v"}}),
+])
+def test_values_that_ask_for_nothing_and_unknown_fields_are_accepted(server, path, extra):
+    resp = post(server.url, path, {**_base(path), **extra})
+    assert resp.status_code == 200, resp.text
+
+
+def test_a_tool_call_in_the_history_is_refused(server):
+    messages = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+    resp = post(server.url, "/v1/chat/completions", {"model": "tiny", "messages": messages})
+    assert_openai_error(resp, 400, "messages.1.tool_calls")
+
+
+def test_the_openai_client_gets_a_bad_request_error_for_tools(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1, tools=[
+            {"type": "function", "function": {"name": "f", "parameters": {}}}])
+    assert info.value.body["param"] == "tools"
+
+
+# ---------------------------------------------------------------------------- configuration
+
+
+def test_caps_come_from_the_config(tiny_model_dir):
+    srv = start_server(tiny_model_dir, limits=RequestLimits(max_prompts=2))
+    try:
+        assert_openai_error(post(srv.url, "/v1/completions",
+                                 {"model": "tiny", "prompt": ["a", "b", "c"]}), 400, "prompt")
+        ok = post(srv.url, "/v1/completions", {"model": "tiny", "prompt": ["a", "b"],
+                                               "max_tokens": 1, "n": 5})
+        assert ok.status_code == 200, ok.text  # n's default cap is 16
+    finally:
+        srv.stop()
