@@ -250,3 +250,80 @@ def test_caps_come_from_the_config(tiny_model_dir):
         assert ok.status_code == 200, ok.text  # n's default cap is 16
     finally:
         srv.stop()
+
+
+# ---------------------------------------------------------------------------- the router
+
+
+@pytest.fixture(scope="module")
+def router(server, tiny_model_dir, tmp_path_factory) -> Iterator[Any]:
+    """A router (real uvicorn, in this process) with Redis up, so it tokenizes to route, in front
+    of the module's server as its static replica."""
+    import shutil
+
+    from conftest import RedisServer
+    from test_router import RouterThread
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed (apt install redis-server)")
+    redis = RedisServer(binary, tmp_path_factory.mktemp("redis"))
+    redis.start()
+    rt = RouterThread(tiny_model_dir, redis.url, (
+        "--replicas", server.url, "--max-prompts-per-request", "8", "--max-json-depth", "16"))
+    try:
+        rt.wait()
+        yield rt
+    finally:
+        rt.stop()
+        redis.stop()
+
+
+def router_still_routes(router: Any) -> None:
+    resp = post(router.url, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 1})
+    assert resp.status_code == 200, resp.text
+    assert "x-kvserve-replica" in resp.headers
+
+
+def test_a_40_mib_body_to_the_router_is_413_at_once(router):
+    body = b'{"model": "tiny", "prompt": "' + b"x" * (40 << 20) + b'"}'
+    resp = httpx.post(router.url + "/v1/completions", content=body, timeout=60,
+                      headers={"content-type": "application/json"})
+    assert_openai_error(resp, 413)
+
+    def chunked() -> Iterator[bytes]:  # no content-length: counted while reading
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(4 << 10):
+            yield b"y" * 1024
+        yield b'"}'
+
+    resp = httpx.post(router.url + "/v1/chat/completions", content=chunked(), timeout=60,
+                      headers={"content-type": "application/json"})
+    assert_openai_error(resp, 413)
+    router_still_routes(router)
+
+
+@pytest.mark.parametrize("path, text, param", [
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", "temperature": NaN}', "temperature"),
+    ("/v1/completions", '{"model": "tiny", "prompt": ' + "[" * 50_000 + "]" * 50_000 + "}", None),
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", "e": ' + "[" * 20 + "]" * 20 + "}",
+     None),
+    ("/v1/completions", '{"model": "tiny", "prompt": [' + ", ".join(['"a"'] * 9) + "]}",
+     "prompt"),
+    ("/v1/completions", '{"model": "tiny", "prompt": [[1, 99999999999]]}', "prompt"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", "seed": 1e400}', "seed"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", "seed": %d}' % 2**64, "seed"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "x"}], '
+     '"tools": [{"type": "function", "function": {"name": "f"}}]}', "tools"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": "not a list"}', "messages"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": '
+     '"\\ud800"}]}', None),
+    ("/v1/chat/completions", '{"model": ', None),
+])
+def test_the_router_refuses_hostile_bodies_itself(router, path, text, param):
+    resp = post(router.url, path, text.encode())
+    assert_openai_error(resp, 400)
+    if param is not None:  # a union's member tag may follow, e.g. "prompt.list[list[int]].0.1"
+        assert resp.json()["error"]["param"].startswith(param)
+    assert "x-kvserve-replica" not in resp.headers  # answered by the router, not a replica
+    router_still_routes(router)
