@@ -327,3 +327,66 @@ def test_the_router_refuses_hostile_bodies_itself(router, path, text, param):
         assert resp.json()["error"]["param"].startswith(param)
     assert "x-kvserve-replica" not in resp.headers  # answered by the router, not a replica
     router_still_routes(router)
+
+
+# ---------------------------------------------------------------------------- SIGTERM drain
+
+
+def test_sigterm_cuts_off_requests_with_503_and_an_sse_error(tiny_model_dir, tmp_path):
+    """A real server process drained with a grace period too short for its two running requests:
+    the non-streaming one gets 503 + Retry-After, the streaming one an error event, then [DONE]."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from conftest import free_port
+    from test_api_server import metrics, wait_for
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "server.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvserve.service.api_server", "--model", str(tiny_model_dir),
+         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+         "--max-model-len", "512", "--kv-cache-memory", "4MiB", "--dtype", "float32",
+         "--shutdown-grace-period", "0.2", "--log-level", "info"],
+        stdout=log.open("w"), stderr=subprocess.STDOUT)
+    body = {"model": "tiny", "prompt": "The quick", "max_tokens": 480, "temperature": 0,
+            "ignore_eos": True}
+    whole: list[httpx.Response] = []
+    try:
+        wait_for(lambda: proc.poll() is not None or _health(url) == 200, 180, "the server")
+        assert proc.poll() is None, log.read_text()[-3000:]
+        thread = threading.Thread(target=lambda: whole.append(
+            httpx.post(url + "/v1/completions", json=body, timeout=120)))
+        thread.start()
+        with httpx.Client(timeout=120) as http:
+            with http.stream("POST", url + "/v1/completions",
+                             json={**body, "stream": True}) as resp:
+                lines = resp.iter_lines()
+                next(lines)
+                wait_for(lambda: metrics(url)["vllm:num_requests_running"] == 2, 60, "2 running")
+                proc.send_signal(signal.SIGTERM)
+                events = [line[6:] for line in lines if line.startswith("data: ")]
+        thread.join(120)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "service_unavailable" and "shut down" in error["message"]
+    (cut,) = whole
+    assert_openai_error(cut, 503)
+    assert cut.json()["error"]["type"] == "service_unavailable"
+    assert cut.headers["retry-after"] == "1"
+    assert "drained (2 request(s) aborted)" in log.read_text()
+
+
+def _health(url: str) -> int:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code
+    except httpx.TransportError:
+        return 0
