@@ -77,7 +77,8 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self._next_seq_id = 0
         self._aborted: list[RequestOutput] = []
-        self._errors: dict[str, BaseException] = {}  # requests that failed alone in a step
+        self._errors: dict[str, BaseException] = {}  # requests that failed alone, not yet taken
+        self._failed_now: set[str] = set()  # ... of them, those that failed in this step
         self._prompt_tokens = 0
         self._generation_tokens = 0
         logger.info("%s; device %s, dtype %s, kv dtype %s, attention backend %s",
@@ -184,6 +185,7 @@ class LLMEngine:
     def _fail_request(self, request_id: str, exc: BaseException) -> None:
         logger.warning("request %s failed on its own and is aborted: %r", request_id, exc)
         self._errors[request_id] = exc
+        self._failed_now.add(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._aborted)
@@ -194,6 +196,7 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
+        self._failed_now = set()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self.runner.move_blocks(sched)  # a swap-in may precede the seq's next forward
@@ -205,13 +208,13 @@ class LLMEngine:
             seq.num_computed_tokens += n
             self.kv.register_computed(seq)
         touched = self._apply_samples(sched, rows, result, now) if result is not None else []
-        touched = [s for s in touched if s.request_id not in self._errors]
+        touched = [s for s in touched if s.request_id not in self._failed_now]
         outputs += [self._make_output(s) for s in touched]
         for s in touched:
             if s.finished:
                 self.requests.pop(s.request_id, None)
         # Last, once every scheduled seq's KV is registered: a failed request only frees its own.
-        self.abort_request([rid for rid in self._errors if rid in self.requests])
+        self.abort_request(list(self._failed_now))
         return outputs
 
     def _sampling_rows(self, sched: SchedulerOutput
@@ -231,8 +234,8 @@ class LLMEngine:
                 self._generator_for(seq, r, seqs)
             except Exception as exc:  # noqa: BLE001 - handed to that request's caller
                 self._fail_request(seq.request_id, exc)
-        if self._errors:
-            kept = [(i, s) for i, s in zip(rows, seqs) if s.request_id not in self._errors]
+        if self._failed_now:
+            kept = [(i, s) for i, s in zip(rows, seqs) if s.request_id not in self._failed_now]
             rows, seqs = [i for i, _ in kept], [s for _, s in kept]
             if not rows:
                 return rows, None
