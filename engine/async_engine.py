@@ -278,9 +278,12 @@ class AsyncEngine:
                 if not self._apply(commands):
                     break
                 outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+                self._fail_requests(self.engine.take_request_errors())
                 self._dispatch(outputs)
                 self._refresh_observers(outputs)
-        except BaseException as exc:  # noqa: BLE001 - any failure kills the engine: tell everyone
+        # A request's own failure is handled at add or inside LLMEngine.step; what reaches here is
+        # an engine fault (a kernel error, a lost device): the engine is dead.
+        except BaseException as exc:  # noqa: BLE001 - tell everyone
             logger.exception("engine thread failed")
             self.error = exc
             self._fail_all(EngineDeadError(f"the engine failed: {exc!r}"))
@@ -342,6 +345,17 @@ class AsyncEngine:
             stream = self._streams.pop(rid)
             if notify is not None:
                 stream.put(notify)
+            for obs in self.observers:
+                obs.request_aborted(rid)
+
+    def _fail_requests(self, errors: dict[str, BaseException]) -> None:
+        """Requests that failed on their own in the last step: their readers get the error, the
+        loop goes on for everyone else (the engine already aborted them and freed their blocks)."""
+        for rid, exc in errors.items():
+            stream = self._streams.pop(rid, None)
+            if stream is None:
+                continue
+            stream.put(exc)
             for obs in self.observers:
                 obs.request_aborted(rid)
 

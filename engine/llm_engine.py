@@ -79,6 +79,8 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self._next_seq_id = 0
         self._aborted: list[RequestOutput] = []
+        self._errors: dict[str, BaseException] = {}  # requests that failed alone, not yet taken
+        self._failed_now: set[str] = set()  # ... of them, those that failed in this step
         self._prompt_tokens = 0
         self._generation_tokens = 0
         logger.info("%s; device %s, dtype %s, kv dtype %s, attention backend %s",
@@ -133,6 +135,7 @@ class LLMEngine:
         self._prompt_tokens += len(ids)
 
     def _check_request(self, ids: list[int], params: SamplingParams) -> SamplingParams:
+        params.verify()  # again: a caller may have changed a field since it was built
         if not ids:
             raise InvalidRequestError("the prompt is empty; send at least one token", "prompt")
         if min(ids) < 0 or max(ids) >= self.vocab_size:
@@ -187,6 +190,17 @@ class LLMEngine:
                     seq.finish_reason = "abort"
             self._aborted.append(self._make_output(state))
 
+    def take_request_errors(self) -> dict[str, BaseException]:
+        """Requests that failed on their own in a step (request id -> the error), since the last
+        call. Each was aborted, so its KV blocks are free; the other requests went on."""
+        errors, self._errors = self._errors, {}
+        return errors
+
+    def _fail_request(self, request_id: str, exc: BaseException) -> None:
+        logger.warning("request %s failed on its own and is aborted: %r", request_id, exc)
+        self._errors[request_id] = exc
+        self._failed_now.add(request_id)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._aborted)
 
@@ -196,6 +210,7 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
+        self._failed_now = set()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self.runner.move_blocks(sched)  # a swap-in may precede the seq's next forward
@@ -207,10 +222,13 @@ class LLMEngine:
             seq.num_computed_tokens += n
             self.kv.register_computed(seq)
         touched = self._apply_samples(sched, rows, result, now) if result is not None else []
+        touched = [s for s in touched if s.request_id not in self._failed_now]
         outputs += [self._make_output(s) for s in touched]
         for s in touched:
             if s.finished:
                 self.requests.pop(s.request_id, None)
+        # Last, once every scheduled seq's KV is registered: a failed request only frees its own.
+        self.abort_request(list(self._failed_now))
         return outputs
 
     def _sampling_rows(self, sched: SchedulerOutput
@@ -225,9 +243,19 @@ class LLMEngine:
                     seqs.append(seq)
         if not rows:
             return rows, None
+        for r, seq in enumerate(seqs):  # a generator that cannot be made fails its request only
+            try:
+                self._generator_for(seq, r, seqs)
+            except Exception as exc:  # noqa: BLE001 - handed to that request's caller
+                self._fail_request(seq.request_id, exc)
+        if self._failed_now:
+            kept = [(i, s) for i, s in zip(rows, seqs) if s.request_id not in self._failed_now]
+            rows, seqs = [i for i, _ in kept], [s for _, s in kept]
+            if not rows:
+                return rows, None
         gens: dict[int, torch.Generator] = {}
         for r, seq in enumerate(seqs):
-            g = self._generator_for(seq, r, seqs)
+            g = self._generator_for(seq, r, seqs)  # made above: cached in the request's state
             if g is not None:
                 gens[r] = g
         meta = SamplingMetadata.build(
@@ -260,8 +288,11 @@ class LLMEngine:
         touched: dict[str, RequestState] = {}
         for r, (seq, tok) in enumerate(zip(targets, tokens)):
             state = self.requests[seq.request_id]
-            self._append_token(state, seq, tok, lps[r] if lps else None,
-                               lp_ids[r] if lp_ids else None, now)
+            try:  # detokenizing and stop checks are this request's own business
+                self._append_token(state, seq, tok, lps[r] if lps else None,
+                                   lp_ids[r] if lp_ids else None, now)
+            except Exception as exc:  # noqa: BLE001 - handed to that request's caller
+                self._fail_request(seq.request_id, exc)
             touched[state.request_id] = state
         return list(touched.values())
 

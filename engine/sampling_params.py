@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.engine.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
+# A seed is a signed 64-bit integer, as in vLLM (torch.iinfo(torch.long)); `seed + sample index`
+# then stays inside what torch.Generator.manual_seed takes ([-2**63, 2**64 - 1]).
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
+# Upper bounds that keep every value finite in the sampler's float32 and int64 tensors.
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 100.0
+MAX_TOKEN_ID = (1 << 31) - 1
+_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+           "repetition_penalty")
+_INTS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "seed")
 
 
 @dataclass
@@ -53,13 +66,19 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS
 
     def verify(self) -> None:
+        """InvalidRequestError naming the first field out of range. Also called by the engine
+        when a request is added, since a SamplingParams can be changed after it was built."""
         def bad(param: str, msg: str) -> None:
             raise InvalidRequestError(f"{param} {msg}", param=param)
 
+        self._verify_types(bad)
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            bad("seed", f"must be a signed 64-bit integer (in [{SEED_MIN}, {SEED_MAX}]), "
+                f"got {self.seed}.")
         if self.n < 1:
             bad("n", f"must be at least 1, got {self.n}.")
-        if self.temperature < 0:
-            bad("temperature", f"must be non-negative, got {self.temperature}.")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            bad("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", f"must be in (0, 1], got {self.top_p}.")
         if self.top_k < -1:
@@ -70,13 +89,30 @@ class SamplingParams:
             bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}.")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}.")
-        if self.repetition_penalty <= 0.0:
-            bad("repetition_penalty", f"must be positive, got {self.repetition_penalty}.")
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            bad("repetition_penalty", f"must be in (0, {MAX_REPETITION_PENALTY:g}], got "
+                f"{self.repetition_penalty}.")
         if self.max_tokens is not None and self.max_tokens < 1:
             bad("max_tokens", f"must be at least 1, got {self.max_tokens}.")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             bad("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}.")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", f"must be in [0, 20], got {self.logprobs}.")
-        if any(not s for s in self._stop_list):
-            bad("stop", "must not contain empty strings.")
+        if any(not isinstance(s, str) or not s for s in self._stop_list):
+            bad("stop", "must be a string or a list of non-empty strings.")
+        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t <= MAX_TOKEN_ID
+               for t in self.stop_token_ids or []):
+            bad("stop_token_ids", f"must be token ids in [0, {MAX_TOKEN_ID}].")
+
+    def _verify_types(self, bad: Callable[[str, str], None]) -> None:
+        """Finite numbers of the right kind: NaN compares false with every bound, so it would
+        slip through the range checks below."""
+        for name in _FLOATS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+                    or not math.isfinite(value):
+                bad(name, f"must be a finite number, got {value!r}.")
+        for name in _INTS:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+                bad(name, f"must be an integer, got {value!r}.")

@@ -29,11 +29,11 @@ import kvserve
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.errors import KVServeError
 from kvserve.engine.tokenizer import prompt_token_ids
-from kvserve.service.errors import error_body, install_error_handlers
+from kvserve.service.errors import APIError, error_body, install_error_handlers
 from kvserve.service.metrics import CONTENT_TYPE, ServerMetrics
 from kvserve.service.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                      DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
-                                      TokenizeResponse)
+                                      DetokenizeResponse, ModelCard, ModelList, RequestLimits,
+                                      TokenizeRequest, TokenizeResponse)
 from kvserve.service.serving_chat import chat_prompt, create_chat_completion
 from kvserve.service.serving_common import ClientDisconnected, ServingContext, parse_body
 from kvserve.service.serving_completion import create_completion
@@ -54,6 +54,7 @@ class ServerConfig:
     public_paths: tuple[str, ...] = DEFAULT_PUBLIC_PATHS  # open without the API key
     max_waiting: int | None = None
     max_body_bytes: int = 1 << 20
+    limits: RequestLimits = field(default_factory=RequestLimits)
     allowed_origins: list[str] = field(default_factory=list)  # CORS off when empty
     shutdown_grace_period: float = 30.0
     log_level: str = "info"
@@ -165,7 +166,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics,
     drains the engine on shutdown."""
     names = config.served_model_names or [engine.model_name]
     ctx = ServingContext(engine=engine, served_model_names=names,
-                         tokenizer=copy.deepcopy(engine.tokenizer), max_waiting=config.max_waiting)
+                         tokenizer=copy.deepcopy(engine.tokenizer), max_waiting=config.max_waiting,
+                         limits=config.limits)
     metrics.set_cache_config(engine.memory_budget.block_size, engine.memory_budget.num_blocks)
 
     @asynccontextmanager
@@ -203,12 +205,12 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics,
 def _add_routes(app: FastAPI, ctx: ServingContext, metrics: ServerMetrics) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = await parse_body(request, CompletionRequest)
+        req = await parse_body(request, CompletionRequest, ctx.limits)
         return await _disconnect_safe(create_completion(ctx, req, request))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = await parse_body(request, ChatCompletionRequest)
+        req = await parse_body(request, ChatCompletionRequest, ctx.limits)
         return await _disconnect_safe(create_chat_completion(ctx, req, request))
 
     @app.get("/v1/models")
@@ -239,7 +241,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext, metrics: ServerMetrics) -> No
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
-        req = await parse_body(request, TokenizeRequest)
+        req = await parse_body(request, TokenizeRequest, ctx.limits)
         ctx.resolve_model(req.model)
         if req.messages is not None:
             chat = ChatCompletionRequest(messages=req.messages,
@@ -254,8 +256,12 @@ def _add_routes(app: FastAPI, ctx: ServingContext, metrics: ServerMetrics) -> No
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> JSONResponse:
-        req = await parse_body(request, DetokenizeRequest)
+        req = await parse_body(request, DetokenizeRequest, ctx.limits)
         ctx.resolve_model(req.model)
+        vocab = len(ctx.tokenizer)
+        if any(t >= vocab for t in req.tokens):
+            raise APIError(400, f"tokens must be ids in [0, {vocab}), got {max(req.tokens)}",
+                           param="tokens", code="invalid_value")
         return JSONResponse(DetokenizeResponse(prompt=ctx.tokenizer.decode(req.tokens))
                             .model_dump())
 

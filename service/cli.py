@@ -16,6 +16,7 @@ from typing import Any
 
 from kvserve.engine.config import DEFAULT_MODEL, KV_CACHE_DTYPES, MODEL_DTYPES, EngineConfig
 from kvserve.engine.errors import ConfigError, KVServeError
+from kvserve.service.protocol import RequestLimits
 
 logger = logging.getLogger("kvserve.cli")
 
@@ -44,6 +45,54 @@ def string_list(text: str) -> list[str]:
         except json.JSONDecodeError as exc:
             raise argparse.ArgumentTypeError(f"bad JSON list {text!r}: {exc}") from exc
     return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def logprobs_cap(text: str) -> int:
+    value = int(text) if text.strip().lstrip("-").isdigit() else -1
+    if not 0 <= value <= 20:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 20], got {text!r}")
+    return value
+
+
+def add_limit_args(parser: argparse.ArgumentParser) -> None:
+    """Caps on one request (docs/operations.md, "Request limits"); the server and router share
+    them, so a body the router accepts is one the replicas accept."""
+    d = RequestLimits()
+    g = parser.add_argument_group("request limits (over a cap: 400 naming the field)")
+    g.add_argument("--max-body-bytes", type=byte_size, default=1 << 20,
+                   help="largest request body; larger ones get 413 before they are read")
+    g.add_argument("--max-json-depth", type=positive_int, default=d.max_json_depth,
+                   help="deepest nesting of arrays and objects in a request body")
+    g.add_argument("--max-prompts-per-request", type=positive_int, default=d.max_prompts,
+                   help="prompts in one /v1/completions request")
+    g.add_argument("--max-prompt-tokens-per-request", type=positive_int,
+                   default=d.max_prompt_tokens, help="prompt tokens of one request, all prompts")
+    g.add_argument("--max-n", type=positive_int, default=d.max_n,
+                   help="largest `n` (choices per prompt)")
+    g.add_argument("--max-stop", type=positive_int, default=d.max_stop,
+                   help="entries of `stop`, and of `stop_token_ids`")
+    g.add_argument("--max-stop-length", type=positive_int, default=d.max_stop_len,
+                   help="characters of one stop string")
+    g.add_argument("--max-logprobs", type=logprobs_cap, default=d.max_logprobs,
+                   help="largest `logprobs` / `top_logprobs` (at most 20)")
+
+
+def limits_from_args(args: argparse.Namespace) -> RequestLimits:
+    return RequestLimits(
+        max_json_depth=args.max_json_depth, max_prompts=args.max_prompts_per_request,
+        max_prompt_tokens=args.max_prompt_tokens_per_request, max_n=args.max_n,
+        max_stop=args.max_stop, max_stop_len=args.max_stop_length,
+        max_logprobs=args.max_logprobs)
 
 
 def _default(name: str) -> Any:
@@ -110,13 +159,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="paths open without the API key (comma-separated)")
     g.add_argument("--max-waiting", type=int, default=None,
                    help="answer 429 once this many requests wait (default: no limit)")
-    g.add_argument("--max-body-bytes", type=byte_size, default=1 << 20,
-                   help="largest request body; larger ones get 413")
     g.add_argument("--allowed-origins", type=string_list, default=[],
                    help="CORS origins (comma-separated or JSON list); CORS is off when empty")
     g.add_argument("--shutdown-grace-period", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM")
     g.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    add_limit_args(parser)
     r = parser.add_argument_group("prefix index (Redis, read by the router)")
     r.add_argument("--redis-url", default=None, help="publish KV block hashes to this Redis")
     r.add_argument("--service-name", default="default", help="the service's key namespace")
@@ -161,6 +209,7 @@ def server_config_from_args(args: argparse.Namespace) -> Any:
         api_key=args.api_key or os.environ.get("KVSERVE_API_KEY") or None,
         public_paths=tuple(args.public_paths),
         max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
+        limits=limits_from_args(args),
         allowed_origins=list(args.allowed_origins),
         shutdown_grace_period=args.shutdown_grace_period, log_level=args.log_level,
         redis_url=args.redis_url, service_name=args.service_name,

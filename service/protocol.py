@@ -2,28 +2,109 @@
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
-from typing import Any, Literal
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvserve.engine.errors import InvalidRequestError
-from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.sampling_params import MAX_TOKEN_ID, SEED_MAX, SEED_MIN, SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Caps on one request, checked at the edge (server and router); each is a CLI flag."""
+
+    max_json_depth: int = 32  # --max-json-depth: nesting of arrays/objects in the body
+    max_prompts: int = 64  # --max-prompts-per-request: prompts in one /v1/completions body
+    max_prompt_tokens: int = 131072  # --max-prompt-tokens-per-request: all prompts together
+    max_n: int = 16  # --max-n
+    max_stop: int = 16  # --max-stop: entries of `stop`, and of `stop_token_ids`
+    max_stop_len: int = 256  # --max-stop-length: characters of one stop string
+    max_logprobs: int = 20  # --max-logprobs: `logprobs` / `top_logprobs` (20 is OpenAI's cap)
+
+
+DEFAULT_LIMITS = RequestLimits()
+
+# Integers that reach torch tensors or Python's C APIs: a token id is an int32, anything else
+# (seed, priority, counts) a signed int64. Larger values would overflow there, not here.
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+Int64 = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-class OpenAIModel(BaseModel):
-    # Unknown fields are accepted and ignored, like vLLM (clients send vendor extras).
-    model_config = ConfigDict(extra="ignore")
+# --------------------------------------------------------------------------- the JSON body
 
-    def check(self) -> None:
-        """Cross-field checks pydantic cannot express; InvalidRequestError (400) on failure."""
+
+def parse_json_object(raw: bytes, max_depth: int) -> dict[str, Any]:
+    """The body as a JSON object; InvalidRequestError for invalid JSON or UTF-8, an integer past
+    Python's parsing limit, nesting deeper than `max_depth`, an unpaired surrogate, a non-object.
+
+    The C parser raises RecursionError on very deep input (caught here); anything shallower than
+    that is measured by an iterative walk, so no later recursive code sees a deep tree."""
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise _too_deep(max_depth) from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, int digits limit
+        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequestError("the request body must be a JSON object")
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                raise InvalidRequestError("the request body holds an unpaired UTF-16 surrogate "
+                                          "(\\ud800-\\udfff); send valid Unicode text")
+            continue
+        if depth > max_depth:
+            raise _too_deep(max_depth)
+        children = value.values() if isinstance(value, dict) else value
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)) or (
+            isinstance(c, str) and not c.isascii()))
+    return data
+
+
+def _too_deep(max_depth: int) -> InvalidRequestError:
+    return InvalidRequestError(f"the request body is nested deeper than {max_depth} levels of "
+                               "arrays and objects (--max-json-depth)")
+
+
+def _asks_nothing(value: Any, _: Any = None) -> bool:
+    """A value that turns a feature off: absent, null, false, an empty list, object or string."""
+    return value is None or value is False or (isinstance(value, (list, dict, str)) and not value)
+
+
+def refuse_unsupported(req: BaseModel, table: dict[str, Callable[[Any, Any], bool]],
+                       prefix: str = "") -> None:
+    """400 naming the first known-but-unsupported field set to a value that asks for something."""
+    for name, harmless in table.items():
+        value = getattr(req, name)
+        if not harmless(value, req):
+            raise InvalidRequestError(
+                f"{prefix}{name} is not supported by this server (got {json.dumps(value)[:80]}); "
+                "remove it from the request", param=f"{prefix}{name}")
+
+
+class OpenAIModel(BaseModel):
+    # Unknown fields are accepted and ignored, like vLLM (clients send vendor extras). No float
+    # may be NaN or infinite: they compare false with every bound and poison the sampler.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    def check(self, limits: RequestLimits = DEFAULT_LIMITS) -> None:
+        """Cross-field checks and caps pydantic cannot express; InvalidRequestError (400)."""
 
 
 # --------------------------------------------------------------------------- errors
@@ -48,30 +129,98 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: bool = False
 
 
+# Known to OpenAI or vLLM, not implemented here: each is refused with a 400 naming it, unless its
+# value asks for nothing (the predicate). Fields nobody knows are still ignored.
+_SAMPLING_UNSUPPORTED: dict[str, Callable[[Any, Any], bool]] = {
+    "use_beam_search": _asks_nothing,
+    "best_of": lambda v, req: v is None or (type(v) is int and v == req.n),
+    "length_penalty": lambda v, _: v is None or v == 1.0,
+    "early_stopping": _asks_nothing,
+    "logit_bias": _asks_nothing,
+    "response_format": lambda v, _: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "guided_json": _asks_nothing,
+    "guided_regex": _asks_nothing,
+    "guided_choice": _asks_nothing,
+    "guided_grammar": _asks_nothing,
+    "guided_decoding_backend": _asks_nothing,
+    "guided_whitespace_pattern": _asks_nothing,
+    "structured_outputs": _asks_nothing,
+    "prompt_logprobs": lambda v, _: v is None,  # 0 asks for the prompt tokens' own logprobs
+    "allowed_token_ids": _asks_nothing,
+    "bad_words": _asks_nothing,
+    "truncate_prompt_tokens": lambda v, _: v is None,
+    "logits_processors": _asks_nothing,
+    "return_tokens_as_token_ids": _asks_nothing,
+    "store": _asks_nothing,
+    "service_tier": lambda v, _: v in (None, "auto", "default"),
+}
+
+
 class SamplingFields(OpenAIModel):
     """Fields common to completions and chat completions, named as OpenAI and vLLM name them."""
 
     model: str | None = None
-    n: int = 1
+    n: Int64 = 1
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    priority: int = 0
+    priority: Int64 = 0
     cache_salt: str | None = None
+    # known, not supported (see _SAMPLING_UNSUPPORTED): typed loosely so the 400 names the field
+    use_beam_search: Any = None
+    best_of: Any = None
+    length_penalty: Any = None
+    early_stopping: Any = None
+    logit_bias: Any = None
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    structured_outputs: Any = None
+    prompt_logprobs: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    truncate_prompt_tokens: Any = None
+    logits_processors: Any = None
+    return_tokens_as_token_ids: Any = None
+    store: Any = None
+    service_tier: Any = None
+
+    UNSUPPORTED: ClassVar[dict[str, Callable[[Any, Any], bool]]] = _SAMPLING_UNSUPPORTED
+
+    def check(self, limits: RequestLimits = DEFAULT_LIMITS) -> None:
+        refuse_unsupported(self, self.UNSUPPORTED)
+        if not 1 <= self.n <= limits.max_n:
+            raise InvalidRequestError(f"n must be in [1, {limits.max_n}] (--max-n), got "
+                                      f"{self.n}", param="n")
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > limits.max_stop:
+            raise InvalidRequestError(f"stop holds {len(stops)} strings; at most "
+                                      f"{limits.max_stop} are allowed (--max-stop)", param="stop")
+        if any(len(s) > limits.max_stop_len for s in stops):
+            raise InvalidRequestError(f"a stop string is longer than {limits.max_stop_len} "
+                                      "characters (--max-stop-length)", param="stop")
+        if len(self.stop_token_ids or ()) > limits.max_stop:
+            raise InvalidRequestError(f"stop_token_ids holds {len(self.stop_token_ids or ())} "
+                                      f"ids; at most {limits.max_stop} are allowed (--max-stop)",
+                                      param="stop_token_ids")
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """SamplingParams of this request; InvalidRequestError (400) for a value out of range."""
@@ -105,20 +254,35 @@ def check_max_tokens(value: int | None, param: str) -> None:
         raise InvalidRequestError(f"{param} must be at least 1, got {value}.", param=param)
 
 
-class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
+def check_logprobs(value: int | None, param: str, limits: RequestLimits) -> None:
+    if value is not None and not 0 <= value <= limits.max_logprobs:
+        raise InvalidRequestError(f"{param} must be in [0, {limits.max_logprobs}] "
+                                  f"(--max-logprobs), got {value}", param=param)
 
-    def check(self) -> None:
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: Int64 | None = DEFAULT_COMPLETION_MAX_TOKENS
+    logprobs: Int64 | None = None
+    echo: bool = False
+    suffix: Any = None
+    prompt_embeds: Any = None
+
+    UNSUPPORTED: ClassVar[dict[str, Callable[[Any, Any], bool]]] = {
+        **_SAMPLING_UNSUPPORTED, "suffix": _asks_nothing, "prompt_embeds": _asks_nothing}
+
+    def check(self, limits: RequestLimits = DEFAULT_LIMITS) -> None:
+        super().check(limits)
         check_max_tokens(self.max_tokens, "max_tokens")
-        if self.suffix:
-            raise InvalidRequestError("suffix is not supported", param="suffix")
+        check_logprobs(self.logprobs, "logprobs", limits)
         if isinstance(self.prompt, list) and (not self.prompt or any(
                 isinstance(p, list) and not p for p in self.prompt)):
             raise InvalidRequestError("prompt must not be empty", param="prompt")
+        count = len(self.prompts())
+        if count > limits.max_prompts:
+            raise InvalidRequestError(
+                f"prompt holds {count} prompts; at most {limits.max_prompts} are allowed in one "
+                "request (--max-prompts-per-request): send several requests", param="prompt")
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts: text or token ids."""
@@ -130,10 +294,25 @@ class CompletionRequest(SamplingFields):
         return list(p)  # type: ignore[arg-type]
 
 
+def check_prompt_tokens(counts: list[int], limits: RequestLimits, param: str = "prompt") -> None:
+    """400 when the prompts of one request hold more tokens in all than the cap."""
+    total = sum(counts)
+    if total > limits.max_prompt_tokens:
+        raise InvalidRequestError(
+            f"the prompts of this request hold {total} tokens; at most "
+            f"{limits.max_prompt_tokens} are allowed in one request "
+            "(--max-prompt-tokens-per-request)", param=param)
+
+
 class ChatMessage(OpenAIModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: Any = None
+    function_call: Any = None
+
+    UNSUPPORTED: ClassVar[dict[str, Callable[[Any, Any], bool]]] = {
+        "tool_calls": _asks_nothing, "function_call": _asks_nothing}
 
     def as_template_input(self) -> dict[str, Any]:
         """{"role", "content"} with content parts flattened to text (text-only models)."""
@@ -152,18 +331,49 @@ class ChatMessage(OpenAIModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    echo: Any = None
+    continue_final_message: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
 
-    def check(self) -> None:
+    UNSUPPORTED: ClassVar[dict[str, Callable[[Any, Any], bool]]] = {
+        **_SAMPLING_UNSUPPORTED,
+        "tools": _asks_nothing,
+        # with no tools, "auto" can only mean "answer in text", which is what happens
+        "tool_choice": lambda v, _: v in (None, "none", "auto"),
+        "functions": _asks_nothing,
+        "function_call": lambda v, _: v in (None, "none", "auto"),
+        "echo": _asks_nothing,
+        "continue_final_message": _asks_nothing,
+        "audio": _asks_nothing,
+        "modalities": lambda v, _: v is None or v == ["text"],
+        "prediction": _asks_nothing,
+        "reasoning_effort": _asks_nothing,
+        "web_search_options": _asks_nothing,
+    }
+
+    def check(self, limits: RequestLimits = DEFAULT_LIMITS) -> None:
+        super().check(limits)
         check_max_tokens(self.max_tokens, "max_tokens")
         check_max_tokens(self.max_completion_tokens, "max_completion_tokens")
+        check_logprobs(self.top_logprobs, "top_logprobs", limits)
         if not self.messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
+        for i, message in enumerate(self.messages):
+            refuse_unsupported(message, message.UNSUPPORTED, prefix=f"messages.{i}.")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError(
                 "top_logprobs requires logprobs to be true", param="top_logprobs")
@@ -185,14 +395,14 @@ class TokenizeRequest(OpenAIModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
-    def check(self) -> None:
+    def check(self, limits: RequestLimits = DEFAULT_LIMITS) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
 
 
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # --------------------------------------------------------------------------- responses

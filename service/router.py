@@ -21,12 +21,19 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
+from pydantic import ValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                generate_latest)
 from redis.exceptions import RedisError
 
+from kvserve.engine.errors import InvalidRequestError
+from kvserve.service.api_server import BodyLimitMiddleware
+from kvserve.service.cli import add_limit_args, limits_from_args
+from kvserve.service.errors import APIError, error_response, validation_error
 from kvserve.service.prefix_index import PrefixIndex, ReplicaInfo, ReplicaMatch
+from kvserve.service.protocol import (ChatCompletionRequest, CompletionRequest, RequestLimits,
+                                      parse_json_object)
 from kvserve.service.routing_policy import POLICIES, Candidate, Decision, PolicyConfig, decide
 
 logger = logging.getLogger("kvserve.router")
@@ -63,6 +70,8 @@ class RouterConfig:
     connect_timeout: float = 2.0
     read_timeout: float = 600.0
     redis_timeout: float = 0.5
+    max_body_bytes: int = 1 << 20  # 413 over it, before the body is read
+    limits: RequestLimits = field(default_factory=RequestLimits)  # the replicas' caps, checked here
 
 
 class RouterMetrics:
@@ -239,6 +248,8 @@ class Router:
             except (RedisError, OSError) as exc:
                 self._redis_failed(exc)
             else:
+                if not counts:  # no replica heartbeats: the static set, as `refresh` keeps it
+                    return [ReplicaMatch(i, 0) for i in self.known.values()]
                 if any(rid not in self.known for rid in counts) and self._pending_refresh is None:
                     self._pending_refresh = asyncio.create_task(self._refresh_now())
                 return [ReplicaMatch(self.known[rid], n) for rid, n in counts.items()
@@ -460,6 +471,7 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     app = FastAPI(title="kvserve router", lifespan=lifespan)
     app.state.router = router
     _add_routes(app, router)
+    app.add_middleware(BodyLimitMiddleware, limit=cfg.max_body_bytes)
     return app
 
 
@@ -489,16 +501,35 @@ def _add_routes(app: FastAPI, router: Router) -> None:
         return await _forward(router, "/" + path, request)
 
 
+_REQUEST_MODELS = {"/v1/completions": CompletionRequest,
+                   "/v1/chat/completions": ChatCompletionRequest}
+
+
+def validated_body(path: str, body: bytes, limits: RequestLimits) -> dict[str, Any]:
+    """The body of a routed request, checked as the replicas check it (the same pydantic models
+    and caps); APIError (400) otherwise, so a hostile body never reaches the tokenizer."""
+    try:
+        data = parse_json_object(body, limits.max_json_depth)
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), code="invalid_json") from exc
+    try:
+        _REQUEST_MODELS[path].model_validate(data).check(limits)
+    except ValidationError as exc:
+        raise validation_error(exc) from exc
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from exc
+    return data
+
+
 async def _forward(router: Router, path: str, request: Request) -> Response:
     body = await request.body()
     route = None
     if request.method == "POST" and path in _ROUTED_PATHS:
         try:
-            parsed = json.loads(body or b"{}")
-        except ValueError:
-            parsed = None
-        if isinstance(parsed, dict):
-            route = await router.route(path, parsed, request.headers)
+            parsed = validated_body(path, body, router.cfg.limits)
+        except APIError as exc:
+            return error_response(exc.status, exc.message, exc.param, exc.code)
+        route = await router.route(path, parsed, request.headers)
     ranking = list(route.decision.ranking) if route else router.least_load_ranking()
     policy = route.decision.applied if route else "passthrough"
     if not ranking:
@@ -542,6 +573,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a replica that failed stays out of routing")
     p.add_argument("--log-level", default="info",
                    choices=("debug", "info", "warning", "error", "critical"))
+    add_limit_args(p)
 
 
 def config_from_args(ns: argparse.Namespace) -> RouterConfig:
@@ -551,7 +583,8 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
     return RouterConfig(host=ns.host, port=ns.port, redis_url=ns.redis_url,
                         service_name=ns.service_name, replicas=replicas, policy=ns.policy,
                         tokenizer=ns.tokenizer, session_header=ns.session_header.lower(),
-                        policy_cfg=pc, block_size=ns.block_size, down_cooldown=ns.down_cooldown)
+                        policy_cfg=pc, block_size=ns.block_size, down_cooldown=ns.down_cooldown,
+                        max_body_bytes=ns.max_body_bytes, limits=limits_from_args(ns))
 
 
 def run_from_args(ns: argparse.Namespace) -> None:

@@ -15,7 +15,7 @@ from kvserve.service.protocol import (ChatChoice, ChatCompletionChunk, ChatCompl
                                       ChatStreamChoice, ChatTokenLogprob, DeltaMessage, TopLogprob,
                                       random_id)
 from kvserve.service.serving_common import (SSE_DONE, RequestStream, ServingContext, StreamTracker,
-                                            collect, max_tokens_for, merge_streams, sse, sse_error,
+                                            check_prompts, collect, max_tokens_for, merge_streams, sse, sse_error,
                                             start_requests, stop_hold, token_text, top_logprobs,
                                             unless_disconnected, usage_of)
 
@@ -30,6 +30,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     model = ctx.resolve_model(req.model)
     ctx.admit()
     prompt = chat_prompt(ctx, req)
+    check_prompts(ctx, [prompt], "messages")
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = max_tokens_for(ctx, len(prompt), req.requested_max_tokens, param, "messages")
     params = req.sampling_params(max_tokens, req.num_logprobs)

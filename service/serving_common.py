@@ -20,7 +20,8 @@ from kvserve.engine.errors import InvalidRequestError
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.service.errors import APIError, error_body, validation_error
-from kvserve.service.protocol import UsageInfo
+from kvserve.service.protocol import (DEFAULT_LIMITS, RequestLimits, UsageInfo,
+                                      check_prompt_tokens, parse_json_object)
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
@@ -34,6 +35,7 @@ class ServingContext:
     served_model_names: list[str]
     tokenizer: Any  # the HTTP thread's own copy (the engine thread decodes with another)
     max_waiting: int | None = None
+    limits: RequestLimits = DEFAULT_LIMITS
 
     @property
     def model_name(self) -> str:
@@ -55,30 +57,36 @@ class ServingContext:
         try:
             self.engine.check_accepting()
         except (EngineDrainingError, EngineDeadError) as exc:
-            raise APIError(503, str(exc), code="service_unavailable",
-                           headers={"Retry-After": "1"}) from exc
+            raise unavailable(exc) from exc
         if self.max_waiting is not None and self.engine.num_waiting >= self.max_waiting:
             raise APIError(429, f"the server has {self.engine.num_waiting} requests waiting "
                            f"(--max-waiting {self.max_waiting}); retry later",
                            code="rate_limit_exceeded", headers={"Retry-After": "1"})
 
 
-async def parse_body(request: Request, model: type[M]) -> M:
-    """The JSON body as `model`; 400 in OpenAI's shape for bad JSON or a bad field."""
-    raw = await request.body()
+def unavailable(exc: BaseException) -> APIError:
+    """503 + Retry-After for a request the server cannot finish (draining, dead, shut down)."""
+    return APIError(503, str(exc), code="service_unavailable", headers={"Retry-After": "1"})
+
+
+async def parse_body(request: Request, model: type[M],
+                     limits: RequestLimits = DEFAULT_LIMITS) -> M:
+    """The JSON body as `model`, checked against `limits`; 400 in OpenAI's shape for bad JSON,
+    a bad field or one over a cap."""
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc}",
-                       code="invalid_json") from exc
-    if not isinstance(data, dict):
-        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+        data = parse_json_object(await request.body(), limits.max_json_depth)
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), code="invalid_json") from exc
     try:
         parsed = model.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc) from exc
-    parsed.check()  # type: ignore[attr-defined]
+    parsed.check(limits)  # type: ignore[attr-defined]
     return parsed
+
+
+def check_prompts(ctx: ServingContext, prompts: Sequence[list[int]], param: str) -> None:
+    check_prompt_tokens([len(p) for p in prompts], ctx.limits, param)
 
 
 def max_tokens_for(ctx: ServingContext, prompt_len: int, requested: int | None,
@@ -113,7 +121,7 @@ async def start_requests(ctx: ServingContext, base_id: str, prompts: Sequence[li
     except BaseException as exc:
         ctx.engine.abort([s.request_id for s in streams])
         if isinstance(exc, (EngineDrainingError, EngineDeadError)):
-            raise APIError(503, str(exc), code="service_unavailable") from exc
+            raise unavailable(exc) from exc
         raise
     return streams
 
@@ -158,10 +166,14 @@ async def merge_streams(streams: Sequence[RequestStream]
 
 
 async def collect(streams: Sequence[RequestStream]) -> list[RequestOutput]:
-    """The final output of every stream (non-streaming requests)."""
+    """The final output of every stream (non-streaming requests); 503 + Retry-After when the
+    server cut them off (drain past its grace period, a dead engine)."""
     final: list[RequestOutput | None] = [None] * len(streams)
-    async for i, out in merge_streams(streams):
-        final[i] = out
+    try:
+        async for i, out in merge_streams(streams):
+            final[i] = out
+    except (EngineDeadError, EngineDrainingError, RequestAbortedError) as exc:
+        raise unavailable(exc) from exc
     return [f for f in final if f is not None]
 
 

@@ -14,7 +14,7 @@ from kvserve.engine.tokenizer import prompt_token_ids
 from kvserve.service.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest,
                                       CompletionResponse, random_id)
 from kvserve.service.serving_common import (SSE_DONE, Delta, RequestStream, ServingContext,
-                                            StreamTracker, collect, max_tokens_for, merge_streams,
+                                            StreamTracker, check_prompts, collect, max_tokens_for, merge_streams,
                                             sse, sse_error, start_requests, stop_hold, token_text,
                                             top_logprobs, unless_disconnected, usage_of)
 
@@ -25,6 +25,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest,
     ctx.admit()
     prompts = [p if isinstance(p, list) else prompt_token_ids(ctx.tokenizer, p)
                for p in req.prompts()]
+    check_prompts(ctx, prompts, "prompt")
     params = [req.sampling_params(max_tokens_for(ctx, len(ids), req.max_tokens), req.logprobs)
               for ids in prompts]
     request_id = random_id("cmpl")

@@ -192,3 +192,46 @@ async def test_engine_failure_reaches_every_reader_and_new_requests(tiny_model_d
         await ae.add_request("after", "x", params(2))
     assert isinstance(ae.error, RuntimeError)
     await ae.shutdown(0)
+
+
+def seeded(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=1.0, seed=1, ignore_eos=True)
+
+
+def test_a_request_that_fails_in_a_step_fails_alone(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    bad = seeded(6)
+    engine.add_request("good", "The quick", params(6))
+    engine.add_request("bad", "The quick", bad)
+    bad.seed = 2**70  # changed after it was accepted: the step cannot seed its generator
+    finals: dict[str, Any] = {}
+    errors: dict[str, BaseException] = {}
+    while engine.has_unfinished_requests():
+        finals.update((out.request_id, out) for out in engine.step())
+        errors.update(engine.take_request_errors())
+    assert list(errors) == ["bad"] and "Overflow" in str(errors["bad"])
+    assert len(finals["good"].outputs[0].token_ids) == 6
+    assert finals["bad"].outputs[0].finish_reason == "abort"
+    stats = engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks  # the failed request freed its blocks
+
+
+async def test_a_request_that_fails_alone_does_not_stop_the_loop(tiny_model_dir):
+    ae = AsyncEngine(make_engine(tiny_model_dir, max_num_seqs=1))
+    ae.start()
+    running = await ae.add_request("running", "The quick", params(200))
+    bad = seeded(4)
+    waiting = await ae.add_request("bad", "The quick", bad)
+    bad.seed = 2**70  # it waits behind `running` (one seq at a time): the step will fail it
+    with pytest.raises(ValueError, match="Overflow"):
+        await drain(waiting)
+    assert len((await drain(running))[-1].outputs[0].token_ids) == 200
+    changed = seeded(4)
+    changed.seed = -(2**64)  # changed before it was added: refused at once, by name
+    with pytest.raises(InvalidRequestError) as info:
+        await ae.add_request("refused", "The quick", changed)
+    assert info.value.param == "seed"
+    after = await drain(await ae.add_request("after", "The quick", seeded(3)))
+    assert len(after[-1].outputs[0].token_ids) == 3
+    assert ae.error is None and ae.is_running
+    await ae.shutdown(1)

@@ -48,3 +48,44 @@ def test_invalid_values_raise_a_typed_error_naming_the_parameter(kwargs, param):
         SamplingParams(**kwargs)
     assert info.value.param == param
     assert isinstance(info.value, ValueError)  # callers catching ValueError still work
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"seed": 2**63}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"seed": 2**70}, "seed"),
+        ({"seed": 1.5}, "seed"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": 101.0}, "temperature"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"min_p": float("nan")}, "min_p"),
+        ({"presence_penalty": float("nan")}, "presence_penalty"),
+        ({"frequency_penalty": float("-inf")}, "frequency_penalty"),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"n": True}, "n"),
+        ({"max_tokens": 2.5}, "max_tokens"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_ids": [2**40]}, "stop_token_ids"),
+        ({"stop": [1]}, "stop"),
+    ],
+)
+def test_nan_infinity_and_out_of_range_seeds_are_refused_offline_too(kwargs, param):
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param
+
+
+def test_the_ends_of_the_seed_range_are_valid():
+    assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)
+
+
+def test_verify_catches_a_value_changed_after_construction():
+    p = SamplingParams(seed=1)
+    p.seed = 2**64
+    with pytest.raises(InvalidRequestError, match="seed"):
+        p.verify()

@@ -129,3 +129,24 @@ def test_fetch_model_prints_the_folder(default_model_dir, capsys):
     assert cli.main(["fetch-model"]) == 0
     printed = capsys.readouterr().out.strip()
     assert printed == str(default_model_dir)
+
+
+def test_request_limit_flags_on_server_and_router():
+    from kvserve.service.protocol import RequestLimits
+    from kvserve.service.router import add_arguments, config_from_args
+
+    flags = ["--max-json-depth", "8", "--max-prompts-per-request", "3",
+             "--max-prompt-tokens-per-request", "1000", "--max-n", "2", "--max-stop", "5",
+             "--max-stop-length", "40", "--max-logprobs", "7", "--max-body-bytes", "2MiB"]
+    want = RequestLimits(max_json_depth=8, max_prompts=3, max_prompt_tokens=1000, max_n=2,
+                         max_stop=5, max_stop_len=40, max_logprobs=7)
+    sc = cli.server_config_from_args(_serve(*flags))
+    assert sc.limits == want and sc.max_body_bytes == 2 << 20
+    assert cli.server_config_from_args(_serve()).limits == RequestLimits()
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    rc = config_from_args(parser.parse_args(["--replicas", "http://r:8000", *flags]))
+    assert rc.limits == want and rc.max_body_bytes == 2 << 20
+    for bad in (["--max-logprobs", "21"], ["--max-n", "0"], ["--max-json-depth", "x"]):
+        with pytest.raises(SystemExit):
+            _serve(*bad)

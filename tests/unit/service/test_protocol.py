@@ -140,3 +140,40 @@ def test_stream_tracker_holds_back_a_possible_stop_string():
     # The engine cut "EN..." off when the stop string completed: the client never saw it.
     last = tracker.delta(0, _out("abc", [1, 2, 3], "stop"))
     assert first.text + last.text == "abc"
+
+
+def test_json_depth_is_counted_exactly_and_deep_input_never_recurses():
+    from kvserve.service.protocol import parse_json_object
+
+    def nested(levels: int) -> bytes:  # the top-level object is level 1
+        return b'{"a": ' + b"[" * (levels - 1) + b"]" * (levels - 1) + b"}"
+
+    assert parse_json_object(nested(32), 32)
+    for body in (nested(33), nested(200_000)):
+        with pytest.raises(InvalidRequestError, match="nested deeper than 32"):
+            parse_json_object(body, 32)
+
+
+@pytest.mark.parametrize("raw, match", [
+    (b'{"prompt": "\\ud800"}', "surrogate"),
+    (b'{"a": {"b": ["ok", "\\udfff"]}}', "surrogate"),
+    (b'[1, 2]', "JSON object"),
+    (b'{"a": \xff}', "not valid JSON"),
+    (b'{"seed": ' + b"9" * 5000 + b"}", "not valid JSON"),
+])
+def test_bodies_that_are_not_valid_json_objects(raw, match):
+    from kvserve.service.protocol import parse_json_object
+
+    with pytest.raises(InvalidRequestError, match=match):
+        parse_json_object(raw, 32)
+
+
+def test_unsupported_fields_are_named_and_harmless_values_pass():
+    with pytest.raises(InvalidRequestError) as info:
+        ChatCompletionRequest.model_validate({
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "function"}]}).check()
+    assert info.value.param == "tools"
+    ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": "x"}], "tools": [], "tool_choice": "auto",
+        "response_format": {"type": "text"}, "best_of": 1}).check()
