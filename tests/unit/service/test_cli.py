@@ -81,8 +81,9 @@ def test_bad_values_are_refused():
         _serve("--block-size", "7")
     with pytest.raises(SystemExit):
         _serve("--kv-cache-memory", "lots")
-    with pytest.raises(ConfigError):
-        cli.engine_config_from_args(_serve("--tensor-parallel-size", "2"))
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        cli.engine_config_from_args(_serve("--tensor-parallel-size", "0"))
+    assert cli.engine_config_from_args(_serve("--tensor-parallel-size", "3")).tensor_parallel_size == 3
 
 
 def test_main_reports_config_errors_with_exit_code_2(capsys):
