@@ -168,7 +168,7 @@ def main() -> None:
         print(f"{r['tp']:>2} {r['tok_per_s']:>8.1f} {r['step_ms_median']:>8.1f} "
               f"{r['collective_share']:>10.1%} {r['collective_calls']:>6} {payload:>13} "
               f"{ring:>15.0f} {same}")
-    for tp in sorted({max(args.tp), 2, 4, 8}):
+    for tp in sorted({max(args.tp), 2, 4, 8} - {1}):
         print(gpu_arithmetic(shape, tp))
     if args.json:
         args.json.write_text(json.dumps([{k: v for k, v in r.items() if k != "tokens"}

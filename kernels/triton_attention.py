@@ -21,7 +21,8 @@ LOG2E = 1.4426950408889634
 def _attend_range(q, k_ptr, v_ptr, bt_row_ptr, kv_head, q_pos, lo, hi, qk_scale,
                   stride_kb, stride_ks, stride_kh, d, d_ok,
                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                  HEAD_DIM_P2: tl.constexpr, IS_FP8: tl.constexpr, DOT_FP32: tl.constexpr):
+                  HEAD_DIM_P2: tl.constexpr, IS_FP8: tl.constexpr, DOT_FP32: tl.constexpr,
+                  PRECISION: tl.constexpr):
     """Online softmax of q's rows over keys [lo, hi): returns (running max, sum, weighted V)."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -37,14 +38,14 @@ def _attend_range(q, k_ptr, v_ptr, bt_row_ptr, kv_head, q_pos, lo, hi, qk_scale,
         if IS_FP8 or DOT_FP32:
             k = k.to(tl.float32).to(q.dtype)
             v = v.to(tl.float32).to(q.dtype)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where((j[None, :] <= q_pos[:, None]) & j_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     return m_i, l_i, acc
 
@@ -57,7 +58,8 @@ def _paged_attention_kernel(
         GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IS_FP8: tl.constexpr,
-        NUM_HEADS: tl.constexpr, DOT_FP32: tl.constexpr):
+        NUM_HEADS: tl.constexpr, DOT_FP32: tl.constexpr,
+        PRECISION: tl.constexpr):
     """Program (sequence, query tile, kv head x split): BLOCK_Q tokens x GROUP heads as rows."""
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -86,7 +88,7 @@ def _paged_attention_kernel(
         m_i, l_i, acc = _attend_range(
             q, k_ptr, v_ptr, bt_ptr + seq.to(tl.int64) * stride_bt, kv_head, q_pos, lo, hi,
             qk_scale, stride_kb, stride_ks, stride_kh, d, d_ok, BLOCK_SIZE, BLOCK_N,
-            BLOCK_Q * GROUP_P2, HEAD_DIM_P2, IS_FP8, DOT_FP32)
+            BLOCK_Q * GROUP_P2, HEAD_DIM_P2, IS_FP8, DOT_FP32, PRECISION)
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         res = acc / l_safe[:, None]
         store_mask = row_ok[:, None] & d_ok[None, :]
@@ -198,7 +200,9 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan:
         BLOCK_Q=cfg.block_q, HEAD_DIM=head_dim, HEAD_DIM_P2=d_p2, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_N=cfg.block_n, NUM_SPLITS=cfg.num_splits, IS_FP8=is_fp8, NUM_HEADS=heads,
         # The interpreter's tl.dot is wrong for bf16 operands: on the CPU the dots run in fp32.
-        DOT_FP32=q.device.type != "cuda")
+        DOT_FP32=q.device.type != "cuda",
+        # tl.dot rounds fp32 operands to TF32 by default; an fp32 model asks for fp32 accuracy.
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     if cfg.num_splits > 1:
         _merge_splits_kernel[(plan.num_tokens, heads)](
             out, ws_acc, ws_lse, v_scale, out.stride(0), out.stride(1), NUM_HEADS=heads,
