@@ -27,3 +27,13 @@ class OutOfKVCacheError(KVServeError):
 
 class WorkerDiedError(KVServeError):
     """A tensor-parallel worker process died or failed; the engine cannot continue."""
+
+
+class RequestFailedError(KVServeError):
+    """One request of an offline `LLM.generate`/`chat` call failed inside a step (its own error
+    is the cause). The other requests of the call ran to the end; their outputs are in `outputs`
+    (None where the request failed), so a caller can keep them."""
+
+    def __init__(self, message: str, outputs: list) -> None:
+        super().__init__(message)
+        self.outputs = outputs

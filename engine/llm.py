@@ -9,7 +9,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from kvserve.engine.config import DEFAULT_MODEL, EngineConfig
-from kvserve.engine.errors import InvalidRequestError
+from kvserve.engine.errors import InvalidRequestError, RequestFailedError
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
@@ -94,8 +94,11 @@ class LLM:
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
                    dynamic_ncols=True)
         out_tokens = 0
+        wanted, failed = set(ids), {}
         with bar:
             while engine.has_unfinished_requests():
+                failed.update((i, e) for i, e in engine.take_request_errors().items()
+                              if i in wanted)
                 for out in engine.step():
                     if out.finished:
                         done[out.request_id] = out
@@ -103,6 +106,13 @@ class LLM:
                         bar.update(1)
                         elapsed = bar.format_dict["elapsed"] or 1e-9
                         bar.set_postfix_str(f"output {out_tokens / elapsed:.1f} tok/s")
+        failed.update((i, e) for i, e in engine.take_request_errors().items() if i in wanted)
+        if failed:  # as vLLM's offline API: a failed request raises instead of looking finished
+            first = min(failed, key=ids.index)
+            raise RequestFailedError(
+                f"{len(failed)} of {len(ids)} requests failed; the first (prompt #{ids.index(first)}"
+                f"): {failed[first]!r}",
+                [None if i in failed else done.get(i) for i in ids]) from failed[first]
         return [done[i] for i in ids]
 
 

@@ -8,7 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.errors import ConfigError, InvalidRequestError, ModelNotFoundError
+from kvserve.engine.errors import (ConfigError, InvalidRequestError, ModelNotFoundError,
+                                   RequestFailedError)
 
 PROMPTS = [
     "Hello world",
@@ -187,6 +188,32 @@ def test_bad_inputs_are_typed_errors_and_engine_keeps_serving(llm, hf_greedy):
     while engine.has_unfinished_requests():
         done += [o for o in engine.step() if o.finished]
     assert done[0].outputs[0].token_ids == hf_greedy[1]
+
+
+def test_offline_generate_raises_when_a_request_fails_in_a_step(llm, hf_greedy):
+    bad = SamplingParams(max_tokens=4, temperature=1.0, seed=1, ignore_eos=True)
+    good = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine = llm.llm_engine
+    original = engine.add_request
+
+    def add_then_break(request_id, prompt, params, *a, **kw):  # accepted, then made impossible
+        out = original(request_id, prompt, params, *a, **kw)
+        if params is bad:
+            params.seed = 2**70
+        return out
+
+    engine.add_request = add_then_break
+    try:
+        with pytest.raises(RequestFailedError, match="1 of 2 requests failed.*prompt #1") as info:
+            llm.generate(PROMPTS[:2], [good, bad], use_tqdm=False)
+    finally:
+        del engine.add_request
+    assert isinstance(info.value.__cause__, ValueError) and "Overflow" in str(info.value.__cause__)
+    kept, lost = info.value.outputs
+    assert lost is None and list(kept.outputs[0].token_ids) == hf_greedy[0][:8]
+    stats = engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert tokens(llm.generate(PROMPTS[:1], good, use_tqdm=False)) == [hf_greedy[0][:8]]
 
 
 def test_abort_frees_blocks_at_once(llm):
