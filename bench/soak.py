@@ -54,6 +54,9 @@ HOSTILE: list[tuple[str, bytes]] = [
 ]
 
 
+args_rss_every = 15.0  # seconds between RSS samples
+
+
 @dataclass
 class Tally:
     completed: int = 0
@@ -63,6 +66,7 @@ class Tally:
     status_5xx: int = 0
     unexpected: list[str] = field(default_factory=list)
     health_ms: list[float] = field(default_factory=list)
+    rss_mib: list[float] = field(default_factory=list)
     request_s: list[float] = field(default_factory=list)
 
 
@@ -171,9 +175,14 @@ async def client_loop(url: str, model: str, seed: int, until: float, tally: Tall
                 await normal(client, url, model, rng, tally)
 
 
-async def health_loop(url: str, until: float, tally: Tally) -> None:
+async def health_loop(url: str, until: float, tally: Tally, pid: int) -> None:
+    next_rss = time.monotonic()
     async with httpx.AsyncClient() as client:
         while time.monotonic() < until:
+            if time.monotonic() >= next_rss:  # the trend tells warm-up from a leak
+                tally.rss_mib.append(round(rss_mib(pid), 1))
+                next_rss += args_rss_every
+
             t0 = time.perf_counter()
             try:
                 resp = await client.get(url + "/health", timeout=10)
@@ -212,7 +221,7 @@ async def soak(args: argparse.Namespace, replica: str, entry: str, pid: int) -> 
     await settle(replica)
     rss0 = rss_mib(pid)
     until = time.monotonic() + args.duration
-    await asyncio.gather(health_loop(entry, until, tally),
+    await asyncio.gather(health_loop(entry, until, tally, pid),
                          *(client_loop(entry, args.model, i, until, tally)
                            for i in range(args.clients)))
     await settle(replica)
@@ -227,7 +236,7 @@ async def soak(args: argparse.Namespace, replica: str, entry: str, pid: int) -> 
             "health_p99_ms": round(health[int(0.99 * (len(health) - 1))], 1),
             "request_p99_s": round(sorted(tally.request_s)[int(0.99 * (len(tally.request_s) - 1))],
                                    2) if tally.request_s else None,
-            "unexpected": tally.unexpected[:20]}
+            "rss_trend_mib": tally.rss_mib, "unexpected": tally.unexpected[:20]}
 
 
 def main() -> None:
@@ -279,6 +288,7 @@ def main() -> None:
     print(f"{result['completed']:>10} {result['lost']:>5} {result['status_5xx']:>4} "
           f"{result['hostile_4xx']:>11} {result['disconnects']:>11} {result['leaked_blocks']:>10} "
           f"{result['rss_growth_mib']:>8} {result['health_p50_ms']:>9}/{result['health_p99_ms']}")
+    print("server RSS every 15 s (MiB):", " ".join(str(r) for r in result["rss_trend_mib"]))
     for line in result["unexpected"]:
         print("unexpected:", line)
     if args.json_out:
