@@ -22,9 +22,7 @@ from kvserve.operator.crd import GROUP, KIND, PLURAL, VERSION
 from kvserve.operator.handlers import build_registry, reconcile
 from kvserve.operator.kube import KubeClient
 from kvserve.operator.reconcile import apply_objects
-from kvserve.operator.resources import desired_objects
-from kvserve.operator.sizing import plan
-from kvserve.operator.spec import parse_spec
+from kvserve.operator.children import build_children
 
 NS = "ml"
 VERBS = ["get", "list", "watch", "create", "patch", "update", "delete"]
@@ -36,6 +34,12 @@ OWNED = {
     "v1/configmaps": "ConfigMap", "v1/services": "Service", "apps/v1/deployments": "Deployment",
     "policy/v1/poddisruptionbudgets": "PodDisruptionBudget",
     "autoscaling/v2/horizontalpodautoscalers": "HorizontalPodAutoscaler",
+    "v1/persistentvolumeclaims": "PersistentVolumeClaim",
+    "networking.k8s.io/v1/ingresses": "Ingress",
+    "gateway.networking.k8s.io/v1/httproutes": "HTTPRoute",
+    "monitoring.coreos.com/v1/servicemonitors": "ServiceMonitor",
+    "monitoring.coreos.com/v1/podmonitors": "PodMonitor",
+    "keda.sh/v1alpha1/scaledobjects": "ScaledObject",
 }
 
 
@@ -339,17 +343,16 @@ async def test_refused_write_is_reported_as_apply_failed(kmock: Any) -> None:
     assert "403" in warned[0]["message"]
 
 
-async def test_apply_survives_a_concurrent_create(kmock: Any) -> None:
-    """Two writers (the timer and a handler) both see an object missing; the second gets 409."""
+async def test_apply_creates_where_the_server_has_no_object(kmock: Any) -> None:
+    """Server-side apply creates on a real API server; an emulator answers 404, so the client
+    creates (POST) with the same field manager, and the next apply is a PATCH."""
     declare_resources(kmock)
-    spec = parse_spec(service_cr("race"))
-    service = next(o for o in desired_objects(spec, plan(spec)) if o["kind"] == "Service")
-    async with kmock.post(f"/api/v1/namespaces/{NS}/services", json=service) as resp:
-        assert resp.status < 300  # the other writer won
-    name = service["metadata"]["name"]
-    kmock[f"get /api/v1/namespaces/{NS}/services/{name}"][:1] << 404  # our first read is stale
+    spec_body = service_cr("race")
+    service = next(o for o in build_children(spec_body).objects if o["kind"] == "Service")
     kube = KubeClient.for_url(str(kmock.url), timeout=2.0, retries=False)
-    result = await asyncio.to_thread(apply_objects, kube, [service])
-    assert (result.created, result.unchanged) == ([], [f"Service/{name}"])
-    posts = [w for w in writes(kmock) if w.startswith("POST")]
-    assert len(posts) == 2  # the winner's and our refused one
+    first = await asyncio.to_thread(apply_objects, kube, [service])
+    second = await asyncio.to_thread(apply_objects, kube, [service])
+    assert first.applied == [f"Service/{service['metadata']['name']}"]
+    assert second.unchanged == first.applied  # same hash: nothing sent the second time
+    sent = [w for w in writes(kmock)]
+    assert [w.split()[0] for w in sent] == ["PATCH", "POST"]
