@@ -6,10 +6,10 @@ import hashlib
 import json
 from typing import Any
 
+from kvserve.operator import monitoring, traffic, weights
 from kvserve.operator.crd import API_VERSION, KIND
 from kvserve.operator.sizing import Sizing
 from kvserve.operator.spec import ServiceSpec
-from kvserve.operator import monitoring, traffic, weights
 
 PORT = 8000
 REDIS_PORT = 6379

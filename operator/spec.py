@@ -113,7 +113,7 @@ class ModelRef:
     source: str  # what `kvserve serve` loads when no cache or claim is mounted
     served_name: str
     arch: ModelArch
-    location: ModelURI = ModelURI("name", "")
+    location: ModelURI = field(default_factory=lambda: ModelURI("name", ""))
     cache: CacheSpec | None = None
 
 

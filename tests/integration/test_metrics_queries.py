@@ -6,21 +6,18 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
-
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.operator.children import build_children
 from kvserve.operator.resources import CACHE_USAGE_METRIC, WAITING_METRIC
 from kvserve.service.api_server import ServerConfig, ServerThread, create_app
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kvserve"

@@ -8,7 +8,6 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-
 from crd_schemas import FILES, errors
 from kvserve.operator.__main__ import main as operator_main
 from kvserve.operator.children import build_children
@@ -211,3 +210,13 @@ def test_render_refuses_a_bad_spec_with_the_operators_reason(tmp_path: Path, cap
                                                                           "maxPerReplica": 1})))
     assert operator_main(["render", "-f", str(path)]) == 2
     assert "InsufficientGPUMemory" in capsys.readouterr().err
+
+
+def test_rollouts_never_take_a_ready_replica_away() -> None:
+    objs = by_key(everything_on())
+    strategy = objs["Deployment/chat-engine"]["spec"]["strategy"]
+    assert strategy == {"type": "RollingUpdate",
+                        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    pdb = objs["PodDisruptionBudget/chat-engine"]["spec"]
+    assert pdb["maxUnavailable"] == 1
+    assert pdb["selector"] == objs["Deployment/chat-engine"]["spec"]["selector"]

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from kvserve.operator import fetch
 from kvserve.operator.model_uri import ModelURI, parse_model_uri
 
