@@ -75,7 +75,9 @@ def engine_args(spec: ServiceSpec, sizing: Sizing) -> list[str]:
             "--dtype", sizing.weight_dtype,
             "--tensor-parallel-size", str(max(sizing.gpus_per_replica, 1)),
             "--served-model-name", spec.model.served_name]
-    if weights.serves_hub_revision(spec):
+    # Only a pinned revision: "main" is the engine's default, and an unchanged pod template
+    # across operator versions is what keeps an operator upgrade from restarting engines.
+    if weights.serves_hub_revision(spec) and spec.model.location.revision != "main":
         args += ["--revision", spec.model.location.revision]
     if spec.device == "cpu":  # the KV budget the operator planned within the pod's memory limit
         args += ["--kv-cache-memory", str(max(sizing.kv_bytes, 0))]
