@@ -1,4 +1,5 @@
-"""`kvserve plan` (the sizing the operator would choose) and `kvserve operator` (runs kopf)."""
+"""`kvserve plan` (the sizing the operator would choose), `kvserve render` (render.py: the
+objects it would apply) and `kvserve operator` (runs kopf)."""
 
 from __future__ import annotations
 
@@ -57,8 +58,11 @@ def _add_operator(subparsers: Any) -> None:
 
 
 def register(subparsers: Any) -> None:
-    """Add `plan` and `operator` to the top-level `kvserve` CLI."""
+    """Add `plan`, `render` and `operator` to the top-level `kvserve` CLI."""
+    from kvserve.operator import render
+
     _add_plan(subparsers)
+    render.register(subparsers)
     _add_operator(subparsers)
 
 

@@ -55,13 +55,44 @@ def _model() -> Schema:
         "name": _typed("string", "Catalog name (llama-2-7b, llama-3-70b, mistral-7b, qwen2.5-7b, "
                        "smollm2-135m, ...) or any name when `architecture` is given.",
                        minLength=1),
-        "uri": _typed("string", "Hugging Face id or local path passed to `kvserve serve`; "
-                      "default: the catalog entry's id.", minLength=1),
+        "uri": _typed("string", "Where the weights come from, spelled as KServe's storageUri: "
+                      "hf://ORG/NAME[:REVISION] (the Hugging Face hub), pvc://CLAIM/PATH (an "
+                      "existing claim that already holds the weights, mounted read-only), or a "
+                      "bare hub id ORG/NAME or local path. s3://BUCKET/PATH is planned, not "
+                      "supported yet: the engine image ships no S3 client, so copy the weights "
+                      "to a claim and use pvc://. Default: the catalog entry's id.", minLength=1),
+        "revision": _typed("string", "Hub revision (branch, tag or commit) to serve; default: "
+                           "the :REVISION of an hf:// uri, else main.", minLength=1),
+        "cache": _cache(),
         "servedModelName": _typed("string", "Name clients use in requests (default: name, "
                                   "else the resource's name).", minLength=1),
         "architecture": arch,
     }, **{"x-kubernetes-validations": [
         {"rule": "has(self.name) || has(self.uri)", "message": "set model.name or model.uri"}]})
+
+
+def _cache() -> Schema:
+    pvc = _obj("A claim the operator creates (and keeps when the cache is switched off; it "
+               "is deleted with the service).", {
+                   "storageClassName": _typed("string", "Storage class (default: the "
+                                              "cluster's default class).", minLength=1),
+                   "size": _typed("string", "Claim size; leave room for a new revision.",
+                                  default="100Gi", pattern=r"^[0-9]+(\.[0-9]+)?([KMGTPE]i?)?$"),
+                   "accessMode": _typed("string", "ReadWriteMany: one claim serves every "
+                                        "replica on any node. ReadWriteOnce: replicas share it "
+                                        "only on one node (see docs/operations.md).",
+                                        enum=["ReadWriteMany", "ReadWriteOnce"],
+                                        default="ReadWriteMany"),
+               })
+    return _obj("A persistent weights cache: an init container runs `kvserve fetch-model` into "
+                "it only when its marker file (revision and checksum) is missing or stale, so "
+                "later pods and scale-ups start from the cache; the engine mounts it read-only.",
+                {"claimName": _typed("string", "An existing PersistentVolumeClaim to use.",
+                                     minLength=1),
+                 "pvc": pvc},
+                **{"x-kubernetes-validations": [
+                    {"rule": "has(self.claimName) != has(self.pvc)",
+                     "message": "set exactly one of cache.claimName and cache.pvc"}]})
 
 
 def _engine() -> Schema:
@@ -99,7 +130,14 @@ def _gpu() -> Schema:
 
 
 def _autoscaling() -> Schema:
-    return _obj("HPA on KV-cache usage and waiting requests; spec.replicas is then its target.", {
+    return _obj("HPA (or KEDA) on KV-cache usage and waiting requests; spec.replicas is then "
+                "its target.", {
+        "engine": _typed("string", "hpa: an autoscaling/v2 HPA on custom metrics served by "
+                         "prometheus-adapter; keda: a KEDA ScaledObject with Prometheus "
+                         "triggers (no adapter needed).", enum=["hpa", "keda"], default="hpa"),
+        "prometheusAddress": _typed("string", "Prometheus URL the KEDA triggers query.",
+                                    default="http://prometheus-operated.monitoring.svc:9090",
+                                    pattern="^https?://"),
         "minReplicas": _typed("integer", "Fewest replicas.", minimum=1, default=1),
         "maxReplicas": _typed("integer", "Most replicas.", minimum=1, maximum=1000),
         "targetCacheUsage": _typed("number", "Average vllm:kv_cache_usage_perc (0-1) to hold.",
@@ -124,6 +162,50 @@ def _router_redis() -> dict[str, Schema]:
                           pattern="^rediss?://"),
             "deploy": _typed("boolean", "Deploy a Redis for this service when url is unset.",
                              default=True),
+        }, default={}),
+    }
+
+
+def _traffic() -> dict[str, Schema]:
+    string_map = {"type": "object", "additionalProperties": {"type": "string"}}
+    parent = _obj("A Gateway API ParentReference (usually a Gateway).", {
+        "name": _typed("string", "Name of the Gateway.", minLength=1),
+        "namespace": _typed("string", "Its namespace (default: the service's).", minLength=1),
+        "sectionName": _typed("string", "A listener of the Gateway.", minLength=1),
+        "group": _typed("string", "Default gateway.networking.k8s.io."),
+        "kind": _typed("string", "Default Gateway.", minLength=1),
+        "port": _typed("integer", "A listener port.", minimum=1, maximum=65535),
+    }, required=["name"])
+    return {
+        "ingress": _obj("An Ingress in front of the entry Service (the router, or the engine "
+                        "when the router is off).", {
+            "host": _typed("string", "Host name clients use.", minLength=1),
+            "className": _typed("string", "ingressClassName (default: the cluster's).",
+                                minLength=1),
+            "tlsSecretName": _typed("string", "A kubernetes.io/tls Secret for the host.",
+                                    minLength=1),
+            "path": _typed("string", "Path prefix routed to the service.", default="/",
+                           pattern="^/"),
+            "annotations": {**string_map, "description": "Ingress annotations (timeouts for "
+                            "streaming responses, cert-manager issuer, ...)."},
+        }, required=["host"]),
+        "gateway": _obj("A Gateway API HTTPRoute (gateway.networking.k8s.io/v1) attaching the "
+                        "entry Service to existing Gateways.", {
+            "parentRefs": _typed("array", "Gateways to attach to.", items=parent, minItems=1,
+                                 maxItems=32),
+            "hostnames": _typed("array", "Host names the route answers.", maxItems=16,
+                                items=_typed("string", "A host name (wildcards as *.example.com).",
+                                              minLength=1)),
+        }, required=["parentRefs"]),
+        "monitoring": _obj("prometheus-operator scrape objects for engine and router pods.", {
+            "serviceMonitor": _typed("boolean", "A ServiceMonitor (monitoring.coreos.com/v1).",
+                                     default=False),
+            "podMonitor": _typed("boolean", "A PodMonitor (monitoring.coreos.com/v1).",
+                                 default=False),
+            "interval": _typed("string", "Scrape interval.", default="15s",
+                               pattern="^[0-9]+(ms|s|m)$"),
+            "labels": {**string_map, "description": "Labels your Prometheus selects monitors "
+                       "by (e.g. release: prometheus)."},
         }, default={}),
     }
 
@@ -155,6 +237,7 @@ def spec_schema() -> Schema:
                            minimum=0, maximum=1000, default=1),
         "autoscaling": _autoscaling(),
         **_router_redis(),
+        **_traffic(),
         **_pod(),
     }
     return _obj("Desired state of a KVInferenceService.", props, required=["model"])
@@ -172,7 +255,7 @@ def status_schema() -> Schema:
         "explanation": _typed("string", "The arithmetic, in words."),
     }, **{"x-kubernetes-preserve-unknown-fields": True})
     condition = _obj("A status condition.", {
-        "type": _typed("string", "Ready, Sized, ..."),
+        "type": _typed("string", "Ready, Sized, Applied."),
         "status": _typed("string", "True, False or Unknown.", enum=["True", "False", "Unknown"]),
         "reason": _typed("string", "CamelCase reason."),
         "message": _typed("string", "What happened and what to change."),
@@ -185,6 +268,14 @@ def status_schema() -> Schema:
         "readyReplicas": _typed("integer", "Engine replicas ready."),
         "selector": _typed("string", "Label selector of the engine pods (for the HPA)."),
         "sizing": sizing,
+        "lastApplied": _obj("The operator's last change to the children.", {
+            "time": _typed("string", "When it applied them.", format="date-time"),
+            "generation": _typed("integer", "The generation it applied.", format="int64"),
+            "applied": _typed("array", "Kind/name of each object applied (server-side).",
+                              items={"type": "string"}),
+            "deleted": _typed("array", "Kind/name of each object deleted.",
+                              items={"type": "string"}),
+        }),
         "conditions": _typed("array", "Ready and friends.", items=condition,
                              **{"x-kubernetes-list-type": "map",
                                 "x-kubernetes-list-map-keys": ["type"]}),

@@ -1,4 +1,4 @@
-"""kopf handlers (thin): parse + size + build (pure modules), apply, and write status.
+"""kopf handlers (thin): build the children (children.py), server-side apply them, write status.
 
 `kvserve operator` runs `build_registry()`; handlers are sync so kopf runs them in threads and the
 blocking Kubernetes client never stalls its event loop.
@@ -11,21 +11,21 @@ from typing import Any
 
 import kopf
 
+from kvserve.operator.children import Children, build_children
 from kvserve.operator.conditions import (
     Condition, merge_conditions, now, readiness, same_conditions,
 )
 from kvserve.operator.crd import GROUP, PLURAL, VERSION
-from kvserve.operator.kube import KubeClient, KubeError, KubeTransientError
+from kvserve.operator.kube import FIELD_MANAGER, KubeClient, KubeError, KubeTransientError
 from kvserve.operator.reconcile import ApplyResult, apply_objects, prune
-from kvserve.operator.resources import desired_objects, engine_replicas, names, selector_string
-from kvserve.operator.sizing import plan
-from kvserve.operator.spec import InvalidSpecError, ServiceSpec, parse_spec
+from kvserve.operator.resources import engine_replicas, names, selector_string
+from kvserve.operator.spec import InvalidSpecError, ServiceSpec
 
 STATUS_INTERVAL = 30.0
 RETRY_DELAY = 15.0
 
 
-def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     """Startup: a Kubernetes client (unless the caller put one in memo), quiet event posting."""
     settings.posting.level = logging.WARNING
     settings.persistence.finalizer = "kvserve.io/operator"
@@ -33,13 +33,13 @@ def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
         memo.kube = KubeClient.from_environment()
 
 
-def close_client(memo: Any, **_: Any) -> None:
+def close_client(memo: kopf.Memo, **_: Any) -> None:
     """Cleanup: handler threads still running fail fast instead of waiting on the network."""
     if getattr(memo, "kube", None) is not None:
         memo.kube.close()
 
 
-def _write_conditions(patch: Any, body: Any, new: list[Condition]) -> None:
+def _write_conditions(patch: kopf.Patch, body: kopf.Body, new: list[Condition]) -> None:
     existing = list(body.get("status", {}).get("conditions", []) or [])
     generation = body.get("metadata", {}).get("generation")
     merged = merge_conditions(existing, new, generation, now())
@@ -47,43 +47,59 @@ def _write_conditions(patch: Any, body: Any, new: list[Condition]) -> None:
         patch.status["conditions"] = merged
 
 
-def _refuse(body: Any, patch: Any, exc: InvalidSpecError) -> None:
+def _refuse(body: kopf.Body, patch: kopf.Patch, exc: InvalidSpecError) -> None:
     _write_conditions(patch, body, [Condition("Ready", "False", exc.reason, str(exc)),
                                     Condition("Sized", "False", exc.reason, str(exc))])
     patch.status["observedGeneration"] = body.get("metadata", {}).get("generation")
     kopf.warn(body, reason=exc.reason, message=str(exc))
 
 
-def _apply(kube: KubeClient, spec: ServiceSpec, objects: list[dict]) -> ApplyResult:
-    result = apply_objects(kube, objects)
-    prune(kube, spec.namespace, spec.name, spec.uid, objects, result)
+def _apply(kube: KubeClient, built: Children) -> ApplyResult:
+    result = apply_objects(kube, built.objects)
+    spec = built.spec
+    prune(kube, spec.namespace, spec.name, spec.uid, built.objects, result)
     return result
 
 
-def reconcile(body: Any, patch: Any, memo: Any, logger: logging.Logger, **_: Any) -> None:
+def _applied(body: kopf.Body, patch: kopf.Patch, result: ApplyResult) -> Condition:
+    """What was applied and when: status.lastApplied moves only when something changed."""
+    if result.changed:
+        patch.status["lastApplied"] = {
+            "time": now(), "generation": body.get("metadata", {}).get("generation"),
+            "applied": result.applied, "deleted": result.deleted}
+    total = len(result.applied) + len(result.unchanged)
+    return Condition("Applied", "True", "ServerSideApplied",
+                     f"{total} child objects applied by server-side apply (field manager "
+                     f"{FIELD_MANAGER}); status.lastApplied lists the last changes")
+
+
+def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: kopf.Logger,
+              **_: Any) -> None:
     """create/update/resume: make the cluster match the spec, or refuse it with a reason."""
     try:
-        spec = parse_spec(dict(body))
-        sizing = plan(spec)
+        built = build_children(body)
     except InvalidSpecError as exc:
         _refuse(body, patch, exc)
         raise kopf.PermanentError(f"{exc.reason}: {exc}") from exc
     try:
-        result = _apply(memo.kube, spec, desired_objects(spec, sizing))
+        result = _apply(memo.kube, built)
     except KubeTransientError as exc:
         raise kopf.TemporaryError(f"Kubernetes API hiccup: {exc}", delay=RETRY_DELAY) from exc
-    except KubeError as exc:  # refused (RBAC, admission): retry slowly, say why
-        _write_conditions(patch, body, [Condition("Ready", "False", "ApplyFailed", str(exc))])
+    except KubeError as exc:  # refused (RBAC, admission, a CRD missing): retry slowly, say why
+        _write_conditions(patch, body, [Condition("Ready", "False", "ApplyFailed", str(exc)),
+                                        Condition("Applied", "False", "ApplyFailed", str(exc))])
         kopf.warn(body, reason="ApplyFailed", message=str(exc))
         raise kopf.TemporaryError(f"ApplyFailed: {exc}", delay=4 * RETRY_DELAY) from exc
-    logger.info("applied: created=%s patched=%s deleted=%s unchanged=%d", result.created,
-                result.patched, result.deleted, len(result.unchanged))
-    _write_status(body, patch, spec, result.live.get(f"Deployment/{names(spec)['engine']}"))
-    if body.get("status", {}).get("sizing") != sizing.as_status():
-        patch.status["sizing"] = sizing.as_status()
+    logger.info("applied=%s deleted=%s unchanged=%d", result.applied, result.deleted,
+                len(result.unchanged))
+    _write_status(body, patch, built.spec, result)
+    if body.get("status", {}).get("sizing") != built.sizing.as_status():
+        patch.status["sizing"] = built.sizing.as_status()
 
 
-def _write_status(body: Any, patch: Any, spec: ServiceSpec, deployment: dict | None) -> None:
+def _write_status(body: kopf.Body, patch: kopf.Patch, spec: ServiceSpec,
+                  result: ApplyResult) -> None:
+    deployment = result.live.get(f"Deployment/{names(spec)['engine']}")
     ready = readiness(deployment, engine_replicas(spec))
     status = body.get("status", {})
     fields = {"replicas": ready.replicas, "readyReplicas": ready.ready_replicas,
@@ -94,27 +110,26 @@ def _write_status(body: Any, patch: Any, spec: ServiceSpec, deployment: dict | N
             patch.status[name] = value
     _write_conditions(patch, body, [
         Condition("Sized", "True", "Sized", "GPUs, blocks and concurrency in status.sizing"),
-        ready.condition])
+        ready.condition, _applied(body, patch, result)])
 
 
-def resync(body: Any, patch: Any, memo: Any, logger: logging.Logger, **_: Any) -> None:
+def resync(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: kopf.Logger,
+           **_: Any) -> None:
     """Timer: repair drift (a deleted or edited child object) and refresh readiness in status.
 
     Refused specs are skipped: the create/update handler already said why.
     """
     try:
-        spec = parse_spec(dict(body))
-        sizing = plan(spec)
+        built = build_children(body)
     except InvalidSpecError:
         return
     try:
-        result = _apply(memo.kube, spec, desired_objects(spec, sizing))
+        result = _apply(memo.kube, built)
     except KubeError as exc:
         raise kopf.TemporaryError(f"resync failed: {exc}", delay=RETRY_DELAY) from exc
     if result.changed:
-        logger.warning("repaired drift: created=%s patched=%s deleted=%s", result.created,
-                       result.patched, result.deleted)
-    _write_status(body, patch, spec, result.live.get(f"Deployment/{names(spec)['engine']}"))
+        logger.warning("repaired drift: applied=%s deleted=%s", result.applied, result.deleted)
+    _write_status(body, patch, built.spec, result)
 
 
 def build_registry(status_interval: float = STATUS_INTERVAL,

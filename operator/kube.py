@@ -1,7 +1,7 @@
-"""A small Kubernetes REST client for the kinds the operator owns: get, list, create, patch, delete.
+"""A small Kubernetes REST client for the kinds the operator owns: get, list, apply, delete.
 
 Built on the `kubernetes` package's ApiClient (credentials from the pod's service account or a
-kubeconfig); bodies are plain dicts, patches are JSON merge patches.
+kubeconfig); bodies are plain dicts; children are written by server-side apply.
 """
 
 from __future__ import annotations
@@ -22,8 +22,16 @@ PLURALS: dict[tuple[str, str], str] = {
     ("apps/v1", "Deployment"): "deployments",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
+    ("v1", "PersistentVolumeClaim"): "persistentvolumeclaims",
+    ("networking.k8s.io/v1", "Ingress"): "ingresses",
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): "httproutes",
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitors",
+    ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitors",
+    ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
 }
 MERGE_PATCH = "application/merge-patch+json"
+APPLY_PATCH = "application/apply-patch+yaml"  # JSON is YAML: the body is sent as JSON
+FIELD_MANAGER = "kvserve-operator"
 
 
 class KubeError(RuntimeError):
@@ -114,6 +122,19 @@ class KubeClient:
         path = collection_path(obj["apiVersion"], obj["kind"], meta["namespace"])
         return self.request("PATCH", f"{path}/{meta['name']}", body=patch,
                             content_type=MERGE_PATCH)
+
+    def apply(self, obj: dict) -> dict:
+        """Server-side apply as the operator's field manager, forced: fields it applied before
+        and leaves out now are removed (a nodeSelector dropped from the CR leaves the pods)."""
+        meta = obj["metadata"]
+        path = collection_path(obj["apiVersion"], obj["kind"], meta["namespace"])
+        query = [("fieldManager", FIELD_MANAGER), ("force", "true")]
+        answer = self.request("PATCH", f"{path}/{meta['name']}", body=obj,
+                              content_type=APPLY_PATCH, query=query)
+        if answer is None:  # servers without apply-creates (emulators): create, same manager
+            answer = self.request("POST", path, body=obj,
+                                  query=[("fieldManager", FIELD_MANAGER)])
+        return answer
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
         self.request("DELETE", f"{collection_path(api_version, kind, namespace)}/{name}")

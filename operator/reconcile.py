@@ -1,12 +1,24 @@
-"""Apply desired objects idempotently (create, or merge-patch what differs); prune leftovers."""
+"""Apply desired objects by server-side apply (only when they changed); prune leftovers.
+
+Each applied object carries the hash of what was applied: a reconcile that would send the same
+object again (the timer, a resume after an operator upgrade) sends nothing, so nothing rolls.
+"""
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.operator.kube import PLURALS, KubeClient, KubeError, KubeTransientError
+from kvserve.operator.kube import PLURALS, KubeClient
 from kvserve.operator.spec import quantity_value
+
+APPLIED_HASH = "kvserve.io/applied-hash"
+# Kinds never pruned when they leave the desired set: a weights cache is expensive to refill.
+# They still go with the service, through their owner reference.
+KEEP = {("v1", "PersistentVolumeClaim")}
 
 
 def is_subset(desired: Any, actual: Any) -> bool:
@@ -28,69 +40,56 @@ def is_subset(desired: Any, actual: Any) -> bool:
     return False
 
 
-def merge_patch(desired: dict, actual: dict) -> dict:
-    """The fields of desired that differ from actual (lists replace whole, as merge patch does)."""
-    patch: dict = {}
-    for key, value in desired.items():
-        current = actual.get(key)
-        if isinstance(value, dict) and isinstance(current, dict):
-            sub = merge_patch(value, current)
-            if sub:
-                patch[key] = sub
-        elif not is_subset(value, current):
-            patch[key] = value
-    return patch
+def applied_hash(obj: dict) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def stamped(obj: dict) -> dict:
+    """obj with the hash of its own content in an annotation (not in a pod template: changing
+    the hash alone must never roll pods)."""
+    obj = copy.deepcopy(obj)
+    digest = applied_hash(obj)
+    obj["metadata"].setdefault("annotations", {})[APPLIED_HASH] = digest
+    return obj
 
 
 @dataclass
 class ApplyResult:
-    created: list[str] = field(default_factory=list)
-    patched: list[str] = field(default_factory=list)
+    applied: list[str] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
     live: dict[str, dict] = field(default_factory=dict)  # "Kind/name" -> the server's object
 
     @property
     def changed(self) -> bool:
-        return bool(self.created or self.patched or self.deleted)
+        return bool(self.applied or self.deleted)
 
 
 def key(obj: dict) -> str:
     return f"{obj['kind']}/{obj['metadata']['name']}"
 
 
-def _create(kube: KubeClient, obj: dict) -> dict | None:
-    """Create obj; None when someone else (a concurrent resync) created it first."""
-    try:
-        return kube.create(obj)
-    except KubeError as exc:
-        if exc.status != 409:
-            raise
-        return None
+def up_to_date(desired: dict, actual: dict | None) -> bool:
+    """Same hash as last applied, and nobody edited an applied field since."""
+    if actual is None:
+        return False
+    applied = actual.get("metadata", {}).get("annotations", {}).get(APPLIED_HASH)
+    return applied == desired["metadata"]["annotations"][APPLIED_HASH] and is_subset(desired,
+                                                                                       actual)
 
 
 def apply_objects(kube: KubeClient, objects: list[dict]) -> ApplyResult:
-    """Create what is missing and patch what differs; untouched objects cost one GET."""
+    """Server-side apply what is missing or changed; untouched objects cost one GET."""
     result = ApplyResult()
-    for obj in objects:
+    for obj in map(stamped, objects):
         meta = obj["metadata"]
         actual = kube.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
-        if actual is None:
-            created = _create(kube, obj)
-            if created is not None:
-                result.live[key(obj)] = created
-                result.created.append(key(obj))
-                continue
-            actual = kube.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
-            if actual is None:
-                raise KubeTransientError(f"{key(obj)} both exists (409) and does not (404)", 409)
-        patch = merge_patch(obj, actual)
-        if patch:
-            result.live[key(obj)] = kube.patch(obj, patch)
-            result.patched.append(key(obj))
-        else:
+        if up_to_date(obj, actual):
             result.live[key(obj)] = actual
             result.unchanged.append(key(obj))
+            continue
+        result.live[key(obj)] = kube.apply(obj)
+        result.applied.append(key(obj))
     return result
 
 
@@ -100,11 +99,15 @@ def owned_by(obj: dict, uid: str) -> bool:
 
 def prune(kube: KubeClient, namespace: str, instance: str, uid: str, desired: list[dict],
           result: ApplyResult) -> None:
-    """Delete objects this service owns that are no longer desired (router off, HPA removed)."""
+    """Delete objects this service owns that are no longer desired (router off, HPA removed).
+    A kind whose CRD is not installed (Gateway API, prometheus-operator, KEDA) lists as 404,
+    which the client reads as empty."""
     wanted = {key(obj) for obj in desired}
     selector = (f"app.kubernetes.io/instance={instance},"
                 "app.kubernetes.io/managed-by=kvserve-operator")
     for api_version, kind in PLURALS:
+        if (api_version, kind) in KEEP:
+            continue
         for obj in kube.list(api_version, kind, namespace, selector):
             name = obj.get("metadata", {}).get("name", "")
             labels = obj.get("metadata", {}).get("labels", {})

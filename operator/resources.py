@@ -1,4 +1,4 @@
-"""The objects a KVInferenceService becomes: pure functions of spec and sizing, each owned by it."""
+"""The objects a KVInferenceService becomes: pure functions of its spec and sizing."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import hashlib
 import json
 from typing import Any
 
+from kvserve.operator import monitoring, traffic, weights
 from kvserve.operator.crd import API_VERSION, KIND
 from kvserve.operator.sizing import Sizing
 from kvserve.operator.spec import ServiceSpec
@@ -35,10 +36,8 @@ def selector_string(spec: ServiceSpec, component: str = "engine") -> str:
 
 
 def metadata(spec: ServiceSpec, name: str, component: str) -> Obj:
-    owner = {"apiVersion": API_VERSION, "kind": KIND, "name": spec.name, "uid": spec.uid,
-             "controller": True, "blockOwnerDeletion": True}
-    return {"name": name, "namespace": spec.namespace, "labels": labels(spec, component),
-            "ownerReferences": [owner]}
+    """Name, namespace, labels; owner references are added by kopf.adopt (children.py)."""
+    return {"name": name, "namespace": spec.namespace, "labels": labels(spec, component)}
 
 
 def names(spec: ServiceSpec) -> dict[str, str]:
@@ -67,7 +66,7 @@ def engine_replicas(spec: ServiceSpec) -> int:
 def engine_args(spec: ServiceSpec, sizing: Sizing) -> list[str]:
     """`kvserve serve` flags from the spec (vLLM's spellings)."""
     e = spec.engine
-    args = ["serve", spec.model.source, "--host", "0.0.0.0", "--port", str(PORT),
+    args = ["serve", weights.model_path(spec), "--host", "0.0.0.0", "--port", str(PORT),
             "--block-size", str(e.block_size), "--max-model-len", str(e.max_model_len),
             "--max-num-seqs", str(sizing.max_num_seqs),
             "--gpu-memory-utilization", f"{e.gpu_memory_utilization:g}",
@@ -76,6 +75,10 @@ def engine_args(spec: ServiceSpec, sizing: Sizing) -> list[str]:
             "--dtype", sizing.weight_dtype,
             "--tensor-parallel-size", str(max(sizing.gpus_per_replica, 1)),
             "--served-model-name", spec.model.served_name]
+    # Only a pinned revision: "main" is the engine's default, and an unchanged pod template
+    # across operator versions is what keeps an operator upgrade from restarting engines.
+    if weights.serves_hub_revision(spec) and spec.model.location.revision != "main":
+        args += ["--revision", spec.model.location.revision]
     if spec.device == "cpu":  # the KV budget the operator planned within the pod's memory limit
         args += ["--kv-cache-memory", str(max(sizing.kv_bytes, 0))]
     url = redis_url(spec)
@@ -131,6 +134,9 @@ def engine_volumes(spec: ServiceSpec, sizing: Sizing) -> tuple[list[Obj], list[O
     mounts = [{"name": "tmp", "mountPath": "/tmp"},
               {"name": "cache", "mountPath": "/var/cache/kvserve"},
               {"name": "config", "mountPath": "/etc/kvserve", "readOnly": True}]
+    if weights.volume(spec) is not None:
+        vols.append(weights.volume(spec))
+        mounts.append(weights.engine_mount())
     if sizing.gpus_per_replica > 1:  # NCCL needs a large /dev/shm between tensor-parallel ranks
         vols.append({"name": "shm", "emptyDir": {"medium": "Memory",
                                                  "sizeLimit": shm_size(sizing.gpus_per_replica)}})
@@ -171,6 +177,9 @@ def engine_pod_spec(spec: ServiceSpec, sizing: Sizing) -> Obj:
     pod: Obj = {"securityContext": pod_security(), "automountServiceAccountToken": False,
                 "terminationGracePeriodSeconds": DRAIN_SECONDS,
                 "containers": [engine_container(spec, sizing, mounts)], "volumes": vols}
+    init = weights.init_container(spec, container_security(), mounts[:1])
+    if init is not None:
+        pod["initContainers"] = [init]
     if spec.node_selector:
         pod["nodeSelector"] = dict(spec.node_selector)
     if tolerations:
@@ -222,6 +231,12 @@ def pdb(spec: ServiceSpec) -> Obj:
             "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(spec, "engine")}}}
 
 
+def router_tokenizer(spec: ServiceSpec) -> str:
+    """The router tokenizes like the engine; a cache claim fills only after the engine's init
+    container ran, so the router fetches the (small) tokenizer itself then."""
+    return weights.model_path(spec) if spec.model.location.scheme == "pvc" else spec.model.source
+
+
 def router_deployment(spec: ServiceSpec) -> Obj:
     args = ["router", "--host", "0.0.0.0", "--port", str(PORT)]
     url = redis_url(spec)
@@ -229,7 +244,7 @@ def router_deployment(spec: ServiceSpec) -> Obj:
         args += ["--redis-url", url]
     # The engine Service is the static fallback: without Redis the router routes by load alone.
     args += ["--service-name", spec.name, "--policy", spec.router_policy,
-             "--tokenizer", spec.model.source,
+             "--tokenizer", router_tokenizer(spec),
              "--replicas", f"http://{names(spec)['engine']}:{PORT}"]
     container = {
         "name": "router", "image": spec.image, "command": ["kvserve"], "args": args,
@@ -245,6 +260,9 @@ def router_deployment(spec: ServiceSpec) -> Obj:
     pod = {"securityContext": pod_security(), "automountServiceAccountToken": False,
            "terminationGracePeriodSeconds": 30, "containers": [container],
            "volumes": [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}]}
+    if spec.model.location.scheme == "pvc":  # the tokenizer files live on the claim only
+        pod["volumes"].append(weights.volume(spec))
+        container["volumeMounts"].append(weights.engine_mount())
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": metadata(spec, names(spec)["router"], "router"),
@@ -300,14 +318,18 @@ def hpa(spec: ServiceSpec) -> Obj:
         "spec": {
             "scaleTargetRef": {"apiVersion": API_VERSION, "kind": KIND, "name": spec.name},
             "minReplicas": a.min_replicas, "maxReplicas": a.max_replicas, "metrics": metrics,
-            # GPU replicas take minutes to load: add one at a time, remove slowly.
-            "behavior": {
-                "scaleUp": {"stabilizationWindowSeconds": 60,
-                            "policies": [{"type": "Pods", "value": 1, "periodSeconds": 120}]},
-                "scaleDown": {"stabilizationWindowSeconds": 600,
-                              "policies": [{"type": "Pods", "value": 1, "periodSeconds": 300}]},
-            },
+            "behavior": scale_behavior(),
         },
+    }
+
+
+def scale_behavior() -> Obj:
+    """GPU replicas take minutes to load: add one at a time, remove slowly (HPA and KEDA)."""
+    return {
+        "scaleUp": {"stabilizationWindowSeconds": 60,
+                    "policies": [{"type": "Pods", "value": 1, "periodSeconds": 120}]},
+        "scaleDown": {"stabilizationWindowSeconds": 600,
+                      "policies": [{"type": "Pods", "value": 1, "periodSeconds": 300}]},
     }
 
 
@@ -315,6 +337,7 @@ def desired_objects(spec: ServiceSpec, sizing: Sizing) -> list[Obj]:
     """Everything the service needs, in the order to apply it."""
     n = names(spec)
     objs = [config_map(spec, sizing)]
+    objs += _present(weights.claim(spec, metadata(spec, weights_claim(spec), "engine")))
     if spec.redis_deploy:
         objs += [redis_deployment(spec), service(spec, n["redis"], "redis", "redis", REDIS_PORT)]
     objs += [engine_deployment(spec, sizing),
@@ -322,7 +345,23 @@ def desired_objects(spec: ServiceSpec, sizing: Sizing) -> list[Obj]:
     entry_target = "router" if spec.router_enabled else "engine"
     if spec.router_enabled:
         objs.append(router_deployment(spec))
-    objs.append(service(spec, n["entry"], entry_target, entry_target, PORT))
-    if spec.autoscaling is not None:
+    objs.append(service(spec, n["entry"], "entry", entry_target, PORT))
+    if spec.autoscaling is not None and spec.autoscaling.engine == "hpa":
         objs.append(hpa(spec))
+    entry = metadata(spec, n["entry"], "entry")
+    objs += _present(
+        monitoring.scaled_object(spec, metadata(spec, n["entry"], "engine"), n["engine"],
+                                 scale_behavior()),
+        traffic.ingress(spec, entry, n["entry"]),
+        traffic.http_route(spec, entry, n["entry"], PORT),
+        monitoring.service_monitor(spec, metadata(spec, n["entry"], "monitoring")),
+        monitoring.pod_monitor(spec, metadata(spec, n["entry"], "monitoring")))
     return objs
+
+
+def _present(*objs: Obj | None) -> list[Obj]:
+    return [o for o in objs if o is not None]
+
+
+def weights_claim(spec: ServiceSpec) -> str:
+    return spec.model.cache.claim_name if spec.model.cache else ""

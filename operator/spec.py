@@ -9,6 +9,8 @@ from typing import Any
 
 from kvserve.operator.catalog import GPUS, MODELS, ModelArch, lookup_model
 from kvserve.operator.crd import DEFAULT_IMAGE, spec_schema
+from kvserve.operator.errors import InvalidSpecError
+from kvserve.operator.model_uri import ModelURI, parse_model_uri
 
 GiB = 1 << 30
 _QUANTITY = re.compile(r"^([0-9.]+)([KMGTPE]i?|m|k)?$")
@@ -16,14 +18,6 @@ _SUFFIX = {"": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "
            "E": 10**18, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40,
            "Pi": 1 << 50, "Ei": 1 << 60, "m": 1e-3}
 _TYPES = {"object": dict, "array": list, "string": str, "boolean": bool}
-
-
-class InvalidSpecError(ValueError):
-    """A spec the operator refuses; `reason` becomes the Ready condition's reason."""
-
-    def __init__(self, message: str, reason: str = "InvalidSpec") -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 def apply_defaults(schema: dict, value: Any) -> Any:
@@ -103,11 +97,47 @@ def parse_quantity(text: str | int | float) -> int:
 
 
 @dataclass(frozen=True)
+class CacheSpec:
+    """A weights cache claim: an existing one (create False) or one the operator owns."""
+
+    claim_name: str
+    create: bool
+    size: str = "100Gi"
+    access_mode: str = "ReadWriteMany"
+    storage_class: str | None = None
+
+
+@dataclass(frozen=True)
 class ModelRef:
     key: str  # catalog key or the user's name
-    source: str  # what `kvserve serve` loads
+    source: str  # what `kvserve serve` loads when no cache or claim is mounted
     served_name: str
     arch: ModelArch
+    location: ModelURI = field(default_factory=lambda: ModelURI("name", ""))
+    cache: CacheSpec | None = None
+
+
+@dataclass(frozen=True)
+class IngressSpec:
+    host: str
+    path: str
+    class_name: str | None = None
+    tls_secret: str | None = None
+    annotations: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GatewaySpec:
+    parent_refs: list
+    hostnames: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class MonitoringSpec:
+    service_monitor: bool = False
+    pod_monitor: bool = False
+    interval: str = "15s"
+    labels: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -128,6 +158,8 @@ class Autoscaling:
     max_replicas: int
     target_cache_usage: float
     target_waiting_requests: int
+    engine: str = "hpa"  # "hpa" | "keda"
+    prometheus_address: str = ""
 
 
 @dataclass(frozen=True)
@@ -153,6 +185,9 @@ class ServiceSpec:
     node_selector: dict = field(default_factory=dict)
     tolerations: list = field(default_factory=list)
     env: list = field(default_factory=list)
+    ingress: IngressSpec | None = None
+    gateway: GatewaySpec | None = None
+    monitoring: MonitoringSpec = MonitoringSpec()
 
 
 def _arch_from_spec(a: dict, source: str) -> ModelArch:
@@ -165,11 +200,32 @@ def _arch_from_spec(a: dict, source: str) -> ModelArch:
         dtype=a.get("dtype", "bfloat16"), max_model_len=a.get("maxModelLen", 4096), source=source)
 
 
+def cache_spec(cache: dict | None, location: ModelURI, cr_name: str) -> CacheSpec | None:
+    if cache is None:
+        return None
+    if ("claimName" in cache) == ("pvc" in cache):
+        raise InvalidSpecError("spec.model.cache: set exactly one of claimName and pvc")
+    if location.scheme == "path":
+        raise InvalidSpecError("spec.model.cache: a local path has nothing to fetch; use "
+                               "hf://ORG/NAME, a catalog name, or pvc://CLAIM/PATH")
+    if location.scheme == "pvc":
+        raise InvalidSpecError("spec.model.cache: a pvc:// uri already names the claim holding "
+                               "the weights; drop spec.model.cache")
+    if "claimName" in cache:
+        return CacheSpec(claim_name=cache["claimName"], create=False)
+    pvc = cache["pvc"]
+    return CacheSpec(claim_name=f"{cr_name}-weights", create=True, size=pvc["size"],
+                     access_mode=pvc["accessMode"], storage_class=pvc.get("storageClassName"))
+
+
 def model_ref(model: dict, cr_name: str) -> ModelRef:
     """Resolve spec.model against the catalog, or read its explicit architecture."""
     name, uri = model.get("name"), model.get("uri")
     if not name and not uri:
         raise InvalidSpecError("spec.model needs a name (from the catalog) or a uri")
+    location = parse_model_uri(uri or "", model.get("revision")) if uri else None
+    if location is not None and location.scheme == "hf":
+        uri = location.path  # what the engine and the catalog know: the bare hub id
     if "architecture" in model:
         arch = _arch_from_spec(model["architecture"], uri or name)
         key = name or uri
@@ -183,7 +239,11 @@ def model_ref(model: dict, cr_name: str) -> ModelRef:
                 reason="UnknownModel")
         key, arch = found
     served = model.get("servedModelName") or name or cr_name
-    return ModelRef(key=key, source=uri or arch.source or key, served_name=served, arch=arch)
+    source = uri or arch.source or key
+    if location is None:
+        location = parse_model_uri(source, model.get("revision"))
+    return ModelRef(key=key, source=source, served_name=served, arch=arch, location=location,
+                    cache=cache_spec(model.get("cache"), location, cr_name))
 
 
 def engine_spec(e: dict, arch: ModelArch) -> EngineSpec:
@@ -224,7 +284,17 @@ def _autoscaling(spec: dict) -> Autoscaling | None:
         raise InvalidSpecError(f"spec.autoscaling.minReplicas {a['minReplicas']} is above "
                                f"maxReplicas {a['maxReplicas']}")
     return Autoscaling(a["minReplicas"], a["maxReplicas"], float(a["targetCacheUsage"]),
-                       a["targetWaitingRequests"])
+                       a["targetWaitingRequests"], a["engine"], a["prometheusAddress"])
+
+
+def _traffic(spec: dict) -> tuple[IngressSpec | None, GatewaySpec | None, MonitoringSpec]:
+    i, g, m = spec.get("ingress"), spec.get("gateway"), spec["monitoring"]
+    ingress = None if i is None else IngressSpec(
+        host=i["host"], path=i["path"], class_name=i.get("className"),
+        tls_secret=i.get("tlsSecretName"), annotations=i.get("annotations", {}))
+    gateway = None if g is None else GatewaySpec(g["parentRefs"], g.get("hostnames", []))
+    return ingress, gateway, MonitoringSpec(m["serviceMonitor"], m["podMonitor"], m["interval"],
+                                            m.get("labels", {}))
 
 
 def parse_spec(body: dict) -> ServiceSpec:
@@ -238,6 +308,7 @@ def parse_spec(body: dict) -> ServiceSpec:
     model = model_ref(spec["model"], meta.get("name", ""))
     gpu_type, memory = device_memory(spec)
     router, redis = spec["router"], spec["redis"]
+    ingress, gateway, monitoring = _traffic(spec)
     return ServiceSpec(
         name=meta.get("name", ""), namespace=meta.get("namespace", "default"),
         uid=meta.get("uid", ""), model=model, engine=engine_spec(spec["engine"], model.arch),
@@ -248,4 +319,4 @@ def parse_spec(body: dict) -> ServiceSpec:
         redis_url=redis.get("url"), redis_deploy=redis["deploy"] and not redis.get("url"),
         image=spec["image"], resources=spec.get("resources", {}),
         node_selector=spec.get("nodeSelector", {}), tolerations=spec.get("tolerations", []),
-        env=spec.get("env", []))
+        env=spec.get("env", []), ingress=ingress, gateway=gateway, monitoring=monitoring)

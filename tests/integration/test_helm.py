@@ -50,8 +50,20 @@ def validate_all(objs: list[dict]) -> None:
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
 
 
+def crd_schema_errors(obj: dict) -> list[str]:
+    """Errors against the vendored CRD schema excerpts (tests/unit/operator/crd_schemas.py)."""
+    import importlib.util
+
+    path = ROOT / "tests" / "unit" / "operator" / "crd_schemas.py"
+    spec = importlib.util.spec_from_file_location("crd_schemas", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.errors(obj)
+
+
 def test_helm_lint(helm: Path) -> None:
-    for extra in ([], ["-f", str(CHART / "ci" / "custom-values.yaml")]):
+    for extra in ([], ["-f", str(CHART / "ci" / "custom-values.yaml")],
+                  ["-f", str(CHART / "ci" / "all-options-values.yaml")]):
         out = run_helm(helm, "lint", "--strict", str(CHART), *extra)
         assert "0 chart(s) failed" in out
 
@@ -86,6 +98,38 @@ def test_custom_values_render_validates(helm: Path) -> None:
     assert by_kind(objs, "ServiceAccount")[0]["metadata"]["name"] == "ml-kvserve-operator"
     names = [c["metadata"]["name"] for c in by_kind(objs, "ConfigMap")]
     assert not [n for n in names if n.endswith("dashboard")]
+
+
+def test_every_option_on_renders_and_validates(helm: Path) -> None:
+    objs = render(helm, "-f", str(CHART / "ci" / "all-options-values.yaml"))
+    validate_all([o for o in objs if o["kind"] != "PodMonitor"])
+    monitor = by_kind(objs, "PodMonitor")[0]
+    assert crd_schema_errors(monitor) == []
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["ml-prod"]}
+    assert monitor["spec"]["podMetricsEndpoints"][0]["interval"] == "30s"
+    names = {c["metadata"]["name"] for c in by_kind(objs, "ConfigMap")}
+    assert {"kvserve-adapter-rules", "kvserve-dashboard"} <= names
+    assert {d["metadata"]["name"] for d in by_kind(objs, "Deployment")} == {
+        "kvserve-operator", "kvserve-redis"}
+    # The operator may write every optional child kind the CRD offers.
+    role = by_kind(objs, "Role")[0]["rules"]
+    granted = {(g, r) for rule in role for g in rule["apiGroups"] for r in rule["resources"]}
+    assert {("", "persistentvolumeclaims"), ("networking.k8s.io", "ingresses"),
+            ("gateway.networking.k8s.io", "httproutes"),
+            ("monitoring.coreos.com", "servicemonitors"), ("monitoring.coreos.com", "podmonitors"),
+            ("keda.sh", "scaledobjects")} <= granted
+
+
+def test_operator_rbac_covers_every_kind_it_writes(helm: Path) -> None:
+    from kvserve.operator.kube import PLURALS
+
+    rules = by_kind(render(helm), "ClusterRole")[0]["rules"]
+    for (api_version, _), plural in PLURALS.items():
+        group = api_version.rpartition("/")[0]
+        assert any(group in r["apiGroups"] and plural in r["resources"]
+                   and {"get", "list", "create", "patch", "delete"} <= set(r["verbs"])
+                   for r in rules), (group, plural)
 
 
 def test_chart_crd_is_the_manifest_crd() -> None:

@@ -22,9 +22,7 @@ from kvserve.operator.crd import GROUP, KIND, PLURAL, VERSION
 from kvserve.operator.handlers import build_registry, reconcile
 from kvserve.operator.kube import KubeClient
 from kvserve.operator.reconcile import apply_objects
-from kvserve.operator.resources import desired_objects
-from kvserve.operator.sizing import plan
-from kvserve.operator.spec import parse_spec
+from kvserve.operator.children import build_children
 
 NS = "ml"
 VERBS = ["get", "list", "watch", "create", "patch", "update", "delete"]
@@ -36,6 +34,12 @@ OWNED = {
     "v1/configmaps": "ConfigMap", "v1/services": "Service", "apps/v1/deployments": "Deployment",
     "policy/v1/poddisruptionbudgets": "PodDisruptionBudget",
     "autoscaling/v2/horizontalpodautoscalers": "HorizontalPodAutoscaler",
+    "v1/persistentvolumeclaims": "PersistentVolumeClaim",
+    "networking.k8s.io/v1/ingresses": "Ingress",
+    "gateway.networking.k8s.io/v1/httproutes": "HTTPRoute",
+    "monitoring.coreos.com/v1/servicemonitors": "ServiceMonitor",
+    "monitoring.coreos.com/v1/podmonitors": "PodMonitor",
+    "keda.sh/v1alpha1/scaledobjects": "ScaledObject",
 }
 
 
@@ -339,17 +343,88 @@ async def test_refused_write_is_reported_as_apply_failed(kmock: Any) -> None:
     assert "403" in warned[0]["message"]
 
 
-async def test_apply_survives_a_concurrent_create(kmock: Any) -> None:
-    """Two writers (the timer and a handler) both see an object missing; the second gets 409."""
+async def test_apply_creates_where_the_server_has_no_object(kmock: Any) -> None:
+    """Server-side apply creates on a real API server; an emulator answers 404, so the client
+    creates (POST) with the same field manager, and the next apply is a PATCH."""
     declare_resources(kmock)
-    spec = parse_spec(service_cr("race"))
-    service = next(o for o in desired_objects(spec, plan(spec)) if o["kind"] == "Service")
-    async with kmock.post(f"/api/v1/namespaces/{NS}/services", json=service) as resp:
-        assert resp.status < 300  # the other writer won
-    name = service["metadata"]["name"]
-    kmock[f"get /api/v1/namespaces/{NS}/services/{name}"][:1] << 404  # our first read is stale
+    spec_body = service_cr("race")
+    service = next(o for o in build_children(spec_body).objects if o["kind"] == "Service")
     kube = KubeClient.for_url(str(kmock.url), timeout=2.0, retries=False)
-    result = await asyncio.to_thread(apply_objects, kube, [service])
-    assert (result.created, result.unchanged) == ([], [f"Service/{name}"])
-    posts = [w for w in writes(kmock) if w.startswith("POST")]
-    assert len(posts) == 2  # the winner's and our refused one
+    first = await asyncio.to_thread(apply_objects, kube, [service])
+    second = await asyncio.to_thread(apply_objects, kube, [service])
+    assert first.applied == [f"Service/{service['metadata']['name']}"]
+    assert second.unchanged == first.applied  # same hash: nothing sent the second time
+    sent = [w for w in writes(kmock)]
+    assert [w.split()[0] for w in sent] == ["PATCH", "POST"]
+
+
+def sent(kmock: Any, method: str, path_end: str) -> list[Any]:
+    return [r for r in list(kmock) if r.method.value == method and r.url.path.endswith(path_end)]
+
+
+async def test_weights_cache_claim_is_created_once_and_shared(kmock: Any) -> None:
+    """One claim for every replica: scaling up adds pods to the same pod template (one init
+    container, one claim), never a second claim; switching the cache off keeps the claim."""
+    cache = {"name": "llama-2-7b", "cache": {"pvc": {"size": "40Gi"}}}
+    async with running_operator(kmock):
+        await create(kmock, service_cr("cached", model=cache))
+        await wait_for(lambda: stored(kmock, DEPLOYMENTS, "cached-engine"), "the Deployment")
+        await patch_cr(kmock, "cached", {"spec": {"replicas": 3, "autoscaling": None}})
+        await wait_for(lambda: stored(kmock, DEPLOYMENTS, "cached-engine")["spec"]["replicas"]
+                       == 3, "the Deployment scaled to 3")
+        pod = stored(kmock, DEPLOYMENTS, "cached-engine")["spec"]["template"]["spec"]
+        await patch_cr(kmock, "cached", {"spec": {"model": {"cache": None}}})
+        await wait_for(lambda: "initContainers" not in sent(
+            kmock, "PATCH", "/deployments/cached-engine")[-1].data["spec"]["template"]["spec"],
+            "the Deployment applied without the init container")
+    claim = stored(kmock, "v1/persistentvolumeclaims", "cached-weights")
+    assert claim["spec"]["resources"]["requests"]["storage"] == "40Gi"
+    assert claim["metadata"]["ownerReferences"][0]["uid"] == "uid-cached"
+    assert [v for v in pod["volumes"] if v["name"] == "weights"] == [
+        {"name": "weights", "persistentVolumeClaim": {"claimName": "cached-weights"}}]
+    assert [c["name"] for c in pod["initContainers"]] == ["fetch-weights"]
+    claim_writes = [w for w in writes(kmock) if "persistentvolumeclaims" in w]
+    assert claim_writes == [f"PATCH /api/v1/namespaces/{NS}/persistentvolumeclaims/cached-weights",
+                            f"POST /api/v1/namespaces/{NS}/persistentvolumeclaims"]
+
+
+async def test_removing_a_node_selector_removes_it_from_the_deployment(kmock: Any) -> None:
+    """Server-side apply, forced, as kvserve-operator: the applied Deployment no longer holds
+    the field, so the API server removes it (the field manager owned it). KMock merges naively,
+    so this asserts what the operator sent, and how."""
+    async with running_operator(kmock):
+        await create(kmock, service_cr("pinned", nodeSelector={"gpu": "a100"}))
+        await wait_for(lambda: stored(kmock, DEPLOYMENTS, "pinned-engine"), "the Deployment")
+        await patch_cr(kmock, "pinned", {"spec": {"nodeSelector": None}})
+        applied = await wait_for(
+            lambda: [r for r in sent(kmock, "PATCH", "/deployments/pinned-engine")
+                     if "nodeSelector" not in r.data["spec"]["template"]["spec"]],
+            "an apply of the Deployment without nodeSelector")
+        # Only what changed is sent again: the status names the Deployment alone.
+        await wait_for(lambda: stored(kmock, PLURAL_KEY, "pinned")["status"]["lastApplied"]
+                       ["applied"] == ["Deployment/pinned-engine"], "status.lastApplied")
+    first = sent(kmock, "PATCH", "/deployments/pinned-engine")[0]
+    assert first.data["spec"]["template"]["spec"]["nodeSelector"] == {"gpu": "a100"}
+    request = applied[-1]
+    assert request.headers["Content-Type"] == "application/apply-patch+yaml"
+    assert (request.params["fieldManager"], request.params["force"]) == ("kvserve-operator",
+                                                                         "true")
+    cond = [c for c in stored(kmock, PLURAL_KEY, "pinned")["status"]["conditions"]
+            if c["type"] == "Applied"][0]
+    assert cond["status"] == "True" and "kvserve-operator" in cond["message"]
+
+
+async def test_operator_restart_leaves_healthy_engines_alone(kmock: Any) -> None:
+    """An operator upgrade is a restart: the resume handler rebuilds every child, finds each
+    one's applied hash unchanged, and writes nothing, so no engine pod rolls."""
+    async with running_operator(kmock):
+        await create(kmock, service_cr("steady"))
+        await wait_for(lambda: stored(kmock, PLURAL_KEY, "steady").get("status", {})
+                       .get("sizing"), "the first reconcile")
+    before = writes(kmock)
+    reads = len(sent(kmock, "GET", "/horizontalpodautoscalers/steady"))
+    async with running_operator(kmock):
+        await wait_for(lambda: len(sent(kmock, "GET", "/horizontalpodautoscalers/steady"))
+                       > reads, "the new operator's resume reconcile")
+        await asyncio.sleep(0.5)
+    assert before and writes(kmock) == before

@@ -1,9 +1,9 @@
-"""Idempotent apply: subset comparison, minimal merge patches, conditions and readiness."""
+"""Idempotent apply: subset comparison, the applied hash, conditions and readiness."""
 
 from __future__ import annotations
 
 from kvserve.operator.conditions import Condition, merge_conditions, readiness, same_conditions
-from kvserve.operator.reconcile import is_subset, merge_patch
+from kvserve.operator.reconcile import APPLIED_HASH, is_subset, stamped, up_to_date
 
 
 def test_server_defaults_do_not_count_as_differences() -> None:
@@ -11,7 +11,6 @@ def test_server_defaults_do_not_count_as_differences() -> None:
     actual = {"spec": {"replicas": 2, "revisionHistoryLimit": 10, "template": {"containers": [
         {"name": "e", "args": ["a"], "terminationMessagePath": "/dev/termination-log"}]}}}
     assert is_subset(desired, actual)
-    assert merge_patch(desired, actual) == {}
 
 
 def test_canonical_quantities_are_equal() -> None:
@@ -25,13 +24,33 @@ def test_bools_are_not_numbers() -> None:
     assert not is_subset({"x": 0}, {"x": False})
 
 
-def test_patch_holds_only_what_differs_and_whole_lists() -> None:
-    desired = {"spec": {"replicas": 3, "template": {"containers": [{"args": ["--x", "2"]}]}},
-               "metadata": {"labels": {"a": "1"}}}
-    actual = {"spec": {"replicas": 2, "template": {"containers": [{"args": ["--x", "1"]}]}},
-              "metadata": {"labels": {"a": "1", "b": "2"}}}
-    assert merge_patch(desired, actual) == {
-        "spec": {"replicas": 3, "template": {"containers": [{"args": ["--x", "2"]}]}}}
+def deployment(node_selector: dict | None) -> dict:
+    pod: dict = {"containers": [{"name": "e"}]}
+    if node_selector is not None:
+        pod["nodeSelector"] = node_selector
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": "d", "namespace": "ml"}, "spec": {"template": {"spec": pod}}}
+
+
+def test_a_removed_field_changes_the_hash_so_it_is_applied() -> None:
+    """A subset check alone would call the old object (with the nodeSelector) up to date."""
+    live = stamped(deployment({"gpu": "a100"}))
+    desired = stamped(deployment(None))
+    assert is_subset(desired["spec"], live["spec"])
+    assert not up_to_date(desired, live)
+    assert up_to_date(stamped(deployment({"gpu": "a100"})), live)
+
+
+def test_a_hand_edit_of_an_applied_field_is_repaired() -> None:
+    live = stamped(deployment({"gpu": "a100"}))
+    live["spec"]["template"]["spec"]["nodeSelector"]["gpu"] = "l4"
+    assert not up_to_date(stamped(deployment({"gpu": "a100"})), live)
+
+
+def test_the_hash_is_not_in_the_pod_template() -> None:
+    obj = stamped(deployment({"gpu": "a100"}))
+    assert APPLIED_HASH in obj["metadata"]["annotations"]
+    assert "annotations" not in obj["spec"]["template"].get("metadata", {})
 
 
 def test_list_length_change_is_a_difference() -> None:

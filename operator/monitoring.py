@@ -1,0 +1,83 @@
+"""Scrape objects for prometheus-operator (ServiceMonitor, PodMonitor) and the KEDA ScaledObject
+that scales on the same series; both copy the pods' instance and component labels onto them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvserve.operator.crd import API_VERSION, KIND
+from kvserve.operator.spec import ServiceSpec
+
+Obj = dict[str, Any]
+TARGET_LABELS = ["app.kubernetes.io/instance", "app.kubernetes.io/component"]
+CACHE_USAGE = "vllm:kv_cache_usage_perc"
+WAITING = "vllm:num_requests_waiting"
+
+
+def _selector(spec: ServiceSpec, components: list[str]) -> Obj:
+    return {"matchLabels": {"app.kubernetes.io/instance": spec.name,
+                            "app.kubernetes.io/managed-by": "kvserve-operator"},
+            "matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "In",
+                                  "values": components}]}
+
+
+def _meta(spec: ServiceSpec, meta: Obj) -> Obj:
+    extra = spec.monitoring.labels
+    return {**meta, "labels": {**extra, **meta["labels"]}} if extra else meta
+
+
+def service_monitor(spec: ServiceSpec, meta: Obj) -> Obj | None:
+    """The engine Service, and the entry Service when it fronts router pods (not twice the
+    engine pods when the router is off)."""
+    if not spec.monitoring.service_monitor:
+        return None
+    components = ["engine", "entry"] if spec.router_enabled else ["engine"]
+    endpoint = {"port": "http", "path": "/metrics", "interval": spec.monitoring.interval}
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
+            "metadata": _meta(spec, meta),
+            "spec": {"selector": _selector(spec, components), "endpoints": [endpoint],
+                     "podTargetLabels": TARGET_LABELS}}
+
+
+def pod_monitor(spec: ServiceSpec, meta: Obj) -> Obj | None:
+    if not spec.monitoring.pod_monitor:
+        return None
+    components = ["engine", "router"] if spec.router_enabled else ["engine"]
+    endpoint = {"port": "http", "path": "/metrics", "interval": spec.monitoring.interval}
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
+            "metadata": _meta(spec, meta),
+            "spec": {"selector": _selector(spec, components), "podMetricsEndpoints": [endpoint],
+                     "podTargetLabels": TARGET_LABELS}}
+
+
+def engine_series(spec: ServiceSpec, metric: str, engine_deployment: str) -> str:
+    """A selector of one service's engine pods: Deployment pods are <deployment>-<rs>-<id>."""
+    return (f'{metric}{{namespace="{spec.namespace}",'
+            f'pod=~"{engine_deployment}-[a-z0-9]+-[a-z0-9]+"}}')
+
+
+def _trigger(spec: ServiceSpec, query: str, threshold: str) -> Obj:
+    # AverageValue: KEDA's HPA divides the sum by the replica count, as our HPA's pod metrics do.
+    return {"type": "prometheus", "metricType": "AverageValue",
+            "metadata": {"serverAddress": spec.autoscaling.prometheus_address, "query": query,
+                         "threshold": threshold}}
+
+
+def scaled_object(spec: ServiceSpec, meta: Obj, engine_deployment: str,
+                  behavior: Obj) -> Obj | None:
+    """KEDA instead of the HPA: it scales the KVInferenceService's scale subresource, like it."""
+    a = spec.autoscaling
+    if a is None or a.engine != "keda":
+        return None
+    triggers = [_trigger(spec, f"sum({engine_series(spec, CACHE_USAGE, engine_deployment)})",
+                         f"{a.target_cache_usage:g}")]
+    if a.target_waiting_requests:
+        triggers.append(_trigger(spec, f"sum({engine_series(spec, WAITING, engine_deployment)})",
+                                 str(a.target_waiting_requests)))
+    return {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": meta,
+            "spec": {"scaleTargetRef": {"apiVersion": API_VERSION, "kind": KIND,
+                                        "name": spec.name},
+                     "minReplicaCount": a.min_replicas, "maxReplicaCount": a.max_replicas,
+                     "pollingInterval": 15, "cooldownPeriod": 300,
+                     "advanced": {"horizontalPodAutoscalerConfig": {"behavior": behavior}},
+                     "triggers": triggers}}
