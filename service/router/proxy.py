@@ -29,7 +29,6 @@ _HOP_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-
 _OWN_HEADERS = {"date", "server"}
 _RETRY_STATUS = {502, 503, 504}
 _DOWN_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
-_ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 class NoReplicaError(RuntimeError):
@@ -55,8 +54,8 @@ class Proxy:
             await self.http.aclose()
 
     async def forward(self, method: str, path: str, query: str, body: bytes, headers: Any,
-                    ranking: Sequence[Candidate], policy: str,
-                    route: RouteInfo | None = None) -> Response:
+                      ranking: Sequence[Candidate], policy: str,
+                      route: RouteInfo | None = None) -> Response:
         """Send to the first candidate that answers; retry the next one on failure before byte 1."""
         fwd = {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
         for cand in ranking:
