@@ -267,13 +267,14 @@ async def decision_latency(redis_url: str, model: Path | str, prompts: list[str]
     trip, score). Each tenant's system prompt is seen once first (timed apart: the router then
     tokenizes the whole prompt); the n timed decisions are steady state, where only the new
     user message is tokenized (engine.tokenizer.ChatEncoder)."""
-    from kvserve.service.router import Router, RouterConfig
+    from kvserve.service.router.config import RouterConfig
+    from kvserve.service.router.routing import Router
 
     router = Router(RouterConfig(redis_url=redis_url, service_name="bench",
                                  tokenizer=str(model)))
     await router.start()
     from kvserve.engine.block_hash import block_hashes
-    from kvserve.service.router import prompt_tokens_for
+    from kvserve.service.router.prompt_tokens import prompt_tokens_for
 
     rng = random.Random(w.seed + 2)
     times, first, redis_times, tokens = [], [], [], []
@@ -292,11 +293,11 @@ async def decision_latency(redis_url: str, model: Path | str, prompts: list[str]
             start = time.perf_counter()
             await router.route("/v1/chat/completions", req, {})
             times.append(time.perf_counter() - start)
-            ids = prompt_tokens_for(router.tokenizer, "/v1/chat/completions", req)
+            ids = prompt_tokens_for(router.prompts.tokenizer, "/v1/chat/completions", req)
             tokens.append(len(ids))
-            hashes = block_hashes(ids, router._block_size())
+            hashes = block_hashes(ids, router.replicas.block_size())
             start = time.perf_counter()
-            await router.index.match_counts(hashes)  # the Redis round trip alone
+            await router.replicas.index.match_counts(hashes)  # the Redis round trip alone
             redis_times.append(time.perf_counter() - start)
     finally:
         await router.close()
@@ -316,8 +317,8 @@ async def latency_only(args: argparse.Namespace) -> None:
 
     from kvserve.engine.block_hash import block_hashes
     from kvserve.engine.tokenizer import load_tokenizer
-    from kvserve.service.prefix_index import IndexKeys
-    from kvserve.service.router import prompt_tokens_for
+    from kvserve.service.prefix_index.keys import IndexKeys
+    from kvserve.service.router.prompt_tokens import prompt_tokens_for
 
     model = build_model(args.model, Path(tempfile.mkdtemp(prefix="kvserve-router-lat-")))
     rport = free_port()

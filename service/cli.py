@@ -16,12 +16,12 @@ from typing import Any
 
 from kvserve.engine.config import DEFAULT_MODEL, KV_CACHE_DTYPES, MODEL_DTYPES, EngineConfig
 from kvserve.engine.errors import ConfigError, KVServeError
-from kvserve.service.protocol import RequestLimits
+from kvserve.service.limits import RequestLimits
 
 logger = logging.getLogger("kvserve.cli")
 
 # Modules that add their own subcommands with `register(subparsers)`, if installed.
-EXTERNAL_COMMANDS = ("kvserve.service.router", "kvserve.operator.cli")
+EXTERNAL_COMMANDS = ("kvserve.service.router.cli", "kvserve.operator.cli")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -202,7 +202,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def server_config_from_args(args: argparse.Namespace) -> Any:
-    from kvserve.service.api_server import ServerConfig
+    from kvserve.service.server.config import ServerConfig
 
     return ServerConfig(
         host=args.host, port=args.port, served_model_names=list(args.served_model_name or []),

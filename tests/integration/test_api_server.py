@@ -17,10 +17,12 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from server_thread import ServerThread
 
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.service.api_server import ServerConfig, ServerThread, create_app
+from kvserve.service.server.app import create_app
+from kvserve.service.server.config import ServerConfig
 
 MAX_MODEL_LEN = 256
 KV_BYTES = 4 << 20  # 512 blocks of 16 tokens for the tiny model in fp32 (dtype pinned below)

@@ -10,10 +10,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from server_thread import ServerThread
 from test_api_server import CHAT, assert_openai_error, post, start_server
 
-from kvserve.service.api_server import ServerThread
-from kvserve.service.protocol import RequestLimits
+from kvserve.service.limits import RequestLimits
 
 LIMITS = RequestLimits(max_prompts=8, max_prompt_tokens=200, max_n=4, max_stop=4,
                        max_stop_len=32, max_logprobs=5, max_json_depth=16)

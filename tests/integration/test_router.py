@@ -24,8 +24,8 @@ from conftest import RedisServer, free_port
 
 from kvserve.engine.block_hash import block_hashes
 from kvserve.engine.tokenizer import load_tokenizer
-from kvserve.service.prefix_index import PrefixIndex
-from kvserve.service.router import prompt_tokens_for
+from kvserve.service.prefix_index.lookup import PrefixIndex
+from kvserve.service.router.prompt_tokens import prompt_tokens_for
 
 SERVICE = "itest"
 TENANT_PROMPTS = [
@@ -91,7 +91,8 @@ class RouterThread:
 
         import uvicorn
 
-        from kvserve.service.router import add_arguments, config_from_args, create_app
+        from kvserve.service.router.app import create_app
+        from kvserve.service.router.cli import add_arguments, config_from_args
 
         parser = argparse.ArgumentParser()
         add_arguments(parser)

@@ -7,10 +7,12 @@ import io
 
 import openai
 import pytest
+from server_thread import ServerThread
 
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.service.api_server import ServerConfig, ServerThread, create_app
+from kvserve.service.server.app import create_app
+from kvserve.service.server.config import ServerConfig
 
 
 @pytest.fixture(scope="module")

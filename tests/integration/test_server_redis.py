@@ -7,11 +7,14 @@ import time
 
 import httpx
 import redis
+from server_thread import ServerThread
 
 from kvserve.engine.block_hash import block_hashes
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.service.api_server import ServerConfig, ServerThread, create_app, make_publisher
+from kvserve.service.server.app import create_app
+from kvserve.service.server.config import ServerConfig
+from kvserve.service.server.publishing import make_publisher
 
 SYSTEM = "You are a helpful assistant. Answer briefly and precisely. " * 4
 

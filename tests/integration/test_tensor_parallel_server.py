@@ -14,10 +14,12 @@ import httpx
 import openai
 import psutil
 from conftest import free_port
+from server_thread import ServerThread
 
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.service.api_server import ServerConfig, ServerThread, create_app
+from kvserve.service.server.app import create_app
+from kvserve.service.server.config import ServerConfig
 
 PROMPT = "Paged attention stores the KV cache in"
 

@@ -110,3 +110,15 @@ def test_a_bench_script_builds_a_model_config() -> None:
                          cwd=ROOT / "bench", capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_every_python_folder_of_a_component_is_a_listed_package() -> None:
+    """A wheel (the Docker image installs one, not an editable checkout) holds only the packages
+    pyproject lists: a subfolder left out imports from the checkout and fails in the image."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    folders = {path.parent for c in COMPONENTS for path in (ROOT / c).rglob("*.py")}
+    names = {".".join(("kvserve", *f.relative_to(ROOT).parts)) for f in folders}
+    assert not sorted(names - listed)

@@ -133,8 +133,8 @@ def test_fetch_model_prints_the_folder(default_model_dir, capsys):
 
 
 def test_request_limit_flags_on_server_and_router():
-    from kvserve.service.protocol import RequestLimits
-    from kvserve.service.router import add_arguments, config_from_args
+    from kvserve.service.limits import RequestLimits
+    from kvserve.service.router.cli import add_arguments, config_from_args
 
     flags = ["--max-json-depth", "8", "--max-prompts-per-request", "3",
              "--max-prompt-tokens-per-request", "1000", "--max-n", "2", "--max-stop", "5",

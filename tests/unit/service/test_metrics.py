@@ -6,7 +6,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.engine.stats import EngineStats
-from kvserve.service.metrics import ServerMetrics
+from kvserve.service.server.metrics import ServerMetrics
 
 
 def _stats(**kw) -> EngineStats:

@@ -6,12 +6,13 @@ import pytest
 from pydantic import ValidationError
 
 from kvserve.engine.errors import InvalidRequestError
-from kvserve.service.errors import error_body, validation_error
-from kvserve.service.protocol import (ChatCompletionRequest, CompletionRequest, TokenizeRequest,
-                                      UsageInfo)
-from kvserve.service.serving_common import StreamTracker, stop_hold
 from kvserve.engine.outputs import CompletionOutput
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.service.openai_errors import error_body, validation_error
+from kvserve.service.request_models import (ChatCompletionRequest, CompletionRequest,
+                                            TokenizeRequest)
+from kvserve.service.response_models import UsageInfo
+from kvserve.service.server.stream_deltas import StreamTracker, stop_hold
 
 
 def test_completion_prompt_shapes():
@@ -143,7 +144,7 @@ def test_stream_tracker_holds_back_a_possible_stop_string():
 
 
 def test_json_depth_is_counted_exactly_and_deep_input_never_recurses():
-    from kvserve.service.protocol import parse_json_object
+    from kvserve.service.request_validation import parse_json_object
 
     def nested(levels: int) -> bytes:  # the top-level object is level 1
         return b'{"a": ' + b"[" * (levels - 1) + b"]" * (levels - 1) + b"}"
@@ -162,7 +163,7 @@ def test_json_depth_is_counted_exactly_and_deep_input_never_recurses():
     (b'{"seed": ' + b"9" * 5000 + b"}", "not valid JSON"),
 ])
 def test_bodies_that_are_not_valid_json_objects(raw, match):
-    from kvserve.service.protocol import parse_json_object
+    from kvserve.service.request_validation import parse_json_object
 
     with pytest.raises(InvalidRequestError, match=match):
         parse_json_object(raw, 32)

@@ -1,27 +1,11 @@
-"""The shared Redis prefix-hash index: a replica-side publisher, a router-side one-round-trip lookup.
-
-Redis layout (every key under `kvserve:<service>:`):
-
-    replicas              SET   ids of replicas that heartbeated (swept lazily by the lookup)
-    replica:<id>          HASH  url, model, block_size, num_running, num_waiting, kv_cache_usage,
-                                heartbeat_at; EXPIREs after `ttl` (3 heartbeats) without a refresh
-    blocks:<id>           SET   hex block hashes (engine.block_hash) held in <id>'s prefix cache;
-                                same TTL, refreshed by each heartbeat and each write
-
-A replica whose heartbeat stops loses its `replica:<id>` hash after the TTL, so the lookup ignores
-it (and removes it from `replicas`); its `blocks:<id>` set expires at the same time.
-
-Lookup is ONE round trip: a Lua script (EVALSHA, `LOOKUP_SCRIPT`) gets the prompt's hash chain,
-walks the live replicas and returns, per replica, its heartbeat fields and the number of LEADING
-blocks of the chain it holds (one SMISMEMBER per replica). The router thus learns liveness, load and
-prefix match at once. The script reads keys it derives from the prefix, which is fine on a single
-Redis (not Redis Cluster).
+"""The replica's side of the prefix index: block events and heartbeats to Redis, off the engine.
 
 The publisher never slows generation: `on_step` (engine thread) only appends to a bounded queue
 under a lock and wakes a writer task on the server's event loop. Events that cannot be written
-(queue full, Redis down) are dropped and counted; after (re)connecting, `wants_snapshot()` turns True, the engine
-thread passes `snapshot=engine.cached_block_hashes()` and the writer replaces the whole set in one
-MULTI/EXEC. Until the engine steps again (an idle replica), the set may be stale or empty.
+(queue full, Redis down) are dropped and counted; after (re)connecting, `wants_snapshot()` turns
+True, the engine thread passes `snapshot=engine.cached_block_hashes()` and the writer replaces the
+whole set in one MULTI/EXEC. Until the engine steps again (an idle replica), the set may be stale
+or empty. The key layout is in service/prefix_index/keys.py.
 """
 
 from __future__ import annotations
@@ -36,178 +20,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+
+from kvserve.service.prefix_index.keys import IndexKeys
 
 logger = logging.getLogger(__name__)
 
 # Largest number of hashes per SADD, so a big snapshot never builds one huge command.
 _CHUNK = 5000
-
-# Both scripts take ARGV[1]: key prefix; ARGV[2]: the chain as ONE string of 32-hex-digit hashes
-# (one argument instead of one per block: cheaper to encode and send). They share this prelude
-# (split the chain) and a function giving a replica's leading matched blocks.
-_LUA_PRELUDE = """
-local prefix = ARGV[1]
-local blob = ARGV[2] or ''
-local n = math.floor(#blob / 32)
-local hashes = {}
-for i = 1, n do hashes[i] = string.sub(blob, (i - 1) * 32 + 1, i * 32) end
-local function leading_matched(id)
-  if n == 0 then return 0 end
-  local flags = redis.call('SMISMEMBER', prefix .. 'blocks:' .. id, unpack(hashes))
-  local matched = 0
-  for i = 1, n do
-    if flags[i] == 1 then matched = i else break end
-  end
-  return matched
-end
-local out = {}
-"""
-# Per live replica: id, leading matched blocks, then its heartbeat fields in INFO_FIELDS order
-# (the router's once-a-second refresh). Replicas whose heartbeat expired are swept.
-LOOKUP_SCRIPT = _LUA_PRELUDE + """
-for _, id in ipairs(redis.call('SMEMBERS', prefix .. 'replicas')) do
-  local info = redis.call('HMGET', prefix .. 'replica:' .. id, 'url', 'model', 'block_size',
-                          'num_running', 'num_waiting', 'kv_cache_usage', 'heartbeat_at')
-  if not info[1] then
-    redis.call('SREM', prefix .. 'replicas', id)
-  else
-    out[#out + 1] = id
-    out[#out + 1] = leading_matched(id)
-    for i = 1, #info do out[#out + 1] = info[i] or '' end
-  end
-end
-return out
-"""
-# The per-request hot path: id, matched, id, matched, ... for the live replicas (liveness by the
-# heartbeat key's existence), without the heartbeat fields the router already holds.
-MATCH_SCRIPT = _LUA_PRELUDE + """
-for _, id in ipairs(redis.call('SMEMBERS', prefix .. 'replicas')) do
-  if redis.call('EXISTS', prefix .. 'replica:' .. id) == 0 then
-    redis.call('SREM', prefix .. 'replicas', id)
-  else
-    out[#out + 1] = id
-    out[#out + 1] = leading_matched(id)
-  end
-end
-return out
-"""
-INFO_FIELDS = ("url", "model", "block_size", "num_running", "num_waiting", "kv_cache_usage",
-               "heartbeat_at")
-HASH_HEX_LEN = 32  # engine.block_hash: blake2b-128 as hex
-
-# Lua's unpack() is limited by the C stack (~8000 values); longer chains are cut (a 128k-token
-# prompt at block size 16), which only makes the predicted match conservative.
-MAX_LOOKUP_BLOCKS = 7000
-
-
-@dataclass(frozen=True)
-class IndexKeys:
-    """Key names of one service's index."""
-
-    service: str
-
-    @property
-    def prefix(self) -> str:
-        return f"kvserve:{self.service}:"
-
-    @property
-    def replicas(self) -> str:
-        return self.prefix + "replicas"
-
-    def replica(self, replica_id: str) -> str:
-        return f"{self.prefix}replica:{replica_id}"
-
-    def blocks(self, replica_id: str) -> str:
-        return f"{self.prefix}blocks:{replica_id}"
-
-
-@dataclass(frozen=True)
-class ReplicaInfo:
-    """What a replica's last heartbeat said."""
-
-    replica_id: str
-    url: str
-    model: str
-    block_size: int
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    heartbeat_at: float = 0.0
-
-    @property
-    def load(self) -> int:
-        return self.num_running + self.num_waiting
-
-
-@dataclass(frozen=True)
-class ReplicaMatch:
-    """A live replica and how many leading blocks of the looked-up chain it holds."""
-
-    replica: ReplicaInfo
-    matched_blocks: int
-
-
-def _info_from_values(replica_id: str, values: Sequence[Any]) -> ReplicaInfo:
-    f = dict(zip(INFO_FIELDS, (_s(v) for v in values)))
-    return ReplicaInfo(
-        replica_id=replica_id, url=f["url"], model=f["model"],
-        block_size=int(f["block_size"] or 16), num_running=int(f["num_running"] or 0),
-        num_waiting=int(f["num_waiting"] or 0), kv_cache_usage=float(f["kv_cache_usage"] or 0),
-        heartbeat_at=float(f["heartbeat_at"] or 0))
-
-
-def _s(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-class PrefixIndex:
-    """Router-side reader: which live replica holds how much of a hash chain, in one round trip."""
-
-    def __init__(self, client: aioredis.Redis, service: str) -> None:
-        self.client = client
-        self.keys = IndexKeys(service)
-        self._script = client.register_script(LOOKUP_SCRIPT)
-        self._match_script = client.register_script(MATCH_SCRIPT)
-
-    @classmethod
-    def from_url(cls, redis_url: str, service: str, timeout: float = 0.5) -> PrefixIndex:
-        client = aioredis.Redis.from_url(
-            redis_url, socket_timeout=timeout, socket_connect_timeout=timeout)
-        return cls(client, service)
-
-    async def lookup(self, hashes: Sequence[str]) -> list[ReplicaMatch]:
-        """Every live replica with its leading matched block count (raises RedisError)."""
-        flat = await self._call(self._script, hashes)
-        stride = 2 + len(INFO_FIELDS)
-        out = [ReplicaMatch(_info_from_values(_s(flat[i]), flat[i + 2 : i + stride]),
-                            int(flat[i + 1])) for i in range(0, len(flat), stride)]
-        return sorted(out, key=lambda m: m.replica.replica_id)
-
-    async def match_counts(self, hashes: Sequence[str]) -> dict[str, int]:
-        """{replica id: leading matched blocks} of every live replica, in one round trip: the
-        router's per-request call (it knows the replicas' heartbeat fields from `replicas()`)."""
-        flat = await self._call(self._match_script, hashes)
-        return {_s(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
-
-    async def _call(self, script: Any, hashes: Sequence[str]) -> Any:
-        chain = list(hashes)[:MAX_LOOKUP_BLOCKS]
-        blob = "".join(chain)
-        if len(blob) != HASH_HEX_LEN * len(chain):
-            raise ValueError("block hashes must be 32-hex-digit strings from engine.block_hash")
-        args = [self.keys.prefix, blob]
-        try:
-            return await script(keys=[], args=args)
-        except RedisConnectionError:
-            # A pooled connection from before a Redis restart fails once; a fresh one may not.
-            return await script(keys=[], args=args)
-
-    async def replicas(self) -> list[ReplicaInfo]:
-        return [m.replica for m in await self.lookup([])]
-
-    async def close(self) -> None:
-        await self.client.aclose()
 
 
 @dataclass(frozen=True)

@@ -1,101 +1,23 @@
-"""OpenAI/vLLM request and response models (pydantic), and request -> SamplingParams."""
+"""OpenAI/vLLM request bodies (pydantic) and request -> SamplingParams."""
 
 from __future__ import annotations
 
-import json
-import re
-import time
-import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvserve.engine.errors import InvalidRequestError
 from kvserve.engine.sampling_params import MAX_TOKEN_ID, SEED_MAX, SEED_MIN, SamplingParams
+from kvserve.service.limits import DEFAULT_LIMITS, RequestLimits
+from kvserve.service.unsupported_fields import (SAMPLING_UNSUPPORTED, Harmless, asks_nothing,
+                                                refuse_unsupported)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """Caps on one request, checked at the edge (server and router); each is a CLI flag."""
-
-    max_json_depth: int = 32  # --max-json-depth: nesting of arrays/objects in the body
-    max_prompts: int = 64  # --max-prompts-per-request: prompts in one /v1/completions body
-    max_prompt_tokens: int = 131072  # --max-prompt-tokens-per-request: all prompts together
-    max_n: int = 16  # --max-n
-    max_stop: int = 16  # --max-stop: entries of `stop`, and of `stop_token_ids`
-    max_stop_len: int = 256  # --max-stop-length: characters of one stop string
-    max_logprobs: int = 20  # --max-logprobs: `logprobs` / `top_logprobs` (20 is OpenAI's cap)
-
-
-DEFAULT_LIMITS = RequestLimits()
 
 # Integers that reach torch tensors or Python's C APIs: a token id is an int32, anything else
 # (seed, priority, counts) a signed int64. Larger values would overflow there, not here.
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 Int64 = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-# --------------------------------------------------------------------------- the JSON body
-
-
-def parse_json_object(raw: bytes, max_depth: int) -> dict[str, Any]:
-    """The body as a JSON object; InvalidRequestError for invalid JSON or UTF-8, an integer past
-    Python's parsing limit, nesting deeper than `max_depth`, an unpaired surrogate, a non-object.
-
-    The C parser raises RecursionError on very deep input (caught here); anything shallower than
-    that is measured by an iterative walk, so no later recursive code sees a deep tree."""
-    try:
-        data = json.loads(raw)
-    except RecursionError:
-        raise _too_deep(max_depth) from None
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, int digits limit
-        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise InvalidRequestError("the request body must be a JSON object")
-    stack: list[tuple[Any, int]] = [(data, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, str):
-            if _SURROGATE.search(value):
-                raise InvalidRequestError("the request body holds an unpaired UTF-16 surrogate "
-                                          "(\\ud800-\\udfff); send valid Unicode text")
-            continue
-        if depth > max_depth:
-            raise _too_deep(max_depth)
-        children = value.values() if isinstance(value, dict) else value
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)) or (
-            isinstance(c, str) and not c.isascii()))
-    return data
-
-
-def _too_deep(max_depth: int) -> InvalidRequestError:
-    return InvalidRequestError(f"the request body is nested deeper than {max_depth} levels of "
-                               "arrays and objects (--max-json-depth)")
-
-
-def _asks_nothing(value: Any, _: Any = None) -> bool:
-    """A value that turns a feature off: absent, null, false, an empty list, object or string."""
-    return value is None or value is False or (isinstance(value, (list, dict, str)) and not value)
-
-
-def refuse_unsupported(req: BaseModel, table: dict[str, Callable[[Any, Any], bool]],
-                       prefix: str = "") -> None:
-    """400 naming the first known-but-unsupported field set to a value that asks for something."""
-    for name, harmless in table.items():
-        value = getattr(req, name)
-        if not harmless(value, req):
-            raise InvalidRequestError(
-                f"{prefix}{name} is not supported by this server (got {json.dumps(value)[:80]}); "
-                "remove it from the request", param=f"{prefix}{name}")
 
 
 class OpenAIModel(BaseModel):
@@ -107,53 +29,9 @@ class OpenAIModel(BaseModel):
         """Cross-field checks and caps pydantic cannot express; InvalidRequestError (400)."""
 
 
-# --------------------------------------------------------------------------- errors
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | int | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-
-
-# --------------------------------------------------------------------------- requests
-
-
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
-
-
-# Known to OpenAI or vLLM, not implemented here: each is refused with a 400 naming it, unless its
-# value asks for nothing (the predicate). Fields nobody knows are still ignored.
-_SAMPLING_UNSUPPORTED: dict[str, Callable[[Any, Any], bool]] = {
-    "use_beam_search": _asks_nothing,
-    "best_of": lambda v, req: v is None or (type(v) is int and v == req.n),
-    "length_penalty": lambda v, _: v is None or v == 1.0,
-    "early_stopping": _asks_nothing,
-    "logit_bias": _asks_nothing,
-    "response_format": lambda v, _: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-    "guided_json": _asks_nothing,
-    "guided_regex": _asks_nothing,
-    "guided_choice": _asks_nothing,
-    "guided_grammar": _asks_nothing,
-    "guided_decoding_backend": _asks_nothing,
-    "guided_whitespace_pattern": _asks_nothing,
-    "structured_outputs": _asks_nothing,
-    "prompt_logprobs": lambda v, _: v is None,  # 0 asks for the prompt tokens' own logprobs
-    "allowed_token_ids": _asks_nothing,
-    "bad_words": _asks_nothing,
-    "truncate_prompt_tokens": lambda v, _: v is None,
-    "logits_processors": _asks_nothing,
-    "return_tokens_as_token_ids": _asks_nothing,
-    "store": _asks_nothing,
-    "service_tier": lambda v, _: v in (None, "auto", "default"),
-}
 
 
 class SamplingFields(OpenAIModel):
@@ -180,7 +58,7 @@ class SamplingFields(OpenAIModel):
     user: str | None = None
     priority: Int64 = 0
     cache_salt: str | None = None
-    # known, not supported (see _SAMPLING_UNSUPPORTED): typed loosely so the 400 names the field
+    # known, not supported (service/unsupported_fields.py): typed loosely so the 400 names the field
     use_beam_search: Any = None
     best_of: Any = None
     length_penalty: Any = None
@@ -203,7 +81,7 @@ class SamplingFields(OpenAIModel):
     store: Any = None
     service_tier: Any = None
 
-    UNSUPPORTED: ClassVar[dict[str, Callable[[Any, Any], bool]]] = _SAMPLING_UNSUPPORTED
+    UNSUPPORTED: ClassVar[dict[str, Harmless]] = SAMPLING_UNSUPPORTED
 
     def check(self, limits: RequestLimits = DEFAULT_LIMITS) -> None:
         refuse_unsupported(self, self.UNSUPPORTED)
@@ -268,8 +146,8 @@ class CompletionRequest(SamplingFields):
     suffix: Any = None
     prompt_embeds: Any = None
 
-    UNSUPPORTED: ClassVar[dict[str, Callable[[Any, Any], bool]]] = {
-        **_SAMPLING_UNSUPPORTED, "suffix": _asks_nothing, "prompt_embeds": _asks_nothing}
+    UNSUPPORTED: ClassVar[dict[str, Harmless]] = {
+        **SAMPLING_UNSUPPORTED, "suffix": asks_nothing, "prompt_embeds": asks_nothing}
 
     def check(self, limits: RequestLimits = DEFAULT_LIMITS) -> None:
         super().check(limits)
@@ -294,16 +172,6 @@ class CompletionRequest(SamplingFields):
         return list(p)  # type: ignore[arg-type]
 
 
-def check_prompt_tokens(counts: list[int], limits: RequestLimits, param: str = "prompt") -> None:
-    """400 when the prompts of one request hold more tokens in all than the cap."""
-    total = sum(counts)
-    if total > limits.max_prompt_tokens:
-        raise InvalidRequestError(
-            f"the prompts of this request hold {total} tokens; at most "
-            f"{limits.max_prompt_tokens} are allowed in one request "
-            "(--max-prompt-tokens-per-request)", param=param)
-
-
 class ChatMessage(OpenAIModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
@@ -311,8 +179,8 @@ class ChatMessage(OpenAIModel):
     tool_calls: Any = None
     function_call: Any = None
 
-    UNSUPPORTED: ClassVar[dict[str, Callable[[Any, Any], bool]]] = {
-        "tool_calls": _asks_nothing, "function_call": _asks_nothing}
+    UNSUPPORTED: ClassVar[dict[str, Harmless]] = {
+        "tool_calls": asks_nothing, "function_call": asks_nothing}
 
     def as_template_input(self) -> dict[str, Any]:
         """{"role", "content"} with content parts flattened to text (text-only models)."""
@@ -349,20 +217,20 @@ class ChatCompletionRequest(SamplingFields):
     reasoning_effort: Any = None
     web_search_options: Any = None
 
-    UNSUPPORTED: ClassVar[dict[str, Callable[[Any, Any], bool]]] = {
-        **_SAMPLING_UNSUPPORTED,
-        "tools": _asks_nothing,
+    UNSUPPORTED: ClassVar[dict[str, Harmless]] = {
+        **SAMPLING_UNSUPPORTED,
+        "tools": asks_nothing,
         # with no tools, "auto" can only mean "answer in text", which is what happens
         "tool_choice": lambda v, _: v in (None, "none", "auto"),
-        "functions": _asks_nothing,
+        "functions": asks_nothing,
         "function_call": lambda v, _: v in (None, "none", "auto"),
-        "echo": _asks_nothing,
-        "continue_final_message": _asks_nothing,
-        "audio": _asks_nothing,
+        "echo": asks_nothing,
+        "continue_final_message": asks_nothing,
+        "audio": asks_nothing,
         "modalities": lambda v, _: v is None or v == ["text"],
-        "prediction": _asks_nothing,
-        "reasoning_effort": _asks_nothing,
-        "web_search_options": _asks_nothing,
+        "prediction": asks_nothing,
+        "reasoning_effort": asks_nothing,
+        "web_search_options": asks_nothing,
     }
 
     def check(self, limits: RequestLimits = DEFAULT_LIMITS) -> None:
@@ -403,129 +271,3 @@ class TokenizeRequest(OpenAIModel):
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
     tokens: list[TokenId]
-
-
-# --------------------------------------------------------------------------- responses
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-    @classmethod
-    def of(cls, prompt: int, completion: int, cached: int) -> "UsageInfo":
-        return cls(prompt_tokens=prompt, completion_tokens=completion,
-                   total_tokens=prompt + completion,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
-
-
-class CompletionLogProbs(BaseModel):
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogProbs(BaseModel):
-    content: list[ChatTokenLogprob] | None = None
-
-
-class ChatResponseMessage(BaseModel):
-    role: str = "assistant"
-    content: str | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo | None = None
-
-
-class DeltaMessage(BaseModel):
-    role: str | None = None
-    content: str | None = None
-
-
-class ChatStreamChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "kvserve"
-    root: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str

@@ -1,4 +1,8 @@
-"""HTTP errors of the API server, in OpenAI's shape {"error": {message, type, param, code}}."""
+"""Errors in OpenAI's shape {"error": {message, type, param, code}}, for the server and the router.
+
+`error_body` is the one place that builds the body: JSON responses, the ASGI middlewares and the
+in-band SSE error event (service/sse.py) all go through it, so `type` always follows the status
+and `code` is always a string or null, as OpenAI's are."""
 
 from __future__ import annotations
 
@@ -8,11 +12,10 @@ from http import HTTPStatus
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.engine.errors import InvalidRequestError
-from kvserve.service.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 
@@ -25,8 +28,20 @@ _ERROR_TYPES = {
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
+    502: "upstream_error",
     503: "service_unavailable",
 }
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
 
 
 class APIError(Exception):
@@ -41,6 +56,7 @@ class APIError(Exception):
 
 def error_body(status: int, message: str, param: str | None = None,
                code: str | None = None) -> dict:
+    """{"error": {...}} for `status`: `type` from the status, `code` a machine-readable string."""
     err_type = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
     info = ErrorInfo(message=message, type=err_type, param=param, code=code)
     return ErrorResponse(error=info).model_dump()

@@ -8,16 +8,21 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvserve.engine.async_engine import RequestStream
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.tokenizer import chat_token_ids
-from kvserve.service.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                      ChatCompletionResponse, ChatLogProbs, ChatResponseMessage,
-                                      ChatStreamChoice, ChatTokenLogprob, DeltaMessage, TopLogprob,
-                                      random_id)
-from kvserve.service.serving_common import (SSE_DONE, RequestStream, ServingContext, StreamTracker,
-                                            check_prompts, collect, max_tokens_for, merge_streams, sse, sse_error,
-                                            start_requests, stop_hold, token_text, top_logprobs,
-                                            unless_disconnected, usage_of)
+from kvserve.service.request_models import ChatCompletionRequest
+from kvserve.service.response_models import (ChatChoice, ChatCompletionChunk,
+                                             ChatCompletionResponse, ChatLogProbs,
+                                             ChatResponseMessage, ChatStreamChoice,
+                                             ChatTokenLogprob, DeltaMessage, TopLogprob, random_id)
+from kvserve.service.server.context import ServingContext
+from kvserve.service.server.engine_streams import (collect, engine_error_status, merge_streams,
+                                                   start_requests, unless_disconnected)
+from kvserve.service.server.logprobs import token_text, top_logprobs
+from kvserve.service.server.stream_deltas import StreamTracker, stop_hold
+from kvserve.service.server.usage import usage_of
+from kvserve.service.sse import SSE_DONE, sse, sse_error
 
 
 def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
@@ -30,9 +35,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     model = ctx.resolve_model(req.model)
     ctx.admit()
     prompt = chat_prompt(ctx, req)
-    check_prompts(ctx, [prompt], "messages")
+    ctx.check_prompts([prompt], "messages")
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = max_tokens_for(ctx, len(prompt), req.requested_max_tokens, param, "messages")
+    max_tokens = ctx.max_tokens_for(len(prompt), req.requested_max_tokens, param, "messages")
     params = req.sampling_params(max_tokens, req.num_logprobs)
     request_id = random_id("chatcmpl")
     streams = await start_requests(ctx, request_id, [prompt], [params], priority=req.priority,
@@ -92,7 +97,7 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, request_id: s
                     finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
                 yield chunk([choice], usage_of([out]) if continuous else None)
     except Exception as exc:  # noqa: BLE001 - the stream already started: report in-band
-        yield sse_error(exc)
+        yield sse_error(engine_error_status(exc), str(exc))
         yield SSE_DONE
         return
     if req.include_usage and last is not None:

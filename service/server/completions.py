@@ -8,15 +8,20 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvserve.engine.async_engine import RequestStream
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.tokenizer import prompt_token_ids
-from kvserve.service.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest,
-                                      CompletionResponse, random_id)
-from kvserve.service.serving_common import (SSE_DONE, Delta, RequestStream, ServingContext,
-                                            StreamTracker, check_prompts, collect, max_tokens_for, merge_streams,
-                                            sse, sse_error, start_requests, stop_hold, token_text,
-                                            top_logprobs, unless_disconnected, usage_of)
+from kvserve.service.request_models import CompletionRequest
+from kvserve.service.response_models import (CompletionChoice, CompletionLogProbs,
+                                             CompletionResponse, random_id)
+from kvserve.service.server.context import ServingContext
+from kvserve.service.server.engine_streams import (collect, engine_error_status, merge_streams,
+                                                   start_requests, unless_disconnected)
+from kvserve.service.server.logprobs import token_text, top_logprobs
+from kvserve.service.server.stream_deltas import Delta, StreamTracker, stop_hold
+from kvserve.service.server.usage import usage_of
+from kvserve.service.sse import SSE_DONE, sse, sse_error
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest,
@@ -25,8 +30,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest,
     ctx.admit()
     prompts = [p if isinstance(p, list) else prompt_token_ids(ctx.tokenizer, p)
                for p in req.prompts()]
-    check_prompts(ctx, prompts, "prompt")
-    params = [req.sampling_params(max_tokens_for(ctx, len(ids), req.max_tokens), req.logprobs)
+    ctx.check_prompts(prompts, "prompt")
+    params = [req.sampling_params(ctx.max_tokens_for(len(ids), req.max_tokens), req.logprobs)
               for ids in prompts]
     request_id = random_id("cmpl")
     streams = await start_requests(ctx, request_id, prompts, params, priority=req.priority,
@@ -90,7 +95,7 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str, 
                     echoed.add(index)
                 yield sse(_chunk(ctx, req, request_id, model, index, delta, prefix, latest))
     except Exception as exc:  # noqa: BLE001 - the stream already started: report in-band
-        yield sse_error(exc)
+        yield sse_error(engine_error_status(exc), str(exc))
         yield SSE_DONE
         return
     if req.include_usage:

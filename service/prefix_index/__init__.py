@@ -1,0 +1,1 @@
+"""The shared Redis prefix-hash index: key layout, the replicas' publisher, the router's lookup."""

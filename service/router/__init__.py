@@ -1,0 +1,1 @@
+"""The prefix-aware router: one OpenAI endpoint in front of many `kvserve serve` replicas."""

@@ -1,0 +1,31 @@
+"""RouterConfig: the router's settings, from `kvserve router`'s flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.service.limits import RequestLimits
+from kvserve.service.routing_policy import PolicyConfig
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """How the router finds replicas, chooses among them and talks to them."""
+
+    host: str = "0.0.0.0"
+    port: int = 8000
+    redis_url: str | None = None
+    service_name: str = "default"
+    replicas: tuple[str, ...] = ()  # static replica URLs (or the fallback set when Redis is down)
+    policy: str = "prefix"
+    tokenizer: str | None = None  # path or model name; default: the replicas' model
+    session_header: str = "x-session-id"
+    policy_cfg: PolicyConfig = field(default_factory=PolicyConfig)
+    block_size: int = 16  # used for static replicas (Redis replicas announce theirs)
+    refresh_interval: float = 1.0
+    down_cooldown: float = 3.0
+    connect_timeout: float = 2.0
+    read_timeout: float = 600.0
+    redis_timeout: float = 0.5
+    max_body_bytes: int = 1 << 20  # 413 over it, before the body is read
+    limits: RequestLimits = field(default_factory=RequestLimits)  # the replicas' caps, checked here

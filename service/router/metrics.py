@@ -1,0 +1,34 @@
+"""The router's own Prometheus metrics (`kvserve_router:*`)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class RouterMetrics:
+    """The router's own Prometheus registry (no process-global state)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.redis_up = Gauge("kvserve_router:redis_up", "1 when the prefix index is reachable",
+                              registry=r)
+        self.replicas_up = Gauge("kvserve_router:replicas_up", "Routable replicas", registry=r)
+        self.requests = Counter("kvserve_router:requests", "Requests routed",
+                                ["replica", "policy"], registry=r)
+        self.matched_tokens = Histogram(
+            "kvserve_router:predicted_matched_tokens", "Prompt tokens predicted to hit the cache "
+            "of the chosen replica", registry=r,
+            buckets=(0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384))
+        self.prompt_tokens = Counter("kvserve_router:prompt_tokens",
+                                     "Prompt tokens of routed requests", registry=r)
+        self.decision_seconds = Histogram(
+            "kvserve_router:routing_decision_seconds", "Time to choose a replica (tokenize, "
+            "Redis lookup, score)", registry=r,
+            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0))
+        self.redis_errors = Counter("kvserve_router:redis_errors", "Failed Redis calls",
+                                    registry=r)
+        self.retries = Counter("kvserve_router:retries", "Requests retried on another replica",
+                               ["replica"], registry=r)
+        self.upstream_errors = Counter("kvserve_router:upstream_errors",
+                                       "Replica failures", ["replica", "stage"], registry=r)
+

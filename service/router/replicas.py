@@ -1,0 +1,155 @@
+"""The replicas a router can send to, and how much of a prompt each one holds.
+
+Replicas come from Redis heartbeats (service/prefix_index/), re-read every `refresh_interval`, or
+from a static `--replicas url,url`. Without Redis the last known set stays routable (by load
+alone), and a refresh is also how the router notices Redis came back. A replica that fails is
+kept out of routing for `down_cooldown` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+
+from redis.exceptions import RedisError
+
+from kvserve.service.prefix_index.lookup import PrefixIndex, ReplicaMatch
+from kvserve.service.prefix_index.replica_info import ReplicaInfo
+from kvserve.service.router.config import RouterConfig
+from kvserve.service.router.metrics import RouterMetrics
+from kvserve.service.routing_policy import Candidate
+
+logger = logging.getLogger("kvserve.router")
+
+
+class ReplicaSet:
+    """Known replicas, which are down, each one's requests in flight, and the prefix lookup."""
+
+    def __init__(self, cfg: RouterConfig, metrics: RouterMetrics) -> None:
+        self.cfg, self.metrics = cfg, metrics
+        self.index = PrefixIndex.from_url(cfg.redis_url, cfg.service_name, cfg.redis_timeout) \
+            if cfg.redis_url else None
+        self.redis_up = False
+        self.known: dict[str, ReplicaInfo] = self._static()
+        self.inflight: dict[str, int] = {}
+        self.down_until: dict[str, float] = {}
+        self._task: asyncio.Task | None = None
+        self._pending_refresh: asyncio.Task | None = None
+
+    def _static(self) -> dict[str, ReplicaInfo]:
+        return {u: ReplicaInfo(u, u, "", self.cfg.block_size) for u in self.cfg.replicas}
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self.index is not None:
+            await self.refresh()
+            self._task = asyncio.create_task(self._refresh_loop())
+
+    async def close(self) -> None:
+        tasks = [t for t in (self._task, self._pending_refresh) if t is not None]
+        for t in tasks:
+            t.cancel()
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self.index is not None:
+            await self.index.close()
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.refresh_interval)
+            await self.refresh()
+
+    async def refresh(self) -> None:
+        """Re-read the live replica set; this is also how the router notices Redis came back."""
+        assert self.index is not None
+        try:
+            infos = await self.index.replicas()
+        except (RedisError, OSError) as exc:
+            self._redis_failed(exc)
+            return
+        self._redis_ok({i.replica_id: i for i in infos})
+
+    def _redis_failed(self, exc: BaseException) -> None:
+        self.metrics.redis_errors.inc()
+        if self.redis_up:
+            logger.warning("Redis unreachable (%s): routing by least load over %d known replicas",
+                           exc, len(self.known))
+        self.redis_up = False
+        self.update_gauges()
+
+    def _redis_ok(self, known: dict[str, ReplicaInfo]) -> None:
+        if not self.redis_up:
+            logger.info("Redis reachable: %d live replicas", len(known))
+        self.redis_up = True
+        # No heartbeat at all but static replicas configured: keep those rather than nothing.
+        self.known = known or self._static()
+        self.update_gauges()
+
+    def update_gauges(self) -> None:
+        self.metrics.redis_up.set(1 if self.redis_up else 0)
+        self.metrics.replicas_up.set(len(self.routable()))
+
+    # ---- what routing reads ------------------------------------------------------------------
+    def routable(self, infos: Sequence[ReplicaInfo] | None = None) -> list[ReplicaInfo]:
+        """`infos` (default: every known replica) less those marked down."""
+        now = time.monotonic()
+        infos = list(self.known.values()) if infos is None else infos
+        return [i for i in infos if self.down_until.get(i.replica_id, 0.0) <= now]
+
+    def is_down(self, replica_id: str) -> bool:
+        return self.down_until.get(replica_id, 0.0) > time.monotonic()
+
+    def mark_down(self, replica_id: str) -> None:
+        self.down_until[replica_id] = time.monotonic() + self.cfg.down_cooldown
+        self.update_gauges()
+
+    def acquire(self, replica_id: str) -> None:
+        self.inflight[replica_id] = self.inflight.get(replica_id, 0) + 1
+
+    def release(self, replica_id: str) -> None:
+        self.inflight[replica_id] = max(0, self.inflight.get(replica_id, 1) - 1)
+
+    def candidate(self, info: ReplicaInfo, matched_blocks: int) -> Candidate:
+        load = max(info.load, self.inflight.get(info.replica_id, 0))
+        return Candidate(info.replica_id, info.url, load, info.kv_cache_usage, matched_blocks)
+
+    def announced_model(self) -> str | None:
+        """The model a replica announced (the router's tokenizer by default)."""
+        return next((i.model for i in self.known.values() if i.model), None)
+
+    def block_size(self) -> int:
+        """The block size most replicas announce (the configured one for static replicas)."""
+        sizes = [i.block_size for i in self.known.values() if i.model]
+        return max(set(sizes), key=sizes.count) if sizes else self.cfg.block_size
+
+    def without_matches(self) -> list[ReplicaMatch]:
+        return [ReplicaMatch(i, 0) for i in self.known.values()]
+
+    async def lookup(self, hashes: list[str]) -> list[ReplicaMatch]:
+        """One Redis round trip when Redis is up; the last known set (no matches) otherwise.
+
+        Redis answers only the matched block counts of the live replicas; their heartbeat fields
+        (URL, load) come from the set `refresh` re-reads every second.
+        """
+        if self.index is not None and self.redis_up:
+            try:
+                counts = await self.index.match_counts(hashes)
+            except (RedisError, OSError) as exc:
+                self._redis_failed(exc)
+            else:
+                if not counts:  # no replica heartbeats: the static set, as `refresh` keeps it
+                    return self.without_matches()
+                if any(rid not in self.known for rid in counts) and self._pending_refresh is None:
+                    self._pending_refresh = asyncio.create_task(self._refresh_now())
+                return [ReplicaMatch(self.known[rid], n) for rid, n in counts.items()
+                        if rid in self.known]
+        return self.without_matches()
+
+    async def _refresh_now(self) -> None:
+        """A replica joined since the last refresh: learn its URL and load now."""
+        try:
+            await self.refresh()
+        finally:
+            self._pending_refresh = None

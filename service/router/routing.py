@@ -1,0 +1,80 @@
+"""The routing decision of one request: tokenize like the engine, ask Redis once how much of the
+prompt each live replica holds, rank the replicas by the policy (service/routing_policy.py)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kvserve.service.router.config import RouterConfig
+from kvserve.service.router.metrics import RouterMetrics
+from kvserve.service.router.replicas import ReplicaSet
+from kvserve.service.router.tokenizer import RouterTokenizer
+from kvserve.service.routing_policy import POLICIES, Candidate, Decision, decide
+
+
+@dataclass
+class RouteInfo:
+    decision: Decision
+    prompt_tokens: int
+    matched: dict[str, int]  # replica id -> predicted matched tokens
+
+
+class Router:
+    """Chooses a replica per request; one per router process (its replica set and tokenizer)."""
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        if cfg.policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {cfg.policy!r}; choose one of {POLICIES}")
+        if not cfg.redis_url and not cfg.replicas:
+            raise ValueError("the router needs replicas: pass --redis-url and/or --replicas")
+        self.cfg = cfg
+        self.metrics = RouterMetrics()
+        self.replicas = ReplicaSet(cfg, self.metrics)
+        self.prompts = RouterTokenizer(cfg.tokenizer, self.replicas, cfg.refresh_interval)
+        self.counter = 0
+
+    async def start(self) -> None:
+        await self.replicas.start()
+        if self.cfg.policy == "prefix":
+            await self.prompts.start()
+        self.replicas.update_gauges()
+
+    async def close(self) -> None:
+        await self.prompts.close()
+        await self.replicas.close()
+
+    async def route(self, path: str, body: dict[str, Any], headers: Any) -> RouteInfo:
+        start = time.perf_counter()
+        replicas = self.replicas
+        block_size = replicas.block_size()
+        use_index = self.cfg.policy == "prefix" and replicas.index is not None and \
+            replicas.redis_up
+        tokens = self.prompts.prompt_tokens(path, body) if use_index else None
+        hashes: list[str] = []
+        if tokens:
+            from kvserve.engine.block_hash import block_hashes
+
+            hashes = block_hashes(tokens, block_size, body.get("cache_salt"))
+        # Only prefix routing needs Redis per request; the others use the set refreshed each second.
+        matches = await replicas.lookup(hashes) if use_index else replicas.without_matches()
+        routable = replicas.routable([m.replica for m in matches]) or [m.replica for m in matches]
+        by_id = {m.replica.replica_id: m.matched_blocks for m in matches}
+        cands = [replicas.candidate(i, by_id.get(i.replica_id, 0)) for i in routable]
+        policy = self.cfg.policy if (replicas.redis_up or self.cfg.policy != "prefix") \
+            else "least-load"
+        session = headers.get(self.cfg.session_header) or body.get("user")
+        self.counter += 1
+        decision = decide(policy, cands, num_blocks=len(hashes), block_size=block_size,
+                          cfg=self.cfg.policy_cfg, counter=self.counter, session_key=session)
+        self.metrics.decision_seconds.observe(time.perf_counter() - start)
+        return RouteInfo(decision, len(tokens or ()),
+                         {rid: n * block_size for rid, n in by_id.items()})
+
+    def least_load_ranking(self) -> list[Candidate]:
+        """Every replica by load: for requests that are not routed by their prompt."""
+        infos = self.replicas.routable() or list(self.replicas.known.values())
+        self.counter += 1
+        return list(decide("least-load", [self.replicas.candidate(i, 0) for i in infos],
+                           counter=self.counter).ranking)

@@ -1,0 +1,176 @@
+"""The FastAPI app of one server: the OpenAI routes, /health, /metrics, /version, /tokenize, with
+auth, the body limit and CORS; its lifespan starts the engine thread and drains it on shutdown."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+
+import kvserve
+from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.errors import KVServeError
+from kvserve.engine.tokenizer import prompt_token_ids
+from kvserve.service.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from kvserve.service.openai_errors import APIError, install_error_handlers
+from kvserve.service.request_models import (ChatCompletionRequest, CompletionRequest,
+                                            DetokenizeRequest, TokenizeRequest)
+from kvserve.service.request_validation import M, read_json_body, validate_request
+from kvserve.service.response_models import (DetokenizeResponse, ModelCard, ModelList,
+                                             TokenizeResponse)
+from kvserve.service.server.banner import banner
+from kvserve.service.server.chat import chat_prompt, create_chat_completion
+from kvserve.service.server.completions import create_completion
+from kvserve.service.server.config import ServerConfig
+from kvserve.service.server.context import ServingContext
+from kvserve.service.server.engine_streams import ClientDisconnected
+from kvserve.service.server.metrics import CONTENT_TYPE, ServerMetrics
+from kvserve.service.server.publishing import PublisherObserver
+
+logger = logging.getLogger("kvserve.service.api_server")
+
+
+def create_app(llm_engine: Any, config: ServerConfig, publisher: Any = None) -> FastAPI:
+    """Wire an LLMEngine into a server: metrics, the optional publisher, the AsyncEngine, the app.
+    The AsyncEngine is `app.state.engine`."""
+    names = config.served_model_names or [llm_engine.model_name]
+    metrics = ServerMetrics(names[0])
+    observers: list[Any] = [metrics]
+    if publisher is not None:
+        observers.append(PublisherObserver(publisher))
+    engine = AsyncEngine(llm_engine, observers, idle_tick=1.0 if publisher is not None else None)
+    return build_app(engine, config, metrics, publisher)
+
+
+def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics,
+              publisher: Any = None) -> FastAPI:
+    """The FastAPI app of one server. Its lifespan starts the engine thread (and publisher) and
+    drains the engine on shutdown."""
+    names = config.served_model_names or [engine.model_name]
+    ctx = ServingContext(engine=engine, served_model_names=names,
+                         tokenizer=copy.deepcopy(engine.tokenizer), max_waiting=config.max_waiting,
+                         limits=config.limits)
+    metrics.set_cache_config(engine.memory_budget.block_size, engine.memory_budget.num_blocks)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        if publisher is not None:
+            await publisher.start()
+        if config.print_banner:
+            print(banner(config, names[0]), flush=True)
+        try:
+            yield
+        finally:
+            aborted = await engine.shutdown(config.shutdown_grace_period)
+            if aborted:
+                logger.warning("aborted %d request(s) at shutdown", aborted)
+            if publisher is not None:
+                await publisher.close()
+
+    app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None)
+    app.state.ctx, app.state.metrics, app.state.config = ctx, metrics, config
+    app.state.engine = engine
+    install_error_handlers(app)
+    _add_routes(app, ctx, metrics)
+    app.add_middleware(BodyLimitMiddleware, limit=config.max_body_bytes)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key,
+                           public=config.public_paths)
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins,
+                           allow_methods=["*"], allow_headers=["*"])
+    return app
+
+
+def _add_routes(app: FastAPI, ctx: ServingContext, metrics: ServerMetrics) -> None:
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = await parse_body(request, CompletionRequest, ctx)
+        return await _disconnect_safe(create_completion(ctx, req, request))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = await parse_body(request, ChatCompletionRequest, ctx)
+        return await _disconnect_safe(create_chat_completion(ctx, req, request))
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        cards = [ModelCard(id=n, root=str(ctx.engine.config.model),
+                           max_model_len=ctx.max_model_len) for n in ctx.served_model_names]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if ctx.engine.error is not None or (not ctx.engine.is_running) or _workers_dead(ctx):
+            return JSONResponse({"status": "dead"}, status_code=503)
+        if ctx.engine.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ping")
+    async def ping() -> JSONResponse:
+        return await health()
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": kvserve.__version__})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        req = await parse_body(request, TokenizeRequest, ctx)
+        ctx.resolve_model(req.model)
+        if req.messages is not None:
+            chat = ChatCompletionRequest(messages=req.messages,
+                                         add_generation_prompt=req.add_generation_prompt)
+            ids = chat_prompt(ctx, chat)
+        elif req.add_special_tokens:
+            ids = prompt_token_ids(ctx.tokenizer, req.prompt or "")
+        else:
+            ids = list(ctx.tokenizer(req.prompt or "", add_special_tokens=False)["input_ids"])
+        return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len,
+                                             tokens=ids).model_dump())
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        req = await parse_body(request, DetokenizeRequest, ctx)
+        ctx.resolve_model(req.model)
+        vocab = len(ctx.tokenizer)
+        if any(t >= vocab for t in req.tokens):
+            raise APIError(400, f"tokens must be ids in [0, {vocab}), got {max(req.tokens)}",
+                           param="tokens", code="invalid_value")
+        return JSONResponse(DetokenizeResponse(prompt=ctx.tokenizer.decode(req.tokens))
+                            .model_dump())
+
+
+def _workers_dead(ctx: ServingContext) -> bool:
+    """A tensor-parallel worker died (noticed even while no request runs)."""
+    try:
+        getattr(ctx.engine.engine, "check_health", lambda: None)()
+    except KVServeError:
+        return True
+    return False
+
+
+async def _disconnect_safe(work: Any) -> Response:
+    try:
+        return await work
+    except ClientDisconnected:
+        return Response(status_code=499)  # nobody reads it; the engine requests are aborted
+
+
+
+async def parse_body(request: Request, model: type[M], ctx: ServingContext) -> M:
+    """The JSON body as `model`, checked against the server's limits; 400 in OpenAI's shape."""
+    return validate_request(read_json_body(await request.body(), ctx.limits), model, ctx.limits)

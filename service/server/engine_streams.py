@@ -1,0 +1,123 @@
+"""Engine requests of one HTTP request: started together, their outputs merged as they come,
+collected whole, or abandoned when the client leaves."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import TypeVar
+
+from fastapi import Request
+
+from kvserve.engine.async_engine import (EngineDeadError, EngineDrainingError, RequestAbortedError,
+                                         RequestStream)
+from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.service.server.context import ServingContext, unavailable
+
+T = TypeVar("T")
+
+
+async def start_requests(ctx: ServingContext, base_id: str, prompts: Sequence[list[int]],
+                         params: Sequence[SamplingParams], *, priority: int = 0,
+                         cache_salt: str | None = None) -> list[RequestStream]:
+    """One engine request per prompt; if one is refused, the ones already started are aborted."""
+    arrival = time.monotonic()
+    streams: list[RequestStream] = []
+    try:
+        for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
+            streams.append(await ctx.engine.add_request(
+                f"{base_id}-{i}", ids, p, priority=priority, cache_salt=cache_salt,
+                arrival=arrival))
+    except BaseException as exc:
+        ctx.engine.abort([s.request_id for s in streams])
+        if isinstance(exc, (EngineDrainingError, EngineDeadError)):
+            raise unavailable(exc) from exc
+        raise
+    return streams
+
+
+async def merge_streams(streams: Sequence[RequestStream]
+                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several request streams as they come."""
+    if len(streams) == 1:
+        outputs = aiter(streams[0])
+        try:
+            async for out in outputs:
+                yield 0, out
+        finally:
+            await outputs.aclose()  # type: ignore[attr-defined]
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except BaseException as exc:  # noqa: BLE001 - handed to the reader
+            queue.put_nowait((i, exc))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def collect(streams: Sequence[RequestStream]) -> list[RequestOutput]:
+    """The final output of every stream (non-streaming requests); 503 + Retry-After when the
+    server cut them off (drain past its grace period, a dead engine)."""
+    final: list[RequestOutput | None] = [None] * len(streams)
+    try:
+        async for i, out in merge_streams(streams):
+            final[i] = out
+    except (EngineDeadError, EngineDrainingError, RequestAbortedError) as exc:
+        raise unavailable(exc) from exc
+    return [f for f in final if f is not None]
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before the answer was ready."""
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (and so aborting its engine requests) if the client leaves."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
+
+
+def engine_error_status(exc: BaseException) -> int:
+    """The status of a stream cut off by the engine: 503 (draining, dead, aborted), else 500."""
+    return 503 if isinstance(exc, (EngineDeadError, EngineDrainingError, RequestAbortedError)) \
+        else 500
+

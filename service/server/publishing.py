@@ -1,0 +1,51 @@
+"""Publishing a replica's prefix cache to the Redis index: the publisher when --redis-url is set,
+and the engine observer that feeds it after every step."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from kvserve.service.server.config import ServerConfig
+
+logger = logging.getLogger("kvserve.service.api_server")
+
+
+@dataclass
+class PublisherObserver:
+    """Feeds the Redis prefix-index publisher from the engine thread (events, load, snapshots)."""
+
+    publisher: Any
+
+    def request_added(self, request_id: str, arrival: float) -> None:
+        pass
+
+    def request_aborted(self, request_id: str) -> None:
+        pass
+
+    def after_step(self, outputs: list[Any], stats: Any, events: list[Any], engine: Any) -> None:
+        snapshot = engine.cached_block_hashes() if self.publisher.wants_snapshot() else None
+        self.publisher.on_step(events=events, stats=stats, snapshot=snapshot)
+
+
+def make_publisher(config: ServerConfig, model: str, block_size: int) -> Any:
+    """The Redis prefix-index publisher when --redis-url is set (None otherwise)."""
+    if not config.redis_url:
+        return None
+    try:
+        from kvserve.service.prefix_index.publisher import PrefixIndexPublisher
+    except ModuleNotFoundError as exc:
+        if exc.name != "kvserve.service.prefix_index.publisher":
+            raise
+        logger.warning("--redis-url given but kvserve.service.prefix_index is not installed; "
+                       "not publishing block hashes")
+        return None
+    host = socket.gethostname()
+    return PrefixIndexPublisher(
+        redis_url=config.redis_url, service=config.service_name,
+        replica_id=config.replica_id or f"{host}-{config.port}",
+        url=config.advertise_url or f"http://{host}:{config.port}", model=model,
+        block_size=block_size)
+
