@@ -14,7 +14,11 @@ p90 over the turns after the first round, wall time. Then, from the host engine:
   when every host block is rounded through fp8 before each turn.
 
     python bench/kv_tiers.py [--tenants 6] [--turns 3] [--system-tokens 384] [--pool-blocks 40]
-                             [--device cpu] [--dtype float32]
+                             [--device cpu] [--dtype float32] [--threads N]
+                             [--configs none,host,unbounded] [--skip-compression]
+
+On a CPU shared with other busy processes, `--threads 1` keeps torch's parallel regions from
+waiting on descheduled threads (a fixed cost per operator that would hide the prefill saved).
 """
 
 from __future__ import annotations
@@ -143,7 +147,15 @@ def main() -> None:
     p.add_argument("--host-gib", type=float, default=1.0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--configs", default="none,host,unbounded")
+    p.add_argument("--skip-compression", action="store_true")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    configs = args.configs.split(",")
+    if not {"none", "host"} <= set(configs):
+        p.error("--configs needs at least none and host")
     model = str(fetch_model("smollm2-135m-instruct"))
 
     results = {}
@@ -151,6 +163,8 @@ def main() -> None:
                      ("host", {"num_gpu_blocks_override": args.pool_blocks,
                                "kv_offloading_size": args.host_gib}),
                      ("unbounded", {"num_gpu_blocks_override": 8 * args.pool_blocks})):
+        if name not in configs:
+            continue
         llm = make(model, args, **kw)
         if name == "none":
             prompts = tenant_turns(llm.get_tokenizer(), args.tenants, args.turns,
@@ -184,6 +198,8 @@ def main() -> None:
           f" -> swap wins above {cross:.3f} computed tokens per block (a block holds "
           f"{engine.block_size})")
 
+    if args.skip_compression:
+        return
     host = engine.runner.host
     slots = sorted(engine.kv.host.slots.values())[:64]
     compression(host.data, slots)
