@@ -75,7 +75,7 @@ class HostTier:
         return None
 
     def restore(self, block_hash: bytes) -> int:
-        """The slot holding `block_hash`, pinned and made most recently used (KeyError if absent)."""
+        """The slot holding `block_hash`, pinned and made most recent (KeyError if absent)."""
         slot = self.slots[block_hash]
         self.slots.move_to_end(block_hash)
         self.pinned.add(slot)
