@@ -78,6 +78,9 @@ class BlockPool:
         self.num_evictions = 0
         self._num_shared = 0  # blocks with ref_cnt > 1, kept as refs change (read every step)
         self._events: list[tuple[str, str]] = []  # ("stored" | "removed" | "cleared", hash)
+        # (block id, hash) of cached blocks evicted since the last take_evicted(): their content
+        # is still in the block until this step's forward writes it, so it can be offloaded.
+        self._evicted: list[tuple[int, bytes]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -106,7 +109,13 @@ class BlockPool:
             del self.cached[b.block_hash]
             self._log("removed", b.block_hash)
             self.num_evictions += 1
+            self._evicted.append((b.block_id, b.block_hash))
         b.block_hash = None
+
+    def take_evicted(self) -> list[tuple[int, bytes]]:
+        """(block id, hash) of the cached blocks evicted since the last call."""
+        out, self._evicted = self._evicted, []
+        return out
 
     def get_cached_block(self, block_hash: bytes) -> Block | None:
         return self.cached.get(block_hash)

@@ -9,6 +9,7 @@ from kvserve.engine.errors import ConfigError
 DEFAULT_MODEL = "smollm2-135m-instruct"
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "float32", "float16", "bfloat16")
 MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")
+PREEMPTION_MODES = ("auto", "recompute", "swap")
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,8 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for the KV cache on CPU (None = safe share of RAM)
     num_gpu_blocks_override: int | None = None
     swap_space: float = 4.0  # GiB of CPU memory for swapped-out blocks
-    preemption_mode: str = "recompute"  # "recompute" | "swap"
+    preemption_mode: str = "auto"  # "auto" (swap where cheaper) | "recompute" | "swap"
+    kv_offloading_size: float = 0.0  # GiB of host memory for evicted prefix blocks (0 = none)
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
@@ -59,9 +61,15 @@ class EngineConfig:
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.dtype not in MODEL_DTYPES:
             raise ConfigError(f"dtype must be one of {MODEL_DTYPES}, got {self.dtype!r}")
-        if self.preemption_mode not in ("recompute", "swap"):
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ConfigError(f"preemption_mode must be one of {PREEMPTION_MODES}, got "
+                              f"{self.preemption_mode!r}")
+        if not self.kv_offloading_size >= 0:
             raise ConfigError(
-                f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+                f"kv_offloading_size must be >= 0 GiB, got {self.kv_offloading_size}")
+        if self.kv_offloading_size and not self.enable_prefix_caching:
+            raise ConfigError("kv_offloading_size keeps evicted prefix-cache blocks, so it needs "
+                              "enable_prefix_caching=True (or set kv_offloading_size=0)")
         if self.attention_backend not in ("auto", "cpu", "torch", "triton", "reference"):
             raise ConfigError(f"unknown attention_backend {self.attention_backend!r}")
         if self.device not in ("auto", "cpu", "cuda"):

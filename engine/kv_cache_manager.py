@@ -1,21 +1,35 @@
 """KVCacheManager: block tables of the running sequences on top of the BlockPool — lazy slot
-allocation, prefix-cache lookup and registration, fork with copy-on-write, swap to a CPU pool."""
+allocation, prefix-cache lookup and registration, fork with copy-on-write, swap to a CPU pool,
+and the host tier: evicted prefix blocks demoted to host memory, promoted back on a prefix hit."""
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvserve.engine.block_hash import hash_block
 from kvserve.engine.block_pool import Block, BlockPool
+from kvserve.engine.host_tier import HostTier, TierCounters
 from kvserve.engine.sequence import Sequence
 
 
 @dataclass
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
-    hits: int = 0  # of which found in the cache
+    hits: int = 0  # of which found in the cache (any tier)
+    host_hits: int = 0  # of the hits, those restored from the host tier
+
+
+@dataclass(frozen=True)
+class HostHit:
+    """A prefix block found in the host tier, not on the device: allocating it takes a new
+    device block and queues the host -> device copy."""
+
+    block_hash: bytes
+
+
+PrefixHit = Block | HostHit
 
 
 @dataclass(frozen=True)
@@ -31,13 +45,17 @@ class KVCacheStats:
     num_cpu_blocks: int
     num_free_cpu_blocks: int
     prefix_cache_queries: int  # cumulative prompt tokens looked up
-    prefix_cache_hits: int  # cumulative prompt tokens found cached
+    prefix_cache_hits: int  # cumulative prompt tokens found cached (any tier)
     allocated_slots: int  # token slots in blocks held by sequences (shared blocks counted once)
+    prefix_cache_host_hits: int = 0  # of prefix_cache_hits, tokens restored from the host tier
+    num_host_blocks: int = 0  # host tier capacity
+    num_host_cached_blocks: int = 0  # host tier blocks holding a prefix block
+    host: TierCounters = field(default_factory=TierCounters)  # cumulative host tier moves
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_cpu_blocks: int = 0) -> None:
+                 num_cpu_blocks: int = 0, num_host_blocks: int = 0) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
@@ -50,6 +68,9 @@ class KVCacheManager:
         self.swapped: dict[int, list[int]] = {}  # seq -> its blocks in the CPU pool
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the runner
         self.alloc_seconds: deque[float] = deque(maxlen=4096)
+        self.host = HostTier(num_host_blocks) if num_host_blocks and enable_caching else None
+        self.pending_offloads: list[tuple[int, int]] = []  # (device block, host slot)
+        self.pending_restores: list[tuple[int, int]] = []  # (host slot, device block)
 
     # ---- prefix cache -------------------------------------------------------------------------
     def _seq_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
@@ -62,20 +83,24 @@ class KVCacheManager:
             hs.append(hash_block(hs[-1] if hs else None, toks, seq.extra_keys))
         return hs
 
-    def lookup_prefix(self, seq: Sequence) -> list[Block]:
-        """Cached blocks holding the longest prefix of the seq's tokens.
+    def lookup_prefix(self, seq: Sequence) -> list[PrefixHit]:
+        """Cached blocks holding the longest prefix of the seq's tokens: device blocks, or
+        `HostHit`s for blocks only the host tier holds. Changes nothing.
 
         At least one token is always left to compute, since its logits are needed.
         """
         if not self.enable_caching:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        hits: list[Block] = []
+        hits: list[PrefixHit] = []
         for h in self._seq_hashes(seq, max_blocks)[:max_blocks]:
             b = self.pool.get_cached_block(h)
-            if b is None:
+            if b is not None:
+                hits.append(b)
+            elif self.host is not None and h in self.host:
+                hits.append(HostHit(h))
+            else:
                 break
-            hits.append(b)
         return hits
 
     def full_block_hashes(self, seq: Sequence, start_block: int, end_block: int) -> list[bytes]:
@@ -85,11 +110,14 @@ class KVCacheManager:
         end = min(end_block, seq.num_tokens // self.block_size)
         return self._seq_hashes(seq, end)[start_block:end] if end > start_block else []
 
-    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
-        """Count one admitted request's prefix lookup in the hit-rate figures."""
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int,
+                      num_host_hit_tokens: int = 0) -> None:
+        """Count one admitted request's prefix lookup in the hit-rate figures (the hits of any
+        tier, and of those the host tier's)."""
         if self.enable_caching:
             self.prefix_stats.queries += num_tokens
             self.prefix_stats.hits += num_hit_tokens
+            self.prefix_stats.host_hits += num_host_hit_tokens
 
     def register_computed(self, seq: Sequence) -> None:
         """Put the seq's newly full and computed blocks into the prefix cache."""
@@ -107,8 +135,9 @@ class KVCacheManager:
 
     # ---- allocation ---------------------------------------------------------------------------
     def allocate_slots(self, seq: Sequence, num_new_tokens: int,
-                       computed: list[Block] | None = None) -> bool:
-        """Make room for `num_new_tokens` after the seq's computed ones (and its cache hits).
+                       computed: list[PrefixHit] | None = None) -> bool:
+        """Make room for `num_new_tokens` after the seq's computed ones (and its cache hits;
+        host hits take a new device block each and queue their restore).
 
         Returns False, changing nothing, when the pool cannot supply the blocks.
         """
@@ -119,25 +148,67 @@ class KVCacheManager:
         needed_total = -(-(start + num_new_tokens) // self.block_size)
         num_new_blocks = max(needed_total - len(table) - len(computed), 0)
         cow = bool(table) and start % self.block_size != 0 and table[-1].ref_cnt > 1
-        free_hits = sum(1 for b in computed if b.ref_cnt == 0)
-        if num_new_blocks + int(cow) > self.pool.num_free_blocks - free_hits:
+        on_device = [b for b in computed if isinstance(b, Block)]
+        num_restores = len(computed) - len(on_device)
+        free_hits = sum(1 for b in on_device if b.ref_cnt == 0)
+        if num_new_blocks + num_restores + int(cow) > self.pool.num_free_blocks - free_hits:
             return False
         if computed:
-            self.pool.touch(computed)
-            table = table + computed
+            self.pool.touch(on_device)
+            table = table + self._restore(computed) if num_restores else table + on_device
             self.num_registered[seq.seq_id] = len(table)
         if cow:
             self._copy_on_write(table)
         if num_new_blocks:
-            table = table + self.pool.get_new_blocks(num_new_blocks)
+            table = table + self._new_blocks(num_new_blocks)
         self.tables[seq.seq_id] = table
         self.alloc_seconds.append(time.perf_counter() - t0)
         return True
 
+    # ---- host tier ----------------------------------------------------------------------------
+    def _new_blocks(self, n: int) -> list[Block]:
+        """Fresh device blocks; cached content they held goes to the host tier first."""
+        blocks = self.pool.get_new_blocks(n)
+        evicted = self.pool.take_evicted()
+        if self.host is not None:
+            for block_id, h in evicted:
+                slot, _ = self.host.store(h)
+                if slot is not None:
+                    self.pending_offloads.append((block_id, slot))
+        return blocks
+
+    def _restore(self, hits: list[PrefixHit]) -> list[Block]:
+        """Device blocks for `hits` in order: device hits as they are, host hits in new blocks
+        registered under their hash, with the host -> device copies queued."""
+        assert self.host is not None
+        host_hits = [h for h in hits if isinstance(h, HostHit)]
+        slots = [self.host.restore(h.block_hash) for h in host_hits]  # pinned first: the
+        fresh = iter(self._new_blocks(len(host_hits)))  # allocation may offload and evict
+        out: list[Block] = []
+        for hit in hits:
+            if isinstance(hit, Block):
+                out.append(hit)
+                continue
+            b = next(fresh)
+            self.pool.cache_block(b, hit.block_hash)
+            out.append(b)
+        restored = [b for b, hit in zip(out, hits) if isinstance(hit, HostHit)]
+        self.pending_restores += [(s, b.block_id) for s, b in zip(slots, restored)]
+        return out
+
+    def take_tier_moves(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """This step's (device, host) offloads and (host, device) restores; the runner applies
+        the offloads before anything writes the device blocks. Unpins the host slots."""
+        out = (self.pending_offloads, self.pending_restores)
+        self.pending_offloads, self.pending_restores = [], []
+        if self.host is not None:
+            self.host.unpin_all()
+        return out
+
     def _copy_on_write(self, table: list[Block]) -> None:
         """The last (partial) block is shared with a sibling: write into a private copy."""
         old = table[-1]
-        new = self.pool.get_new_blocks(1)[0]
+        new = self._new_blocks(1)[0]
         self.pending_copies.append((old.block_id, new.block_id))
         table[-1] = new
         self.pool.free_blocks([old])
@@ -191,7 +262,7 @@ class KVCacheManager:
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
         """Bring the seq's blocks back: (cpu block, device block) pairs to copy."""
         cpu = self.swapped.pop(seq.seq_id)
-        table = self.pool.get_new_blocks(len(cpu))
+        table = self._new_blocks(len(cpu))
         self.tables[seq.seq_id] = table
         self.cpu_free.extend(cpu)
         return [(c, b.block_id) for c, b in zip(cpu, table)]
@@ -214,14 +285,18 @@ class KVCacheManager:
 
     def make_stats(self) -> KVCacheStats:
         """A snapshot of the figures; reading it changes nothing (see take_alloc_seconds)."""
-        pool = self.pool
+        pool, host = self.pool, self.host
         return KVCacheStats(
             usage=pool.usage(), num_total_blocks=pool.num_blocks,
             num_free_blocks=pool.num_free_blocks, num_cached_blocks=len(pool.cached),
             num_shared_blocks=pool.num_shared_blocks(), num_evictions=pool.num_evictions,
             num_cpu_blocks=self.num_cpu_blocks, num_free_cpu_blocks=len(self.cpu_free),
             prefix_cache_queries=self.prefix_stats.queries,
-            prefix_cache_hits=self.prefix_stats.hits, allocated_slots=self.allocated_slots())
+            prefix_cache_hits=self.prefix_stats.hits, allocated_slots=self.allocated_slots(),
+            prefix_cache_host_hits=self.prefix_stats.host_hits,
+            num_host_blocks=host.num_blocks if host else 0,
+            num_host_cached_blocks=len(host) if host else 0,
+            host=TierCounters(**vars(host.counters)) if host else TierCounters())
 
     def take_alloc_seconds(self) -> list[float]:
         """Durations of the allocate_slots calls since the last take (the newest 4,096 kept)."""

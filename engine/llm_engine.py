@@ -25,7 +25,8 @@ from kvserve.engine.sampler import SamplerOutput, SamplingMetadata, make_generat
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.engine.sequence import Sequence
-from kvserve.engine.stats import EngineStats
+from kvserve.engine.stats import EngineStats, TierFigures
+from kvserve.engine.swap_cost import SwapCostModel
 from kvserve.engine.tokenizer import load_tokenizer, prompt_token_ids
 from kvserve.kernels.fp8 import FP8_DTYPE
 
@@ -63,17 +64,20 @@ class LLMEngine:
         self.eos_token_ids = setup.eos_token_ids
         self.vocab_size = setup.vocab_size
         self.kv = KVCacheManager(setup.budget.num_blocks, config.block_size,
-                                 config.enable_prefix_caching, setup.num_cpu_blocks)
+                                 config.enable_prefix_caching, setup.num_cpu_blocks,
+                                 setup.num_host_blocks)
+        self.swap_cost = SwapCostModel(setup.budget.bytes_per_block)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=setup.max_num_batched_tokens,
             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
-            preemption_mode=config.preemption_mode), self.kv)
+            preemption_mode=config.preemption_mode), self.kv, self.swap_cost)
         self.runner = ModelRunner(
             setup.model, num_layers=setup.num_layers, num_kv_heads=setup.num_kv_heads,
             head_dim=setup.head_dim, num_blocks=setup.budget.num_blocks,
             block_size=config.block_size, kv_dtype=setup.kv_dtype, device=self.device,
             num_cpu_blocks=setup.num_cpu_blocks, attention_backend=config.attention_backend,
-            workers=setup.workers)
+            workers=setup.workers, num_host_blocks=setup.num_host_blocks)
+        self.tiers = TierFigures()
         if config.calculate_kv_scales and setup.kv_dtype == FP8_DTYPE:
             self._calibrate_kv_scales()
         self.requests: dict[str, RequestState] = {}
@@ -211,9 +215,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
         self._failed_now = set()
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self.runner.move_blocks(sched)  # a swap-in may precede the seq's next forward
+            self._observe_copies()
             return outputs
         rows, sampling = self._sampling_rows(sched)
         result = self.runner.execute(sched, self.kv, rows, sampling)
@@ -222,6 +228,7 @@ class LLMEngine:
             seq.num_computed_tokens += n
             self.kv.register_computed(seq)
         touched = self._apply_samples(sched, rows, result, now) if result is not None else []
+        self._observe_step(sched, time.perf_counter() - t0)  # sampled ids read: the step's end
         touched = [s for s in touched if s.request_id not in self._failed_now]
         outputs += [self._make_output(s) for s in touched]
         for s in touched:
@@ -381,19 +388,55 @@ class LLMEngine:
             kv_slots_used=max(cache.allocated_slots - max(waste, 0), 0),
             kv_slots_allocated=cache.allocated_slots, prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens, kv_seq_tokens=seq_tokens,
-            kv_seq_slots=seq_slots)
+            kv_seq_slots=seq_slots, prefix_cache_host_hits=cache.prefix_cache_host_hits,
+            num_host_blocks=cache.num_host_blocks,
+            num_host_cached_blocks=cache.num_host_cached_blocks,
+            host_blocks_stored=cache.host.stored, host_blocks_restored=cache.host.restored,
+            host_blocks_evicted=cache.host.evicted,
+            offload_bytes_to_host=self.tiers.bytes_to_host,
+            offload_bytes_to_device=self.tiers.bytes_to_device)
 
-    def drain_kv_events(self) -> list[KVEvent]:
-        return self.kv.pool.drain_events()
+    def _observe_step(self, sched: SchedulerOutput, seconds: float) -> None:
+        """Feed the swap cost model: prefill rate from prefill-heavy steps, copy rate from the
+        step's copies (a decode step's time is per sequence, not per token, so it is left out)."""
+        if sched.total_tokens >= max(2 * len(sched.seqs), self.block_size):
+            self.swap_cost.observe_prefill(sched.total_tokens, seconds)
+        self._observe_copies()
 
-    def cached_block_hashes(self) -> list[str]:
+    def _observe_copies(self) -> None:
+        tp = self.config.tensor_parallel_size
+        for t in self.runner.take_copy_timings():
+            self.swap_cost.observe_copy(t.num_bytes, t.seconds)
+            self.tiers.add(t.kind, t.num_bytes * tp, t.seconds)
+
+    def drain_kv_events(self, media: tuple[str, ...] = ("device",)) -> list[KVEvent]:
+        """Prefix-cache changes since the last call: the device pool's (what a tier-unaware
+        index holds), and with "host" in `media` the host tier's (`KVEvent.medium`). Each
+        tier's log is bounded on its own when not drained."""
+        events = self.kv.pool.drain_events() if "device" in media else []
+        if "host" in media and self.kv.host is not None:
+            events += self.kv.host.drain_events()
+        return events
+
+    def cached_block_hashes(self, medium: str = "device") -> list[str]:
+        """Every hash the device pool (or, `medium="host"`, the host tier) holds now."""
+        if medium == "host":
+            return [h.hex() for h in self.kv.host.lru_hashes()] if self.kv.host else []
         return self.kv.pool.cached_hashes()
 
     def drain_block_alloc_seconds(self) -> list[float]:
         return self.kv.take_alloc_seconds()
 
+    def drain_restore_seconds(self) -> list[float]:
+        """Durations of the batched host -> device restores since the last call."""
+        return self.tiers.take_restore_seconds()
+
     def reset_prefix_cache(self) -> bool:
-        return self.kv.pool.reset_prefix_cache()
+        if not self.kv.pool.reset_prefix_cache():
+            return False
+        if self.kv.host is not None:
+            self.kv.host.clear()
+        return True
 
 
 def _chat_ids(tokenizer: Any, text: str) -> list[int]:

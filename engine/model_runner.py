@@ -8,11 +8,14 @@ own shard and KV cache; only the driver samples."""
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from kvserve.engine.host_blocks import HostBlocks
 from kvserve.engine.kv_cache_manager import KVCacheManager
 from kvserve.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
 from kvserve.engine.scheduler import SchedulerOutput
@@ -29,14 +32,27 @@ BlockPairs = list[tuple[int, int]]
 
 @dataclass
 class BlockMoves:
-    """Swap-out, swap-in and copy-on-write (src, dst) block pairs of one step."""
+    """One step's (src, dst) block pairs, applied in this order: offloads (device -> host tier)
+    first, since the blocks they read were evicted and are about to be reused; swap-outs; then
+    restores (host tier -> device), swap-ins and copy-on-write."""
 
     swap_out: BlockPairs = field(default_factory=list)
     swap_in: BlockPairs = field(default_factory=list)
     copy: BlockPairs = field(default_factory=list)
+    offload: BlockPairs = field(default_factory=list)
+    restore: BlockPairs = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.swap_out or self.swap_in or self.copy)
+        return bool(self.swap_out or self.swap_in or self.copy or self.offload or self.restore)
+
+
+@dataclass(frozen=True)
+class CopyTiming:
+    """One batched copy between device and host: what it moved (this rank) and how long."""
+
+    kind: str  # "offload" | "restore" | "swap_out" | "swap_in"
+    num_bytes: int
+    seconds: float
 
 
 @dataclass
@@ -60,7 +76,7 @@ class ModelRunner:
                  head_dim: int, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  device: torch.device, num_cpu_blocks: int = 0, attention_backend: str = "auto",
                  k_scale: float = 1.0, v_scale: float = 1.0,
-                 workers: "WorkerGroup | None" = None) -> None:
+                 workers: "WorkerGroup | None" = None, num_host_blocks: int = 0) -> None:
         self.model = model
         self.workers = workers  # the other ranks (tensor parallel, driver only)
         self.device = device
@@ -78,7 +94,22 @@ class ModelRunner:
             cpu_shape = (2, num_layers, num_cpu_blocks, block_size, num_kv_heads, head_dim)
             self.cpu_kv = torch.zeros(cpu_shape, dtype=kv_dtype,
                                       pin_memory=device.type == "cuda")
+        self.host = HostBlocks(self.kv, num_host_blocks) if num_host_blocks else None
+        self.timings: deque[CopyTiming] = deque(maxlen=4096)
         self.sampler = Sampler()
+
+    @property
+    def bytes_per_block(self) -> int:
+        """KV bytes of one block on this rank (every layer, K and V)."""
+        return self.kv[:, :, 0].numel() * self.kv.element_size()
+
+    def take_copy_timings(self) -> list[CopyTiming]:
+        """The batched copies since the last call (the newest 4,096 kept)."""
+        if self.host is not None:
+            self.timings.extend(self.host.take_timings())
+        out = list(self.timings)
+        self.timings.clear()
+        return out
 
     def move_blocks(self, sched: SchedulerOutput) -> None:
         """Swap-out, swap-in and copy-on-write copies, before this step writes any slot (on every
@@ -89,15 +120,32 @@ class ModelRunner:
         self.apply_moves(moves)
 
     def apply_moves(self, m: BlockMoves) -> None:
+        if m.offload:
+            self.host.offload(m.offload)  # type: ignore[union-attr]
         if m.swap_out:
+            t0 = self._clock()
             src, dst = zip(*m.swap_out)
             self.cpu_kv[:, :, list(dst)] = self.kv[:, :, list(src)].to("cpu")  # type: ignore[index]
+            self._timed("swap_out", len(src), t0)
+        if m.restore:
+            self.host.restore(m.restore)  # type: ignore[union-attr]
         if m.swap_in:
+            t0 = self._clock()
             src, dst = zip(*m.swap_in)
             self.kv[:, :, list(dst)] = self.cpu_kv[:, :, list(src)].to(self.device)  # type: ignore[index]
+            self._timed("swap_in", len(src), t0)
         if m.copy:
             src, dst = zip(*m.copy)
             self.kv[:, :, list(dst)] = self.kv[:, :, list(src)]
+
+    def _clock(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return time.perf_counter()
+
+    def _timed(self, kind: str, num_blocks: int, t0: float) -> None:
+        self.timings.append(CopyTiming(kind, num_blocks * self.bytes_per_block,
+                                       self._clock() - t0))
 
     def build_step(self, sched: SchedulerOutput, kv: KVCacheManager,
                    sample_rows: list[int]) -> StepInput:
@@ -209,4 +257,5 @@ class ModelRunner:
 
 def _moves(sched: SchedulerOutput) -> BlockMoves:
     return BlockMoves(list(sched.blocks_to_swap_out), list(sched.blocks_to_swap_in),
-                      list(sched.blocks_to_copy))
+                      list(sched.blocks_to_copy), list(sched.blocks_to_offload),
+                      list(sched.blocks_to_restore))

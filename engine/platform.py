@@ -40,6 +40,7 @@ class EngineSetup:
     max_num_batched_tokens: int
     budget: MemoryBudget
     num_cpu_blocks: int
+    num_host_blocks: int  # the KV host tier (kv_offloading_size), per rank
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -112,7 +113,7 @@ def set_up(config: EngineConfig, model_path: Path | str,
             workers.init_cache(CacheSpec(
                 setup.num_layers, setup.num_kv_heads, setup.head_dim, setup.budget.num_blocks,
                 config.block_size, setup.kv_dtype, setup.num_cpu_blocks,
-                config.attention_backend))
+                config.attention_backend, setup.num_host_blocks))
     except BaseException:
         if workers is not None:
             workers.close()
@@ -157,11 +158,26 @@ def _set_up_rank0(config: EngineConfig, model_path: Path | str,
         max_len, config.enable_chunked_prefill)
     budget = _plan(config, cfg, model, device, dtype, kv_dtype, batched, max_len,
                    (layers, kv_heads, head_dim))
-    per_block = budget.bytes_per_block
-    cpu_blocks = (blocks_for_bytes(int(config.swap_space * GiB), per_block)
-                  if config.preemption_mode == "swap" else 0)
+    cpu_blocks, host_blocks = _host_pools(config, budget)
     return EngineSetup(device, dtype, kv_dtype, model, cfg, max_len, batched, budget, cpu_blocks,
-                       layers, kv_heads, head_dim, cfg.vocab_size, _eos_ids(cfg, model_path))
+                       host_blocks, layers, kv_heads, head_dim, cfg.vocab_size,
+                       _eos_ids(cfg, model_path))
+
+
+def _host_pools(config: EngineConfig, budget: MemoryBudget) -> tuple[int, int]:
+    """Blocks of the swap pool (swap_space, never more than the device holds: a swapped
+    sequence came from there) and of the host tier (kv_offloading_size, all ranks together)."""
+    per_block = budget.bytes_per_block  # this rank's
+    cpu_blocks = 0
+    if config.preemption_mode != "recompute":
+        cpu_blocks = min(blocks_for_bytes(int(config.swap_space * GiB), per_block),
+                         budget.num_blocks)
+    host_bytes = int(config.kv_offloading_size * GiB) // config.tensor_parallel_size
+    host_blocks = blocks_for_bytes(host_bytes, per_block) if host_bytes else 0
+    if config.kv_offloading_size and host_blocks < 1:
+        raise ConfigError(f"kv_offloading_size {config.kv_offloading_size} GiB holds no KV "
+                          f"block of {per_block} bytes per rank; raise it")
+    return cpu_blocks, host_blocks
 
 
 def _plan(config: EngineConfig, cfg: Any, model: torch.nn.Module, device: torch.device,

@@ -1,13 +1,15 @@
 """Scheduler: continuous batching. Each step it keeps the running sequences going (decode or the
 next chunk of a long prompt), admits waiting ones FCFS within the token budget, and preempts the
-newest running sequence (recompute or swap) when the KV cache runs out of blocks."""
+newest running sequence (recompute or swap; "auto" asks the swap cost model) when the KV cache
+runs out of blocks."""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from kvserve.engine.kv_cache_manager import KVCacheManager
+from kvserve.engine.kv_cache_manager import HostHit, KVCacheManager
 from kvserve.engine.sequence import Sequence, SequenceStatus
 
 
@@ -18,6 +20,8 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
+    blocks_to_offload: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    blocks_to_restore: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     num_preempted: int = 0
 
     @property
@@ -35,13 +39,19 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool = True
-    preemption_mode: str = "recompute"
+    preemption_mode: str = "recompute"  # "recompute" | "swap" | "auto"
+
+
+class SwapAdvisor(Protocol):
+    def prefer_swap(self, num_blocks: int, num_tokens: int) -> bool: ...
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 swap_advisor: SwapAdvisor | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.swap_advisor = swap_advisor  # "auto" preemption: swap only where it is cheaper
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
@@ -63,6 +73,7 @@ class Scheduler:
             if not self.swapped:
                 self._schedule_waiting(out, budget)
         out.blocks_to_copy = self.kv.take_pending_copies()
+        out.blocks_to_offload, out.blocks_to_restore = self.kv.take_tier_moves()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -91,7 +102,7 @@ class Scheduler:
         if seq in out.seqs:  # it had been scheduled earlier this step: undo that
             k = out.seqs.index(seq)
             del out.seqs[k], out.num_tokens[k]
-        if self.config.preemption_mode == "swap" and self.kv.can_swap_out(seq):
+        if self._should_swap(seq):
             out.blocks_to_swap_out += self.kv.swap_out(seq)
             seq.status = SequenceStatus.SWAPPED
             self.swapped.appendleft(seq)
@@ -100,6 +111,16 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+
+    def _should_swap(self, seq: Sequence) -> bool:
+        """swap: whenever the CPU pool has room; auto: when it has room and the cost model
+        says copying the seq's blocks out and back beats recomputing its tokens."""
+        mode = self.config.preemption_mode
+        if mode == "recompute" or not self.kv.can_swap_out(seq):
+            return False
+        if mode == "swap" or self.swap_advisor is None:
+            return True
+        return self.swap_advisor.prefer_swap(self.kv.num_blocks_of(seq), seq.num_computed_tokens)
 
     def _pending_hashes(self, out: SchedulerOutput) -> set[bytes]:
         """Hashes of the full blocks the already scheduled sequences compute this step."""
@@ -160,7 +181,8 @@ class Scheduler:
             if not self.kv.allocate_slots(seq, n, hits):
                 break
             self.waiting.popleft()
-            self.kv.record_lookup(seq.num_tokens, cached)
+            from_host = sum(1 for h in hits if isinstance(h, HostHit)) * self.kv.block_size
+            self.kv.record_lookup(seq.num_tokens, cached, from_host)
             if seq.num_cached_tokens < 0:  # first admission: what the request got from the cache
                 seq.num_cached_tokens = cached
             seq.num_computed_tokens = cached

@@ -30,10 +30,26 @@ class EngineStats:
     # sees of its own block table.
     kv_seq_tokens: int = 0  # computed tokens of the running sequences
     kv_seq_slots: int = 0  # token slots of their block tables
+    # KV host tier (kv_offloading_size); prefix_cache_hits counts its hits too.
+    prefix_cache_host_hits: int = 0  # cumulative prompt tokens restored from the host tier
+    num_host_blocks: int = 0
+    num_host_cached_blocks: int = 0
+    host_blocks_stored: int = 0  # cumulative blocks written to the host tier
+    host_blocks_restored: int = 0  # cumulative blocks copied back to the device
+    host_blocks_evicted: int = 0  # cumulative blocks dropped from the host tier
+    offload_bytes_to_host: int = 0  # cumulative, offloads and swap-outs, all ranks
+    offload_bytes_to_device: int = 0  # cumulative, restores and swap-ins, all ranks
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def cpu_cache_usage(self) -> float:
+        """Host blocks in use (swap pool and host tier together), 0..1; 0 with neither."""
+        total = self.num_cpu_blocks + self.num_host_blocks
+        used = self.num_cpu_blocks - self.num_free_cpu_blocks + self.num_host_cached_blocks
+        return used / total if total else 0.0
 
     @property
     def kv_slot_utilization(self) -> float:
@@ -45,3 +61,26 @@ class EngineStats:
         """Per-sequence view: each request's tokens / the slots of its own block table (a shared
         prefix block counts for every request reading it); 1.0 when nothing runs."""
         return self.kv_seq_tokens / self.kv_seq_slots if self.kv_seq_slots else 1.0
+
+
+class TierFigures:
+    """Bytes moved between device and host (all ranks) and the restores' durations, as the
+    model runner reports its copies; the engine keeps one."""
+
+    def __init__(self) -> None:
+        self.bytes_to_host = 0  # offloads and swap-outs
+        self.bytes_to_device = 0  # restores and swap-ins
+        self._restore_seconds: list[float] = []
+
+    def add(self, kind: str, num_bytes: int, seconds: float) -> None:
+        if kind in ("offload", "swap_out"):
+            self.bytes_to_host += num_bytes
+        else:
+            self.bytes_to_device += num_bytes
+        if kind == "restore":
+            self._restore_seconds.append(seconds)
+            del self._restore_seconds[:-4096]  # undrained (offline use): the newest kept
+
+    def take_restore_seconds(self) -> list[float]:
+        out, self._restore_seconds = self._restore_seconds, []
+        return out

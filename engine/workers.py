@@ -63,6 +63,7 @@ class CacheSpec:
     kv_dtype: torch.dtype
     num_cpu_blocks: int
     attention_backend: str
+    num_host_blocks: int = 0
 
 
 def backend_for(device_type: str) -> str:
@@ -141,7 +142,7 @@ def _make_runner(model: torch.nn.Module, c: CacheSpec, device: torch.device):
     return ModelRunner(model, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
                        head_dim=c.head_dim, num_blocks=c.num_blocks, block_size=c.block_size,
                        kv_dtype=c.kv_dtype, device=device, num_cpu_blocks=c.num_cpu_blocks,
-                       attention_backend=c.attention_backend)
+                       attention_backend=c.attention_backend, num_host_blocks=c.num_host_blocks)
 
 
 def _exit_with_parent(parent: int) -> None:

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from dataclasses import MISSING, fields
 from typing import Any
 
-from kvserve.engine.config import DEFAULT_MODEL, KV_CACHE_DTYPES, MODEL_DTYPES, EngineConfig
+from kvserve.engine.config import DEFAULT_MODEL, KV_CACHE_DTYPES, MODEL_DTYPES, PREEMPTION_MODES, \
+    EngineConfig
 from kvserve.engine.errors import ConfigError, KVServeError
 from kvserve.service.limits import RequestLimits
 
@@ -131,8 +132,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="use exactly this many KV blocks (testing)")
     g.add_argument("--swap-space", type=float, default=d("swap_space"),
                    help="GiB of CPU memory for swapped-out KV blocks")
-    g.add_argument("--preemption-mode", default=d("preemption_mode"),
-                   choices=("recompute", "swap"), help="what to do with a preempted request")
+    g.add_argument("--preemption-mode", default=d("preemption_mode"), choices=PREEMPTION_MODES,
+                   help="what to do with a preempted request (auto: swap when the CPU pool has "
+                        "room and copying is cheaper than recomputing)")
+    g.add_argument("--kv-offloading-size", type=float, default=d("kv_offloading_size"),
+                   help="GiB of host memory (all ranks) keeping prefix-cache blocks evicted from "
+                        "the device; a hit copies them back instead of recomputing (0: off)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=d("enable_prefix_caching"), help="reuse KV blocks of shared prefixes")
     g.add_argument("--kv-cache-dtype", default=d("kv_cache_dtype"), choices=KV_CACHE_DTYPES,

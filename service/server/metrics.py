@@ -55,6 +55,7 @@ class ServerMetrics:
         self._last_counters: dict[str, float] = {}
         self._build_engine_metrics()
         self._build_request_metrics()
+        self._build_tier_metrics()
 
     def _gauge(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
         return Gauge(name, doc, ("model_name", *labels), registry=self.registry)
@@ -111,6 +112,51 @@ class ServerMetrics:
         self.request_success = c("vllm:request_success", "Finished requests.",
                                  ("finished_reason",))
 
+    def _build_tier_metrics(self) -> None:
+        """The KV host tier (kv_offloading_size) and the swap pool: vLLM's CPU usage gauge plus
+        kvserve:offload_* block and byte counters, and the prefix hits split by tier."""
+        m, g, c = self.model_name, self._gauge, self._counter
+        self.cpu_cache_usage = g("vllm:cpu_cache_usage_perc", "Host KV blocks in use (swap pool "
+                                 "and host tier), 0..1.").labels(m)
+        self.host_blocks = g("kvserve:offload_host_blocks", "Blocks the KV host tier holds.",
+                             ("state",))
+        self.offload_stored = c("kvserve:offload_blocks_stored", "KV blocks written to a tier.",
+                                ("tier",))
+        self.offload_restored = c("kvserve:offload_blocks_restored",
+                                  "KV blocks copied from a tier back to the device.", ("tier",))
+        self.offload_evicted = c("kvserve:offload_blocks_evicted",
+                                 "KV blocks dropped from a tier to make room.", ("tier",))
+        self.offload_bytes = c("kvserve:offload_bytes", "KV bytes moved between device and host "
+                               "(offloads, restores, swaps), all ranks.", ("direction",))
+        self.restore_seconds = self._histogram(
+            "kvserve:offload_restore_seconds", "Time of one step's batched host -> device restore.",
+            ALLOC_BUCKETS + (0.25, 0.5, 1.0)).labels(m)
+        self.prefix_hits_by_tier = c("kvserve:prefix_cache_hits_by_tier",
+                                     "Prompt tokens found in the prefix cache, by tier.",
+                                     ("tier",))
+        self.prefix_hit_rate_by_tier = g("kvserve:prefix_cache_hit_rate_by_tier",
+                                         "Prefix cache hits / queries (tokens) by tier, since "
+                                         "start.", ("tier",))
+
+    def _observe_tiers(self, stats: Any) -> None:
+        m = self.model_name
+        self.cpu_cache_usage.set(_stat(stats, "cpu_cache_usage"))
+        total, held = _stat(stats, "num_host_blocks"), _stat(stats, "num_host_cached_blocks")
+        self.host_blocks.labels(m, "used").set(held)
+        self.host_blocks.labels(m, "free").set(total - held)
+        for key, counter in (("stored", self.offload_stored), ("restored", self.offload_restored),
+                             ("evicted", self.offload_evicted)):
+            self._advance(f"host_{key}", counter.labels(m, "host"),
+                          _stat(stats, f"host_blocks_{key}"))
+        for direction in ("to_host", "to_device"):
+            self._advance(f"bytes_{direction}", self.offload_bytes.labels(m, direction),
+                          _stat(stats, f"offload_bytes_{direction}"))
+        queries, hits = _stat(stats, "prefix_cache_queries"), _stat(stats, "prefix_cache_hits")
+        host = _stat(stats, "prefix_cache_host_hits")
+        for tier, value in (("device", hits - host), ("host", host)):
+            self._advance(f"hits_{tier}", self.prefix_hits_by_tier.labels(m, tier), value)
+            self.prefix_hit_rate_by_tier.labels(m, tier).set(value / queries if queries else 0.0)
+
     # ---- engine side (engine thread) ---------------------------------------------------------
     def set_cache_config(self, block_size: int, num_gpu_blocks: int) -> None:
         self.cache_config.labels(self.model_name, str(block_size), str(num_gpu_blocks)).set(1)
@@ -133,6 +179,7 @@ class ServerMetrics:
         self._advance("queries", self.prefix_queries, queries)
         self._advance("hits", self.prefix_hits, hits)
         self.prefix_hit_rate.set(hits / queries if queries else 0.0)
+        self._observe_tiers(stats)
 
     def _advance(self, key: str, counter: Any, cumulative: float) -> None:
         delta = cumulative - self._last_counters.get(key, 0.0)
@@ -189,6 +236,9 @@ class ServerMetrics:
         drain = getattr(engine, "drain_block_alloc_seconds", None)
         for seconds in drain() if drain is not None else ():
             self.block_alloc.observe(seconds)
+        restores = getattr(engine, "drain_restore_seconds", None)
+        for seconds in restores() if restores is not None else ():
+            self.restore_seconds.observe(seconds)
 
     def request_aborted(self, request_id: str) -> None:
         self.request_finished(request_id, "abort")

@@ -151,3 +151,12 @@ def test_request_limit_flags_on_server_and_router():
     for bad in (["--max-logprobs", "21"], ["--max-n", "0"], ["--max-json-depth", "x"]):
         with pytest.raises(SystemExit):
             _serve(*bad)
+
+
+def test_kv_offloading_and_preemption_flags():
+    cfg = cli.engine_config_from_args(_serve("--kv-offloading-size", "8"))
+    assert (cfg.kv_offloading_size, cfg.preemption_mode) == (8.0, "auto")
+    assert cli.engine_config_from_args(_serve("--preemption-mode", "recompute")).preemption_mode \
+        == "recompute"
+    with pytest.raises(SystemExit):
+        _serve("--preemption-mode", "evict")

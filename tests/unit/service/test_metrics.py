@@ -104,3 +104,33 @@ def test_aborted_request_counts_as_abort_once():
     m.request_aborted("r")
     m.request_aborted("r")
     assert _value(m, "vllm:request_success_total", finished_reason="abort") == 1
+
+
+def test_kv_tier_metrics():
+    """vllm:cpu_cache_usage_perc, kvserve:offload_* from the cumulative tier figures, the prefix
+    hits split device/host, and the restore histogram fed by the engine's drain."""
+    m = ServerMetrics("m")
+    tier = dict(num_cpu_blocks=10, num_free_cpu_blocks=6, num_host_blocks=30,
+                num_host_cached_blocks=12, prefix_cache_queries=200, prefix_cache_hits=120,
+                prefix_cache_host_hits=80, host_blocks_stored=20, host_blocks_restored=5,
+                host_blocks_evicted=2, offload_bytes_to_host=2048, offload_bytes_to_device=512)
+    m.observe_stats(_stats(**tier))
+    assert _value(m, "vllm:cpu_cache_usage_perc") == (4 + 12) / 40
+    assert _value(m, "kvserve:offload_blocks_stored_total", tier="host") == 20
+    assert _value(m, "kvserve:offload_blocks_restored_total", tier="host") == 5
+    assert _value(m, "kvserve:offload_blocks_evicted_total", tier="host") == 2
+    assert _value(m, "kvserve:offload_bytes_total", direction="to_device") == 512
+    assert _value(m, "kvserve:offload_host_blocks", state="free") == 18
+    assert _value(m, "kvserve:prefix_cache_hits_by_tier_total", tier="device") == 40
+    assert _value(m, "kvserve:prefix_cache_hit_rate_by_tier", tier="host") == 0.4
+    m.observe_stats(_stats(**dict(tier, host_blocks_stored=25, offload_bytes_to_host=4096)))
+    assert _value(m, "kvserve:offload_blocks_stored_total", tier="host") == 25
+    assert _value(m, "kvserve:offload_bytes_total", direction="to_host") == 4096
+
+    class Engine:
+        def drain_restore_seconds(self):
+            return [0.002, 0.003]
+
+    m.after_step([], _stats(), [], Engine())
+    assert _value(m, "kvserve:offload_restore_seconds_count") == 2
+    assert _value(m, "kvserve:offload_restore_seconds_sum") == 0.005
