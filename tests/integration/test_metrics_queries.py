@@ -16,8 +16,10 @@ from kvserve.engine.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.operator.children import build_children
 from kvserve.operator.resources import CACHE_USAGE_METRIC, WAITING_METRIC
-from kvserve.service.api_server import ServerConfig, ServerThread, create_app
+from kvserve.service.server.app import create_app
+from kvserve.service.server.config import ServerConfig
 from prometheus_client.parser import text_string_to_metric_families
+from server_thread import ServerThread
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kvserve"
