@@ -122,7 +122,7 @@ def test_every_option_on_renders_and_validates(helm: Path) -> None:
 
 
 def test_operator_rbac_covers_every_kind_it_writes(helm: Path) -> None:
-    from kvserve.operator.kube import PLURALS
+    from kvserve.operator.kube import CREATE_ONLY, PLURALS
 
     rules = by_kind(render(helm), "ClusterRole")[0]["rules"]
     for (api_version, _), plural in PLURALS.items():
@@ -130,6 +130,12 @@ def test_operator_rbac_covers_every_kind_it_writes(helm: Path) -> None:
         assert any(group in r["apiGroups"] and plural in r["resources"]
                    and {"get", "list", "create", "patch", "delete"} <= set(r["verbs"])
                    for r in rules), (group, plural)
+    # Secrets: create only; the operator can read nobody's.
+    for (api_version, _), plural in CREATE_ONLY.items():
+        group = api_version.rpartition("/")[0]
+        granted = {v for r in rules if group in r["apiGroups"] and plural in r["resources"]
+                   for v in r["verbs"]}
+        assert granted == {"create"}, (plural, granted)
 
 
 def test_chart_crd_is_the_manifest_crd() -> None:
