@@ -280,7 +280,7 @@ def status_schema() -> Schema:
         "explanation": _typed("string", "The arithmetic, in words."),
     }, **{"x-kubernetes-preserve-unknown-fields": True})
     condition = _obj("A status condition.", {
-        "type": _typed("string", "Ready, Sized, Applied."),
+        "type": _typed("string", "Ready, Sized, Applied, Conflict."),
         "status": _typed("string", "True, False or Unknown.", enum=["True", "False", "Unknown"]),
         "reason": _typed("string", "CamelCase reason."),
         "message": _typed("string", "What happened and what to change."),
