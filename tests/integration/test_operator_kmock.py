@@ -484,3 +484,29 @@ async def test_foreign_object_is_left_alone_and_named(kmock: Any) -> None:
     ours = stored(kmock, DEPLOYMENTS, "clash-engine")
     assert ours["metadata"]["ownerReferences"][0]["uid"] == "uid-clash"
     assert engine_container(kmock, "clash")["env"][-1]["name"] == "KVSERVE_REGISTRATION_TOKEN"
+
+
+async def test_password_in_redis_url_is_refused_and_never_repeated(kmock: Any, caplog: Any) -> None:
+    """Status, events and every log line of the operator (kopf's debug output, which prints the
+    whole body, included: the filter `kvserve operator` installs) show the URL with *** in place
+    of the password."""
+    from kvserve.operator.trust import RedactingFilter, install_log_redaction
+
+    caplog.set_level(logging.DEBUG)
+    install_log_redaction()  # as run_operator does, on the root handlers (caplog's among them)
+    password = "hunter2-in-the-spec"
+    body = service_cr("leaky", redis={"url": f"redis://default:{password}@redis.shared:6379/0"})
+    async with running_operator(kmock):
+        await create(kmock, body)
+        cond = await wait_for(lambda: ready_condition(kmock, "leaky"), "the Ready condition")
+        event = await wait_for(lambda: events(kmock, "RedisPasswordInSpec"), "a warning event")
+    assert (cond["status"], cond["reason"]) == ("False", "RedisPasswordInSpec")
+    assert "redis://default:***@redis.shared:6379/0" in cond["message"]
+    assert password not in str(stored(kmock, PLURAL_KEY, "leaky").get("status"))
+    assert password not in str(event)
+    for target in [caplog.handler, logging.getLogger("kopf.objects")]:
+        for f in [f for f in target.filters if isinstance(f, RedactingFilter)]:
+            target.removeFilter(f)
+    redacted = [r for r in caplog.records if "default:***@" in r.getMessage()]
+    assert redacted and not [r for r in caplog.records if password in r.getMessage()]
+    assert stored(kmock, DEPLOYMENTS, "leaky-engine") is None

@@ -15,13 +15,16 @@ import kubernetes_validate
 import pytest
 import redis
 from conftest import free_port
-
 from kvserve.operator.children import build_children
 from kvserve.operator.reconcile import foreign, owner_uid, stamped
 from kvserve.operator.resources import REDIS_AUTH_SCRIPT, redis_deployment
 from kvserve.operator.spec import InvalidSpecError, parse_spec
 from kvserve.operator.trust import (
-    REDIS_PASSWORD_ENV, REGISTRATION_KEY, REGISTRATION_TOKEN_ENV, RedactingFilter, redact,
+    REDIS_PASSWORD_ENV,
+    REGISTRATION_KEY,
+    REGISTRATION_TOKEN_ENV,
+    RedactingFilter,
+    redact,
 )
 
 SECRET = "s3cr3t-Pa55"
@@ -49,8 +52,8 @@ def env_of(c: dict) -> dict[str, dict]:
 @pytest.mark.parametrize("text, expected", [
     ("redis://:pw@host:6379/0", "redis://:***@host:6379/0"),
     ("rediss://user:p@ss@host/1", "rediss://user:***@host/1"),
-    ("failed redis://a:b@h1/0 and redis://c:d@h2/0", "failed redis://a:***@h1/0 and "
-     "redis://c:***@h2/0"),
+    ("failed redis://a:b@h1/0 and redis://c:d@h2/0",
+     "failed redis://a:***@h1/0 and redis://c:***@h2/0"),
     ("redis://user@host:6379/0", "redis://user@host:6379/0"),
     ("http://host:8000/v1 x@y", "http://host:8000/v1 x@y"),
 ])
@@ -226,9 +229,8 @@ def test_foreign_object_detection() -> None:
 
 
 def test_render_names_the_registration_secret_but_prints_no_token() -> None:
-    from kvserve.operator.render import render
-
     import yaml
+    from kvserve.operator.render import render
     out = render(yaml.safe_dump(cr()))
     assert "# not shown: Secret chat-registration (created once by the operator" in out
     assert "kind: Secret" not in out and "stringData" not in out
