@@ -462,7 +462,7 @@ async def test_foreign_object_is_left_alone_and_named(kmock: Any) -> None:
         ready = condition(kmock, "clash", "Ready")
         assert (ready["status"], ready["reason"]) == ("False", "ForeignObject")
         assert "Deployment/clash-engine" in ready["message"]
-        assert events(kmock, "ForeignObject")
+        await wait_for(lambda: events(kmock, "ForeignObject"), "a ForeignObject event")
         # The rest of the service is there; the foreign Deployment is exactly as it was.
         assert stored(kmock, DEPLOYMENTS, "clash-router") is not None
         await asyncio.sleep(1.0)  # a few resyncs
