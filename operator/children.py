@@ -9,9 +9,10 @@ from typing import Any
 
 import kopf
 
-from kvserve.operator.resources import desired_objects
+from kvserve.operator.resources import desired_objects, registration_secret
 from kvserve.operator.sizing import Sizing, plan
 from kvserve.operator.spec import ServiceSpec, parse_spec
+from kvserve.operator.trust import new_token
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,9 @@ class Children:
     spec: ServiceSpec
     sizing: Sizing
     objects: list[dict[str, Any]]
+    # Created when missing, never applied again (the registration Secret: a reconcile must not
+    # rotate its token); `kvserve render` does not print them.
+    create_once: list[dict[str, Any]]
 
 
 def build_children(body: Mapping[str, Any]) -> Children:
@@ -27,6 +31,7 @@ def build_children(body: Mapping[str, Any]) -> Children:
     spec = parse_spec(dict(body))
     sizing = plan(spec)
     objects = desired_objects(spec, sizing)
+    create_once = [registration_secret(spec, new_token())]
     if spec.uid:
-        kopf.adopt(objects, owner=dict(body))
-    return Children(spec, sizing, objects)
+        kopf.adopt(objects + create_once, owner=dict(body))
+    return Children(spec, sizing, objects, create_once)

@@ -117,8 +117,10 @@ def run_operator(args: argparse.Namespace) -> int:
     import kopf
 
     from kvserve.operator.handlers import build_registry
+    from kvserve.operator.trust import install_log_redaction
 
     kopf.configure(verbose=args.verbose)
+    install_log_redaction()
     kopf.run(registry=build_registry(status_interval=args.status_interval), standalone=True,
              clusterwide=args.all_namespaces, namespaces=args.namespace or (),
              liveness_endpoint=args.liveness)

@@ -158,12 +158,37 @@ def _router_redis() -> dict[str, Schema]:
                                minimum=1, maximum=100, default=1),
         }, default={}),
         "redis": _obj("The prefix index: an existing Redis `url`, or one deployed per service.", {
-            "url": _typed("string", "redis:// URL of an existing Redis (wins over deploy).",
-                          pattern="^rediss?://"),
+            "url": _typed("string", "redis:// URL of an existing Redis (wins over deploy), "
+                          "without a password (one in the URL is refused: use "
+                          "passwordSecretRef).", pattern="^rediss?://"),
             "deploy": _typed("boolean", "Deploy a Redis for this service when url is unset.",
                              default=True),
+            "passwordSecretRef": _obj(
+                "A Secret key (in the service's namespace) holding the Redis password: replicas "
+                "and routers get it as env KVSERVE_REDIS_PASSWORD; a Redis the operator deploys "
+                "requires it.", {
+                    "name": _typed("string", "Secret name.", minLength=1),
+                    "key": _typed("string", "Key in the Secret.", default="password",
+                                  minLength=1),
+                }, required=["name"]),
         }, default={}),
+        "networkPolicy": _network_policy(),
     }
+
+
+def _network_policy() -> Schema:
+    peer = _free_obj("A networking.k8s.io/v1 NetworkPolicyPeer (podSelector, "
+                     "namespaceSelector, ipBlock).")
+    return _obj("NetworkPolicies (ingress): clients -> router -> engine replicas, only they "
+                "reach the service's own Redis, Prometheus scrapes /metrics.", {
+        "enabled": _typed("boolean", "Create the NetworkPolicies.", default=True),
+        "clients": _typed("array", "Who may call the entry port (the router, or the engines "
+                          "when the router is off); empty: any pod or address.", items=peer),
+        "prometheus": _typed("array", "Who may scrape /metrics (port 8000) of engine and "
+                             "router pods.", items=peer, default=[{"namespaceSelector": {
+                                 "matchLabels": {
+                                     "kubernetes.io/metadata.name": "monitoring"}}}]),
+    }, default={})
 
 
 def _traffic() -> dict[str, Schema]:
@@ -255,7 +280,7 @@ def status_schema() -> Schema:
         "explanation": _typed("string", "The arithmetic, in words."),
     }, **{"x-kubernetes-preserve-unknown-fields": True})
     condition = _obj("A status condition.", {
-        "type": _typed("string", "Ready, Sized, Applied."),
+        "type": _typed("string", "Ready, Sized, Applied, Conflict."),
         "status": _typed("string", "True, False or Unknown.", enum=["True", "False", "Unknown"]),
         "reason": _typed("string", "CamelCase reason."),
         "message": _typed("string", "What happened and what to change."),

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from kvserve.operator.trust import redact
+
 
 class InvalidSpecError(ValueError):
-    """A spec the operator refuses; `reason` becomes the Ready condition's reason."""
+    """A spec the operator refuses; `reason` becomes the Ready condition's reason. The message
+    goes to status, events and logs, so a URL's password in it is redacted here, once."""
 
     def __init__(self, message: str, reason: str = "InvalidSpec") -> None:
-        super().__init__(message)
+        super().__init__(redact(message))
         self.reason = reason

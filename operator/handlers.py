@@ -17,7 +17,7 @@ from kvserve.operator.conditions import (
 )
 from kvserve.operator.crd import GROUP, PLURAL, VERSION
 from kvserve.operator.kube import FIELD_MANAGER, KubeClient, KubeError, KubeTransientError
-from kvserve.operator.reconcile import ApplyResult, apply_objects, prune
+from kvserve.operator.reconcile import ApplyResult, apply_objects, create_missing, prune
 from kvserve.operator.resources import engine_replicas, names, selector_string
 from kvserve.operator.spec import InvalidSpecError, ServiceSpec
 
@@ -56,6 +56,7 @@ def _refuse(body: kopf.Body, patch: kopf.Patch, exc: InvalidSpecError) -> None:
 
 def _apply(kube: KubeClient, built: Children) -> ApplyResult:
     result = apply_objects(kube, built.objects)
+    create_missing(kube, built.create_once, result)
     spec = built.spec
     prune(kube, spec.namespace, spec.name, spec.uid, built.objects, result)
     return result
@@ -90,17 +91,37 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: kopf.
                                         Condition("Applied", "False", "ApplyFailed", str(exc))])
         kopf.warn(body, reason="ApplyFailed", message=str(exc))
         raise kopf.TemporaryError(f"ApplyFailed: {exc}", delay=4 * RETRY_DELAY) from exc
-    logger.info("applied=%s deleted=%s unchanged=%d", result.applied, result.deleted,
-                len(result.unchanged))
+    logger.info("applied=%s deleted=%s unchanged=%d foreign=%s", result.applied,
+                result.deleted, len(result.unchanged), result.foreign)
     _write_status(body, patch, built.spec, result)
     if body.get("status", {}).get("sizing") != built.sizing.as_status():
         patch.status["sizing"] = built.sizing.as_status()
+
+
+def _conflict(body: kopf.Body, result: ApplyResult) -> Condition:
+    """Conflict=True names the objects of a child's name this service does not own; a Warning
+    event goes out when the conflict first appears, not on every resync."""
+    if not result.foreign:
+        return Condition("Conflict", "False", "NoConflict",
+                         "every child object is owned by this KVInferenceService")
+    cond = Condition("Conflict", "True", "ForeignObject",
+                     f"{', '.join(result.foreign)} already exist(s) without an owner reference "
+                     "to this KVInferenceService; the operator leaves them unchanged. Delete "
+                     "or rename them (or name the service differently), and the operator "
+                     "creates its own at the next resync")
+    before = {c.get("type"): c for c in body.get("status", {}).get("conditions", []) or []}
+    if before.get("Conflict", {}).get("message") != cond.message:
+        kopf.warn(body, reason=cond.reason, message=cond.message)
+    return cond
 
 
 def _write_status(body: kopf.Body, patch: kopf.Patch, spec: ServiceSpec,
                   result: ApplyResult) -> None:
     deployment = result.live.get(f"Deployment/{names(spec)['engine']}")
     ready = readiness(deployment, engine_replicas(spec))
+    conflict = _conflict(body, result)
+    ready_cond = (Condition("Ready", "False", "ForeignObject", conflict.message)
+                  if result.foreign else ready.condition)
     status = body.get("status", {})
     fields = {"replicas": ready.replicas, "readyReplicas": ready.ready_replicas,
               "selector": selector_string(spec),
@@ -110,7 +131,7 @@ def _write_status(body: kopf.Body, patch: kopf.Patch, spec: ServiceSpec,
             patch.status[name] = value
     _write_conditions(patch, body, [
         Condition("Sized", "True", "Sized", "GPUs, blocks and concurrency in status.sizing"),
-        ready.condition, _applied(body, patch, result)])
+        ready_cond, conflict, _applied(body, patch, result)])
 
 
 def resync(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: kopf.Logger,

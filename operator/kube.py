@@ -15,6 +15,8 @@ from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
+from kvserve.operator.trust import redact
+
 # (apiVersion, kind) -> plural of every kind the operator writes.
 PLURALS: dict[tuple[str, str], str] = {
     ("v1", "ConfigMap"): "configmaps",
@@ -28,7 +30,11 @@ PLURALS: dict[tuple[str, str], str] = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitors",
     ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitors",
     ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
 }
+# Kinds the operator only creates (RBAC: create, nothing else): it never reads a Secret, so it
+# holds no right to read anyone's.
+CREATE_ONLY: dict[tuple[str, str], str] = {("v1", "Secret"): "secrets"}
 MERGE_PATCH = "application/merge-patch+json"
 APPLY_PATCH = "application/apply-patch+yaml"  # JSON is YAML: the body is sent as JSON
 FIELD_MANAGER = "kvserve-operator"
@@ -38,7 +44,7 @@ class KubeError(RuntimeError):
     """The API server refused a request (status >= 400): `status` and its message."""
 
     def __init__(self, message: str, status: int) -> None:
-        super().__init__(message)
+        super().__init__(redact(message))  # an echoed object may hold a URL with a password
         self.status = status
 
 
@@ -48,7 +54,7 @@ class KubeTransientError(KubeError):
 
 def collection_path(api_version: str, kind: str, namespace: str) -> str:
     try:
-        plural = PLURALS[api_version, kind]
+        plural = {**PLURALS, **CREATE_ONLY}[api_version, kind]
     except KeyError:
         raise KubeError(f"the operator does not manage {api_version} {kind}", 400) from None
     base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
@@ -116,6 +122,17 @@ class KubeClient:
         meta = obj["metadata"]
         path = collection_path(obj["apiVersion"], obj["kind"], meta["namespace"])
         return self.request("POST", path, body=obj)
+
+    def create_once(self, obj: dict) -> bool:
+        """Create obj unless an object of that name exists (409): True when it created it.
+        Needs only the create verb: what is there is never read nor changed."""
+        try:
+            self.create(obj)
+        except KubeError as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
 
     def patch(self, obj: dict, patch: dict) -> dict:
         meta = obj["metadata"]

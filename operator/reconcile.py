@@ -59,6 +59,7 @@ class ApplyResult:
     unchanged: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
     live: dict[str, dict] = field(default_factory=dict)  # "Kind/name" -> the server's object
+    foreign: list[str] = field(default_factory=list)  # there, not ours: left alone
 
     @property
     def changed(self) -> bool:
@@ -78,12 +79,29 @@ def up_to_date(desired: dict, actual: dict | None) -> bool:
                                                                                        actual)
 
 
+def owner_uid(obj: dict) -> str:
+    """The uid of the owner kopf.adopt set on a desired object ("" for a CR read from a file)."""
+    refs = obj.get("metadata", {}).get("ownerReferences", [])
+    return next((ref.get("uid", "") for ref in refs if ref.get("controller")), "")
+
+
+def foreign(desired: dict, actual: dict | None) -> bool:
+    """An object of the child's name that this service does not own (someone else's, or made by
+    hand): applying would take it over, so it is left alone."""
+    uid = owner_uid(desired)
+    return actual is not None and bool(uid) and not owned_by(actual, uid)
+
+
 def apply_objects(kube: KubeClient, objects: list[dict]) -> ApplyResult:
-    """Server-side apply what is missing or changed; untouched objects cost one GET."""
+    """Server-side apply what is missing or changed; untouched objects cost one GET; objects of
+    a child's name owned by someone else are left as they are (result.foreign)."""
     result = ApplyResult()
     for obj in map(stamped, objects):
         meta = obj["metadata"]
         actual = kube.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+        if foreign(obj, actual):
+            result.foreign.append(key(obj))
+            continue
         if up_to_date(obj, actual):
             result.live[key(obj)] = actual
             result.unchanged.append(key(obj))
@@ -91,6 +109,13 @@ def apply_objects(kube: KubeClient, objects: list[dict]) -> ApplyResult:
         result.live[key(obj)] = kube.apply(obj)
         result.applied.append(key(obj))
     return result
+
+
+def create_missing(kube: KubeClient, objects: list[dict], result: ApplyResult) -> None:
+    """Create objects that do not exist; one that does is kept exactly as it is (the
+    registration Secret: never rotated, and a user's own Secret of that name is used)."""
+    for obj in objects:
+        (result.applied if kube.create_once(obj) else result.unchanged).append(key(obj))
 
 
 def owned_by(obj: dict, uid: str) -> bool:

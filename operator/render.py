@@ -1,7 +1,8 @@
 """`kvserve render -f cr.yaml`: every child object the operator would apply for a
 KVInferenceService, as YAML, without a cluster (a dry run for GitOps pipelines and reviews).
 
-It calls children.build_children, the handlers' own path; the sizing goes to a header comment.
+It calls children.build_children, the handlers' own path; the sizing goes to a header comment,
+and so does the registration Secret, which the operator creates once with a random token.
 """
 
 from __future__ import annotations
@@ -52,8 +53,10 @@ def render(text: str, namespace: str | None = None) -> str:
         built = build_children(body)
         s = built.sizing.as_status()
         docs = [yaml.safe_dump(obj, sort_keys=False, width=100) for obj in built.objects]
+        once = ", ".join(f"{o['kind']} {o['metadata']['name']}" for o in built.create_once)
         docs[0] = (f"# {body['metadata']['name']}: {s['gpusPerReplica']} GPU(s)/replica, "
                    f"{s['numBlocks']} KV blocks, max concurrency {s['maxConcurrency']}\n"
+                   f"# not shown: {once} (created once by the operator, random token)\n"
                    + docs[0])
         out += docs
     return "---\n".join(out)

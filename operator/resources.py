@@ -6,7 +6,7 @@ import hashlib
 import json
 from typing import Any
 
-from kvserve.operator import monitoring, traffic, weights
+from kvserve.operator import monitoring, network_policy, traffic, trust, weights
 from kvserve.operator.crd import API_VERSION, KIND
 from kvserve.operator.sizing import Sizing
 from kvserve.operator.spec import ServiceSpec
@@ -124,7 +124,15 @@ def engine_env(spec: ServiceSpec) -> list[Obj]:
             {"name": "TRITON_CACHE_DIR", "value": "/tmp/triton"},
             {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
             {"name": "KVSERVE_SIZING_FILE", "value": "/etc/kvserve/sizing.json"},
-            *spec.env]
+            *secret_env(spec), *spec.env]
+
+
+def secret_env(spec: ServiceSpec) -> list[Obj]:
+    """The shared registration token and the Redis password, from Secrets (never as flags)."""
+    env = [trust.secret_env(trust.REGISTRATION_TOKEN_ENV, trust.registration_ref(spec.name))]
+    if spec.redis_password is not None:
+        env.append(trust.secret_env(trust.REDIS_PASSWORD_ENV, spec.redis_password))
+    return env
 
 
 def engine_volumes(spec: ServiceSpec, sizing: Sizing) -> tuple[list[Obj], list[Obj]]:
@@ -249,7 +257,8 @@ def router_deployment(spec: ServiceSpec) -> Obj:
     container = {
         "name": "router", "image": spec.image, "command": ["kvserve"], "args": args,
         "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
-        "env": [{"name": "HF_HOME", "value": "/var/cache/kvserve/hf"}, *spec.env],
+        "env": [{"name": "HF_HOME", "value": "/var/cache/kvserve/hf"}, *secret_env(spec),
+                *spec.env],
         "resources": {"requests": {"cpu": "250m", "memory": "512Mi"},
                       "limits": {"memory": "2Gi"}},
         "readinessProbe": http_probe(5, 3), "livenessProbe": http_probe(15, 4),
@@ -274,12 +283,24 @@ def router_deployment(spec: ServiceSpec) -> Obj:
     }
 
 
+REDIS_ARGS = ["--save", "", "--appendonly", "no", "--maxmemory", "512mb",
+              "--maxmemory-policy", "allkeys-lru"]
+# requirepass goes through a file on a memory volume, not a flag: flags show in `ps`.
+REDIS_AUTH_SCRIPT = ('umask 077; printf \'requirepass "%s"\\n\' "$REDIS_PASSWORD" '
+                     '> /run/redis/auth.conf; exec redis-server /run/redis/auth.conf "$@"')
+
+
+def redis_command(spec: ServiceSpec) -> Obj:
+    """The prefix index is a cache rebuilt from heartbeats: no persistence, bounded memory."""
+    if spec.redis_password is None:
+        return {"args": ["redis-server", *REDIS_ARGS]}
+    return {"command": ["sh", "-c", REDIS_AUTH_SCRIPT, "redis-server"], "args": REDIS_ARGS,
+            "env": [trust.secret_env("REDIS_PASSWORD", spec.redis_password)]}
+
+
 def redis_deployment(spec: ServiceSpec) -> Obj:
     container = {
-        "name": "redis", "image": REDIS_IMAGE,
-        # The prefix index is a cache rebuilt from heartbeats: no persistence, bounded memory.
-        "args": ["redis-server", "--save", "", "--appendonly", "no", "--maxmemory", "512mb",
-                 "--maxmemory-policy", "allkeys-lru"],
+        "name": "redis", "image": REDIS_IMAGE, **redis_command(spec),
         "ports": [{"name": "redis", "containerPort": REDIS_PORT, "protocol": "TCP"}],
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"},
                       "limits": {"memory": "768Mi"}},
@@ -291,6 +312,10 @@ def redis_deployment(spec: ServiceSpec) -> Obj:
     security = {**pod_security(), "runAsUser": 999, "runAsGroup": 999, "fsGroup": 999}
     pod = {"securityContext": security, "automountServiceAccountToken": False,
            "containers": [container], "volumes": [{"name": "data", "emptyDir": {}}]}
+    if spec.redis_password is not None:
+        pod["volumes"].append({"name": "auth", "emptyDir": {"medium": "Memory",
+                                                            "sizeLimit": "1Mi"}})
+        container["volumeMounts"].append({"name": "auth", "mountPath": "/run/redis"})
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": metadata(spec, names(spec)["redis"], "redis"),
@@ -356,7 +381,15 @@ def desired_objects(spec: ServiceSpec, sizing: Sizing) -> list[Obj]:
         traffic.http_route(spec, entry, n["entry"], PORT),
         monitoring.service_monitor(spec, metadata(spec, n["entry"], "monitoring")),
         monitoring.pod_monitor(spec, metadata(spec, n["entry"], "monitoring")))
+    objs += network_policy.policies(spec, lambda name, c: metadata(spec, name, c),
+                                    lambda c: selector(spec, c), n, PORT, REDIS_PORT)
     return objs
+
+
+def registration_secret(spec: ServiceSpec, token: str) -> Obj:
+    """Created once, never applied again (reconcile.create_once): see trust.py."""
+    return trust.registration_secret(
+        metadata(spec, trust.registration_secret_name(spec.name), "registration"), token)
 
 
 def _present(*objs: Obj | None) -> list[Obj]:

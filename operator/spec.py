@@ -11,6 +11,7 @@ from kvserve.operator.catalog import GPUS, MODELS, ModelArch, lookup_model
 from kvserve.operator.crd import DEFAULT_IMAGE, spec_schema
 from kvserve.operator.errors import InvalidSpecError
 from kvserve.operator.model_uri import ModelURI, parse_model_uri
+from kvserve.operator.trust import SecretRef, password_in_url
 
 GiB = 1 << 30
 _QUANTITY = re.compile(r"^([0-9.]+)([KMGTPE]i?|m|k)?$")
@@ -141,6 +142,13 @@ class MonitoringSpec:
 
 
 @dataclass(frozen=True)
+class NetworkPolicySpec:
+    enabled: bool = True
+    clients: list = field(default_factory=list)  # NetworkPolicyPeers; empty: from anywhere
+    prometheus: list = field(default_factory=list)  # NetworkPolicyPeers that scrape /metrics
+
+
+@dataclass(frozen=True)
 class EngineSpec:
     block_size: int
     max_model_len: int
@@ -188,6 +196,8 @@ class ServiceSpec:
     ingress: IngressSpec | None = None
     gateway: GatewaySpec | None = None
     monitoring: MonitoringSpec = MonitoringSpec()
+    redis_password: SecretRef | None = None
+    network_policy: NetworkPolicySpec = NetworkPolicySpec()
 
 
 def _arch_from_spec(a: dict, source: str) -> ModelArch:
@@ -297,6 +307,24 @@ def _traffic(spec: dict) -> tuple[IngressSpec | None, GatewaySpec | None, Monito
                                             m.get("labels", {}))
 
 
+def _redis(redis: dict) -> tuple[str | None, bool, SecretRef | None]:
+    """(url, deploy, password Secret); a password written into the URL is refused."""
+    url = redis.get("url")
+    if password_in_url(url):
+        raise InvalidSpecError(
+            f"spec.redis.url embeds a password ({url}); it must not be in the spec (the CR, the "
+            "pod args and logs would show it): create a Secret (kubectl create secret generic "
+            "NAME --from-literal=password=...) and set spec.redis.passwordSecretRef "
+            "{name: NAME, key: password}", reason="RedisPasswordInSpec")
+    ref = redis.get("passwordSecretRef")
+    password = None if ref is None else SecretRef(ref["name"], ref["key"])
+    return url, redis["deploy"] and not url, password
+
+
+def _network_policy(n: dict) -> NetworkPolicySpec:
+    return NetworkPolicySpec(n["enabled"], n.get("clients", []), n["prometheus"])
+
+
 def parse_spec(body: dict) -> ServiceSpec:
     """Default, check and read a KVInferenceService object; InvalidSpecError says what to fix."""
     meta = body.get("metadata", {})
@@ -307,7 +335,8 @@ def parse_spec(body: dict) -> ServiceSpec:
         raise InvalidSpecError("; ".join(errors))
     model = model_ref(spec["model"], meta.get("name", ""))
     gpu_type, memory = device_memory(spec)
-    router, redis = spec["router"], spec["redis"]
+    router = spec["router"]
+    redis_url, redis_deploy, redis_password = _redis(spec["redis"])
     ingress, gateway, monitoring = _traffic(spec)
     return ServiceSpec(
         name=meta.get("name", ""), namespace=meta.get("namespace", "default"),
@@ -316,7 +345,8 @@ def parse_spec(body: dict) -> ServiceSpec:
         max_gpus_per_replica=spec["gpu"]["maxPerReplica"], replicas=spec["replicas"],
         autoscaling=_autoscaling(spec), router_enabled=router["enabled"],
         router_policy=router["policy"], router_replicas=router["replicas"],
-        redis_url=redis.get("url"), redis_deploy=redis["deploy"] and not redis.get("url"),
+        redis_url=redis_url, redis_deploy=redis_deploy, redis_password=redis_password,
+        network_policy=_network_policy(spec["networkPolicy"]),
         image=spec["image"], resources=spec.get("resources", {}),
         node_selector=spec.get("nodeSelector", {}), tolerations=spec.get("tolerations", []),
         env=spec.get("env", []), ingress=ingress, gateway=gateway, monitoring=monitoring)

@@ -73,7 +73,7 @@ def test_default_render_validates(helm: Path) -> None:
     validate_all(objs)
     kinds = sorted(o["kind"] for o in objs)
     assert kinds == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "ConfigMap",
-                     "CustomResourceDefinition", "Deployment", "ServiceAccount"]
+                     "CustomResourceDefinition", "Deployment", "NetworkPolicy", "ServiceAccount"]
     operator = by_kind(objs, "Deployment")[0]["spec"]["template"]["spec"]
     container = operator["containers"][0]
     assert container["image"] == "ghcr.io/kvserve/kvserve-operator:0.1.0"
@@ -121,8 +121,43 @@ def test_every_option_on_renders_and_validates(helm: Path) -> None:
             ("keda.sh", "scaledobjects")} <= granted
 
 
+def test_shared_redis_password_and_network_policies(helm: Path) -> None:
+    """All options on: the shared Redis takes its password from the Secret through the same
+    script as a Redis the operator deploys (tests/unit/operator/test_trust.py runs it against a
+    real redis-server); only the operator's engine and router pods in the watched namespaces
+    reach it; the operator pod takes its health port only."""
+    from kvserve.operator.resources import REDIS_AUTH_SCRIPT
+
+    objs = render(helm, "-f", str(CHART / "ci" / "all-options-values.yaml"))
+    redis = next(d for d in by_kind(objs, "Deployment") if d["metadata"]["name"].endswith("redis"))
+    container = redis["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["sh", "-c", REDIS_AUTH_SCRIPT, "redis-server"]
+    assert container["env"] == [{"name": "REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {
+        "name": "kvserve-redis-auth", "key": "redis-password"}}}]
+    assert not any("requirepass" in a or "redis-password" in a for a in container["args"])
+    policies = {p["metadata"]["name"]: p for p in by_kind(objs, "NetworkPolicy")}
+    validate_all(list(policies.values()))
+    assert set(policies) == {"kvserve-operator", "kvserve-redis"}
+    assert policies["kvserve-operator"]["spec"]["ingress"] == [
+        {"ports": [{"protocol": "TCP", "port": 8080}]}]
+    (rule,) = policies["kvserve-redis"]["spec"]["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 6379}]
+    (peer,) = rule["from"]
+    assert peer["namespaceSelector"]["matchExpressions"][0]["values"] == ["ml-prod"]
+    assert peer["podSelector"]["matchLabels"] == {
+        "app.kubernetes.io/managed-by": "kvserve-operator"}
+    assert peer["podSelector"]["matchExpressions"][0]["values"] == ["engine", "router"]
+    # Watching the whole cluster: engine and router pods of any namespace.
+    objs = render(helm, "--set", "redis.enabled=true")
+    redis_policy = next(p for p in by_kind(objs, "NetworkPolicy")
+                        if p["metadata"]["name"] == "kvserve-redis")
+    assert redis_policy["spec"]["ingress"][0]["from"][0]["namespaceSelector"] == {}
+    validate_all(by_kind(objs, "NetworkPolicy") + by_kind(objs, "Deployment"))
+    assert not by_kind(render(helm, "--set", "networkPolicy.enabled=false"), "NetworkPolicy")
+
+
 def test_operator_rbac_covers_every_kind_it_writes(helm: Path) -> None:
-    from kvserve.operator.kube import PLURALS
+    from kvserve.operator.kube import CREATE_ONLY, PLURALS
 
     rules = by_kind(render(helm), "ClusterRole")[0]["rules"]
     for (api_version, _), plural in PLURALS.items():
@@ -130,6 +165,12 @@ def test_operator_rbac_covers_every_kind_it_writes(helm: Path) -> None:
         assert any(group in r["apiGroups"] and plural in r["resources"]
                    and {"get", "list", "create", "patch", "delete"} <= set(r["verbs"])
                    for r in rules), (group, plural)
+    # Secrets: create only; the operator can read nobody's.
+    for (api_version, _), plural in CREATE_ONLY.items():
+        group = api_version.rpartition("/")[0]
+        granted = {v for r in rules if group in r["apiGroups"] and plural in r["resources"]
+                   for v in r["verbs"]}
+        assert granted == {"create"}, (plural, granted)
 
 
 def test_chart_crd_is_the_manifest_crd() -> None:

@@ -40,7 +40,10 @@ OWNED = {
     "monitoring.coreos.com/v1/servicemonitors": "ServiceMonitor",
     "monitoring.coreos.com/v1/podmonitors": "PodMonitor",
     "keda.sh/v1alpha1/scaledobjects": "ScaledObject",
+    "networking.k8s.io/v1/networkpolicies": "NetworkPolicy",
+    "v1/secrets": "Secret",
 }
+SECRETS = "v1/secrets"
 
 
 def declare_resources(kmock: Any) -> None:
@@ -127,8 +130,10 @@ def flag(args: list[str], name: str) -> str:
 
 
 def writes(kmock: Any) -> list[str]:
-    """Every create/patch/update/delete the operator sent for the objects it owns."""
-    owned = {kmock_lib.resource(r) for r in OWNED}
+    """Every create/patch/update/delete the operator sent for the objects it owns, but the
+    registration Secret's create, sent on every reconcile and answered 409 once it exists
+    (the operator may create Secrets, not read them)."""
+    owned = {kmock_lib.resource(r) for r in OWNED if r != SECRETS}
     return [f"{r.method.value} {r.url.path}" for r in list(kmock)
             if r.method.value in ("POST", "PATCH", "PUT", "DELETE")
             and r.resource in owned]
@@ -428,3 +433,80 @@ async def test_operator_restart_leaves_healthy_engines_alone(kmock: Any) -> None
                        > reads, "the new operator's resume reconcile")
         await asyncio.sleep(0.5)
     assert before and writes(kmock) == before
+
+
+def condition(kmock: Any, name: str, kind: str) -> dict | None:
+    conds = stored(kmock, PLURAL_KEY, name).get("status", {}).get("conditions", [])
+    return next((c for c in conds if c["type"] == kind), None)
+
+
+async def test_foreign_object_is_left_alone_and_named(kmock: Any) -> None:
+    """A Deployment of the engine's name that this service does not own (made by hand, or by
+    another tool) is neither overwritten nor adopted; Conflict and Ready say which one. Once it
+    is gone, the timer creates the operator's own."""
+    declare_resources(kmock)
+    theirs = {"apiVersion": "apps/v1", "kind": "Deployment",
+              "metadata": {"name": "clash-engine", "namespace": NS,
+                           "labels": {"team": "someone-else"}},
+              "spec": {"replicas": 7, "selector": {"matchLabels": {"app": "theirs"}},
+                       "template": {"metadata": {"labels": {"app": "theirs"}}, "spec": {
+                           "containers": [{"name": "web", "image": "nginx:1.27"}]}}}}
+    async with kmock.post(f"/apis/apps/v1/namespaces/{NS}/deployments", json=theirs) as resp:
+        assert resp.status < 300, await resp.text()
+    before = copy.deepcopy(stored(kmock, DEPLOYMENTS, "clash-engine"))
+    async with running_operator(kmock, status_interval=0.3) as operator:
+        await create(kmock, service_cr("clash"))
+        conflict = await wait_for(lambda: condition(kmock, "clash", "Conflict"), "Conflict")
+        assert (conflict["status"], conflict["reason"]) == ("True", "ForeignObject")
+        assert "Deployment/clash-engine" in conflict["message"]
+        ready = condition(kmock, "clash", "Ready")
+        assert (ready["status"], ready["reason"]) == ("False", "ForeignObject")
+        assert "Deployment/clash-engine" in ready["message"]
+        await wait_for(lambda: events(kmock, "ForeignObject"), "a ForeignObject event")
+        # The rest of the service is there; the foreign Deployment is exactly as it was.
+        assert stored(kmock, DEPLOYMENTS, "clash-router") is not None
+        await asyncio.sleep(1.0)  # a few resyncs
+        assert stored(kmock, DEPLOYMENTS, "clash-engine") == before
+        assert not [w for w in writes(kmock) if w.endswith("/deployments/clash-engine")]
+        # The registration Secret: created once, owned, and never rotated by the resyncs.
+        secret = stored(kmock, SECRETS, "clash-registration")
+        token = secret["stringData"]["token"]
+        assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-clash"
+        body = copy.deepcopy(stored(kmock, PLURAL_KEY, "clash"))
+        await asyncio.to_thread(reconcile, body=body, patch=kopf.Patch(), memo=operator.memo,
+                                logger=logging.getLogger("test"))
+        assert stored(kmock, SECRETS, "clash-registration")["stringData"]["token"] == token
+        # Its owner removes it: the operator now creates its own engine Deployment.
+        async with kmock.delete(f"/apis/apps/v1/namespaces/{NS}/deployments/clash-engine") as r:
+            assert r.status < 300
+        await wait_for(lambda: (c := condition(kmock, "clash", "Conflict")) and
+                       c["status"] == "False", "Conflict=False")
+    ours = stored(kmock, DEPLOYMENTS, "clash-engine")
+    assert ours["metadata"]["ownerReferences"][0]["uid"] == "uid-clash"
+    assert engine_container(kmock, "clash")["env"][-1]["name"] == "KVSERVE_REGISTRATION_TOKEN"
+
+
+async def test_password_in_redis_url_is_refused_and_never_repeated(kmock: Any, caplog: Any) -> None:
+    """Status, events and every log line of the operator (kopf's debug output, which prints the
+    whole body, included: the filter `kvserve operator` installs) show the URL with *** in place
+    of the password."""
+    from kvserve.operator.trust import RedactingFilter, install_log_redaction
+
+    caplog.set_level(logging.DEBUG)
+    install_log_redaction()  # as run_operator does, on the root handlers (caplog's among them)
+    password = "hunter2-in-the-spec"
+    body = service_cr("leaky", redis={"url": f"redis://default:{password}@redis.shared:6379/0"})
+    async with running_operator(kmock):
+        await create(kmock, body)
+        cond = await wait_for(lambda: ready_condition(kmock, "leaky"), "the Ready condition")
+        event = await wait_for(lambda: events(kmock, "RedisPasswordInSpec"), "a warning event")
+    assert (cond["status"], cond["reason"]) == ("False", "RedisPasswordInSpec")
+    assert "redis://default:***@redis.shared:6379/0" in cond["message"]
+    assert password not in str(stored(kmock, PLURAL_KEY, "leaky").get("status"))
+    assert password not in str(event)
+    for target in [caplog.handler, logging.getLogger("kopf.objects")]:
+        for f in [f for f in target.filters if isinstance(f, RedactingFilter)]:
+            target.removeFilter(f)
+    redacted = [r for r in caplog.records if "default:***@" in r.getMessage()]
+    assert redacted and not [r for r in caplog.records if password in r.getMessage()]
+    assert stored(kmock, DEPLOYMENTS, "leaky-engine") is None

@@ -15,7 +15,7 @@ from kvserve.operator.spec import InvalidSpecError
 from kvserve.operator.weights import WEIGHTS_DIR
 
 CORE = {"ConfigMap", "Service", "Deployment", "PodDisruptionBudget", "HorizontalPodAutoscaler",
-        "PersistentVolumeClaim", "Ingress"}
+        "PersistentVolumeClaim", "Ingress", "NetworkPolicy", "Secret"}
 
 
 def cr(**spec: object) -> dict:
