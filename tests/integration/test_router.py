@@ -73,6 +73,7 @@ def spawn_replica(rid: str, model: Path, redis_url: str, tmp: Path) -> Proc:
 
 
 ROUTER_FLAGS = ["--service-name", SERVICE, "--overload-factor", "1.5", "--overload-slack", "2",
+                "--expose-routing-headers",
                 "--log-level", "warning"]
 
 
