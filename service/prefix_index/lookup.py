@@ -132,8 +132,8 @@ class PrefixIndex:
         for i in range(0, len(flat) - stride + 1, stride):
             rid = _s(flat[i])
             try:
-                if not rid.isprintable() or len(rid) > 253:
-                    raise MalformedHeartbeatError("the id is not a printable name")
+                if "\ufffd" in rid or not rid.isprintable() or len(rid) > 253:
+                    raise MalformedHeartbeatError("the id is not a printable UTF-8 name")
                 info = ReplicaInfo.from_fields(rid, flat[i + 2 : i + stride])
             except ValueError as exc:  # MalformedHeartbeatError, UnicodeDecodeError
                 malformed.append((rid, str(exc)))
