@@ -54,22 +54,24 @@ class Cluster:
     procs: list[Proc] = field(default_factory=list)
 
 
-def spawn(name: str, args: list[str], port: int, tmp: Path) -> Proc:
+def spawn(name: str, args: list[str], port: int, tmp: Path,
+          env: dict[str, str] | None = None) -> Proc:
     log = tmp / f"{name}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen([sys.executable, "-m", *args], stdout=log.open("w"),
                             stderr=subprocess.STDOUT, env=env)
     return Proc(name, proc, log, f"http://127.0.0.1:{port}")
 
 
-def spawn_replica(rid: str, model: Path, redis_url: str, tmp: Path) -> Proc:
+def spawn_replica(rid: str, model: Path, redis_url: str, tmp: Path,
+                  env: dict[str, str] | None = None) -> Proc:
     port = free_port()
     return spawn(rid, ["kvserve.service.cli", "serve", str(model), "--served-model-name", "tiny",
                        "--device", "cpu",
                        "--kv-cache-memory", "8MiB", "--host", "127.0.0.1", "--port", str(port),
                        "--redis-url", redis_url, "--service-name", SERVICE, "--replica-id", rid,
                        "--advertise-url", f"http://127.0.0.1:{port}", "--log-level", "warning"],
-                 port, tmp)
+                 port, tmp, env)
 
 
 ROUTER_FLAGS = ["--service-name", SERVICE, "--overload-factor", "1.5", "--overload-slack", "2",
