@@ -226,9 +226,11 @@ class Proxy:
         assert self.http is not None
         fwd = {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
         infos = self.replicas.routable()
+        # A hung replica must not hold the merged list: it is left out after the deadline.
+        timeout = httpx.Timeout(self.cfg.first_byte_timeout, connect=self.cfg.connect_timeout)
         answers = await asyncio.gather(
-            *(self.http.get(i.url.rstrip("/") + "/v1/models", headers=fwd) for i in infos),
-            return_exceptions=True)
+            *(self.http.get(i.url.rstrip("/") + "/v1/models", headers=fwd, timeout=timeout)
+              for i in infos), return_exceptions=True)
         merged: dict[str, Any] = {}
         for ans in answers:
             if isinstance(ans, httpx.Response) and ans.status_code == 200:

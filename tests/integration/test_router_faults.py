@@ -115,6 +115,8 @@ def test_a_frozen_replica_is_timed_out_and_failed_over(pair):
     with router(pair, *flags, redis_on=False) as rt:
         frozen.proc.send_signal(signal.SIGSTOP)
         try:
+            models = httpx.get(rt.url + "/v1/models", timeout=60)  # not held by the frozen one
+            assert [m["id"] for m in models.json()["data"]] == ["tiny"]
             served = []
             for i in range(4):  # round robin puts the frozen replica first at least once
                 resp = httpx.post(rt.url + "/v1/chat/completions", timeout=60,
