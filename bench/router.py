@@ -141,7 +141,8 @@ def start_cluster(model: Path, args: argparse.Namespace, workdir: Path) -> Clust
         routers[policy] = f"http://127.0.0.1:{port}"
         procs.append(spawn(["kvserve.service.router", "--port", str(port), "--host", "127.0.0.1",
                             "--redis-url", redis_url, "--service-name", "bench", "--policy",
-                            policy, "--tokenizer", str(model), "--log-level", "warning"],
+                            policy, "--tokenizer", str(model), "--expose-routing-headers",
+                            "--log-level", "warning"],
                            workdir / f"router-{policy}.log", 1))
     cluster = Cluster(redis_url, replicas, routers, procs)
     wait_ready(cluster, args.replicas)

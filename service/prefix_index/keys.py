@@ -2,7 +2,10 @@
 
     replicas              SET   ids of replicas that heartbeated (swept lazily by the lookup)
     replica:<id>          HASH  url, model, block_size, num_running, num_waiting, kv_cache_usage,
-                                heartbeat_at; EXPIREs after `ttl` (3 heartbeats) without a refresh
+                                heartbeat_at, draining ("1" while the replica drains: routers
+                                skip it), signature (hex HMAC-SHA256 of id, url and heartbeat_at
+                                under KVSERVE_REGISTRATION_TOKEN; replica_info.py);
+                                EXPIREs after `ttl` (3 heartbeats) without a refresh
     blocks:<id>           SET   hex block hashes (engine.block_hash) held in <id>'s prefix cache;
                                 same TTL, refreshed by each heartbeat and each write
 

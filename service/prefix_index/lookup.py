@@ -5,6 +5,10 @@ walks the live replicas and returns, per replica, its heartbeat fields and the n
 blocks of the chain it holds (one SMISMEMBER per replica). The router thus learns liveness, load and
 prefix match at once. The script reads keys it derives from the prefix, which is fine on a single
 Redis (not Redis Cluster). The key layout is in service/prefix_index/keys.py.
+
+Anything in Redis may be garbage (a bug, an operator's typo, a hostile writer): a key of the wrong
+type counts as "holds nothing" inside the scripts (redis.pcall), and a heartbeat that does not parse
+is skipped and reported in `IndexScan.malformed`, never raised to the router.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from kvserve.service.prefix_index.keys import IndexKeys
-from kvserve.service.prefix_index.replica_info import INFO_FIELDS, ReplicaInfo
+from kvserve.service.prefix_index.redis_client import async_redis
+from kvserve.service.prefix_index.replica_info import (INFO_FIELDS, MalformedHeartbeatError,
+                                                       ReplicaInfo)
 
 # Both scripts take ARGV[1]: key prefix; ARGV[2]: the chain as ONE string of 32-hex-digit hashes
 # (one argument instead of one per block: cheaper to encode and send). They share this prelude
@@ -30,7 +36,8 @@ local hashes = {}
 for i = 1, n do hashes[i] = string.sub(blob, (i - 1) * 32 + 1, i * 32) end
 local function leading_matched(id)
   if n == 0 then return 0 end
-  local flags = redis.call('SMISMEMBER', prefix .. 'blocks:' .. id, unpack(hashes))
+  local flags = redis.pcall('SMISMEMBER', prefix .. 'blocks:' .. id, unpack(hashes))
+  if flags.err then return 0 end  -- not a set: garbage holds nothing
   local matched = 0
   for i = 1, n do
     if flags[i] == 1 then matched = i else break end
@@ -41,20 +48,22 @@ local out = {}
 """
 # Per live replica: id, leading matched blocks, then its heartbeat fields in INFO_FIELDS order
 # (the router's once-a-second refresh). Replicas whose heartbeat expired are swept.
+# A heartbeat key of another type yields empty fields, which the parser rejects.
 LOOKUP_SCRIPT = _LUA_PRELUDE + """
 for _, id in ipairs(redis.call('SMEMBERS', prefix .. 'replicas')) do
-  local info = redis.call('HMGET', prefix .. 'replica:' .. id, 'url', 'model', 'block_size',
-                          'num_running', 'num_waiting', 'kv_cache_usage', 'heartbeat_at')
-  if not info[1] then
+  local key = prefix .. 'replica:' .. id
+  if redis.call('EXISTS', key) == 0 then
     redis.call('SREM', prefix .. 'replicas', id)
   else
+    local info = redis.pcall('HMGET', key, %s)
+    if info.err then info = {} end
     out[#out + 1] = id
     out[#out + 1] = leading_matched(id)
-    for i = 1, #info do out[#out + 1] = info[i] or '' end
+    for i = 1, %d do out[#out + 1] = info[i] or '' end
   end
 end
 return out
-"""
+""" % (", ".join(f"'{f}'" for f in INFO_FIELDS), len(INFO_FIELDS))
 # The per-request hot path: id, matched, id, matched, ... for the live replicas (liveness by the
 # heartbeat key's existence), without the heartbeat fields the router already holds.
 MATCH_SCRIPT = _LUA_PRELUDE + """
@@ -76,6 +85,15 @@ MAX_LOOKUP_BLOCKS = 7000
 
 
 @dataclass(frozen=True)
+class IndexScan:
+    """The live replicas' heartbeats, and the entries that were not heartbeats a replica writes
+    (id, reason)."""
+
+    matches: list[ReplicaMatch]
+    malformed: list[tuple[str, str]]
+
+
+@dataclass(frozen=True)
 class ReplicaMatch:
     """A live replica and how many leading blocks of the looked-up chain it holds."""
 
@@ -84,7 +102,7 @@ class ReplicaMatch:
 
 
 def _s(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 class PrefixIndex:
@@ -98,23 +116,36 @@ class PrefixIndex:
 
     @classmethod
     def from_url(cls, redis_url: str, service: str, timeout: float = 0.5) -> PrefixIndex:
-        client = aioredis.Redis.from_url(
-            redis_url, socket_timeout=timeout, socket_connect_timeout=timeout)
-        return cls(client, service)
+        """The index at `redis_url` (password from the URL, else KVSERVE_REDIS_PASSWORD)."""
+        return cls(async_redis(redis_url, timeout), service)
 
     async def lookup(self, hashes: Sequence[str]) -> list[ReplicaMatch]:
-        """Every live replica with its leading matched block count (raises RedisError)."""
+        """Every live replica with its leading matched block count (raises RedisError); entries
+        that are not valid heartbeats are left out."""
+        return (await self.scan(hashes)).matches
+
+    async def scan(self, hashes: Sequence[str] = ()) -> IndexScan:
+        """`lookup`, plus the entries left out as malformed and why."""
         flat = await self._call(self._script, hashes)
         stride = 2 + len(INFO_FIELDS)
-        out = [ReplicaMatch(ReplicaInfo.from_fields(_s(flat[i]), flat[i + 2 : i + stride]),
-                            int(flat[i + 1])) for i in range(0, len(flat), stride)]
-        return sorted(out, key=lambda m: m.replica.replica_id)
+        matches, malformed = [], []
+        for i in range(0, len(flat) - stride + 1, stride):
+            rid = _s(flat[i])
+            try:
+                if "\ufffd" in rid or not rid.isprintable() or len(rid) > 253:
+                    raise MalformedHeartbeatError("the id is not a printable UTF-8 name")
+                info = ReplicaInfo.from_fields(rid, flat[i + 2 : i + stride])
+            except ValueError as exc:  # MalformedHeartbeatError, UnicodeDecodeError
+                malformed.append((rid, str(exc)))
+                continue
+            matches.append(ReplicaMatch(info, int(flat[i + 1])))
+        return IndexScan(sorted(matches, key=lambda m: m.replica.replica_id), malformed)
 
     async def match_counts(self, hashes: Sequence[str]) -> dict[str, int]:
         """{replica id: leading matched blocks} of every live replica, in one round trip: the
         router's per-request call (it knows the replicas' heartbeat fields from `replicas()`)."""
         flat = await self._call(self._match_script, hashes)
-        return {_s(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+        return {_s(flat[i]): int(flat[i + 1]) for i in range(0, len(flat) - 1, 2)}
 
     async def _call(self, script: Any, hashes: Sequence[str]) -> Any:
         chain = list(hashes)[:MAX_LOOKUP_BLOCKS]

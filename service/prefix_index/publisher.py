@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -23,6 +24,9 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from kvserve.service.prefix_index.keys import IndexKeys
+from kvserve.service.prefix_index.redis_client import async_redis, redact_url
+from kvserve.service.prefix_index.replica_info import (REGISTRATION_TOKEN_ENV, SIGNATURE_FIELD,
+                                                       sign_heartbeat)
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +46,10 @@ class PrefixIndexPublisher:
     def __init__(self, redis_url: str, service: str, replica_id: str, url: str, model: str,
                  block_size: int, heartbeat_interval: float = 1.0, *,
                  max_pending_hashes: int = 200_000, ttl: float | None = None,
-                 timeout: float = 0.5) -> None:
+                 timeout: float = 0.5, registration_token: str | None = None) -> None:
         self.redis_url, self.replica_id, self.url = redis_url, replica_id, url
+        # Signs each heartbeat so routers holding the same token accept this replica.
+        self._token = registration_token or os.environ.get(REGISTRATION_TOKEN_ENV) or None
         self.model, self.block_size = model, block_size
         self.heartbeat_interval = heartbeat_interval
         self.ttl = ttl if ttl is not None else max(3.0 * heartbeat_interval, 2.0)
@@ -129,8 +135,7 @@ class PrefixIndexPublisher:
         """Start the writer/heartbeat task on the running loop (does not wait for Redis)."""
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        self._client = aioredis.Redis.from_url(
-            self.redis_url, socket_timeout=self._timeout, socket_connect_timeout=self._timeout)
+        self._client = async_redis(self.redis_url, self._timeout)
         self._task = asyncio.create_task(self._run(), name="kvserve-prefix-index-publisher")
 
     async def close(self) -> None:
@@ -184,7 +189,8 @@ class PrefixIndexPublisher:
         with self._lock:
             self._connected = True
             self._want_snapshot = True
-        logger.info("prefix index: connected to Redis for replica %s", self.replica_id)
+        logger.info("prefix index: connected to Redis %s for replica %s",
+                    redact_url(self.redis_url), self.replica_id)
 
     def _on_redis_error(self, exc: BaseException) -> None:
         self._redis_errors += 1
@@ -202,9 +208,13 @@ class PrefixIndexPublisher:
     async def _heartbeat(self) -> None:
         assert self._client is not None
         running, waiting, usage = self._load
+        beat_at = f"{time.time():.6f}"
         fields = {"url": self.url, "model": self.model, "block_size": self.block_size,
                   "num_running": running, "num_waiting": waiting, "kv_cache_usage": usage,
-                  "heartbeat_at": time.time()}
+                  "heartbeat_at": beat_at}
+        if self._token is not None:
+            fields[SIGNATURE_FIELD] = sign_heartbeat(self._token, self.replica_id, self.url,
+                                                     beat_at)
         ttl_ms = int(self.ttl * 1000)
         rid = self.replica_id
         created, *_ = await (self._client.pipeline(transaction=False)

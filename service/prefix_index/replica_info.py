@@ -1,14 +1,42 @@
-"""What a replica's heartbeat tells the router: its URL, model, block size and load."""
+"""What a replica's heartbeat tells the router (URL, model, block size, load, draining) and the
+registration signature that proves the replica holds the service's shared token."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 # The heartbeat hash's fields (service/prefix_index/keys.py), in the order the lookup returns them.
 INFO_FIELDS = ("url", "model", "block_size", "num_running", "num_waiting", "kv_cache_usage",
-               "heartbeat_at")
+               "heartbeat_at", "draining", "signature")
+# `draining` = "1" while the replica drains (SIGTERM): routers stop sending to it at once.
+DRAINING_FIELD = "draining"
+DRAINING_VALUE = "1"
+# HMAC-SHA256 (hex) of `signed_message(...)` under KVSERVE_REGISTRATION_TOKEN.
+SIGNATURE_FIELD = "signature"
+REGISTRATION_TOKEN_ENV = "KVSERVE_REGISTRATION_TOKEN"
+# Field values a replica could plausibly send; anything larger is garbage, not a heartbeat.
+_MAX_FIELD_CHARS = 2048
+
+
+class MalformedHeartbeatError(ValueError):
+    """A heartbeat hash whose fields are not what a kvserve replica writes."""
+
+
+def signed_message(replica_id: str, url: str, heartbeat_at: str) -> bytes:
+    """What a heartbeat's signature covers: the id and URL (so a stolen signature cannot send
+    traffic elsewhere) and the timestamp string exactly as stored."""
+    return "\n".join((replica_id, url, heartbeat_at)).encode()
+
+
+def sign_heartbeat(token: str, replica_id: str, url: str, heartbeat_at: str) -> str:
+    return hmac.new(token.encode(), signed_message(replica_id, url, heartbeat_at),
+                    hashlib.sha256).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -23,19 +51,63 @@ class ReplicaInfo:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     heartbeat_at: float = 0.0
+    draining: bool = False
+    heartbeat_at_raw: str = ""  # the stored string, which the signature covers
+    signature: str = ""
 
     @property
     def load(self) -> int:
         return self.num_running + self.num_waiting
 
+    def signed_by(self, token: str) -> bool:
+        """True when the heartbeat carries a valid signature under `token`."""
+        expected = sign_heartbeat(token, self.replica_id, self.url, self.heartbeat_at_raw)
+        return hmac.compare_digest(expected, self.signature)
 
     @classmethod
     def from_fields(cls, replica_id: str, values: Sequence[Any]) -> ReplicaInfo:
-        """From the heartbeat hash's values in INFO_FIELDS order (bytes or str, as Redis gives)."""
-        f = dict(zip(INFO_FIELDS, (v.decode() if isinstance(v, bytes) else str(v)
-                                   for v in values)))
+        """From the heartbeat hash's values in INFO_FIELDS order (bytes or str, as Redis gives);
+        MalformedHeartbeatError for anything a replica would not write."""
+        if len(values) != len(INFO_FIELDS):
+            raise MalformedHeartbeatError(f"expected {len(INFO_FIELDS)} fields, got {len(values)}")
+        f = dict(zip(INFO_FIELDS, (_text(v) for v in values)))
+        url = f["url"]
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise MalformedHeartbeatError(f"url {url[:80]!r} is not http(s)://host[:port]")
         return cls(
-            replica_id=replica_id, url=f["url"], model=f["model"],
-            block_size=int(f["block_size"] or 16), num_running=int(f["num_running"] or 0),
-            num_waiting=int(f["num_waiting"] or 0), kv_cache_usage=float(f["kv_cache_usage"] or 0),
-            heartbeat_at=float(f["heartbeat_at"] or 0))
+            replica_id=replica_id, url=url, model=f["model"],
+            block_size=_int(f, "block_size", 16, low=1), num_running=_int(f, "num_running", 0),
+            num_waiting=_int(f, "num_waiting", 0),
+            kv_cache_usage=_float(f, "kv_cache_usage"), heartbeat_at=_float(f, "heartbeat_at"),
+            draining=f["draining"] == DRAINING_VALUE, heartbeat_at_raw=f["heartbeat_at"],
+            signature=f["signature"])
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return ""
+    text = value.decode() if isinstance(value, bytes) else str(value)  # UnicodeDecodeError: bad
+    if len(text) > _MAX_FIELD_CHARS:
+        raise MalformedHeartbeatError(f"a field of {len(text)} characters")
+    return text
+
+
+def _int(f: dict[str, str], name: str, default: int, low: int = 0) -> int:
+    try:
+        value = int(f[name]) if f[name] else default
+    except ValueError:
+        raise MalformedHeartbeatError(f"{name} {f[name][:40]!r} is not an integer") from None
+    if not low <= value < 1 << 31:
+        raise MalformedHeartbeatError(f"{name} {value} is out of range")
+    return value
+
+
+def _float(f: dict[str, str], name: str) -> float:
+    try:
+        value = float(f[name]) if f[name] else 0.0
+    except ValueError:
+        raise MalformedHeartbeatError(f"{name} {f[name][:40]!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise MalformedHeartbeatError(f"{name} {value} is not a finite non-negative number")
+    return value

@@ -12,12 +12,13 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvserve.service.limits import RequestLimits
-from kvserve.service.middleware import BodyLimitMiddleware
+from kvserve.service.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from kvserve.service.openai_errors import APIError, error_response
 from kvserve.service.request_models import ChatCompletionRequest, CompletionRequest
 from kvserve.service.request_validation import read_json_body, validate_request
 from kvserve.service.router.config import RouterConfig
-from kvserve.service.router.proxy import NoReplicaError, Proxy
+from kvserve.service.router.drain import DrainMiddleware, DrainState
+from kvserve.service.router.proxy import ClientGoneError, ClientWatch, NoReplicaError, Proxy
 from kvserve.service.router.routing import Router
 
 _REQUEST_MODELS = {"/v1/completions": CompletionRequest,
@@ -37,9 +38,16 @@ def create_app(cfg: RouterConfig) -> FastAPI:
         await proxy.close()
 
     app = FastAPI(title="kvserve router", lifespan=lifespan)
-    app.state.router, app.state.proxy = router, proxy
+    drain = DrainState()
+    router.metrics.draining.set_function(lambda: float(drain.draining))
+    app.state.router, app.state.proxy, app.state.drain, app.state.config = \
+        router, proxy, drain, cfg
     _add_routes(app, router, proxy)
+    # Outermost last: drain (503), then auth (401, before any body is read), then the body cap.
     app.add_middleware(BodyLimitMiddleware, limit=cfg.max_body_bytes)
+    if cfg.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=cfg.api_key, public=cfg.public_paths)
+    app.add_middleware(DrainMiddleware, state=drain)
     return app
 
 
@@ -92,12 +100,18 @@ async def _forward(router: Router, proxy: Proxy, path: str, request: Request) ->
     if not ranking:
         return _unavailable("no replica is available; check that replicas heartbeat to Redis "
                             "(--redis-url, --service-name) or pass --replicas")
+    watch = ClientWatch(request.receive)
     try:
         return await proxy.forward(request.method, path, request.url.query, body,
-                                   request.headers, ranking, policy, route)
+                                   request.headers, ranking, policy, route, watch)
     except NoReplicaError as exc:
         return _unavailable(str(exc))
+    except ClientGoneError:
+        router.metrics.client_disconnects.inc()
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+    finally:
+        await watch.stop()
 
 
 def _unavailable(message: str) -> JSONResponse:
-    return error_response(503, message, code="service_unavailable")
+    return error_response(503, message, code="service_unavailable", headers={"Retry-After": "1"})

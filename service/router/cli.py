@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
 from kvserve.service.cli import add_limit_args, limits_from_args
+from kvserve.service.prefix_index.redis_client import redact_url
+from kvserve.service.prefix_index.replica_info import REGISTRATION_TOKEN_ENV
 from kvserve.service.router.app import create_app
 from kvserve.service.router.config import RouterConfig
+from kvserve.service.router.drain import DrainingRouterServer
 from kvserve.service.routing_policy import POLICIES, PolicyConfig
 
 logger = logging.getLogger("kvserve.router")
@@ -45,7 +49,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip replicas with load > factor * mean + slack")
     p.add_argument("--overload-slack", type=int, default=pc.overload_slack)
     p.add_argument("--down-cooldown", type=float, default=d.down_cooldown,
-                   help="seconds a replica that failed stays out of routing")
+                   help="seconds a replica that failed (or hung) stays out of routing")
+    p.add_argument("--upstream-connect-timeout", type=float, default=d.connect_timeout,
+                   help="seconds a replica gets to accept a connection before the next is tried")
+    p.add_argument("--upstream-first-byte-timeout", type=float, default=d.first_byte_timeout,
+                   help="seconds without a first byte after which the router checks the "
+                        "replica's /health (same limit); no answer: hung, try the next replica")
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` (env KVSERVE_API_KEY); /health and "
+                        "/metrics stay open")
+    p.add_argument("--expose-routing-headers", action="store_true",
+                   help="add x-kvserve-replica and x-kvserve-predicted-matched-tokens to "
+                        "responses (they reveal what other requests have cached)")
+    p.add_argument("--shutdown-grace-period", type=float, default=d.shutdown_grace_period,
+                   help="seconds requests in flight get to finish after SIGTERM")
     p.add_argument("--log-level", default="info",
                    choices=("debug", "info", "warning", "error", "critical"))
     add_limit_args(p)
@@ -59,22 +76,46 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
                         service_name=ns.service_name, replicas=replicas, policy=ns.policy,
                         tokenizer=ns.tokenizer, session_header=ns.session_header.lower(),
                         policy_cfg=pc, block_size=ns.block_size, down_cooldown=ns.down_cooldown,
-                        max_body_bytes=ns.max_body_bytes, limits=limits_from_args(ns))
+                        connect_timeout=_positive(ns.upstream_connect_timeout,
+                                                  "--upstream-connect-timeout"),
+                        first_byte_timeout=_positive(ns.upstream_first_byte_timeout,
+                                                     "--upstream-first-byte-timeout"),
+                        max_body_bytes=ns.max_body_bytes, limits=limits_from_args(ns),
+                        api_key=ns.api_key or os.environ.get("KVSERVE_API_KEY") or None,
+                        expose_routing_headers=ns.expose_routing_headers,
+                        registration_token=os.environ.get(REGISTRATION_TOKEN_ENV) or None,
+                        shutdown_grace_period=max(ns.shutdown_grace_period, 0.0))
+
+
+def _positive(value: float, flag: str) -> float:
+    if not value > 0:
+        raise SystemExit(f"kvserve router: {flag} must be a positive number of seconds")
+    return value
 
 
 def run_from_args(ns: argparse.Namespace) -> None:
-    import uvicorn
-
     logging.basicConfig(level=ns.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per proxied request
     cfg = config_from_args(ns)
     if not cfg.redis_url and not cfg.replicas:
         raise SystemExit("kvserve router: pass --redis-url and/or --replicas url,url")
-    logger.info("router on http://%s:%d policy=%s redis=%s static=%s", cfg.host, cfg.port,
-                cfg.policy, cfg.redis_url, ",".join(cfg.replicas) or "-")
-    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level=ns.log_level.lower(),
-                access_log=False)
+    logger.info("router on http://%s:%d policy=%s redis=%s static=%s auth=%s registration=%s",
+                cfg.host, cfg.port, cfg.policy, redact_url(cfg.redis_url),
+                ",".join(cfg.replicas) or "-", "on" if cfg.api_key else "off",
+                "signed replicas only" if cfg.registration_token else "any replica")
+    server_for(create_app(cfg), log_level=ns.log_level.lower()).run()
+
+
+def server_for(app: Any, log_level: str = "info") -> DrainingRouterServer:
+    """The uvicorn server of a router app, draining on SIGTERM within its grace period."""
+    import uvicorn
+
+    cfg: RouterConfig = app.state.config
+    # Requests still running when the grace period is over are cut after one more second.
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=log_level,
+                            access_log=False, timeout_graceful_shutdown=1)
+    return DrainingRouterServer(config, app.state.drain, cfg.shutdown_grace_period)
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:

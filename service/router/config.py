@@ -24,8 +24,18 @@ class RouterConfig:
     block_size: int = 16  # used for static replicas (Redis replicas announce theirs)
     refresh_interval: float = 1.0
     down_cooldown: float = 3.0
-    connect_timeout: float = 2.0
-    read_timeout: float = 600.0
+    connect_timeout: float = 2.0  # --upstream-connect-timeout
+    # --upstream-first-byte-timeout: after this long without response headers the router probes
+    # the replica's /health (same limit); no answer there either means hung: fail over.
+    first_byte_timeout: float = 5.0
+    read_timeout: float = 600.0  # between two chunks of a response that has started
     redis_timeout: float = 0.5
     max_body_bytes: int = 1 << 20  # 413 over it, before the body is read
     limits: RequestLimits = field(default_factory=RequestLimits)  # the replicas' caps, checked here
+    api_key: str | None = None  # Bearer key clients must send (--api-key / KVSERVE_API_KEY)
+    public_paths: tuple[str, ...] = ("/health", "/metrics")
+    # x-kvserve-* response headers (chosen replica, predicted cached tokens) tell a client what
+    # other tenants' prompts are cached: off unless --expose-routing-headers.
+    expose_routing_headers: bool = False
+    registration_token: str | None = None  # KVSERVE_REGISTRATION_TOKEN: only signed replicas
+    shutdown_grace_period: float = 30.0  # SIGTERM: in-flight requests get this long to finish

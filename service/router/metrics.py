@@ -13,6 +13,9 @@ class RouterMetrics:
         self.redis_up = Gauge("kvserve_router:redis_up", "1 when the prefix index is reachable",
                               registry=r)
         self.replicas_up = Gauge("kvserve_router:replicas_up", "Routable replicas", registry=r)
+        self.replicas_ignored = Gauge(
+            "kvserve_router:replicas_ignored", "Replicas in Redis left out of routing (draining, "
+            "malformed or unsigned heartbeat)", registry=r)
         self.requests = Counter("kvserve_router:requests", "Requests routed",
                                 ["replica", "policy"], registry=r)
         self.matched_tokens = Histogram(
@@ -31,4 +34,9 @@ class RouterMetrics:
                                ["replica"], registry=r)
         self.upstream_errors = Counter("kvserve_router:upstream_errors",
                                        "Replica failures", ["replica", "stage"], registry=r)
+        self.client_disconnects = Counter(
+            "kvserve_router:client_disconnects", "Requests whose client left before the end; "
+            "the replica's connection is closed so it aborts", registry=r)
+        self.draining = Gauge("kvserve_router:draining", "1 while the router drains (SIGTERM)",
+                              registry=r)
 

@@ -4,6 +4,10 @@ Replicas come from Redis heartbeats (service/prefix_index/), re-read every `refr
 from a static `--replicas url,url`. Without Redis the last known set stays routable (by load
 alone), and a refresh is also how the router notices Redis came back. A replica that fails is
 kept out of routing for `down_cooldown` seconds.
+
+Heartbeats are not trusted blindly: a malformed one, one without a valid signature when the router
+holds a registration token, and one that says the replica is draining are left out of routing
+(logged once per replica and reason).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from collections.abc import Sequence
 
 from redis.exceptions import RedisError
 
-from kvserve.service.prefix_index.lookup import PrefixIndex, ReplicaMatch
+from kvserve.service.prefix_index.lookup import IndexScan, PrefixIndex, ReplicaMatch
 from kvserve.service.prefix_index.replica_info import ReplicaInfo
 from kvserve.service.router.config import RouterConfig
 from kvserve.service.router.metrics import RouterMetrics
@@ -33,6 +37,8 @@ class ReplicaSet:
             if cfg.redis_url else None
         self.redis_up = False
         self.known: dict[str, ReplicaInfo] = self._static()
+        self.ignored: set[str] = set()  # ids in Redis left out of routing (see `_admit`)
+        self._logged: dict[str, str] = {}  # id -> the reason last logged for leaving it out
         self.inflight: dict[str, int] = {}
         self.down_until: dict[str, float] = {}
         self._task: asyncio.Task | None = None
@@ -65,17 +71,39 @@ class ReplicaSet:
         """Re-read the live replica set; this is also how the router notices Redis came back."""
         assert self.index is not None
         try:
-            infos = await self.index.replicas()
+            scan = await self.index.scan()
         except (RedisError, OSError) as exc:
             self._redis_failed(exc)
             return
-        self._redis_ok({i.replica_id: i for i in infos})
+        self._redis_ok(self._admit(scan))
+
+    def _admit(self, scan: IndexScan) -> dict[str, ReplicaInfo]:
+        """The routable heartbeats of a scan; the others go to `ignored`, logged once."""
+        token = self.cfg.registration_token
+        reasons = {rid: f"malformed heartbeat ({why})" for rid, why in scan.malformed}
+        known: dict[str, ReplicaInfo] = {}
+        for info in (m.replica for m in scan.matches):
+            if token and not info.signed_by(token):
+                reasons[info.replica_id] = ("heartbeat unsigned or signed with another "
+                                            "registration token (KVSERVE_REGISTRATION_TOKEN)")
+            elif info.draining:
+                reasons[info.replica_id] = "draining"
+            else:
+                known[info.replica_id] = info
+        for rid, reason in reasons.items():
+            if self._logged.get(rid) != reason:
+                level = logging.INFO if reason == "draining" else logging.WARNING
+                logger.log(level, "replica %r left out of routing: %s", rid[:80], reason)
+        self._logged = reasons
+        self.ignored = set(reasons)
+        self.metrics.replicas_ignored.set(len(reasons))
+        return known
 
     def _redis_failed(self, exc: BaseException) -> None:
         self.metrics.redis_errors.inc()
         if self.redis_up:
-            logger.warning("Redis unreachable (%s): routing by least load over %d known replicas",
-                           exc, len(self.known))
+            logger.warning("Redis failed (%s: %s): routing by least load over %d known replicas",
+                           type(exc).__name__, exc, len(self.known))
         self.redis_up = False
         self.update_gauges()
 
@@ -141,7 +169,8 @@ class ReplicaSet:
             else:
                 if not counts:  # no replica heartbeats: the static set, as `refresh` keeps it
                     return self.without_matches()
-                if any(rid not in self.known for rid in counts) and self._pending_refresh is None:
+                new = any(rid not in self.known and rid not in self.ignored for rid in counts)
+                if new and self._pending_refresh is None:
                     self._pending_refresh = asyncio.create_task(self._refresh_now())
                 return [ReplicaMatch(self.known[rid], n) for rid, n in counts.items()
                         if rid in self.known]

@@ -54,39 +54,45 @@ class Cluster:
     procs: list[Proc] = field(default_factory=list)
 
 
-def spawn(name: str, args: list[str], port: int, tmp: Path) -> Proc:
+def spawn(name: str, args: list[str], port: int, tmp: Path,
+          env: dict[str, str] | None = None) -> Proc:
     log = tmp / f"{name}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen([sys.executable, "-m", *args], stdout=log.open("w"),
                             stderr=subprocess.STDOUT, env=env)
     return Proc(name, proc, log, f"http://127.0.0.1:{port}")
 
 
-def spawn_replica(rid: str, model: Path, redis_url: str, tmp: Path) -> Proc:
+def spawn_replica(rid: str, model: Path, redis_url: str, tmp: Path,
+                  env: dict[str, str] | None = None) -> Proc:
     port = free_port()
     return spawn(rid, ["kvserve.service.cli", "serve", str(model), "--served-model-name", "tiny",
                        "--device", "cpu",
                        "--kv-cache-memory", "8MiB", "--host", "127.0.0.1", "--port", str(port),
                        "--redis-url", redis_url, "--service-name", SERVICE, "--replica-id", rid,
                        "--advertise-url", f"http://127.0.0.1:{port}", "--log-level", "warning"],
-                 port, tmp)
+                 port, tmp, env)
 
 
+# The tests read the chosen replica from the routing headers, off by default.
 ROUTER_FLAGS = ["--service-name", SERVICE, "--overload-factor", "1.5", "--overload-slack", "2",
                 "--log-level", "warning"]
+HEADERS_FLAG = "--expose-routing-headers"
 
 
 def spawn_router(name: str, model: Path, redis_url: str, tmp: Path) -> Proc:
     port = free_port()
     return spawn(name, ["kvserve.service.router", "--host", "127.0.0.1", "--port", str(port),
-                        "--redis-url", redis_url, "--tokenizer", str(model), *ROUTER_FLAGS],
+                        "--redis-url", redis_url, "--tokenizer", str(model), *ROUTER_FLAGS,
+                        HEADERS_FLAG],
                  port, tmp)
 
 
 class RouterThread:
     """A second router inside the test process (one torch import less on 2 busy cores)."""
 
-    def __init__(self, model: Path, redis_url: str | None, extra: tuple[str, ...] = ()) -> None:
+    def __init__(self, model: Path, redis_url: str | None, extra: tuple[str, ...] = (),
+                 expose_headers: bool = True) -> None:
         import argparse
 
         import uvicorn
@@ -99,7 +105,8 @@ class RouterThread:
         self.port = free_port()
         redis = ["--redis-url", redis_url] if redis_url else []
         cfg = config_from_args(parser.parse_args(
-            ["--port", str(self.port), *redis, "--tokenizer", str(model), *ROUTER_FLAGS, *extra]))
+            ["--port", str(self.port), *redis, "--tokenizer", str(model), *ROUTER_FLAGS,
+             *([HEADERS_FLAG] if expose_headers else []), *extra]))
         self.server = uvicorn.Server(uvicorn.Config(create_app(cfg), host="127.0.0.1",
                                                     port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)

@@ -1,0 +1,92 @@
+"""The router's drain on SIGTERM: new requests get 503 + Retry-After (and /health says
+draining, so the endpoint leaves the load balancer), requests in flight, streams included, get
+`shutdown_grace_period` seconds to finish, then the process exits. A second signal exits at once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+from typing import Any
+
+import uvicorn
+
+from kvserve.service.openai_errors import error_body
+
+logger = logging.getLogger("kvserve.router")
+
+
+class DrainState:
+    """Whether the router drains, and how many requests it is serving (one per router app)."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.inflight = 0
+
+
+class DrainMiddleware:
+    """Counts requests in flight (a streamed one until its last byte); while draining, answers
+    503 + Retry-After to every new request except /metrics."""
+
+    def __init__(self, app: Any, state: DrainState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.state.draining and scope["path"] != "/metrics":
+            return await _send_draining(send)
+        self.state.inflight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.inflight -= 1
+
+
+async def _send_draining(send: Any) -> None:
+    body = json.dumps(error_body(503, "the router is shutting down; retry on another router",
+                                 code="service_unavailable")).encode()
+    await send({"type": "http.response.start", "status": 503,
+                "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1"),
+                            (b"connection", b"close"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class DrainingRouterServer(uvicorn.Server):
+    """uvicorn that drains the router's requests on SIGTERM/SIGINT before stopping."""
+
+    def __init__(self, config: uvicorn.Config, state: DrainState, grace: float) -> None:
+        super().__init__(config)
+        self.state, self.grace = state, grace
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task | None = None
+
+    async def startup(self, sockets: list | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self._loop is None:  # not serving yet: nothing to drain
+            self.should_exit = True
+        elif self.state.draining:  # a second signal: stop now
+            logger.warning("second signal: exiting without waiting for requests in flight")
+            self.should_exit = self.force_exit = True
+        else:
+            self.state.draining = True
+            logger.info("signal %s: draining %d request(s) in flight (grace period %.0f s)",
+                        signal.Signals(sig).name, self.state.inflight, self.grace)
+            self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.grace
+        while self.state.inflight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        logger.info("drained (%d request(s) still in flight cut off); stopping",
+                    self.state.inflight)
+        self.should_exit = True
