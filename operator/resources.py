@@ -253,7 +253,9 @@ def router_deployment(spec: ServiceSpec) -> Obj:
     # The engine Service is the static fallback: without Redis the router routes by load alone.
     args += ["--service-name", spec.name, "--policy", spec.router_policy,
              "--tokenizer", router_tokenizer(spec),
-             "--replicas", f"http://{names(spec)['engine']}:{PORT}"]
+             "--replicas", f"http://{names(spec)['engine']}:{PORT}",
+             # The router drains too: new requests get 503 while in-flight streams finish.
+             "--shutdown-grace-period", str(DRAIN_SECONDS - 20)]
     container = {
         "name": "router", "image": spec.image, "command": ["kvserve"], "args": args,
         "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
@@ -262,12 +264,13 @@ def router_deployment(spec: ServiceSpec) -> Obj:
         "resources": {"requests": {"cpu": "250m", "memory": "512Mi"},
                       "limits": {"memory": "2Gi"}},
         "readinessProbe": http_probe(5, 3), "livenessProbe": http_probe(15, 4),
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", "5"]}}},  # endpoints update first
         "securityContext": container_security(),
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"},
                          {"name": "cache", "mountPath": "/var/cache/kvserve"}],
     }
     pod = {"securityContext": pod_security(), "automountServiceAccountToken": False,
-           "terminationGracePeriodSeconds": 30, "containers": [container],
+           "terminationGracePeriodSeconds": DRAIN_SECONDS, "containers": [container],
            "volumes": [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}]}
     if spec.model.location.scheme == "pvc":  # the tokenizer files live on the claim only
         pod["volumes"].append(weights.volume(spec))

@@ -153,6 +153,9 @@ def test_router_args_parse_with_the_real_router_cli() -> None:
     assert args.redis_url == "redis://llama-2-7b-redis:6379/0"
     assert args.service_name == "llama-2-7b"
     assert args.replicas == "http://llama-2-7b-engine:8000"
+    pod = objs["Deployment/llama-2-7b-router"]["spec"]["template"]["spec"]
+    assert container["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
+    assert 5 + args.shutdown_grace_period < pod["terminationGracePeriodSeconds"]  # drain fits
 
 
 def test_config_change_rolls_the_pods() -> None:
