@@ -42,9 +42,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = ctx.max_tokens_for(len(prompt), req.requested_max_tokens, param, "messages")
         params = req.sampling_params(max_tokens, req.num_logprobs)
-        request_id = random_id("chatcmpl")
-        streams = await before(deadline, start_requests(
-            ctx, request_id, [prompt], [params], priority=req.priority, cache_salt=req.cache_salt))
+    request_id = random_id("chatcmpl")  # from here the engine counts it as waiting
+    streams = await before(deadline, start_requests(
+        ctx, request_id, [prompt], [params], priority=req.priority, cache_salt=req.cache_salt))
     if req.stream:
         body = _stream(ctx, req, request_id, model, streams, stop_hold(params), deadline)
         return StreamingResponse(body, media_type="text/event-stream")

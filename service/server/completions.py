@@ -35,9 +35,9 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest,
         params = [req.sampling_params(ctx.max_tokens_for(len(ids), req.max_tokens), req.logprobs)
                   for ids in prompts]
         echoes = [await ctx.decode(p) for p in prompts] if req.echo else [""] * len(prompts)
-        request_id = random_id("cmpl")
-        streams = await before(deadline, start_requests(
-            ctx, request_id, prompts, params, priority=req.priority, cache_salt=req.cache_salt))
+    request_id = random_id("cmpl")  # from here the engine counts it as waiting
+    streams = await before(deadline, start_requests(
+        ctx, request_id, prompts, params, priority=req.priority, cache_salt=req.cache_salt))
     if req.stream:
         body = _stream(ctx, req, request_id, model, streams, params[0], echoes, deadline)
         return StreamingResponse(body, media_type="text/event-stream")

@@ -71,8 +71,8 @@ class ServingContext:
 
     @contextlib.contextmanager
     def admitted(self) -> Iterator[None]:
-        """`admit()`, then count the request as waiting until it reaches the engine (its
-        prompt is tokenized meanwhile), so a burst cannot overrun --max-waiting."""
+        """`admit()`, then count the request as waiting while its prompt is tokenized (the
+        engine counts it from `add_request` on), so a burst cannot overrun --max-waiting."""
         self.admit()
         self.admitting += 1
         try:
