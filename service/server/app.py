@@ -31,6 +31,7 @@ from kvserve.service.server.config import ServerConfig
 from kvserve.service.server.context import ServingContext
 from kvserve.service.server.engine_streams import ClientDisconnected
 from kvserve.service.server.metrics import CONTENT_TYPE, ServerMetrics
+from kvserve.service.server.openapi import install_openapi
 from kvserve.service.server.publishing import PublisherObserver, stop_advertising
 
 logger = logging.getLogger("kvserve.service.api_server")
@@ -87,6 +88,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics,
     app.state.drain_hooks = [] if publisher is None else [lambda: stop_advertising(publisher)]
     install_error_handlers(app)
     _add_routes(app, ctx, metrics)
+    install_openapi(app, {"/v1/completions": CompletionRequest,
+                          "/v1/chat/completions": ChatCompletionRequest,
+                          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})
     app.add_middleware(BodyLimitMiddleware, limit=config.max_body_bytes)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key,
