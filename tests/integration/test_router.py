@@ -65,7 +65,7 @@ def spawn(name: str, args: list[str], port: int, tmp: Path) -> Proc:
 def spawn_replica(rid: str, model: Path, redis_url: str, tmp: Path) -> Proc:
     port = free_port()
     return spawn(rid, ["kvserve.service.cli", "serve", str(model), "--served-model-name", "tiny",
-                       "--device", "cpu",
+                       "--device", "cpu", "--enable-prompt-tokens-details",
                        "--kv-cache-memory", "8MiB", "--host", "127.0.0.1", "--port", str(port),
                        "--redis-url", redis_url, "--service-name", SERVICE, "--replica-id", rid,
                        "--advertise-url", f"http://127.0.0.1:{port}", "--log-level", "warning"],
