@@ -98,7 +98,9 @@ def test_health_answers_while_near_cap_prompts_are_in_flight(long_context_model)
     first_done = min(t for _, t in done)
     during = [(s, a) for s, a, _ in health if s >= start and a <= first_done]
     assert all(status == 200 for _, _, status in health)
-    assert during, "no /health answer arrived while the big requests were in flight"
+    # Tokenizing on the event loop, this window held one answer at most (measured: 1, the
+    # slowest 690 ms); off it, dozens. Three answers is the loop turning, not a speed claim.
+    assert len(during) >= 3, f"/health answered {len(during)} times while big requests ran"
     worst = max(a - s for s, a, _ in health if s >= start)
     print(f"/health: {len(during)} answers while the big requests ran "
           f"({first_done - start:.2f} s to the first answer); slowest {worst * 1000:.0f} ms")
