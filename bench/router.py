@@ -134,7 +134,8 @@ def start_cluster(model: Path, args: argparse.Namespace, workdir: Path) -> Clust
                             "bench", "--device", "cpu", "--port", str(port), "--host", "127.0.0.1",
                             "--num-gpu-blocks-override", str(args.blocks), "--max-num-seqs", "16",
                             "--redis-url", redis_url, "--service-name", "bench", "--replica-id",
-                            rid, "--advertise-url", replicas[rid], "--log-level", "warning"],
+                            rid, "--advertise-url", replicas[rid], "--log-level", "warning",
+                            "--enable-prompt-tokens-details"],  # cached tokens per request
                            workdir / f"{rid}.log", args.threads))
     for policy in POLICIES:
         port = free_port()

@@ -24,8 +24,10 @@ def prompt_token_ids(tokenizer: Any, prompt: str) -> list[int]:
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
-                add_generation_prompt: bool = True, chat_template: str | None = None) -> str:
-    """The chat template applied to OpenAI-style messages, as text."""
+                add_generation_prompt: bool = True, chat_template: str | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> str:
+    """The chat template applied to OpenAI-style messages, as text; `template_kwargs` are extra
+    variables the template sees (vLLM's `chat_template_kwargs`)."""
     if getattr(tokenizer, "chat_template", None) is None and chat_template is None:
         raise InvalidRequestError(
             "this model has no chat template; use /v1/completions with a plain prompt",
@@ -33,7 +35,7 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
     try:
         return tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-            chat_template=chat_template)
+            chat_template=chat_template, **(template_kwargs or {}))
     except Exception as exc:  # jinja errors: a message the template cannot render
         raise InvalidRequestError(f"cannot apply the chat template: {exc}", "messages") from exc
 

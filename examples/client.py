@@ -27,6 +27,7 @@ for chunk in response:
     if chunk.choices and chunk.choices[0].delta.content:
         print(chunk.choices[0].delta.content, end="", flush=True)
     if chunk.usage:
-        cached = chunk.usage.prompt_tokens_details.cached_tokens
+        details = chunk.usage.prompt_tokens_details  # with --enable-prompt-tokens-details
+        cached = details.cached_tokens if details else "?"
         print(f"\n\n[{chunk.usage.prompt_tokens} prompt tokens ({cached} cached), "
               f"{chunk.usage.completion_tokens} generated]")

@@ -58,6 +58,24 @@ def positive_int(text: str) -> int:
     return value
 
 
+def waiting_limit(text: str) -> int | str | None:
+    """--max-waiting: a count of at least 1, `auto` or `none`."""
+    word = text.strip().lower()
+    if word in ("auto", "none"):
+        return None if word == "none" else "auto"
+    return positive_int(text)
+
+
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
 def logprobs_cap(text: str) -> int:
     value = int(text) if text.strip().lstrip("-").isdigit() else -1
     if not 0 <= value <= 20:
@@ -162,8 +180,20 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--public-paths", type=string_list,
                    default=["/health", "/metrics", "/version", "/ping"],
                    help="paths open without the API key (comma-separated)")
-    g.add_argument("--max-waiting", type=int, default=None,
-                   help="answer 429 once this many requests wait (default: no limit)")
+    g.add_argument("--max-waiting", type=waiting_limit, default="auto",
+                   help="answer 429 + Retry-After once this many requests wait; auto = "
+                   "4 x --max-num-seqs, none = no limit")
+    g.add_argument("--request-timeout", type=positive_seconds, default=None,
+                   help="seconds a request may take from arrival before it is aborted (504; "
+                   "a client may ask for less with the X-Request-Timeout header)")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="run a chat_template sent in a request (sandboxed jinja, time-limited); "
+                   "refused with 400 otherwise")
+    g.add_argument("--chat-template-time-limit", type=positive_seconds, default=5.0,
+                   help="seconds a request's own chat template may take to render")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report usage.prompt_tokens_details.cached_tokens (tells a client what "
+                   "is in the prefix cache, so off by default)")
     g.add_argument("--allowed-origins", type=string_list, default=[],
                    help="CORS origins (comma-separated or JSON list); CORS is off when empty")
     g.add_argument("--shutdown-grace-period", type=float, default=30.0,
@@ -214,6 +244,10 @@ def server_config_from_args(args: argparse.Namespace) -> Any:
         api_key=args.api_key or os.environ.get("KVSERVE_API_KEY") or None,
         public_paths=tuple(args.public_paths),
         max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
+        request_timeout=args.request_timeout,
+        trust_request_chat_template=args.trust_request_chat_template,
+        chat_template_time_limit=args.chat_template_time_limit,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         limits=limits_from_args(args),
         allowed_origins=list(args.allowed_origins),
         shutdown_grace_period=args.shutdown_grace_period, log_level=args.log_level,

@@ -30,6 +30,7 @@ _ERROR_TYPES = {
     500: "server_error",
     502: "upstream_error",
     503: "service_unavailable",
+    504: "timeout_error",
 }
 
 

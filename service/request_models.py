@@ -18,6 +18,16 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/comple
 # (seed, priority, counts) a signed int64. Larger values would overflow there, not here.
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 Int64 = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
+# vLLM's cache_salt: a tenant's secret mixed into its first block hash. Long enough for any key
+# or digest; capped so a salt cannot be a way to send megabytes the engine hashes.
+MAX_CACHE_SALT_LEN = 1024
+CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_LEN)]
+# Keyword arguments of apply_chat_template itself: as template variables they would change what
+# the call does (tokenize, truncate) rather than what the template sees.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 class OpenAIModel(BaseModel):
@@ -57,7 +67,7 @@ class SamplingFields(OpenAIModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: Int64 = 0
-    cache_salt: str | None = None
+    cache_salt: CacheSalt | None = None
     # known, not supported (service/unsupported_fields.py): typed loosely so the 400 names the field
     use_beam_search: Any = None
     best_of: Any = None
@@ -205,6 +215,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -245,6 +256,12 @@ class ChatCompletionRequest(SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError(
                 "top_logprobs requires logprobs to be true", param="top_logprobs")
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
+        if reserved:
+            raise InvalidRequestError(
+                f"chat_template_kwargs must not set {reserved}: they are arguments of the "
+                "template call, not template variables (send chat_template as its own field)",
+                param="chat_template_kwargs")
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -31,7 +31,8 @@ from kvserve.service.server.config import ServerConfig
 from kvserve.service.server.context import ServingContext
 from kvserve.service.server.engine_streams import ClientDisconnected
 from kvserve.service.server.metrics import CONTENT_TYPE, ServerMetrics
-from kvserve.service.server.publishing import PublisherObserver
+from kvserve.service.server.openapi import install_openapi
+from kvserve.service.server.publishing import PublisherObserver, stop_advertising
 
 logger = logging.getLogger("kvserve.service.api_server")
 
@@ -53,9 +54,13 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics,
     """The FastAPI app of one server. Its lifespan starts the engine thread (and publisher) and
     drains the engine on shutdown."""
     names = config.served_model_names or [engine.model_name]
-    ctx = ServingContext(engine=engine, served_model_names=names,
-                         tokenizer=copy.deepcopy(engine.tokenizer), max_waiting=config.max_waiting,
-                         limits=config.limits)
+    ctx = ServingContext(
+        engine=engine, served_model_names=names, tokenizer=copy.deepcopy(engine.tokenizer),
+        max_waiting=config.waiting_limit(engine.config.max_num_seqs), limits=config.limits,
+        request_timeout=config.request_timeout,
+        trust_request_chat_template=config.trust_request_chat_template,
+        chat_template_time_limit=config.chat_template_time_limit,
+        prompt_tokens_details=config.enable_prompt_tokens_details)
     metrics.set_cache_config(engine.memory_budget.block_size, engine.memory_budget.num_blocks)
 
     @asynccontextmanager
@@ -68,18 +73,24 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics,
         try:
             yield
         finally:
+            if publisher is not None:  # routers stop sending before the engine drains
+                await stop_advertising(publisher)
             aborted = await engine.shutdown(config.shutdown_grace_period)
             if aborted:
                 logger.warning("aborted %d request(s) at shutdown", aborted)
-            if publisher is not None:
-                await publisher.close()
+            ctx.tokenizers.shutdown()
 
     app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None)
     app.state.ctx, app.state.metrics, app.state.config = ctx, metrics, config
     app.state.engine = engine
+    # DrainingServer runs these as a SIGTERM drain starts, before waiting for running requests.
+    app.state.drain_hooks = [] if publisher is None else [lambda: stop_advertising(publisher)]
     install_error_handlers(app)
     _add_routes(app, ctx, metrics)
+    install_openapi(app, {"/v1/completions": CompletionRequest,
+                          "/v1/chat/completions": ChatCompletionRequest,
+                          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})
     app.add_middleware(BodyLimitMiddleware, limit=config.max_body_bytes)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key,
@@ -134,11 +145,9 @@ def _add_routes(app: FastAPI, ctx: ServingContext, metrics: ServerMetrics) -> No
         if req.messages is not None:
             chat = ChatCompletionRequest(messages=req.messages,
                                          add_generation_prompt=req.add_generation_prompt)
-            ids = chat_prompt(ctx, chat)
-        elif req.add_special_tokens:
-            ids = prompt_token_ids(ctx.tokenizer, req.prompt or "")
+            ids = await chat_prompt(ctx, chat)
         else:
-            ids = list(ctx.tokenizer(req.prompt or "", add_special_tokens=False)["input_ids"])
+            ids = await ctx.tokenizers.run(_tokenize, req.prompt or "", req.add_special_tokens)
         return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len,
                                              tokens=ids).model_dump())
 
@@ -150,8 +159,13 @@ def _add_routes(app: FastAPI, ctx: ServingContext, metrics: ServerMetrics) -> No
         if any(t >= vocab for t in req.tokens):
             raise APIError(400, f"tokens must be ids in [0, {vocab}), got {max(req.tokens)}",
                            param="tokens", code="invalid_value")
-        return JSONResponse(DetokenizeResponse(prompt=ctx.tokenizer.decode(req.tokens))
-                            .model_dump())
+        return JSONResponse(DetokenizeResponse(prompt=await ctx.decode(req.tokens)).model_dump())
+
+
+def _tokenize(tokenizer: Any, prompt: str, add_special_tokens: bool) -> list[int]:
+    if add_special_tokens:
+        return prompt_token_ids(tokenizer, prompt)
+    return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
 
 def _workers_dead(ctx: ServingContext) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -10,42 +11,44 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.engine.async_engine import RequestStream
 from kvserve.engine.outputs import RequestOutput
-from kvserve.engine.tokenizer import chat_token_ids
 from kvserve.service.request_models import ChatCompletionRequest
 from kvserve.service.response_models import (ChatChoice, ChatCompletionChunk,
                                              ChatCompletionResponse, ChatLogProbs,
                                              ChatResponseMessage, ChatStreamChoice,
                                              ChatTokenLogprob, DeltaMessage, TopLogprob, random_id)
 from kvserve.service.server.context import ServingContext
-from kvserve.service.server.engine_streams import (collect, engine_error_status, merge_streams,
-                                                   start_requests, unless_disconnected)
+from kvserve.service.server.engine_streams import (before, collect, engine_error_status,
+                                                   merge_streams, start_requests,
+                                                   unless_disconnected, until)
 from kvserve.service.server.logprobs import token_text, top_logprobs
 from kvserve.service.server.stream_deltas import StreamTracker, stop_hold
 from kvserve.service.server.usage import usage_of
 from kvserve.service.sse import SSE_DONE, sse, sse_error
 
 
-def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
+async def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
     messages = [m.as_template_input() for m in req.messages]
-    return chat_token_ids(ctx.tokenizer, messages, req.add_generation_prompt, req.chat_template)
+    return await ctx.chat_token_ids(messages, req.add_generation_prompt, req.chat_template,
+                                    req.chat_template_kwargs)
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest,
                                  raw: Request) -> Response:
     model = ctx.resolve_model(req.model)
-    ctx.admit()
-    prompt = chat_prompt(ctx, req)
-    ctx.check_prompts([prompt], "messages")
-    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = ctx.max_tokens_for(len(prompt), req.requested_max_tokens, param, "messages")
-    params = req.sampling_params(max_tokens, req.num_logprobs)
-    request_id = random_id("chatcmpl")
-    streams = await start_requests(ctx, request_id, [prompt], [params], priority=req.priority,
-                                   cache_salt=req.cache_salt)
+    deadline = ctx.deadline(raw, asyncio.get_running_loop().time())
+    with ctx.admitted():
+        prompt = await before(deadline, chat_prompt(ctx, req))
+        ctx.check_prompts([prompt], "messages")
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = ctx.max_tokens_for(len(prompt), req.requested_max_tokens, param, "messages")
+        params = req.sampling_params(max_tokens, req.num_logprobs)
+    request_id = random_id("chatcmpl")  # from here the engine counts it as waiting
+    streams = await before(deadline, start_requests(
+        ctx, request_id, [prompt], [params], priority=req.priority, cache_salt=req.cache_salt))
     if req.stream:
-        body = _stream(ctx, req, request_id, model, streams, stop_hold(params))
+        body = _stream(ctx, req, request_id, model, streams, stop_hold(params), deadline)
         return StreamingResponse(body, media_type="text/event-stream")
-    (out,) = await unless_disconnected(raw, collect(streams))
+    (out,) = await unless_disconnected(raw, collect(streams, deadline))
     choices = [ChatChoice(
         index=c.index, message=ChatResponseMessage(content=c.text),
         finish_reason=c.finish_reason, stop_reason=c.stop_reason,
@@ -55,7 +58,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         for choice in choices:
             choice.logprobs = None
     response = ChatCompletionResponse(id=request_id, model=model, choices=choices,
-                                      usage=usage_of([out]))
+                                      usage=usage_of([out], ctx.prompt_tokens_details))
     return JSONResponse(response.model_dump())
 
 
@@ -74,7 +77,8 @@ def _logprobs(tokenizer: Any, token_ids: Sequence[int], entries: list[dict[int, 
 
 
 async def _stream(ctx: ServingContext, req: ChatCompletionRequest, request_id: str, model: str,
-                  streams: list[RequestStream], hold: int) -> AsyncIterator[str]:
+                  streams: list[RequestStream], hold: int,
+                  deadline: float | None) -> AsyncIterator[str]:
     def chunk(choices: list[ChatStreamChoice], usage: Any = None) -> str:
         return sse(ChatCompletionChunk(id=request_id, model=model, choices=choices, usage=usage))
 
@@ -84,7 +88,7 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, request_id: s
     tracker = StreamTracker(hold=hold)
     last: RequestOutput | None = None
     try:
-        async for _, out in merge_streams(streams):
+        async for _, out in until(deadline, merge_streams(streams)):
             last = out
             for c in out.outputs:
                 delta = tracker.delta(c.index, c)
@@ -95,11 +99,12 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, request_id: s
                 choice = ChatStreamChoice(
                     index=c.index, delta=DeltaMessage(content=delta.text), logprobs=lp,
                     finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
-                yield chunk([choice], usage_of([out]) if continuous else None)
+                usage = usage_of([out], ctx.prompt_tokens_details) if continuous else None
+                yield chunk([choice], usage)
     except Exception as exc:  # noqa: BLE001 - the stream already started: report in-band
         yield sse_error(engine_error_status(exc), str(exc))
         yield SSE_DONE
         return
     if req.include_usage and last is not None:
-        yield chunk([], usage_of([last]))
+        yield chunk([], usage_of([last], ctx.prompt_tokens_details))
     yield SSE_DONE

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -11,13 +12,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvserve.engine.async_engine import RequestStream
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
-from kvserve.engine.tokenizer import prompt_token_ids
 from kvserve.service.request_models import CompletionRequest
 from kvserve.service.response_models import (CompletionChoice, CompletionLogProbs,
                                              CompletionResponse, random_id)
 from kvserve.service.server.context import ServingContext
-from kvserve.service.server.engine_streams import (collect, engine_error_status, merge_streams,
-                                                   start_requests, unless_disconnected)
+from kvserve.service.server.engine_streams import (before, collect, engine_error_status,
+                                                   merge_streams, start_requests,
+                                                   unless_disconnected, until)
 from kvserve.service.server.logprobs import token_text, top_logprobs
 from kvserve.service.server.stream_deltas import Delta, StreamTracker, stop_hold
 from kvserve.service.server.usage import usage_of
@@ -27,28 +28,28 @@ from kvserve.service.sse import SSE_DONE, sse, sse_error
 async def create_completion(ctx: ServingContext, req: CompletionRequest,
                             raw: Request) -> Response:
     model = ctx.resolve_model(req.model)
-    ctx.admit()
-    prompts = [p if isinstance(p, list) else prompt_token_ids(ctx.tokenizer, p)
-               for p in req.prompts()]
-    ctx.check_prompts(prompts, "prompt")
-    params = [req.sampling_params(ctx.max_tokens_for(len(ids), req.max_tokens), req.logprobs)
-              for ids in prompts]
-    request_id = random_id("cmpl")
-    streams = await start_requests(ctx, request_id, prompts, params, priority=req.priority,
-                                   cache_salt=req.cache_salt)
+    deadline = ctx.deadline(raw, asyncio.get_running_loop().time())
+    with ctx.admitted():
+        prompts = await before(deadline, ctx.encode_prompts(req.prompts()))
+        ctx.check_prompts(prompts, "prompt")
+        params = [req.sampling_params(ctx.max_tokens_for(len(ids), req.max_tokens), req.logprobs)
+                  for ids in prompts]
+        echoes = [await ctx.decode(p) for p in prompts] if req.echo else [""] * len(prompts)
+    request_id = random_id("cmpl")  # from here the engine counts it as waiting
+    streams = await before(deadline, start_requests(
+        ctx, request_id, prompts, params, priority=req.priority, cache_salt=req.cache_salt))
     if req.stream:
-        body = _stream(ctx, req, request_id, model, streams, params[0], prompts)
+        body = _stream(ctx, req, request_id, model, streams, params[0], echoes, deadline)
         return StreamingResponse(body, media_type="text/event-stream")
-    outputs = await unless_disconnected(raw, collect(streams))
-    choices = [c for i, out in enumerate(outputs) for c in _choices(ctx, req, i, out, prompts[i])]
-    response = CompletionResponse(id=request_id, model=model, usage=usage_of(outputs),
-                                  choices=choices)
+    outputs = await unless_disconnected(raw, collect(streams, deadline))
+    choices = [c for i, out in enumerate(outputs) for c in _choices(ctx, req, i, out, echoes[i])]
+    response = CompletionResponse(id=request_id, model=model, choices=choices,
+                                  usage=usage_of(outputs, ctx.prompt_tokens_details))
     return JSONResponse(response.model_dump())
 
 
 def _choices(ctx: ServingContext, req: CompletionRequest, i: int, out: RequestOutput,
-             prompt: list[int]) -> list[CompletionChoice]:
-    echo = ctx.tokenizer.decode(prompt) if req.echo else ""
+             echo: str) -> list[CompletionChoice]:
     return [CompletionChoice(
         index=i * req.n + c.index, text=echo + c.text, finish_reason=c.finish_reason,
         stop_reason=c.stop_reason,
@@ -77,12 +78,12 @@ def _logprobs(tokenizer: Any, token_ids: Sequence[int], entries: list[dict[int, 
 
 async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str, model: str,
                   streams: list[RequestStream], params: SamplingParams,
-                  prompts: list[list[int]]) -> AsyncIterator[str]:
+                  echoes: list[str], deadline: float | None) -> AsyncIterator[str]:
     tracker = StreamTracker(hold=stop_hold(params))
     latest: dict[int, RequestOutput] = {}
     echoed: set[int] = set()
     try:
-        async for i, out in merge_streams(streams):
+        async for i, out in until(deadline, merge_streams(streams)):
             latest[i] = out
             for c in out.outputs:
                 index = i * req.n + c.index
@@ -91,7 +92,7 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str, 
                     continue
                 prefix = ""
                 if req.echo and index not in echoed:
-                    prefix = ctx.tokenizer.decode(prompts[i])
+                    prefix = echoes[i]
                     echoed.add(index)
                 yield sse(_chunk(ctx, req, request_id, model, index, delta, prefix, latest))
     except Exception as exc:  # noqa: BLE001 - the stream already started: report in-band
@@ -99,8 +100,8 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str, 
         yield SSE_DONE
         return
     if req.include_usage:
-        yield sse(CompletionResponse(id=request_id, model=model, choices=[],
-                                     usage=usage_of(list(latest.values()))))
+        usage = usage_of(list(latest.values()), ctx.prompt_tokens_details)
+        yield sse(CompletionResponse(id=request_id, model=model, choices=[], usage=usage))
     yield SSE_DONE
 
 
@@ -114,5 +115,5 @@ def _chunk(ctx: ServingContext, req: CompletionRequest, request_id: str, model: 
                            delta.offset))
     usage = None
     if req.stream_options and req.stream_options.continuous_usage_stats:
-        usage = usage_of(list(latest.values()))
+        usage = usage_of(list(latest.values()), ctx.prompt_tokens_details)
     return CompletionResponse(id=request_id, model=model, choices=[choice], usage=usage)

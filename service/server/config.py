@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from kvserve.service.limits import RequestLimits
 
 DEFAULT_PUBLIC_PATHS = ("/health", "/metrics", "/version", "/ping")
+# --max-waiting's default, per running slot (--max-num-seqs): enough queue to refill the batch a
+# few times over, small enough that a burst gets 429s instead of minutes in a queue.
+WAITING_PER_SEQ = 4
+AUTO = "auto"
 
 
 @dataclass
@@ -18,7 +22,12 @@ class ServerConfig:
     served_model_names: list[str] = field(default_factory=list)  # [] = the engine's model name
     api_key: str | None = None
     public_paths: tuple[str, ...] = DEFAULT_PUBLIC_PATHS  # open without the API key
-    max_waiting: int | None = None
+    # 429 once this many requests wait; "auto" = WAITING_PER_SEQ x max_num_seqs, None = no limit
+    max_waiting: int | str | None = AUTO
+    request_timeout: float | None = None  # seconds from arrival; None = no deadline
+    trust_request_chat_template: bool = False  # run chat templates sent in requests (sandboxed)
+    chat_template_time_limit: float = 5.0  # seconds a request's chat template may render
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
     max_body_bytes: int = 1 << 20
     limits: RequestLimits = field(default_factory=RequestLimits)
     allowed_origins: list[str] = field(default_factory=list)  # CORS off when empty
@@ -29,4 +38,10 @@ class ServerConfig:
     advertise_url: str | None = None
     replica_id: str | None = None
     print_banner: bool = False  # print the curl line and Python snippet once started
+
+    def waiting_limit(self, max_num_seqs: int) -> int | None:
+        """--max-waiting resolved against the engine's batch size."""
+        if self.max_waiting == AUTO:
+            return WAITING_PER_SEQ * max_num_seqs
+        return self.max_waiting  # type: ignore[return-value]
 

@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
+
+from fastapi import Request
 
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError
 from kvserve.engine.errors import InvalidRequestError
+from kvserve.engine.tokenizer import prompt_token_ids, render_chat
 from kvserve.service.limits import DEFAULT_LIMITS, RequestLimits, check_prompt_tokens
 from kvserve.service.openai_errors import APIError
+from kvserve.service.server.time_limit import run_with_time_limit
+from kvserve.service.server.tokenizer_pool import TokenizerPool
+
+# The request header that sets a per-request deadline in seconds (capped by --request-timeout).
+TIMEOUT_HEADER = "x-request-timeout"
 
 
 @dataclass
@@ -21,6 +31,16 @@ class ServingContext:
     tokenizer: Any  # the HTTP thread's own copy (the engine thread decodes with another)
     max_waiting: int | None = None
     limits: RequestLimits = DEFAULT_LIMITS
+    request_timeout: float | None = None  # --request-timeout: seconds, None = no deadline
+    trust_request_chat_template: bool = False
+    chat_template_time_limit: float = 5.0
+    prompt_tokens_details: bool = False  # report cached prompt tokens (they reveal the cache)
+    tokenizers: TokenizerPool = field(default=None)  # type: ignore[assignment]
+    admitting: int = 0  # admitted requests not yet handed to the engine (tokenizing)
+
+    def __post_init__(self) -> None:
+        if self.tokenizers is None:
+            self.tokenizers = TokenizerPool(self.tokenizer)
 
     @property
     def model_name(self) -> str:
@@ -43,10 +63,62 @@ class ServingContext:
             self.engine.check_accepting()
         except (EngineDrainingError, EngineDeadError) as exc:
             raise unavailable(exc) from exc
-        if self.max_waiting is not None and self.engine.num_waiting >= self.max_waiting:
-            raise APIError(429, f"the server has {self.engine.num_waiting} requests waiting "
+        waiting = self.engine.num_waiting + self.admitting
+        if self.max_waiting is not None and waiting >= self.max_waiting:
+            raise APIError(429, f"the server has {waiting} requests waiting "
                            f"(--max-waiting {self.max_waiting}); retry later",
                            code="rate_limit_exceeded", headers={"Retry-After": "1"})
+
+    @contextlib.contextmanager
+    def admitted(self) -> Iterator[None]:
+        """`admit()`, then count the request as waiting while its prompt is tokenized (the
+        engine counts it from `add_request` on), so a burst cannot overrun --max-waiting."""
+        self.admit()
+        self.admitting += 1
+        try:
+            yield
+        finally:
+            self.admitting -= 1
+
+    def deadline(self, request: Request, now: float) -> float | None:
+        """The request's deadline (event-loop time): --request-timeout, or the shorter
+        `X-Request-Timeout` header; None when neither is set."""
+        timeout = self.request_timeout
+        raw = request.headers.get(TIMEOUT_HEADER)
+        if raw is not None:
+            try:
+                asked = float(raw)
+            except ValueError:
+                asked = math.nan
+            if not (math.isfinite(asked) and asked > 0):
+                raise APIError(400, f"the {TIMEOUT_HEADER} header must be a positive number of "
+                               f"seconds, got {raw[:64]!r}", code="invalid_value")
+            timeout = asked if timeout is None else min(asked, timeout)
+        return None if timeout is None else now + timeout
+
+    async def encode_prompts(self, prompts: Sequence[str | list[int]]) -> list[list[int]]:
+        """Token ids of each prompt (text is tokenized off the event loop)."""
+        if all(isinstance(p, list) for p in prompts):
+            return [list(p) for p in prompts]  # type: ignore[arg-type]
+        return await self.tokenizers.run(_encode_prompts, list(prompts))
+
+    async def decode(self, token_ids: list[int]) -> str:
+        return await self.tokenizers.run(_decode, token_ids)
+
+    async def chat_token_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                             chat_template: str | None = None,
+                             template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Token ids of a chat, rendered and tokenized off the event loop. A template sent in
+        the request is refused unless --trust-request-chat-template, and then runs in
+        transformers' sandboxed jinja environment under a time limit."""
+        if chat_template is not None and not self.trust_request_chat_template:
+            raise InvalidRequestError(
+                "chat_template in a request is refused: this server does not run templates "
+                "sent by clients (start it with --trust-request-chat-template to allow it)",
+                param="chat_template")
+        limit = self.chat_template_time_limit if chat_template is not None else None
+        return await self.tokenizers.run(_chat_ids, messages, add_generation_prompt,
+                                         chat_template, template_kwargs, limit)
 
     def check_prompts(self, prompts: Sequence[list[int]], param: str) -> None:
         """400 when the tokenized prompts of one request hold more tokens than the cap."""
@@ -74,3 +146,25 @@ def unavailable(exc: BaseException) -> APIError:
     """503 + Retry-After for a request the server cannot finish (draining, dead, shut down)."""
     return APIError(503, str(exc), code="service_unavailable", headers={"Retry-After": "1"})
 
+
+# ---- run on the tokenizer pool's threads (each with its own tokenizer) -------------------------
+def _encode_prompts(tokenizer: Any, prompts: list[str | list[int]]) -> list[list[int]]:
+    return [p if isinstance(p, list) else prompt_token_ids(tokenizer, p) for p in prompts]
+
+
+def _decode(tokenizer: Any, token_ids: list[int]) -> str:
+    return tokenizer.decode(token_ids)
+
+
+def _chat_ids(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
+              chat_template: str | None, template_kwargs: dict[str, Any] | None,
+              time_limit: float | None) -> list[int]:
+    args = (tokenizer, messages, add_generation_prompt, chat_template, template_kwargs)
+    if time_limit is None:
+        text = render_chat(*args)
+    else:
+        try:
+            text = run_with_time_limit(time_limit, render_chat, *args)
+        except InvalidRequestError as exc:  # the request's template failed or ran too long
+            raise InvalidRequestError(str(exc), param="chat_template") from exc
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import uvicorn
@@ -24,11 +25,13 @@ class DrainingServer(uvicorn.Server):
         grace = app.state.config.shutdown_grace_period
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                 timeout_graceful_shutdown=max(int(grace), 1))
-        return cls(config, app.state.engine, grace)
+        return cls(config, app.state.engine, grace, getattr(app.state, "drain_hooks", []))
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace: float,
+                 drain_hooks: Sequence[Callable[[], Awaitable[None]]] = ()) -> None:
         super().__init__(config)
         self.engine, self.grace = engine, grace
+        self.drain_hooks = list(drain_hooks)  # run first (stop advertising in the index)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
         self._drain_requested = False
@@ -53,7 +56,8 @@ class DrainingServer(uvicorn.Server):
         self._drain_task = asyncio.ensure_future(self._drain())
 
     async def _drain(self) -> None:
-        aborted = await self.engine.shutdown(self.grace)
+        *_, aborted = await asyncio.gather(*(hook() for hook in self.drain_hooks),
+                                           self.engine.shutdown(self.grace))
         logger.info("drained (%d request(s) aborted); stopping", aborted)
         self.should_exit = True
 

@@ -13,8 +13,10 @@ from fastapi import Request
 
 from kvserve.engine.async_engine import (EngineDeadError, EngineDrainingError, RequestAbortedError,
                                          RequestStream)
+from kvserve.engine.errors import KVServeError
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.service.openai_errors import APIError
 from kvserve.service.server.context import ServingContext, unavailable
 
 T = TypeVar("T")
@@ -78,15 +80,54 @@ async def merge_streams(streams: Sequence[RequestStream]
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def collect(streams: Sequence[RequestStream]) -> list[RequestOutput]:
+class RequestTimedOutError(KVServeError):
+    """The request's deadline (--request-timeout, X-Request-Timeout) passed before it finished."""
+
+
+def timed_out() -> APIError:
+    """504 in OpenAI's shape for a request past its deadline (its engine requests are aborted)."""
+    return APIError(504, "the request ran past its deadline (--request-timeout or the "
+                    "X-Request-Timeout header) and was aborted", code="request_timeout")
+
+
+async def before(deadline: float | None, work: Awaitable[T]) -> T:
+    """`work`, cancelled at `deadline` (event-loop time) with a 504."""
+    try:
+        async with asyncio.timeout_at(deadline):
+            return await work
+    except TimeoutError:
+        raise timed_out() from None
+
+
+async def until(deadline: float | None, source: AsyncIterator[T]) -> AsyncIterator[T]:
+    """The items of `source` until `deadline` (event-loop time), then RequestTimedOutError.
+    Cancelling the pending item closes `source`, which aborts its engine requests."""
+    try:
+        while True:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    item = await anext(source)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise RequestTimedOutError(timed_out().message) from None
+            yield item
+    finally:
+        await source.aclose()  # type: ignore[attr-defined]
+
+
+async def collect(streams: Sequence[RequestStream],
+                  deadline: float | None = None) -> list[RequestOutput]:
     """The final output of every stream (non-streaming requests); 503 + Retry-After when the
-    server cut them off (drain past its grace period, a dead engine)."""
+    server cut them off (drain past its grace period, a dead engine), 504 past the deadline."""
     final: list[RequestOutput | None] = [None] * len(streams)
     try:
-        async for i, out in merge_streams(streams):
+        async for i, out in until(deadline, merge_streams(streams)):
             final[i] = out
     except (EngineDeadError, EngineDrainingError, RequestAbortedError) as exc:
         raise unavailable(exc) from exc
+    except RequestTimedOutError:
+        raise timed_out() from None
     return [f for f in final if f is not None]
 
 
@@ -117,7 +158,10 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 
 def engine_error_status(exc: BaseException) -> int:
-    """The status of a stream cut off by the engine: 503 (draining, dead, aborted), else 500."""
+    """The status of a stream cut off by the engine: 503 (draining, dead, aborted), 504 (past
+    its deadline), else 500."""
+    if isinstance(exc, RequestTimedOutError):
+        return 504
     return 503 if isinstance(exc, (EngineDeadError, EngineDrainingError, RequestAbortedError)) \
         else 500
 

@@ -30,6 +30,16 @@ class PublisherObserver:
         self.publisher.on_step(events=events, stats=stats, snapshot=snapshot)
 
 
+async def stop_advertising(publisher: Any) -> None:
+    """Take this replica out of the index at once (a drain): routers stop sending to it on their
+    next read of the replica set. Closing the publisher removes its heartbeat, its entry in the
+    replica set and its block set; closing again at shutdown does nothing."""
+    try:
+        await publisher.close()
+    except Exception:  # noqa: BLE001 - best effort: the entries expire with the heartbeat anyway
+        logger.exception("prefix index: could not deregister this replica")
+
+
 def make_publisher(config: ServerConfig, model: str, block_size: int) -> Any:
     """The Redis prefix-index publisher when --redis-url is set (None otherwise)."""
     if not config.redis_url:

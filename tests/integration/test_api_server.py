@@ -41,7 +41,7 @@ def start_server(model_dir: Any, *, engine_kw: dict | None = None,
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir) -> Iterator[ServerThread]:
-    srv = start_server(tiny_model_dir, max_body_bytes=64 << 10)
+    srv = start_server(tiny_model_dir, max_body_bytes=64 << 10, enable_prompt_tokens_details=True)
     yield srv
     srv.stop()
 

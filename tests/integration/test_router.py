@@ -67,7 +67,7 @@ def spawn_replica(rid: str, model: Path, redis_url: str, tmp: Path,
                   env: dict[str, str] | None = None) -> Proc:
     port = free_port()
     return spawn(rid, ["kvserve.service.cli", "serve", str(model), "--served-model-name", "tiny",
-                       "--device", "cpu",
+                       "--device", "cpu", "--enable-prompt-tokens-details",
                        "--kv-cache-memory", "8MiB", "--host", "127.0.0.1", "--port", str(port),
                        "--redis-url", redis_url, "--service-name", SERVICE, "--replica-id", rid,
                        "--advertise-url", f"http://127.0.0.1:{port}", "--log-level", "warning"],

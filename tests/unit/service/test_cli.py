@@ -76,6 +76,23 @@ def test_server_flags(monkeypatch):
     assert cli.server_config_from_args(_serve("--api-key", "flag")).api_key == "flag"
 
 
+def test_edge_flags():
+    sc = cli.server_config_from_args(_serve())
+    assert sc.max_waiting == "auto" and sc.waiting_limit(max_num_seqs=8) == 32
+    assert sc.request_timeout is None and not sc.trust_request_chat_template
+    assert not sc.enable_prompt_tokens_details
+    sc = cli.server_config_from_args(_serve(
+        "--max-waiting", "none", "--request-timeout", "2.5", "--trust-request-chat-template",
+        "--chat-template-time-limit", "0.5", "--enable-prompt-tokens-details"))
+    assert sc.waiting_limit(8) is None and sc.request_timeout == 2.5
+    assert sc.trust_request_chat_template and sc.chat_template_time_limit == 0.5
+    assert sc.enable_prompt_tokens_details
+    for bad in (["--max-waiting", "0"], ["--max-waiting", "lots"], ["--request-timeout", "0"],
+                ["--request-timeout", "inf"], ["--chat-template-time-limit", "-1"]):
+        with pytest.raises(SystemExit):
+            _serve(*bad)
+
+
 def test_bad_values_are_refused():
     with pytest.raises(SystemExit):
         _serve("--block-size", "7")
