@@ -20,11 +20,14 @@ def prompt_tokens_for(tokenizer: Any, path: str, body: dict[str, Any],
     from kvserve.engine.tokenizer import chat_token_ids, prompt_token_ids
 
     if path.endswith("/chat/completions"):
+        if body.get("chat_template") is not None or body.get("chat_template_kwargs"):
+            # A request's own template is code: only a replica that trusts it runs it (sandboxed,
+            # time-limited). The router routes such a request by load instead.
+            return None
         messages = [{"role": m["role"], "content": _message_text(m.get("content")) or ""}
                     for m in body["messages"]]
         encode = chat_encoder or functools.partial(chat_token_ids, tokenizer)
-        return encode(messages, add_generation_prompt=body.get("add_generation_prompt", True),
-                      chat_template=body.get("chat_template"))
+        return encode(messages, add_generation_prompt=body.get("add_generation_prompt", True))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
         prompt = prompt[0]  # a batch of prompts: route by the first
