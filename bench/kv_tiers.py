@@ -1,9 +1,11 @@
 """KV memory hierarchy on the default model: tenants whose system prompts together exceed the
 device KV pool, served turn by turn (round robin, one request at a time, as interactive chats).
 
-Same run, same requests, three engines: `none` (the device pool alone), `host` (the same pool
-plus a host tier, kv_offloading_size), `unbounded` (a device pool holding every prefix: the hit
-rate the tier should approach). Per engine: prefix hit rate, prompt tokens computed, TTFT p50 /
+Same run, same requests, up to five engines: `none` (the device pool alone), `host` (the same
+pool plus a host tier, kv_offloading_size), `hostsmall` (a host tier smaller than the working
+set), `disk` (that small host tier plus a disk tier, kv_offloading_disk_path, in `--disk-path`
+or a temporary directory), `unbounded` (a device pool holding every prefix: the hit rate the
+tiers should approach). Per engine: prefix hit rate, prompt tokens computed, TTFT p50 /
 p90 over the turns after the first round, wall time. Then, from the host engine:
 
 - the swap cost model's rates (copy bytes/s from its offloads and restores, prefill tokens/s
@@ -16,6 +18,7 @@ p90 over the turns after the first round, wall time. Then, from the host engine:
     python bench/kv_tiers.py [--tenants 6] [--turns 3] [--system-tokens 384] [--pool-blocks 40]
                              [--device cpu] [--dtype float32] [--threads N]
                              [--configs none,host,unbounded] [--skip-compression]
+                             [--small-host-blocks 40] [--disk-gib 1] [--disk-path DIR]
 
 On a CPU shared with other busy processes, `--threads 1` keeps torch's parallel regions from
 waiting on descheduled threads (a fixed cost per operator that would hide the prefill saved).
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import tempfile
 import time
 
 import torch
@@ -77,7 +81,8 @@ def serve_turns(llm: LLM, prompts: list[list[int]], before_turn=None) -> dict:
         tokens.append(final.outputs[0].token_ids)
     after = engine.get_stats()
     hits = {k: getattr(after, k) - getattr(before, k) for k in
-            ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_host_hits")}
+            ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_host_hits",
+             "prefix_cache_disk_hits")}
     return {"ttft": ttft, "computed": computed, "tokens": tokens,
             "wall": time.perf_counter() - t0, "hits": hits}
 
@@ -91,9 +96,26 @@ def report(name: str, r: dict, first_round: int) -> None:
     h, later = r["hits"], r["ttft"][first_round:]
     queries = h["prefix_cache_queries"] or 1
     rate, host = h["prefix_cache_hits"] / queries, h["prefix_cache_host_hits"] / queries
-    print(f"{name:10s} hit rate {rate:6.1%} (host {host:6.1%})  prompt tokens computed "
+    disk = h["prefix_cache_disk_hits"] / queries
+    print(f"{name:10s} hit rate {rate:6.1%} (host {host:6.1%}, disk {disk:6.1%})  prompt "
+          "tokens computed "
           f"{sum(r['computed']):6d}  TTFT later turns p50 {statistics.median(later) * 1e3:7.1f} ms"
           f"  p90 {pct(later, 0.9) * 1e3:7.1f} ms  wall {r['wall']:6.1f} s")
+
+
+def disk_flush(llm: LLM):
+    """Before each turn: the disk writer drained, so the turn's disk hits read files (a
+    writer still behind would serve its queued bytes from memory)."""
+    disk = llm.llm_engine.disk
+    return None if disk is None else (lambda _: disk.flush())
+
+
+def disk_report(llm: LLM) -> None:
+    s, disk = llm.llm_engine.get_stats(), llm.llm_engine.disk
+    print(f"           disk tier: {s.disk_blocks_stored} blocks written "
+          f"({s.offload_bytes_to_disk / 2**20:.0f} MiB), {s.disk_blocks_restored} loaded "
+          f"({s.offload_bytes_from_disk / 2**20:.0f} MiB), {s.disk_blocks_dropped} dropped "
+          f"(writer behind), {s.disk_bad_files} bad files, {len(disk)} files now")
 
 
 def make(model: str, args, **kw) -> LLM:
@@ -150,6 +172,10 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--configs", default="none,host,unbounded")
     p.add_argument("--skip-compression", action="store_true")
+    p.add_argument("--small-host-blocks", type=int, default=40,
+                   help="host tier blocks of the hostsmall and disk engines")
+    p.add_argument("--disk-gib", type=float, default=1.0)
+    p.add_argument("--disk-path", default=None, help="disk tier directory (default: a temp one)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -157,11 +183,20 @@ def main() -> None:
     if not {"none", "host"} <= set(configs):
         p.error("--configs needs at least none and host")
     model = str(fetch_model("smollm2-135m-instruct"))
+    token_bytes = 30 * 2 * 3 * 64 * torch.finfo(getattr(torch, args.dtype)).bits // 8
+    small_host = args.small_host_blocks * 16 * token_bytes / (1 << 30)  # the model's KV layout
+    disk_dir = args.disk_path or tempfile.mkdtemp(prefix="kv-disk-")
 
     results = {}
     for name, kw in (("none", {"num_gpu_blocks_override": args.pool_blocks}),
                      ("host", {"num_gpu_blocks_override": args.pool_blocks,
                                "kv_offloading_size": args.host_gib}),
+                     ("hostsmall", {"num_gpu_blocks_override": args.pool_blocks,
+                                    "kv_offloading_size": small_host}),
+                     ("disk", {"num_gpu_blocks_override": args.pool_blocks,
+                               "kv_offloading_size": small_host,
+                               "kv_offloading_disk_path": disk_dir,
+                               "kv_offloading_disk_size": args.disk_gib}),
                      ("unbounded", {"num_gpu_blocks_override": 8 * args.pool_blocks})):
         if name not in configs:
             continue
@@ -176,19 +211,25 @@ def main() -> None:
                   f"({working / args.pool_blocks:.1f}x)")
         serve_turns(llm, prompts[:1])  # warm-up: kernels built, first-call costs paid
         llm.llm_engine.reset_prefix_cache()
-        results[name] = serve_turns(llm, prompts)
+        results[name] = serve_turns(llm, prompts, disk_flush(llm))
         report(name, results[name], args.tenants)
+        if name == "disk":
+            disk_report(llm)
         if name == "host":
             host_llm = llm
         else:
+            llm.shutdown()
             del llm
             gc.collect()
-    assert results["host"]["tokens"] == results["none"]["tokens"], "the host tier changed tokens"
     later = slice(args.tenants, None)
-    speed = pct(results["none"]["ttft"][later], 0.9) / pct(results["host"]["ttft"][later], 0.9)
-    print(f"host tier vs none: TTFT p90 {speed:.2f}x better, prompt tokens computed "
-          f"{sum(results['host']['computed'])} vs {sum(results['none']['computed'])}; "
-          f"tokens identical")
+    for name in ("host", "hostsmall", "disk"):
+        if name not in results:
+            continue
+        assert results[name]["tokens"] == results["none"]["tokens"], f"{name} changed tokens"
+        speed = pct(results["none"]["ttft"][later], 0.9) / pct(results[name]["ttft"][later], 0.9)
+        print(f"{name} vs none: TTFT p90 {speed:.2f}x better, prompt tokens computed "
+              f"{sum(results[name]['computed'])} vs {sum(results['none']['computed'])}; "
+              "tokens identical")
 
     engine = host_llm.llm_engine
     cost = engine.swap_cost

@@ -31,6 +31,8 @@ class EngineConfig:
     swap_space: float = 4.0  # GiB of CPU memory for swapped-out blocks
     preemption_mode: str = "auto"  # "auto" (swap where cheaper) | "recompute" | "swap"
     kv_offloading_size: float = 0.0  # GiB of host memory for evicted prefix blocks (0 = none)
+    kv_offloading_disk_path: str | None = None  # directory for blocks the host tier evicts
+    kv_offloading_disk_size: float = 0.0  # GiB cap of that directory
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
@@ -70,10 +72,30 @@ class EngineConfig:
         if self.kv_offloading_size and not self.enable_prefix_caching:
             raise ConfigError("kv_offloading_size keeps evicted prefix-cache blocks, so it needs "
                               "enable_prefix_caching=True (or set kv_offloading_size=0)")
+        self._check_disk_tier()
         if self.attention_backend not in ("auto", "cpu", "torch", "triton", "reference"):
             raise ConfigError(f"unknown attention_backend {self.attention_backend!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+
+    def _check_disk_tier(self) -> None:
+        """The disk tier holds what the host tier evicts, so it needs one; its path and size come
+        together. Whether the path is writable and the size holds a block is checked at start."""
+        path, size = self.kv_offloading_disk_path, self.kv_offloading_disk_size
+        if not size >= 0:
+            raise ConfigError(f"kv_offloading_disk_size must be >= 0 GiB, got {size}")
+        if path is None and not size:
+            return
+        if not path or not size:
+            raise ConfigError("the KV disk tier needs both kv_offloading_disk_path (a directory) "
+                              f"and kv_offloading_disk_size (GiB > 0); got path {path!r}, size "
+                              f"{size}")
+        if not self.kv_offloading_size:
+            raise ConfigError("kv_offloading_disk_path keeps blocks the host tier evicts, so it "
+                              "needs kv_offloading_size > 0 (GiB of host memory) too")
+        if self.tensor_parallel_size > 1:
+            raise ConfigError("the KV disk tier supports tensor_parallel_size=1 only; drop "
+                              "kv_offloading_disk_path or use one rank")
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> "EngineConfig":

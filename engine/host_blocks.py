@@ -85,10 +85,36 @@ class HostBlocks:
         cur.wait_stream(self.stream)  # the forward reads the restored blocks
         self._events.append(("restore", nbytes, start, end))
 
-    def read_block(self, slot: int) -> torch.Tensor:
-        """One host block as its bytes, once every copy into it is done (disk tier, tests)."""
+    def load(self, pairs: list[tuple[bytearray, int]]) -> None:
+        """Copy block payloads (the disk tier's, in this layout) into device blocks: (payload,
+        device block) pairs, staged in one host buffer and scattered in one copy."""
+        payloads, dst = zip(*pairs)
+        t0 = time.perf_counter()
+        raw = _raw(self.data)
+        staged = torch.empty((len(dst), *raw.shape[1:]), dtype=raw.dtype,
+                             pin_memory=self.stream is not None)
+        flat = staged.view(len(dst), -1).view(torch.uint8)
+        for i, p in enumerate(payloads):
+            flat[i].copy_(torch.frombuffer(p, dtype=torch.uint8))
+        idx = torch.tensor(dst, device=self.device)
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                staged_dev = staged.to(self.device, non_blocking=True)
+                _raw(self.kv).index_copy_(2, idx, staged_dev.movedim(0, 2))
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            self.stream.synchronize()  # the staging buffer is freed on return
+        else:
+            _raw(self.kv).index_copy_(2, idx, staged.movedim(0, 2))
+        self._timings.append(("load", len(dst) * self.block_bytes, time.perf_counter() - t0))
+
+    def read_block(self, slot: int, from_device: bool = False) -> torch.Tensor:
+        """One host block (or, `from_device`, device block `slot` in the host layout) as its
+        bytes on the host, once every copy into it is done (disk tier, tests)."""
         if self.stream is not None:
             self.stream.synchronize()
+        if from_device:
+            return _raw(self.kv)[:, :, slot].contiguous().cpu().reshape(-1).view(torch.uint8)
         return _raw(self.data)[slot].reshape(-1).view(torch.uint8)
 
     def take_timings(self) -> list:

@@ -1,6 +1,7 @@
 """KVCacheManager: block tables of the running sequences on top of the BlockPool — lazy slot
 allocation, prefix-cache lookup and registration, fork with copy-on-write, swap to a CPU pool,
-and the host tier: evicted prefix blocks demoted to host memory, promoted back on a prefix hit."""
+and the host tier: evicted prefix blocks demoted to host memory (and from there to an optional
+disk tier), promoted back on a prefix hit."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 
 from kvserve.engine.block_hash import hash_block
 from kvserve.engine.block_pool import Block, BlockPool
+from kvserve.engine.disk_tier import DiskTier
 from kvserve.engine.host_tier import HostTier, TierCounters
 from kvserve.engine.sequence import Sequence
 
@@ -19,6 +21,7 @@ class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
     hits: int = 0  # of which found in the cache (any tier)
     host_hits: int = 0  # of the hits, those restored from the host tier
+    disk_hits: int = 0  # of the hits, those loaded from the disk tier
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,19 @@ class HostHit:
     block_hash: bytes
 
 
-PrefixHit = Block | HostHit
+@dataclass(frozen=True, eq=False)
+class DiskHit:
+    """A prefix block found (and already read and verified) in the disk tier: allocating it
+    takes a new device block and queues the load of `payload` into it."""
+
+    block_hash: bytes
+    payload: bytearray
+
+
+PrefixHit = Block | HostHit | DiskHit
+# A block for the disk tier: ("host", host slot, hash), or ("device", device block, hash) when the
+# host tier could not take it (every slot busy this step).
+Spill = tuple[str, int, bytes]
 
 
 @dataclass(frozen=True)
@@ -51,11 +66,20 @@ class KVCacheStats:
     num_host_blocks: int = 0  # host tier capacity
     num_host_cached_blocks: int = 0  # host tier blocks holding a prefix block
     host: TierCounters = field(default_factory=TierCounters)  # cumulative host tier moves
+    prefix_cache_disk_hits: int = 0  # of prefix_cache_hits, tokens loaded from the disk tier
+    num_disk_blocks: int = 0  # disk tier capacity
+    num_disk_cached_blocks: int = 0
+    disk: TierCounters = field(default_factory=TierCounters)  # cumulative disk tier moves
+    disk_blocks_dropped: int = 0  # not written: the disk writer was behind
+    disk_bad_files: int = 0  # reads that found a missing or damaged file (misses)
+    disk_bytes_written: int = 0
+    disk_bytes_read: int = 0
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_cpu_blocks: int = 0, num_host_blocks: int = 0) -> None:
+                 num_cpu_blocks: int = 0, num_host_blocks: int = 0,
+                 disk: DiskTier | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
@@ -71,6 +95,9 @@ class KVCacheManager:
         self.host = HostTier(num_host_blocks) if num_host_blocks and enable_caching else None
         self.pending_offloads: list[tuple[int, int]] = []  # (device block, host slot)
         self.pending_restores: list[tuple[int, int]] = []  # (host slot, device block)
+        self.disk = disk if self.host is not None else None
+        self.pending_spills: list[Spill] = []  # blocks for the disk tier
+        self.pending_loads: list[tuple[bytearray, int]] = []  # (disk payload, device block)
 
     # ---- prefix cache -------------------------------------------------------------------------
     def _seq_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
@@ -84,8 +111,10 @@ class KVCacheManager:
         return hs
 
     def lookup_prefix(self, seq: Sequence) -> list[PrefixHit]:
-        """Cached blocks holding the longest prefix of the seq's tokens: device blocks, or
-        `HostHit`s for blocks only the host tier holds. Changes nothing.
+        """Cached blocks holding the longest prefix of the seq's tokens: device blocks,
+        `HostHit`s for blocks only the host tier holds, `DiskHit`s for blocks only the disk tier
+        holds (read and verified here, in one batch: a bad file ends the prefix). Changes
+        nothing but the tiers' LRU order (and drops a bad disk file).
 
         At least one token is always left to compute, since its logits are needed.
         """
@@ -93,14 +122,24 @@ class KVCacheManager:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hits: list[PrefixHit] = []
+        on_disk: list[int] = []  # positions in `hits` to fill from the disk tier
         for h in self._seq_hashes(seq, max_blocks)[:max_blocks]:
             b = self.pool.get_cached_block(h)
             if b is not None:
                 hits.append(b)
             elif self.host is not None and h in self.host:
                 hits.append(HostHit(h))
+            elif self.disk is not None and h in self.disk:
+                on_disk.append(len(hits))
+                hits.append(HostHit(h))  # placeholder until read
             else:
                 break
+        if on_disk:
+            payloads = self.disk.read([hits[i].block_hash for i in on_disk])  # type: ignore
+            for i, payload in zip(on_disk, payloads):
+                hits[i] = DiskHit(hits[i].block_hash, payload)  # type: ignore[union-attr]
+            if len(payloads) < len(on_disk):
+                del hits[on_disk[len(payloads)]:]
         return hits
 
     def full_block_hashes(self, seq: Sequence, start_block: int, end_block: int) -> list[bytes]:
@@ -111,13 +150,14 @@ class KVCacheManager:
         return self._seq_hashes(seq, end)[start_block:end] if end > start_block else []
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int,
-                      num_host_hit_tokens: int = 0) -> None:
+                      num_host_hit_tokens: int = 0, num_disk_hit_tokens: int = 0) -> None:
         """Count one admitted request's prefix lookup in the hit-rate figures (the hits of any
-        tier, and of those the host tier's)."""
+        tier, and of those the host tier's and the disk tier's)."""
         if self.enable_caching:
             self.prefix_stats.queries += num_tokens
             self.prefix_stats.hits += num_hit_tokens
             self.prefix_stats.host_hits += num_host_hit_tokens
+            self.prefix_stats.disk_hits += num_disk_hit_tokens
 
     def register_computed(self, seq: Sequence) -> None:
         """Put the seq's newly full and computed blocks into the prefix cache."""
@@ -167,23 +207,37 @@ class KVCacheManager:
 
     # ---- host tier ----------------------------------------------------------------------------
     def _new_blocks(self, n: int) -> list[Block]:
-        """Fresh device blocks; cached content they held goes to the host tier first."""
+        """Fresh device blocks; cached content they held goes to the host tier first, and what
+        that evicts from the host tier to the disk tier (read before the slot is reused)."""
         blocks = self.pool.get_new_blocks(n)
         evicted = self.pool.take_evicted()
         if self.host is not None:
             for block_id, h in evicted:
-                slot, _ = self.host.store(h)
+                slot, victim = self.host.store(h)
                 if slot is not None:
                     self.pending_offloads.append((block_id, slot))
+                elif h not in self.host:  # every host slot busy this step: straight to disk
+                    self._spill("device", block_id, h)
+                if victim is not None:
+                    self._spill("host", victim[1], victim[0])
         return blocks
 
+    def _spill(self, medium: str, index: int, block_hash: bytes) -> None:
+        if self.disk is None:
+            return
+        if block_hash in self.disk:
+            self.disk.touch(block_hash)  # already written once: no copy
+        else:
+            self.pending_spills.append((medium, index, block_hash))
+
     def _restore(self, hits: list[PrefixHit]) -> list[Block]:
-        """Device blocks for `hits` in order: device hits as they are, host hits in new blocks
-        registered under their hash, with the host -> device copies queued."""
+        """Device blocks for `hits` in order: device hits as they are, host and disk hits in
+        new blocks registered under their hash, with the copies into them queued."""
         assert self.host is not None
         host_hits = [h for h in hits if isinstance(h, HostHit)]
         slots = [self.host.restore(h.block_hash) for h in host_hits]  # pinned first: the
-        fresh = iter(self._new_blocks(len(host_hits)))  # allocation may offload and evict
+        num_new = sum(1 for h in hits if not isinstance(h, Block))  # allocation may evict
+        fresh = iter(self._new_blocks(num_new))
         out: list[Block] = []
         for hit in hits:
             if isinstance(hit, Block):
@@ -192,6 +246,9 @@ class KVCacheManager:
             b = next(fresh)
             self.pool.cache_block(b, hit.block_hash)
             out.append(b)
+            if isinstance(hit, DiskHit):
+                self.pending_loads.append((hit.payload, b.block_id))
+                self.disk.counters.restored += 1  # type: ignore[union-attr]
         restored = [b for b, hit in zip(out, hits) if isinstance(hit, HostHit)]
         self.pending_restores += [(s, b.block_id) for s, b in zip(slots, restored)]
         return out
@@ -203,6 +260,13 @@ class KVCacheManager:
         self.pending_offloads, self.pending_restores = [], []
         if self.host is not None:
             self.host.unpin_all()
+        return out
+
+    def take_disk_moves(self) -> tuple[list[Spill], list[tuple[bytearray, int]]]:
+        """This step's spills to the disk tier, which the runner reads before the step's copies
+        reuse those host slots or device blocks, and (payload, device block) loads."""
+        out = (self.pending_spills, self.pending_loads)
+        self.pending_spills, self.pending_loads = [], []
         return out
 
     def _copy_on_write(self, table: list[Block]) -> None:
@@ -285,7 +349,7 @@ class KVCacheManager:
 
     def make_stats(self) -> KVCacheStats:
         """A snapshot of the figures; reading it changes nothing (see take_alloc_seconds)."""
-        pool, host = self.pool, self.host
+        pool, host, disk = self.pool, self.host, self.disk
         return KVCacheStats(
             usage=pool.usage(), num_total_blocks=pool.num_blocks,
             num_free_blocks=pool.num_free_blocks, num_cached_blocks=len(pool.cached),
@@ -296,7 +360,15 @@ class KVCacheManager:
             prefix_cache_host_hits=self.prefix_stats.host_hits,
             num_host_blocks=host.num_blocks if host else 0,
             num_host_cached_blocks=len(host) if host else 0,
-            host=TierCounters(**vars(host.counters)) if host else TierCounters())
+            host=TierCounters(**vars(host.counters)) if host else TierCounters(),
+            prefix_cache_disk_hits=self.prefix_stats.disk_hits,
+            num_disk_blocks=disk.num_blocks if disk else 0,
+            num_disk_cached_blocks=len(disk) if disk else 0,
+            disk=TierCounters(**vars(disk.counters)) if disk else TierCounters(),
+            disk_blocks_dropped=disk.num_dropped if disk else 0,
+            disk_bad_files=disk.num_bad_files if disk else 0,
+            disk_bytes_written=disk.bytes_written if disk else 0,
+            disk_bytes_read=disk.bytes_read if disk else 0)
 
     def take_alloc_seconds(self) -> list[float]:
         """Durations of the allocate_slots calls since the last take (the newest 4,096 kept)."""

@@ -10,6 +10,6 @@ from typing import Literal
 class KVEvent:
     kind: Literal["stored", "removed", "cleared"]  # "cleared": the whole prefix cache was reset
     block_hashes: tuple[str, ...] = ()
-    # Which tier changed: "device" (the block pool) or "host" (the offloading tier), as vLLM's
-    # KV events' `medium`; a router can weigh a host hit below a device hit.
-    medium: Literal["device", "host"] = "device"
+    # Which tier changed: "device" (the block pool), "host" or "disk" (the offloading tiers), as
+    # vLLM's KV events' `medium`; a router can weigh a host hit below a device hit.
+    medium: Literal["device", "host", "disk"] = "device"

@@ -41,7 +41,8 @@ class LLM:
         self._counter = itertools.count()
 
     def shutdown(self) -> None:
-        """Stop the engine's tensor-parallel worker processes (a no-op with one rank)."""
+        """Stop the engine's tensor-parallel worker processes, and with a KV disk tier write the
+        cached blocks there and release its directory (a no-op otherwise)."""
         self.llm_engine.shutdown()
 
     def get_tokenizer(self) -> Any:

@@ -14,6 +14,8 @@ import torch
 
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.disk_block_file import describe_layout
+from kvserve.engine.disk_tier import DiskTier
 from kvserve.engine.errors import InvalidRequestError
 from kvserve.engine.kv_cache_manager import KVCacheManager
 from kvserve.engine.kv_events import KVEvent
@@ -63,9 +65,10 @@ class LLMEngine:
         self.memory_budget = setup.budget
         self.eos_token_ids = setup.eos_token_ids
         self.vocab_size = setup.vocab_size
+        self.disk = _disk_tier(config, setup, str(model_path))
         self.kv = KVCacheManager(setup.budget.num_blocks, config.block_size,
                                  config.enable_prefix_caching, setup.num_cpu_blocks,
-                                 setup.num_host_blocks)
+                                 setup.num_host_blocks, self.disk)
         self.swap_cost = SwapCostModel(setup.budget.bytes_per_block)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=setup.max_num_batched_tokens,
@@ -76,7 +79,7 @@ class LLMEngine:
             head_dim=setup.head_dim, num_blocks=setup.budget.num_blocks,
             block_size=config.block_size, kv_dtype=setup.kv_dtype, device=self.device,
             num_cpu_blocks=setup.num_cpu_blocks, attention_backend=config.attention_backend,
-            workers=setup.workers, num_host_blocks=setup.num_host_blocks)
+            workers=setup.workers, num_host_blocks=setup.num_host_blocks, disk=self.disk)
         self.tiers = TierFigures()
         if config.calculate_kv_scales and setup.kv_dtype == FP8_DTYPE:
             self._calibrate_kv_scales()
@@ -118,6 +121,21 @@ class LLMEngine:
         the engine or leaving the interpreter stops them too."""
         if self.runner.workers is not None:
             self.runner.workers.close()
+        if self.disk is not None and self.disk.is_open:
+            self._persist_to_disk()
+            self.disk.close()
+
+    def _persist_to_disk(self) -> None:
+        """The host tier's and the device pool's cached blocks go to the disk tier too, so a
+        restart of the same model finds whole prefixes there: their first blocks are the
+        hottest, so they are rarely on disk while the engine runs."""
+        host = self.runner.host
+        blocks = [(h, slot, False) for h, slot in self.kv.host.slots.items()]  # type: ignore
+        blocks += [(h, b.block_id, True) for h, b in self.kv.pool.cached.items()]
+        for h, index, from_device in blocks:
+            if h not in self.disk:  # type: ignore[operator]
+                data = host.read_block(index, from_device=from_device)  # type: ignore[union-attr]
+                self.disk.put(h, bytearray(data.numpy()), wait=True)  # type: ignore[union-attr]
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
@@ -394,7 +412,14 @@ class LLMEngine:
             host_blocks_stored=cache.host.stored, host_blocks_restored=cache.host.restored,
             host_blocks_evicted=cache.host.evicted,
             offload_bytes_to_host=self.tiers.bytes_to_host,
-            offload_bytes_to_device=self.tiers.bytes_to_device)
+            offload_bytes_to_device=self.tiers.bytes_to_device,
+            prefix_cache_disk_hits=cache.prefix_cache_disk_hits,
+            num_disk_blocks=cache.num_disk_blocks,
+            num_disk_cached_blocks=cache.num_disk_cached_blocks,
+            disk_blocks_stored=cache.disk.stored, disk_blocks_restored=cache.disk.restored,
+            disk_blocks_evicted=cache.disk.evicted, disk_blocks_dropped=cache.disk_blocks_dropped,
+            disk_bad_files=cache.disk_bad_files, offload_bytes_to_disk=cache.disk_bytes_written,
+            offload_bytes_from_disk=cache.disk_bytes_read)
 
     def _observe_step(self, sched: SchedulerOutput, seconds: float) -> None:
         """Feed the swap cost model: prefill rate from prefill-heavy steps, copy rate from the
@@ -411,17 +436,21 @@ class LLMEngine:
 
     def drain_kv_events(self, media: tuple[str, ...] = ("device",)) -> list[KVEvent]:
         """Prefix-cache changes since the last call: the device pool's (what a tier-unaware
-        index holds), and with "host" in `media` the host tier's (`KVEvent.medium`). Each
-        tier's log is bounded on its own when not drained."""
+        index holds), and with "host" / "disk" in `media` those tiers' (`KVEvent.medium`).
+        Each tier's log is bounded on its own when not drained."""
         events = self.kv.pool.drain_events() if "device" in media else []
         if "host" in media and self.kv.host is not None:
             events += self.kv.host.drain_events()
+        if "disk" in media and self.kv.disk is not None:
+            events += self.kv.disk.drain_events()
         return events
 
     def cached_block_hashes(self, medium: str = "device") -> list[str]:
-        """Every hash the device pool (or, `medium="host"`, the host tier) holds now."""
+        """Every hash the device pool (or, `medium="host"` / "disk", that tier) holds now."""
         if medium == "host":
             return [h.hex() for h in self.kv.host.lru_hashes()] if self.kv.host else []
+        if medium == "disk":
+            return [h.hex() for h in self.kv.disk.lru_hashes()] if self.kv.disk else []
         return self.kv.pool.cached_hashes()
 
     def drain_block_alloc_seconds(self) -> list[float]:
@@ -436,7 +465,21 @@ class LLMEngine:
             return False
         if self.kv.host is not None:
             self.kv.host.clear()
+        if self.kv.disk is not None:
+            self.kv.disk.clear()
         return True
+
+
+def _disk_tier(config: EngineConfig, setup: EngineSetup, model_path: str) -> DiskTier | None:
+    """The KV disk tier (kv_offloading_disk_path), its files named for this model and layout."""
+    if not config.kv_offloading_disk_path or not setup.num_host_blocks:
+        return None
+    shape = (2, setup.num_layers, config.block_size, setup.num_kv_heads, setup.head_dim)
+    layout = describe_layout(config.model, config.revision, str(setup.kv_dtype), shape,
+                             model_path)
+    return DiskTier(config.kv_offloading_disk_path,
+                    int(config.kv_offloading_disk_size * (1 << 30)),
+                    setup.budget.bytes_per_block, layout)
 
 
 def _chat_ids(tokenizer: Any, text: str) -> list[int]:

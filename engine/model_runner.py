@@ -25,6 +25,7 @@ from kvserve.kernels.metadata import AttentionMetadata
 from kvserve.kernels.plan import plan_attention
 
 if TYPE_CHECKING:
+    from kvserve.engine.disk_tier import DiskTier
     from kvserve.engine.workers import WorkerGroup
 
 BlockPairs = list[tuple[int, int]]
@@ -32,25 +33,30 @@ BlockPairs = list[tuple[int, int]]
 
 @dataclass
 class BlockMoves:
-    """One step's (src, dst) block pairs, applied in this order: offloads (device -> host tier)
-    first, since the blocks they read were evicted and are about to be reused; swap-outs; then
-    restores (host tier -> device), swap-ins and copy-on-write."""
+    """One step's (src, dst) block pairs, applied in this order: spills (host tier -> disk tier)
+    first, since the host slots they read are about to be reused by offloads (device -> host
+    tier), which come next since the blocks they read were evicted and are about to be reused;
+    swap-outs; then restores (host tier -> device), loads (disk tier -> device), swap-ins and
+    copy-on-write."""
 
     swap_out: BlockPairs = field(default_factory=list)
     swap_in: BlockPairs = field(default_factory=list)
     copy: BlockPairs = field(default_factory=list)
     offload: BlockPairs = field(default_factory=list)
     restore: BlockPairs = field(default_factory=list)
+    spill: list[tuple[str, int, bytes]] = field(default_factory=list)  # (medium, index, hash)
+    load: list[tuple[bytearray, int]] = field(default_factory=list)  # (payload, device block)
 
     def __bool__(self) -> bool:
-        return bool(self.swap_out or self.swap_in or self.copy or self.offload or self.restore)
+        return bool(self.swap_out or self.swap_in or self.copy or self.offload or self.restore
+                    or self.spill or self.load)
 
 
 @dataclass(frozen=True)
 class CopyTiming:
     """One batched copy between device and host: what it moved (this rank) and how long."""
 
-    kind: str  # "offload" | "restore" | "swap_out" | "swap_in"
+    kind: str  # "offload" | "restore" | "load" | "swap_out" | "swap_in"
     num_bytes: int
     seconds: float
 
@@ -76,7 +82,8 @@ class ModelRunner:
                  head_dim: int, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  device: torch.device, num_cpu_blocks: int = 0, attention_backend: str = "auto",
                  k_scale: float = 1.0, v_scale: float = 1.0,
-                 workers: "WorkerGroup | None" = None, num_host_blocks: int = 0) -> None:
+                 workers: "WorkerGroup | None" = None, num_host_blocks: int = 0,
+                 disk: "DiskTier | None" = None) -> None:
         self.model = model
         self.workers = workers  # the other ranks (tensor parallel, driver only)
         self.device = device
@@ -95,6 +102,7 @@ class ModelRunner:
             self.cpu_kv = torch.zeros(cpu_shape, dtype=kv_dtype,
                                       pin_memory=device.type == "cuda")
         self.host = HostBlocks(self.kv, num_host_blocks) if num_host_blocks else None
+        self.disk = disk  # where spilled host blocks go (one rank: the config refuses more)
         self.timings: deque[CopyTiming] = deque(maxlen=4096)
         self.sampler = Sampler()
 
@@ -120,6 +128,9 @@ class ModelRunner:
         self.apply_moves(moves)
 
     def apply_moves(self, m: BlockMoves) -> None:
+        for medium, index, block_hash in m.spill:  # a copy of each block for the disk writer
+            data = self.host.read_block(index, from_device=medium == "device")  # type: ignore
+            self.disk.put(block_hash, bytearray(data.numpy()))  # type: ignore[union-attr]
         if m.offload:
             self.host.offload(m.offload)  # type: ignore[union-attr]
         if m.swap_out:
@@ -129,6 +140,8 @@ class ModelRunner:
             self._timed("swap_out", len(src), t0)
         if m.restore:
             self.host.restore(m.restore)  # type: ignore[union-attr]
+        if m.load:
+            self.host.load(m.load)  # type: ignore[union-attr]
         if m.swap_in:
             t0 = self._clock()
             src, dst = zip(*m.swap_in)
@@ -258,4 +271,5 @@ class ModelRunner:
 def _moves(sched: SchedulerOutput) -> BlockMoves:
     return BlockMoves(list(sched.blocks_to_swap_out), list(sched.blocks_to_swap_in),
                       list(sched.blocks_to_copy), list(sched.blocks_to_offload),
-                      list(sched.blocks_to_restore))
+                      list(sched.blocks_to_restore), list(sched.blocks_to_spill),
+                      list(sched.blocks_to_load))

@@ -9,7 +9,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvserve.engine.kv_cache_manager import HostHit, KVCacheManager
+from kvserve.engine.kv_cache_manager import DiskHit, HostHit, KVCacheManager, Spill
 from kvserve.engine.sequence import Sequence, SequenceStatus
 
 
@@ -22,6 +22,8 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
     blocks_to_offload: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     blocks_to_restore: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    blocks_to_spill: list[Spill] = field(default_factory=list)  # -> disk tier
+    blocks_to_load: list[tuple[bytearray, int]] = field(default_factory=list)  # (disk, device)
     num_preempted: int = 0
 
     @property
@@ -74,6 +76,7 @@ class Scheduler:
                 self._schedule_waiting(out, budget)
         out.blocks_to_copy = self.kv.take_pending_copies()
         out.blocks_to_offload, out.blocks_to_restore = self.kv.take_tier_moves()
+        out.blocks_to_spill, out.blocks_to_load = self.kv.take_disk_moves()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -182,7 +185,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             from_host = sum(1 for h in hits if isinstance(h, HostHit)) * self.kv.block_size
-            self.kv.record_lookup(seq.num_tokens, cached, from_host)
+            from_disk = sum(1 for h in hits if isinstance(h, DiskHit)) * self.kv.block_size
+            self.kv.record_lookup(seq.num_tokens, cached, from_host, from_disk)
             if seq.num_cached_tokens < 0:  # first admission: what the request got from the cache
                 seq.num_cached_tokens = cached
             seq.num_computed_tokens = cached

@@ -39,6 +39,17 @@ class EngineStats:
     host_blocks_evicted: int = 0  # cumulative blocks dropped from the host tier
     offload_bytes_to_host: int = 0  # cumulative, offloads and swap-outs, all ranks
     offload_bytes_to_device: int = 0  # cumulative, restores and swap-ins, all ranks
+    # KV disk tier (kv_offloading_disk_path); prefix_cache_hits counts its hits too.
+    prefix_cache_disk_hits: int = 0  # cumulative prompt tokens loaded from the disk tier
+    num_disk_blocks: int = 0
+    num_disk_cached_blocks: int = 0
+    disk_blocks_stored: int = 0  # cumulative blocks queued for writing to the disk tier
+    disk_blocks_restored: int = 0  # cumulative blocks loaded back to the device
+    disk_blocks_evicted: int = 0  # cumulative blocks deleted to stay under the cap
+    disk_blocks_dropped: int = 0  # cumulative blocks not written: the writer was behind
+    disk_bad_files: int = 0  # cumulative reads of a missing or damaged file (misses)
+    offload_bytes_to_disk: int = 0
+    offload_bytes_from_disk: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

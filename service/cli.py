@@ -156,6 +156,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-offloading-size", type=float, default=d("kv_offloading_size"),
                    help="GiB of host memory (all ranks) keeping prefix-cache blocks evicted from "
                         "the device; a hit copies them back instead of recomputing (0: off)")
+    g.add_argument("--kv-offloading-disk-path", default=None, metavar="DIR",
+                   help="directory keeping blocks the host tier evicts (needs "
+                        "--kv-offloading-size and --kv-offloading-disk-size; one per engine; "
+                        "kept across restarts of the same model)")
+    g.add_argument("--kv-offloading-disk-size", type=float, default=d("kv_offloading_disk_size"),
+                   help="GiB cap of --kv-offloading-disk-path")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=d("enable_prefix_caching"), help="reuse KV blocks of shared prefixes")
     g.add_argument("--kv-cache-dtype", default=d("kv_cache_dtype"), choices=KV_CACHE_DTYPES,

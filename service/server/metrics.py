@@ -127,7 +127,13 @@ class ServerMetrics:
         self.offload_evicted = c("kvserve:offload_blocks_evicted",
                                  "KV blocks dropped from a tier to make room.", ("tier",))
         self.offload_bytes = c("kvserve:offload_bytes", "KV bytes moved between device and host "
-                               "(offloads, restores, swaps), all ranks.", ("direction",))
+                               "(offloads, restores, swaps), all ranks, and to and from the "
+                               "disk tier.", ("direction",))
+        self.disk_blocks = g("kvserve:offload_disk_blocks", "Blocks the KV disk tier holds.",
+                             ("state",))
+        self.disk_misses = c("kvserve:offload_disk_failures", "KV blocks the disk tier lost: "
+                             "not written (writer behind) or found missing or damaged on read.",
+                             ("reason",))
         self.restore_seconds = self._histogram(
             "kvserve:offload_restore_seconds", "Time of one step's batched host -> device restore.",
             ALLOC_BUCKETS + (0.25, 0.5, 1.0)).labels(m)
@@ -144,16 +150,22 @@ class ServerMetrics:
         total, held = _stat(stats, "num_host_blocks"), _stat(stats, "num_host_cached_blocks")
         self.host_blocks.labels(m, "used").set(held)
         self.host_blocks.labels(m, "free").set(total - held)
+        total, held = _stat(stats, "num_disk_blocks"), _stat(stats, "num_disk_cached_blocks")
+        self.disk_blocks.labels(m, "used").set(held)
+        self.disk_blocks.labels(m, "free").set(total - held)
         for key, counter in (("stored", self.offload_stored), ("restored", self.offload_restored),
                              ("evicted", self.offload_evicted)):
-            self._advance(f"host_{key}", counter.labels(m, "host"),
-                          _stat(stats, f"host_blocks_{key}"))
-        for direction in ("to_host", "to_device"):
+            for tier in ("host", "disk"):
+                self._advance(f"{tier}_{key}", counter.labels(m, tier),
+                              _stat(stats, f"{tier}_blocks_{key}"))
+        for reason, key in (("dropped", "disk_blocks_dropped"), ("bad_file", "disk_bad_files")):
+            self._advance(f"disk_{reason}", self.disk_misses.labels(m, reason), _stat(stats, key))
+        for direction in ("to_host", "to_device", "to_disk", "from_disk"):
             self._advance(f"bytes_{direction}", self.offload_bytes.labels(m, direction),
                           _stat(stats, f"offload_bytes_{direction}"))
         queries, hits = _stat(stats, "prefix_cache_queries"), _stat(stats, "prefix_cache_hits")
-        host = _stat(stats, "prefix_cache_host_hits")
-        for tier, value in (("device", hits - host), ("host", host)):
+        host, disk = _stat(stats, "prefix_cache_host_hits"), _stat(stats, "prefix_cache_disk_hits")
+        for tier, value in (("device", hits - host - disk), ("host", host), ("disk", disk)):
             self._advance(f"hits_{tier}", self.prefix_hits_by_tier.labels(m, tier), value)
             self.prefix_hit_rate_by_tier.labels(m, tier).set(value / queries if queries else 0.0)
 

@@ -177,3 +177,10 @@ def test_kv_offloading_and_preemption_flags():
         == "recompute"
     with pytest.raises(SystemExit):
         _serve("--preemption-mode", "evict")
+    cfg = cli.engine_config_from_args(_serve(
+        "--kv-offloading-size", "8", "--kv-offloading-disk-path", "/var/cache/kv",
+        "--kv-offloading-disk-size", "100"))
+    assert (cfg.kv_offloading_disk_path, cfg.kv_offloading_disk_size) == ("/var/cache/kv", 100.0)
+    with pytest.raises(ConfigError, match="kv_offloading_size"):
+        cli.engine_config_from_args(_serve("--kv-offloading-disk-path", "/var/cache/kv",
+                                           "--kv-offloading-disk-size", "100"))

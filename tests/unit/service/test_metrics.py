@@ -108,12 +108,16 @@ def test_aborted_request_counts_as_abort_once():
 
 def test_kv_tier_metrics():
     """vllm:cpu_cache_usage_perc, kvserve:offload_* from the cumulative tier figures, the prefix
-    hits split device/host, and the restore histogram fed by the engine's drain."""
+    hits split device/host/disk, and the restore histogram fed by the engine's drain."""
     m = ServerMetrics("m")
     tier = dict(num_cpu_blocks=10, num_free_cpu_blocks=6, num_host_blocks=30,
                 num_host_cached_blocks=12, prefix_cache_queries=200, prefix_cache_hits=120,
                 prefix_cache_host_hits=80, host_blocks_stored=20, host_blocks_restored=5,
-                host_blocks_evicted=2, offload_bytes_to_host=2048, offload_bytes_to_device=512)
+                host_blocks_evicted=2, offload_bytes_to_host=2048, offload_bytes_to_device=512,
+                prefix_cache_disk_hits=16, num_disk_blocks=100, num_disk_cached_blocks=40,
+                disk_blocks_stored=9, disk_blocks_restored=1, disk_blocks_evicted=3,
+                disk_blocks_dropped=4, disk_bad_files=1, offload_bytes_to_disk=900,
+                offload_bytes_from_disk=100)
     m.observe_stats(_stats(**tier))
     assert _value(m, "vllm:cpu_cache_usage_perc") == (4 + 12) / 40
     assert _value(m, "kvserve:offload_blocks_stored_total", tier="host") == 20
@@ -121,7 +125,16 @@ def test_kv_tier_metrics():
     assert _value(m, "kvserve:offload_blocks_evicted_total", tier="host") == 2
     assert _value(m, "kvserve:offload_bytes_total", direction="to_device") == 512
     assert _value(m, "kvserve:offload_host_blocks", state="free") == 18
-    assert _value(m, "kvserve:prefix_cache_hits_by_tier_total", tier="device") == 40
+    assert _value(m, "kvserve:prefix_cache_hits_by_tier_total", tier="device") == 24
+    assert _value(m, "kvserve:prefix_cache_hits_by_tier_total", tier="disk") == 16
+    assert _value(m, "kvserve:offload_blocks_stored_total", tier="disk") == 9
+    assert _value(m, "kvserve:offload_blocks_restored_total", tier="disk") == 1
+    assert _value(m, "kvserve:offload_blocks_evicted_total", tier="disk") == 3
+    assert _value(m, "kvserve:offload_disk_blocks", state="free") == 60
+    assert _value(m, "kvserve:offload_disk_failures_total", reason="dropped") == 4
+    assert _value(m, "kvserve:offload_disk_failures_total", reason="bad_file") == 1
+    assert _value(m, "kvserve:offload_bytes_total", direction="to_disk") == 900
+    assert _value(m, "kvserve:offload_bytes_total", direction="from_disk") == 100
     assert _value(m, "kvserve:prefix_cache_hit_rate_by_tier", tier="host") == 0.4
     m.observe_stats(_stats(**dict(tier, host_blocks_stored=25, offload_bytes_to_host=4096)))
     assert _value(m, "kvserve:offload_blocks_stored_total", tier="host") == 25
