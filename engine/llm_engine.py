@@ -15,6 +15,7 @@ import torch
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.errors import InvalidRequestError
+from kvserve.engine.grammar import GrammarCompiler, GrammarState
 from kvserve.engine.kv_cache_manager import KVCacheManager
 from kvserve.engine.kv_events import KVEvent
 from kvserve.engine.model_loader import load_model, resolve_model
@@ -42,6 +43,8 @@ class RequestState:
     detoks: list[IncrementalDetokenizer]
     metrics: RequestMetrics
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # sample index -> gen
+    grammar: Any = None  # the compiled constraint of a structured-output request
+    matchers: dict[int, GrammarState] = field(default_factory=dict)  # sample index -> matcher
 
     @property
     def finished(self) -> bool:
@@ -76,6 +79,7 @@ class LLMEngine:
             workers=setup.workers)
         if config.calculate_kv_scales and setup.kv_dtype == FP8_DTYPE:
             self._calibrate_kv_scales()
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.requests: dict[str, RequestState] = {}
         self._next_seq_id = 0
         self._aborted: list[RequestOutput] = []
@@ -125,11 +129,12 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         ids = prompt_token_ids(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
         params = self._check_request(ids, params)
+        grammar = self.grammars.compile(params.constraint) if params.constraint else None
         now = arrival_time if arrival_time is not None else time.monotonic()
         seq = self._new_seq(request_id, 0, ids, params, now, priority, cache_salt)
         seq.pending_forks = params.n - 1
         state = RequestState(request_id, text, ids, params, [seq], [self._detok(ids, params)],
-                             RequestMetrics(arrival_time=now))
+                             RequestMetrics(arrival_time=now), grammar=grammar)
         self.requests[request_id] = state
         self.scheduler.add(seq)
         self._prompt_tokens += len(ids)
@@ -246,6 +251,7 @@ class LLMEngine:
         for r, seq in enumerate(seqs):  # a generator that cannot be made fails its request only
             try:
                 self._generator_for(seq, r, seqs)
+                self._grammar_state(seq)
             except Exception as exc:  # noqa: BLE001 - handed to that request's caller
                 self._fail_request(seq.request_id, exc)
         if self._failed_now:
@@ -262,7 +268,21 @@ class LLMEngine:
             [s.params for s in seqs], [s.prompt_token_ids for s in seqs],
             [s.output_token_ids for s in seqs], gens, self.vocab_size, self.device,
             eos_token_id=self.eos_token_ids)
+        if any(self.requests[s.request_id].grammar is not None for s in seqs):
+            meta.token_bitmask = self.grammars.token_bitmask([self._grammar_state(s) for s in seqs])
         return rows, meta
+
+    def _grammar_state(self, seq: Sequence) -> GrammarState | None:
+        """The seq's matcher (made on first use: a forked sibling gets its own), in step with
+        its output tokens; None for an unconstrained request."""
+        state = self.requests[seq.request_id]
+        if state.grammar is None:
+            return None
+        matcher = state.matchers.get(seq.index)
+        if matcher is None:
+            matcher = state.matchers[seq.index] = self.grammars.matcher(state.grammar)
+        matcher.sync(seq.output_token_ids)
+        return matcher
 
     def _generator_for(self, seq: Sequence, row: int, seqs: list[Sequence]) -> torch.Generator | None:
         """Seeded requests: one generator per sample index, seeded with seed + index."""
@@ -326,6 +346,7 @@ class LLMEngine:
             entry = {lp_ids[0]: lp[0]}  # type: ignore[index]
             entry.update(zip(lp_ids[1 : k + 1], lp[1 : k + 1]))  # type: ignore[index]
             seq.logprobs.append(entry)
+        self._grammar_state(seq)  # advance the matcher; a forbidden token fails the request
         stop_str = state.detoks[seq.index].update(seq.output_token_ids)
         reason = self._finish_reason(seq, tok, stop_str)
         if reason is not None:

@@ -1,6 +1,7 @@
 """Sampler: one step's logits -> next tokens and raw logprobs, vectorised over the batch.
 
-Order (as vLLM v1): raw logprobs = log_softmax(unprocessed logits); min_tokens masking; penalties
+Order (as vLLM v1): the grammar bitmask of constrained rows; raw logprobs = log_softmax(those
+logits); min_tokens masking; penalties
 (repetition over prompt+output, presence/frequency over output); greedy rows take the argmax;
 random rows are divided by their temperature, filtered by min_p, top_k, top_p and sampled with the
 exponential race `argmax(probs / Exponential(1))`, whose noise comes from the row's own
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvserve.engine.grammar import apply_token_bitmask
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.kernels.cpu_ops import argmax
 
@@ -65,6 +67,9 @@ class SamplingMetadata:
     no_top_k: bool = False
     # (rows, token ids) whose logits are -inf this step: stop/EOS tokens of rows under min_tokens.
     min_tokens_block: tuple[torch.Tensor, torch.Tensor] | None = field(default=None)
+    # (rows, int32 bitmask [S, ceil(V/32)]) of the rows under a grammar (engine/grammar.py):
+    # forbidden tokens are -inf before anything else, so logprobs see the constrained distribution.
+    token_bitmask: tuple[list[int], torch.Tensor] | None = field(default=None)
 
     @classmethod
     def build(
@@ -177,6 +182,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row of `logits` ([S, V], any float dtype); `logits` is never
         modified. Every stage but the plain argmax runs on a float32 copy."""
+        if meta.token_bitmask is not None:
+            logits = apply_token_bitmask(logits, *meta.token_bitmask)
         if meta.all_greedy and meta.max_num_logprobs is None and meta.min_tokens_block is None \
                 and meta.no_penalties:
             return SamplerOutput(argmax(logits), None, None)  # widening to fp32 keeps the order

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.engine.errors import InvalidRequestError
+from kvserve.engine.guided_params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 # A seed is a signed 64-bit integer, as in vLLM (torch.iinfo(torch.long)); `seed + sample index`
@@ -42,6 +43,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # What the output must match (engine/guided_params.py): vLLM's current and older spellings.
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -60,6 +64,12 @@ class SamplingParams:
     @property
     def stop_strings(self) -> list[str]:
         return self._stop_list
+
+    @property
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The structured-output constraint, under whichever name it was given."""
+        return self.structured_outputs if self.structured_outputs is not None \
+            else self.guided_decoding
 
     @property
     def greedy(self) -> bool:
@@ -103,6 +113,17 @@ class SamplingParams:
         if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t <= MAX_TOKEN_ID
                for t in self.stop_token_ids or []):
             bad("stop_token_ids", f"must be token ids in [0, {MAX_TOKEN_ID}].")
+        self._verify_constraint(bad)
+
+    def _verify_constraint(self, bad: Callable[[str, str], None]) -> None:
+        given = [c for c in (self.structured_outputs, self.guided_decoding) if c is not None]
+        if any(not isinstance(c, StructuredOutputsParams) for c in given):
+            bad("structured_outputs", "must be a StructuredOutputsParams (GuidedDecodingParams).")
+        if len(given) == 2 and given[0] != given[1]:
+            bad("structured_outputs", "and guided_decoding are two names for one setting; "
+                "give one of them.")
+        if given:
+            given[0].verify()
 
     def _verify_types(self, bad: Callable[[str, str], None]) -> None:
         """Finite numbers of the right kind: NaN compares false with every bound, so it would
