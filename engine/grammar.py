@@ -107,7 +107,7 @@ class GrammarCompiler:
         except (RuntimeError, ValueError, TypeError) as exc:
             what = {"json": "JSON schema", "json_object": "JSON object grammar"}.get(kind, kind)
             raise InvalidRequestError(f"the {what} cannot be used: {_clean(exc)}",
-                                      param=_PARAM[kind]) from None
+                                      param=params.source or _PARAM[kind]) from None
 
     def token_bitmask(self, states: Sequence[GrammarState | None]
                       ) -> tuple[list[int], torch.Tensor] | None:

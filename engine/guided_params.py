@@ -5,7 +5,7 @@ the older spelling of the same class. Checked here without compiling; engine/gra
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.engine.errors import InvalidRequestError
@@ -26,6 +26,8 @@ class StructuredOutputsParams:
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None  # accepted for vLLM compatibility; see `verify`
     backend: str | None = None  # "xgrammar", "auto" or None; anything else is refused
+    # The request field an error should name (the server sets it: "response_format", ...).
+    source: str | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self.verify()

@@ -24,8 +24,10 @@ def prompt_token_ids(tokenizer: Any, prompt: str) -> list[int]:
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
-                add_generation_prompt: bool = True, chat_template: str | None = None) -> str:
-    """The chat template applied to OpenAI-style messages, as text."""
+                add_generation_prompt: bool = True, chat_template: str | None = None,
+                tools: list[dict[str, Any]] | None = None) -> str:
+    """The chat template applied to OpenAI-style messages (and tools, for a template that
+    takes them), as text."""
     if getattr(tokenizer, "chat_template", None) is None and chat_template is None:
         raise InvalidRequestError(
             "this model has no chat template; use /v1/completions with a plain prompt",
@@ -33,15 +35,16 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
     try:
         return tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-            chat_template=chat_template)
+            chat_template=chat_template, tools=tools)
     except Exception as exc:  # jinja errors: a message the template cannot render
         raise InvalidRequestError(f"cannot apply the chat template: {exc}", "messages") from exc
 
 
 def chat_token_ids(tokenizer: Any, messages: list[dict[str, Any]],
-                   add_generation_prompt: bool = True, chat_template: str | None = None) -> list[int]:
+                   add_generation_prompt: bool = True, chat_template: str | None = None,
+                   tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Token ids of a chat conversation; the template already holds the special tokens."""
-    text = render_chat(tokenizer, messages, add_generation_prompt, chat_template)
+    text = render_chat(tokenizer, messages, add_generation_prompt, chat_template, tools)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

@@ -13,7 +13,10 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvserve.engine.errors import InvalidRequestError
+from kvserve.engine.guided_params import StructuredOutputsParams
 from kvserve.engine.sampling_params import MAX_TOKEN_ID, SEED_MAX, SEED_MIN, SamplingParams
+from kvserve.service.structured_outputs import constraint_of
+from kvserve.service.tool_calls import ToolPlan, check_history, tool_plan
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 
@@ -137,14 +140,6 @@ _SAMPLING_UNSUPPORTED: dict[str, Callable[[Any, Any], bool]] = {
     "length_penalty": lambda v, _: v is None or v == 1.0,
     "early_stopping": _asks_nothing,
     "logit_bias": _asks_nothing,
-    "response_format": lambda v, _: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-    "guided_json": _asks_nothing,
-    "guided_regex": _asks_nothing,
-    "guided_choice": _asks_nothing,
-    "guided_grammar": _asks_nothing,
-    "guided_decoding_backend": _asks_nothing,
-    "guided_whitespace_pattern": _asks_nothing,
-    "structured_outputs": _asks_nothing,
     "prompt_logprobs": lambda v, _: v is None,  # 0 asks for the prompt tokens' own logprobs
     "allowed_token_ids": _asks_nothing,
     "bad_words": _asks_nothing,
@@ -180,12 +175,7 @@ class SamplingFields(OpenAIModel):
     user: str | None = None
     priority: Int64 = 0
     cache_salt: str | None = None
-    # known, not supported (see _SAMPLING_UNSUPPORTED): typed loosely so the 400 names the field
-    use_beam_search: Any = None
-    best_of: Any = None
-    length_penalty: Any = None
-    early_stopping: Any = None
-    logit_bias: Any = None
+    # structured outputs (service/structured_outputs.py): typed loosely, checked there
     response_format: Any = None
     guided_json: Any = None
     guided_regex: Any = None
@@ -194,6 +184,12 @@ class SamplingFields(OpenAIModel):
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
     structured_outputs: Any = None
+    # known, not supported (see _SAMPLING_UNSUPPORTED): typed loosely so the 400 names the field
+    use_beam_search: Any = None
+    best_of: Any = None
+    length_penalty: Any = None
+    early_stopping: Any = None
+    logit_bias: Any = None
     prompt_logprobs: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
@@ -221,6 +217,7 @@ class SamplingFields(OpenAIModel):
             raise InvalidRequestError(f"stop_token_ids holds {len(self.stop_token_ids or ())} "
                                       f"ids; at most {limits.max_stop} are allowed (--max-stop)",
                                       param="stop_token_ids")
+        self.constraint()  # a malformed schema, regex or tool is a 400 here
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """SamplingParams of this request; InvalidRequestError (400) for a value out of range."""
@@ -242,7 +239,12 @@ class SamplingFields(OpenAIModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.constraint(),
         )
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """What the output must match (response_format, guided_*, structured_outputs)."""
+        return constraint_of(self)
 
     @property
     def include_usage(self) -> bool:
@@ -308,14 +310,16 @@ class ChatMessage(OpenAIModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-    tool_calls: Any = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result's call
     function_call: Any = None
 
     UNSUPPORTED: ClassVar[dict[str, Callable[[Any, Any], bool]]] = {
-        "tool_calls": _asks_nothing, "function_call": _asks_nothing}
+        "function_call": _asks_nothing}
 
     def as_template_input(self) -> dict[str, Any]:
-        """{"role", "content"} with content parts flattened to text (text-only models)."""
+        """{"role", "content"} with content parts flattened to text (text-only models), plus
+        tool_calls / tool_call_id when set (service/tool_calls.py renders them)."""
         content = self.content
         if isinstance(content, list):
             parts = []
@@ -326,7 +330,12 @@ class ChatMessage(OpenAIModel):
                         "reads text only", param="messages")
                 parts.append(str(part.get("text", "")))
             content = "".join(parts)
-        return {"role": self.role, "content": content or ""}
+        out: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -351,9 +360,6 @@ class ChatCompletionRequest(SamplingFields):
 
     UNSUPPORTED: ClassVar[dict[str, Callable[[Any, Any], bool]]] = {
         **_SAMPLING_UNSUPPORTED,
-        "tools": _asks_nothing,
-        # with no tools, "auto" can only mean "answer in text", which is what happens
-        "tool_choice": lambda v, _: v in (None, "none", "auto"),
         "functions": _asks_nothing,
         "function_call": lambda v, _: v in (None, "none", "auto"),
         "echo": _asks_nothing,
@@ -374,9 +380,23 @@ class ChatCompletionRequest(SamplingFields):
             raise InvalidRequestError("messages must not be empty", param="messages")
         for i, message in enumerate(self.messages):
             refuse_unsupported(message, message.UNSUPPORTED, prefix=f"messages.{i}.")
+        check_history(self.messages)
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError(
                 "top_logprobs requires logprobs to be true", param="top_logprobs")
+
+    def tool_plan(self) -> ToolPlan | None:
+        return tool_plan(self.tools, self.tool_choice)
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The tools' grammar (tool_choice required or named) or the response format's."""
+        own = constraint_of(self)
+        plan = self.tool_plan()
+        forced = plan.constraint() if plan is not None else None
+        if forced is not None and own is not None:
+            raise InvalidRequestError("a required or named tool_choice already fixes the output's "
+                                      "form; drop response_format / guided_*", "tool_choice")
+        return forced or own
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -466,6 +486,7 @@ class ChatLogProbs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -488,6 +509,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatStreamChoice(BaseModel):
