@@ -164,6 +164,11 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """Values for sampling fields a request leaves out (the model's generation config)."""
+        return self.engine.sampling_defaults
+
 
     @property
     def is_running(self) -> bool:

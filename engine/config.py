@@ -36,6 +36,9 @@ class EngineConfig:
     seed: int = 0
     trust_remote_code: bool = False
     revision: str | None = None
+    # Default sampling: "auto" = the model's generation_config.json, "vllm" = OpenAI's defaults,
+    # or a folder holding a generation_config.json (engine/generation_config.py).
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         # Whether N splits the model (heads, KV heads, MLP) is checked where the model's config

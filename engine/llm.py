@@ -44,6 +44,10 @@ class LLM:
         """Stop the engine's tensor-parallel worker processes (a no-op with one rank)."""
         self.llm_engine.shutdown()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json values (as vLLM's)."""
+        return SamplingParams(**self.llm_engine.sampling_defaults)
+
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
@@ -71,6 +75,8 @@ class LLM:
     def _run(self, items: list[tuple[str | None, str | list[int]]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None,
              use_tqdm: bool) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _per_prompt_params(sampling_params, len(items))
         engine = self.llm_engine
         ids: list[str] = []

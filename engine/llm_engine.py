@@ -15,6 +15,7 @@ import torch
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.errors import InvalidRequestError
+from kvserve.engine.generation_config import sampling_defaults
 from kvserve.engine.grammar import GrammarCompiler, GrammarState
 from kvserve.engine.kv_cache_manager import KVCacheManager
 from kvserve.engine.kv_events import KVEvent
@@ -79,6 +80,8 @@ class LLMEngine:
             workers=setup.workers)
         if config.calculate_kv_scales and setup.kv_dtype == FP8_DTYPE:
             self._calibrate_kv_scales()
+        # Sampling values a request leaves out (the server and LLM read them; the engine does not).
+        self.sampling_defaults = sampling_defaults(model_path, config.generation_config)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.requests: dict[str, RequestState] = {}
         self._next_seq_id = 0
@@ -160,6 +163,11 @@ class LLMEngine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"max_model_len {limit}; lower max_tokens to at most {limit - len(ids)}",
                 "max_tokens")
+        bias = [t for t in params.logit_bias or {} if t >= self.vocab_size]
+        if bias:
+            raise InvalidRequestError(
+                f"logit_bias names token ids past the vocabulary ({self.vocab_size}): {bias[:5]}",
+                "logit_bias")
         if params.prompt_logprobs is not None:
             raise InvalidRequestError("prompt_logprobs is not supported yet", "prompt_logprobs")
         if params.n > self.config.max_num_seqs:

@@ -18,6 +18,7 @@ SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
 MAX_TEMPERATURE = 100.0
 MAX_REPETITION_PENALTY = 100.0
 MAX_TOKEN_ID = (1 << 31) - 1
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
            "repetition_penalty")
 _INTS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "seed")
@@ -43,6 +44,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's)
     # What the output must match (engine/guided_params.py): vLLM's current and older spellings.
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: StructuredOutputsParams | None = None
@@ -114,6 +116,20 @@ class SamplingParams:
                for t in self.stop_token_ids or []):
             bad("stop_token_ids", f"must be token ids in [0, {MAX_TOKEN_ID}].")
         self._verify_constraint(bad)
+        self._verify_logit_bias(bad)
+
+    def _verify_logit_bias(self, bad: Callable[[str, str], None]) -> None:
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            bad("logit_bias", "must map token ids to biases.")
+        for tok, value in self.logit_bias.items():
+            if isinstance(tok, bool) or not isinstance(tok, numbers.Integral) \
+                    or not 0 <= tok <= MAX_TOKEN_ID:
+                bad("logit_bias", f"keys must be token ids, got {tok!r}.")
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+                    or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                bad("logit_bias", f"values must be in [-100, 100], got {value!r} for token {tok}.")
 
     def _verify_constraint(self, bad: Callable[[str, str], None]) -> None:
         given = [c for c in (self.structured_outputs, self.guided_decoding) if c is not None]

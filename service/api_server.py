@@ -176,7 +176,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics,
         if publisher is not None:
             await publisher.start()
         if config.print_banner:
-            print(banner(config, names[0]), flush=True)
+            print(banner(config, names[0], engine.sampling_defaults), flush=True)
         try:
             yield
         finally:
@@ -361,8 +361,9 @@ class ServerThread:
             self.thread.join(timeout)
 
 
-def banner(config: ServerConfig, model: str) -> str:
-    """How to call this server: a curl line and the Python snippet."""
+def banner(config: ServerConfig, model: str, defaults: dict[str, Any] | None = None) -> str:
+    """How to call this server: a curl line and the Python snippet (and the default sampling
+    from the model's generation config, when it sets any)."""
     host = "localhost" if config.host in ("0.0.0.0", "::", "") else config.host
     base = f"http://{host}:{config.port}"
     auth = f" -H 'Authorization: Bearer $KVSERVE_API_KEY'" if config.api_key else ""
@@ -370,6 +371,8 @@ def banner(config: ServerConfig, model: str) -> str:
         {"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32})
     return "\n".join([
         f"kvserve is serving {model!r} at {base}/v1  (metrics: {base}/metrics)",
+        *([f"default sampling (generation_config.json; a request's own values win): " +
+           ", ".join(f"{k} {v}" for k, v in defaults.items())] if defaults else []),
         "",
         "Try it:",
         f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'",

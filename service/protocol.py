@@ -139,7 +139,6 @@ _SAMPLING_UNSUPPORTED: dict[str, Callable[[Any, Any], bool]] = {
     "best_of": lambda v, req: v is None or (type(v) is int and v == req.n),
     "length_penalty": lambda v, _: v is None or v == 1.0,
     "early_stopping": _asks_nothing,
-    "logit_bias": _asks_nothing,
     "prompt_logprobs": lambda v, _: v is None,  # 0 asks for the prompt tokens' own logprobs
     "allowed_token_ids": _asks_nothing,
     "bad_words": _asks_nothing,
@@ -162,7 +161,7 @@ class SamplingFields(OpenAIModel):
     min_p: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     seed: Int64 | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
@@ -184,12 +183,12 @@ class SamplingFields(OpenAIModel):
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
     structured_outputs: Any = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's) -> bias
     # known, not supported (see _SAMPLING_UNSUPPORTED): typed loosely so the 400 names the field
     use_beam_search: Any = None
     best_of: Any = None
     length_penalty: Any = None
     early_stopping: Any = None
-    logit_bias: Any = None
     prompt_logprobs: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
@@ -219,17 +218,20 @@ class SamplingFields(OpenAIModel):
                                       param="stop_token_ids")
         self.constraint()  # a malformed schema, regex or tool is a 400 here
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """SamplingParams of this request; InvalidRequestError (400) for a value out of range."""
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """SamplingParams of this request; a field it leaves out takes `defaults` (the model's
+        generation config), then OpenAI's. InvalidRequestError (400) for a value out of range."""
+        d = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+             "repetition_penalty": 1.0, **{k: v for k, v in (defaults or {}).items()
+                                           if k != "max_tokens"}}
+        own = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p",
+                                               "repetition_penalty")}
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            **{k: d[k] if v is None else v for k, v in own.items()},
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=list(self.stop_token_ids or []),
@@ -240,7 +242,18 @@ class SamplingFields(OpenAIModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=self.constraint(),
+            logit_bias=self.token_logit_bias(),
         )
+
+    def token_logit_bias(self) -> dict[int, float] | None:
+        """logit_bias with int keys; 400 for a key that is not a token id."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(k): v for k, v in self.logit_bias.items()}
+        except ValueError:
+            raise InvalidRequestError("logit_bias keys must be token ids (integers as strings)",
+                                      param="logit_bias") from None
 
     def constraint(self) -> StructuredOutputsParams | None:
         """What the output must match (response_format, guided_*, structured_outputs)."""

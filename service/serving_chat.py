@@ -38,7 +38,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     check_prompts(ctx, [prompt], "messages")
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = max_tokens_for(ctx, len(prompt), req.requested_max_tokens, param, "messages")
-    params = req.sampling_params(max_tokens, req.num_logprobs)
+    params = req.sampling_params(max_tokens, req.num_logprobs, ctx.engine.sampling_defaults)
     request_id = random_id("chatcmpl")
     streams = await start_requests(ctx, request_id, [prompt], [params], priority=req.priority,
                                    cache_salt=req.cache_salt)

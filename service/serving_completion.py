@@ -26,8 +26,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest,
     prompts = [p if isinstance(p, list) else prompt_token_ids(ctx.tokenizer, p)
                for p in req.prompts()]
     check_prompts(ctx, prompts, "prompt")
-    params = [req.sampling_params(max_tokens_for(ctx, len(ids), req.max_tokens), req.logprobs)
-              for ids in prompts]
+    params = [req.sampling_params(max_tokens_for(ctx, len(ids), req.max_tokens), req.logprobs,
+                                  ctx.engine.sampling_defaults) for ids in prompts]
     request_id = random_id("cmpl")
     streams = await start_requests(ctx, request_id, prompts, params, priority=req.priority,
                                    cache_salt=req.cache_salt)

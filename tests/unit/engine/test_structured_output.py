@@ -194,3 +194,21 @@ def test_bitmask_touches_only_its_rows():
 
 def test_choice_grammar_escapes():
     assert choice_grammar(['a"b', "c\\d"]) == 'root ::= "a\\"b" | "c\\\\d"'
+
+
+def test_logit_bias_bans_and_forces_tokens(llm):
+    plain = llm.generate("Hello world", PLAIN, use_tqdm=False)[0].outputs[0].token_ids
+    banned = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                            logit_bias={t: -100 for t in set(plain)})
+    assert not set(plain) & set(
+        llm.generate("Hello world", banned, use_tqdm=False)[0].outputs[0].token_ids)
+    forced = SamplingParams(temperature=1.0, seed=1, max_tokens=6, ignore_eos=True,
+                            logit_bias={42: 100}, logprobs=1)
+    out = llm.generate("Hello world", forced, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [42] * 6
+    # logprobs are of the model's own distribution, before the bias (as vLLM's)
+    assert all(entry[42] < -0.01 for entry in out.logprobs)
+    with pytest.raises(InvalidRequestError, match="past the vocabulary"):
+        llm.llm_engine.add_request("b", "x", SamplingParams(logit_bias={10**6: 1.0}))
+    with pytest.raises(InvalidRequestError, match=r"\[-100, 100\]"):
+        SamplingParams(logit_bias={1: 200})
