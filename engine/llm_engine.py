@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from kvserve.engine.best_of import BestOf, expand, select
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.errors import InvalidRequestError
@@ -46,6 +47,7 @@ class RequestState:
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # sample index -> gen
     grammar: Any = None  # the compiled constraint of a structured-output request
     matchers: dict[int, GrammarState] = field(default_factory=dict)  # sample index -> matcher
+    best_of: BestOf | None = None  # show only the best n of params.n candidates
 
     @property
     def finished(self) -> bool:
@@ -131,13 +133,14 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         text = prompt if isinstance(prompt, str) else None
         ids = prompt_token_ids(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+        params, best_of = expand(params)
         params = self._check_request(ids, params)
         grammar = self.grammars.compile(params.constraint) if params.constraint else None
         now = arrival_time if arrival_time is not None else time.monotonic()
         seq = self._new_seq(request_id, 0, ids, params, now, priority, cache_salt)
         seq.pending_forks = params.n - 1
         state = RequestState(request_id, text, ids, params, [seq], [self._detok(ids, params)],
-                             RequestMetrics(arrival_time=now), grammar=grammar)
+                             RequestMetrics(arrival_time=now), grammar=grammar, best_of=best_of)
         self.requests[request_id] = state
         self.scheduler.add(seq)
         self._prompt_tokens += len(ids)
@@ -387,8 +390,11 @@ class LLMEngine:
                                  finish_reason=s.finish_reason, stop_reason=s.stop_reason)
                 for s, d in zip(state.seqs, state.detoks)]
         cached = max(state.seqs[0].num_cached_tokens, 0)
+        finished = state.finished or any(o.finish_reason == "abort" for o in outs)
+        if state.best_of is not None:
+            outs = select(outs, finished, state.best_of)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs,
-                             finished=state.finished or any(o.finish_reason == "abort" for o in outs),
+                             finished=finished,
                              num_cached_tokens=cached, metrics=state.metrics)
 
     # ---- figures ------------------------------------------------------------------------------

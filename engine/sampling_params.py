@@ -21,12 +21,13 @@ MAX_TOKEN_ID = (1 << 31) - 1
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
            "repetition_penalty")
-_INTS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "seed")
+_INTS = ("n", "best_of", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "seed")
 
 
 @dataclass
 class SamplingParams:
     n: int = 1
+    best_of: int | None = None  # sample this many, return the n most likely (engine/best_of.py)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 (or 0) = no top-k
@@ -89,6 +90,8 @@ class SamplingParams:
                 f"got {self.seed}.")
         if self.n < 1:
             bad("n", f"must be at least 1, got {self.n}.")
+        if self.best_of is not None and self.best_of < self.n:
+            bad("best_of", f"must be at least n ({self.n}), got {self.best_of}.")
         if not 0 <= self.temperature <= MAX_TEMPERATURE:
             bad("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:

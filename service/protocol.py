@@ -136,7 +136,6 @@ class StreamOptions(OpenAIModel):
 # value asks for nothing (the predicate). Fields nobody knows are still ignored.
 _SAMPLING_UNSUPPORTED: dict[str, Callable[[Any, Any], bool]] = {
     "use_beam_search": _asks_nothing,
-    "best_of": lambda v, req: v is None or (type(v) is int and v == req.n),
     "length_penalty": lambda v, _: v is None or v == 1.0,
     "early_stopping": _asks_nothing,
     "prompt_logprobs": lambda v, _: v is None,  # 0 asks for the prompt tokens' own logprobs
@@ -184,9 +183,9 @@ class SamplingFields(OpenAIModel):
     guided_whitespace_pattern: Any = None
     structured_outputs: Any = None
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's) -> bias
+    best_of: Int64 | None = None  # sample this many, answer with the n most likely
     # known, not supported (see _SAMPLING_UNSUPPORTED): typed loosely so the 400 names the field
     use_beam_search: Any = None
-    best_of: Any = None
     length_penalty: Any = None
     early_stopping: Any = None
     prompt_logprobs: Any = None
@@ -205,6 +204,12 @@ class SamplingFields(OpenAIModel):
         if not 1 <= self.n <= limits.max_n:
             raise InvalidRequestError(f"n must be in [1, {limits.max_n}] (--max-n), got "
                                       f"{self.n}", param="n")
+        if self.best_of is not None and not self.n <= self.best_of <= limits.max_n:
+            raise InvalidRequestError(f"best_of must be in [n, {limits.max_n}] (--max-n), got "
+                                      f"{self.best_of}", param="best_of")
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            raise InvalidRequestError("best_of > n cannot be streamed: the best candidates are "
+                                      "known only at the end", param="best_of")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > limits.max_stop:
             raise InvalidRequestError(f"stop holds {len(stops)} strings; at most "
@@ -229,6 +234,7 @@ class SamplingFields(OpenAIModel):
                                                "repetition_penalty")}
         return SamplingParams(
             n=self.n,
+            best_of=self.best_of,
             **{k: d[k] if v is None else v for k, v in own.items()},
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,

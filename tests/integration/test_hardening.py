@@ -177,7 +177,6 @@ UNSUPPORTED = [
     ("/v1/chat/completions", "use_beam_search", True),
     ("/v1/chat/completions", "prompt_logprobs", 1),
     ("/v1/chat/completions", "continue_final_message", True),
-    ("/v1/completions", "best_of", 3),
     ("/v1/completions", "use_beam_search", True),
     ("/v1/completions", "prompt_logprobs", 0),
     ("/v1/completions", "allowed_token_ids", [1, 2]),
@@ -231,6 +230,8 @@ def test_a_malformed_tool_call_in_the_history_is_refused(server):
     ("/v1/completions", "guided_grammar", "root ::= undefined_rule", "guided_grammar"),
     ("/v1/completions", "guided_choice", [], "guided_choice"),
     ("/v1/completions", "logit_bias", {"x": 1}, "logit_bias"),
+    ("/v1/completions", "best_of", 0, "best_of"),
+    ("/v1/completions", "best_of", 17, "best_of"),
     ("/v1/completions", "logit_bias", {"5": 101}, "logit_bias"),
     ("/v1/completions", "logit_bias", {"99999": 1}, "logit_bias"),  # past the vocabulary
 ])

@@ -7,6 +7,7 @@ import json
 import re
 from collections.abc import Iterator
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -165,3 +166,18 @@ def test_auto_without_a_call_is_plain_text_and_tool_results_are_accepted(client)
     choice = out.choices[0]
     assert choice.message.tool_calls is None and choice.finish_reason == "length"
     assert choice.message.content
+
+
+def test_best_of_and_logit_bias_over_http(client, server):
+    out = client.completions.create(model="tiny", prompt="Hello", max_tokens=5, n=1, best_of=3,
+                                    temperature=1.0, seed=2)
+    assert len(out.choices) == 1 and out.choices[0].index == 0
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="Hello", max_tokens=5, best_of=3,
+                                  stream=True)
+    assert info.value.body["param"] == "best_of"
+    forced = client.completions.create(model="tiny", prompt="Hello", max_tokens=4,
+                                       logit_bias={"42": 100}, extra_body={"ignore_eos": True})
+    tok = httpx.post(server.url + "/tokenize", json={"prompt": forced.choices[0].text,
+                                                     "add_special_tokens": False}).json()
+    assert tok["tokens"] == [42] * 4

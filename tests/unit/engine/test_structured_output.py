@@ -212,3 +212,20 @@ def test_logit_bias_bans_and_forces_tokens(llm):
         llm.llm_engine.add_request("b", "x", SamplingParams(logit_bias={10**6: 1.0}))
     with pytest.raises(InvalidRequestError, match=r"\[-100, 100\]"):
         SamplingParams(logit_bias={1: 200})
+
+
+def test_best_of_returns_the_most_likely_candidates(llm):
+    seeded = dict(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)
+    every = llm.generate("Hello world", SamplingParams(n=4, logprobs=0, **seeded),
+                         use_tqdm=False)[0].outputs
+    ranked = sorted(every, key=lambda o: o.cumulative_logprob, reverse=True)
+    best = llm.generate("Hello world", SamplingParams(n=2, best_of=4, logprobs=0, **seeded),
+                        use_tqdm=False)[0].outputs
+    assert [o.token_ids for o in best] == [o.token_ids for o in ranked[:2]]
+    assert [o.index for o in best] == [0, 1]
+    plain = llm.generate("Hello world", SamplingParams(n=1, best_of=4, **seeded),
+                         use_tqdm=False)[0].outputs
+    assert len(plain) == 1 and plain[0].logprobs is None  # ranked, but not asked for
+    assert plain[0].token_ids == ranked[0].token_ids
+    with pytest.raises(InvalidRequestError, match="best_of"):
+        SamplingParams(n=3, best_of=2)
