@@ -73,7 +73,7 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=setup.max_num_batched_tokens,
             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
-            preemption_mode=config.preemption_mode), self.kv)
+            preemption_mode=config.preemption_mode, policy=config.scheduling_policy), self.kv)
         self.runner = ModelRunner(
             setup.model, num_layers=setup.num_layers, num_kv_heads=setup.num_kv_heads,
             head_dim=setup.head_dim, num_blocks=setup.budget.num_blocks,
@@ -131,6 +131,11 @@ class LLMEngine:
         """Queue a request; InvalidRequestError (with `.param`) if it can never be served."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise InvalidRequestError(
+                f"priority {priority} needs the priority scheduling policy "
+                "(--scheduling-policy priority); this engine serves first come, first served",
+                "priority")
         text = prompt if isinstance(prompt, str) else None
         ids = prompt_token_ids(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
         params, best_of = expand(params)

@@ -8,6 +8,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvserve.engine.kv_cache_manager import KVCacheManager
+from kvserve.engine.scheduling_policy import add_waiting, order_key, victim
 from kvserve.engine.sequence import Sequence, SequenceStatus
 
 
@@ -36,6 +37,7 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"
+    policy: str = "fcfs"  # engine/scheduling_policy.py
 
 
 class Scheduler:
@@ -49,7 +51,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        add_waiting(self.waiting, seq, self.config.policy)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -66,14 +68,18 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        if self.config.policy != "fcfs":
+            self.running.sort(key=order_key)  # the most urgent get the token budget first
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv.allocate_slots(seq, n):
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                if victim is seq:
+                evicted = victim(self.running, self.config.policy)
+                if self.running.index(evicted) < i:  # already scheduled: the loop shifts back
+                    i -= 1
+                self._preempt(evicted, out)
+                if evicted is seq:
                     break
             else:
                 out.seqs.append(seq)
@@ -99,7 +105,7 @@ class Scheduler:
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        add_waiting(self.waiting, seq, self.config.policy, front=True)
 
     def _pending_hashes(self, out: SchedulerOutput) -> set[bytes]:
         """Hashes of the full blocks the already scheduled sequences compute this step."""

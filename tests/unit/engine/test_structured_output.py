@@ -195,37 +195,3 @@ def test_bitmask_touches_only_its_rows():
 def test_choice_grammar_escapes():
     assert choice_grammar(['a"b', "c\\d"]) == 'root ::= "a\\"b" | "c\\\\d"'
 
-
-def test_logit_bias_bans_and_forces_tokens(llm):
-    plain = llm.generate("Hello world", PLAIN, use_tqdm=False)[0].outputs[0].token_ids
-    banned = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
-                            logit_bias={t: -100 for t in set(plain)})
-    assert not set(plain) & set(
-        llm.generate("Hello world", banned, use_tqdm=False)[0].outputs[0].token_ids)
-    forced = SamplingParams(temperature=1.0, seed=1, max_tokens=6, ignore_eos=True,
-                            logit_bias={42: 100}, logprobs=1)
-    out = llm.generate("Hello world", forced, use_tqdm=False)[0].outputs[0]
-    assert out.token_ids == [42] * 6
-    # logprobs are of the model's own distribution, before the bias (as vLLM's)
-    assert all(entry[42] < -0.01 for entry in out.logprobs)
-    with pytest.raises(InvalidRequestError, match="past the vocabulary"):
-        llm.llm_engine.add_request("b", "x", SamplingParams(logit_bias={10**6: 1.0}))
-    with pytest.raises(InvalidRequestError, match=r"\[-100, 100\]"):
-        SamplingParams(logit_bias={1: 200})
-
-
-def test_best_of_returns_the_most_likely_candidates(llm):
-    seeded = dict(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)
-    every = llm.generate("Hello world", SamplingParams(n=4, logprobs=0, **seeded),
-                         use_tqdm=False)[0].outputs
-    ranked = sorted(every, key=lambda o: o.cumulative_logprob, reverse=True)
-    best = llm.generate("Hello world", SamplingParams(n=2, best_of=4, logprobs=0, **seeded),
-                        use_tqdm=False)[0].outputs
-    assert [o.token_ids for o in best] == [o.token_ids for o in ranked[:2]]
-    assert [o.index for o in best] == [0, 1]
-    plain = llm.generate("Hello world", SamplingParams(n=1, best_of=4, **seeded),
-                         use_tqdm=False)[0].outputs
-    assert len(plain) == 1 and plain[0].logprobs is None  # ranked, but not asked for
-    assert plain[0].token_ids == ranked[0].token_ids
-    with pytest.raises(InvalidRequestError, match="best_of"):
-        SamplingParams(n=3, best_of=2)
