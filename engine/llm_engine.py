@@ -362,9 +362,12 @@ class LLMEngine:
             entry = {lp_ids[0]: lp[0]}  # type: ignore[index]
             entry.update(zip(lp_ids[1 : k + 1], lp[1 : k + 1]))  # type: ignore[index]
             seq.logprobs.append(entry)
-        self._grammar_state(seq)  # advance the matcher; a forbidden token fails the request
+        grammar = self._grammar_state(seq)  # advanced; a forbidden token fails the request
         stop_str = state.detoks[seq.index].update(seq.output_token_ids)
         reason = self._finish_reason(seq, tok, stop_str)
+        if reason is None and grammar is not None and grammar.is_terminated \
+                and not seq.params.ignore_eos:
+            reason = ("stop", None)  # the grammar took EOS: nothing may follow, min_tokens or not
         if reason is not None:
             if stop_str is None:
                 state.detoks[seq.index].flush(seq.output_token_ids)

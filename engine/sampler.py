@@ -216,9 +216,13 @@ class Sampler:
             rows, tokens, values = meta.logit_bias
             logits = logits.index_put((rows, tokens), values, accumulate=True)
         if meta.min_tokens_block is not None:
-            logits = logits.index_put(
+            blocked = logits.index_put(
                 meta.min_tokens_block, torch.tensor(float("-inf"), device=logits.device)
             )
+            if meta.token_bitmask is not None:  # a finished grammar allows only EOS: it wins
+                dead = blocked.amax(dim=-1, keepdim=True) == float("-inf")
+                blocked = torch.where(dead, logits, blocked)
+            logits = blocked
         if not meta.no_penalties:
             logits = apply_penalties(logits, meta)
         if meta.all_greedy:

@@ -195,3 +195,10 @@ def test_bitmask_touches_only_its_rows():
 def test_choice_grammar_escapes():
     assert choice_grammar(['a"b', "c\\d"]) == 'root ::= "a\\"b" | "c\\\\d"'
 
+
+
+def test_a_finished_grammar_ends_the_output_despite_min_tokens(llm):
+    params = SamplingParams(temperature=0, max_tokens=30, min_tokens=20,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    out = llm.generate("x", params, use_tqdm=False)[0].outputs[0]
+    assert out.text in ("yes", "no") and out.finish_reason == "stop"
