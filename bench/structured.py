@@ -49,12 +49,15 @@ def run_batch(llm: LLM, n: int, fraction: float, max_tokens: int) -> dict:
     params = [SamplingParams(temperature=0.2, top_p=0.9, seed=i, max_tokens=max_tokens,
                              ignore_eos=True, structured_outputs=StructuredOutputsParams(json=schema())
                              if every and i % every == 0 else None) for i in range(n)]
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     outs = llm.chat(prompts(n), params, use_tqdm=False)
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    # CPU seconds (all of this process's threads) move far less than wall time when other
+    # tenants share the cores; both are kept.
     return {"fraction": fraction, "constrained": sum(p.constraint is not None for p in params),
-            "tokens": tokens, "seconds": wall, "tok_per_s": tokens / wall}
+            "tokens": tokens, "seconds": wall, "cpu_seconds": cpu, "tok_per_s": tokens / wall,
+            "tok_per_cpu_s": tokens / cpu}
 
 
 def validity(llm: LLM, n: int, max_tokens: int) -> dict:
@@ -137,13 +140,15 @@ def main() -> None:
     rounds = [[run_batch(llm, args.num_requests, f, args.max_tokens) for f in (0.0, 0.5, 1.0)]
               for _ in range(args.repeats)]
     result["rounds"] = rounds
-    result["batches"] = [max(runs, key=lambda b: b["tok_per_s"]) for runs in zip(*rounds)]
+    result["batches"] = [max(runs, key=lambda b: b["tok_per_cpu_s"]) for runs in zip(*rounds)]
     result["mask"] = mask_cost(llm, args.num_requests)
     result["validity"] = validity(llm, args.num_requests, 256)
-    base = result["batches"][0]["tok_per_s"]
+    base = result["batches"][0]
     for b in result["batches"]:
-        print(f"{b['constrained']:3d}/{args.num_requests} constrained: {b['tok_per_s']:7.1f} "
-              f"tok/s ({b['tok_per_s'] / base:.2f}x of unconstrained)")
+        print(f"{b['constrained']:3d}/{args.num_requests} constrained: "
+              f"{b['tok_per_cpu_s']:7.1f} tok per CPU-s "
+              f"({b['tok_per_cpu_s'] / base['tok_per_cpu_s']:.2f}x of unconstrained), wall "
+              f"{b['tok_per_s']:.1f} tok/s ({b['tok_per_s'] / base['tok_per_s']:.2f}x)")
     v = result["validity"]
     print(f"validity: {v['finished']}/{v['requests']} finished within 256 tokens, "
           f"{v['valid']}/{v['finished']} of them valid against the schema; e.g. {v['example']}")
