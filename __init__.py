@@ -8,13 +8,16 @@ from importlib import import_module
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput",
+           "StructuredOutputsParams", "GuidedDecodingParams", "__version__"]
 
 _LAZY = {
     "LLM": "kvserve.engine.llm",
     "SamplingParams": "kvserve.engine.sampling_params",
     "RequestOutput": "kvserve.engine.outputs",
     "CompletionOutput": "kvserve.engine.outputs",
+    "StructuredOutputsParams": "kvserve.engine.guided_params",
+    "GuidedDecodingParams": "kvserve.engine.guided_params",
 }
 
 

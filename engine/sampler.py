@@ -1,6 +1,7 @@
 """Sampler: one step's logits -> next tokens and raw logprobs, vectorised over the batch.
 
-Order (as vLLM v1): raw logprobs = log_softmax(unprocessed logits); min_tokens masking; penalties
+Order (as vLLM v1): the grammar bitmask of constrained rows; raw logprobs = log_softmax(those
+logits); logit_bias; min_tokens masking; penalties
 (repetition over prompt+output, presence/frequency over output); greedy rows take the argmax;
 random rows are divided by their temperature, filtered by min_p, top_k, top_p and sampled with the
 exponential race `argmax(probs / Exponential(1))`, whose noise comes from the row's own
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvserve.engine.grammar import apply_token_bitmask
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.kernels.cpu_ops import argmax
 
@@ -65,6 +67,11 @@ class SamplingMetadata:
     no_top_k: bool = False
     # (rows, token ids) whose logits are -inf this step: stop/EOS tokens of rows under min_tokens.
     min_tokens_block: tuple[torch.Tensor, torch.Tensor] | None = field(default=None)
+    # (rows, int32 bitmask [S, ceil(V/32)]) of the rows under a grammar (engine/grammar.py):
+    # forbidden tokens are -inf before anything else, so logprobs see the constrained distribution.
+    token_bitmask: tuple[list[int], torch.Tensor] | None = field(default=None)
+    # (rows, token ids, biases) added to the logits after the raw logprobs (OpenAI's logit_bias).
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None)
 
     @classmethod
     def build(
@@ -106,6 +113,7 @@ class SamplingMetadata:
             min_tokens_block=_min_tokens_block(
                 params, output_token_ids, eos_token_id, vocab_size, device
             ),
+            logit_bias=_logit_bias(params, vocab_size, device),
             **flags,
         )
 
@@ -155,6 +163,26 @@ def _min_tokens_block(
             torch.tensor(tokens, dtype=torch.int64).to(device))
 
 
+def _logit_bias(params: list[SamplingParams], vocab_size: int, device: torch.device | str
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(rows, tokens, biases) of the rows that carry a logit_bias; ids past the vocabulary are
+    refused when the request is added, and skipped here."""
+    rows: list[int] = []
+    tokens: list[int] = []
+    values: list[float] = []
+    for row, p in enumerate(params):
+        for tok, value in (p.logit_bias or {}).items():
+            if 0 <= tok < vocab_size:
+                rows.append(row)
+                tokens.append(tok)
+                values.append(float(value))
+    if not rows:
+        return None
+    return (torch.tensor(rows, dtype=torch.int64).to(device),
+            torch.tensor(tokens, dtype=torch.int64).to(device),
+            torch.tensor(values, dtype=torch.float32).to(device))
+
+
 @dataclass
 class SamplerOutput:
     """Sampled tokens and, when asked, logprobs of the raw model distribution."""
@@ -177,15 +205,24 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row of `logits` ([S, V], any float dtype); `logits` is never
         modified. Every stage but the plain argmax runs on a float32 copy."""
+        if meta.token_bitmask is not None:
+            logits = apply_token_bitmask(logits, *meta.token_bitmask)
         if meta.all_greedy and meta.max_num_logprobs is None and meta.min_tokens_block is None \
-                and meta.no_penalties:
+                and meta.no_penalties and meta.logit_bias is None:
             return SamplerOutput(argmax(logits), None, None)  # widening to fp32 keeps the order
         logits = logits.float()
         raw_logprobs = None if meta.max_num_logprobs is None else logits.log_softmax(dim=-1)
+        if meta.logit_bias is not None:
+            rows, tokens, values = meta.logit_bias
+            logits = logits.index_put((rows, tokens), values, accumulate=True)
         if meta.min_tokens_block is not None:
-            logits = logits.index_put(
+            blocked = logits.index_put(
                 meta.min_tokens_block, torch.tensor(float("-inf"), device=logits.device)
             )
+            if meta.token_bitmask is not None:  # a finished grammar allows only EOS: it wins
+                dead = blocked.amax(dim=-1, keepdim=True) == float("-inf")
+                blocked = torch.where(dead, logits, blocked)
+            logits = blocked
         if not meta.no_penalties:
             logits = apply_penalties(logits, meta)
         if meta.all_greedy:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.engine.errors import InvalidRequestError
+from kvserve.engine.guided_params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 # A seed is a signed 64-bit integer, as in vLLM (torch.iinfo(torch.long)); `seed + sample index`
@@ -17,14 +18,16 @@ SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
 MAX_TEMPERATURE = 100.0
 MAX_REPETITION_PENALTY = 100.0
 MAX_TOKEN_ID = (1 << 31) - 1
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
            "repetition_penalty")
-_INTS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "seed")
+_INTS = ("n", "best_of", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "seed")
 
 
 @dataclass
 class SamplingParams:
     n: int = 1
+    best_of: int | None = None  # sample this many, return the n most likely (engine/best_of.py)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 (or 0) = no top-k
@@ -42,6 +45,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's)
+    # What the output must match (engine/guided_params.py): vLLM's current and older spellings.
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -62,6 +69,12 @@ class SamplingParams:
         return self._stop_list
 
     @property
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The structured-output constraint, under whichever name it was given."""
+        return self.structured_outputs if self.structured_outputs is not None \
+            else self.guided_decoding
+
+    @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
@@ -77,6 +90,8 @@ class SamplingParams:
                 f"got {self.seed}.")
         if self.n < 1:
             bad("n", f"must be at least 1, got {self.n}.")
+        if self.best_of is not None and self.best_of < self.n:
+            bad("best_of", f"must be at least n ({self.n}), got {self.best_of}.")
         if not 0 <= self.temperature <= MAX_TEMPERATURE:
             bad("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
@@ -103,6 +118,31 @@ class SamplingParams:
         if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t <= MAX_TOKEN_ID
                for t in self.stop_token_ids or []):
             bad("stop_token_ids", f"must be token ids in [0, {MAX_TOKEN_ID}].")
+        self._verify_constraint(bad)
+        self._verify_logit_bias(bad)
+
+    def _verify_logit_bias(self, bad: Callable[[str, str], None]) -> None:
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            bad("logit_bias", "must map token ids to biases.")
+        for tok, value in self.logit_bias.items():
+            if isinstance(tok, bool) or not isinstance(tok, numbers.Integral) \
+                    or not 0 <= tok <= MAX_TOKEN_ID:
+                bad("logit_bias", f"keys must be token ids, got {tok!r}.")
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+                    or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                bad("logit_bias", f"values must be in [-100, 100], got {value!r} for token {tok}.")
+
+    def _verify_constraint(self, bad: Callable[[str, str], None]) -> None:
+        given = [c for c in (self.structured_outputs, self.guided_decoding) if c is not None]
+        if any(not isinstance(c, StructuredOutputsParams) for c in given):
+            bad("structured_outputs", "must be a StructuredOutputsParams (GuidedDecodingParams).")
+        if len(given) == 2 and given[0] != given[1]:
+            bad("structured_outputs", "and guided_decoding are two names for one setting; "
+                "give one of them.")
+        if given:
+            given[0].verify()
 
     def _verify_types(self, bad: Callable[[str, str], None]) -> None:
         """Finite numbers of the right kind: NaN compares false with every bound, so it would

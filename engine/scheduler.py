@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvserve.engine.kv_cache_manager import DiskHit, HostHit, KVCacheManager, Spill
+from kvserve.engine.scheduling_policy import add_waiting, order_key, victim
 from kvserve.engine.sequence import Sequence, SequenceStatus
 
 
@@ -42,6 +43,7 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"  # "recompute" | "swap" | "auto"
+    policy: str = "fcfs"  # engine/scheduling_policy.py
 
 
 class SwapAdvisor(Protocol):
@@ -61,7 +63,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        add_waiting(self.waiting, seq, self.config.policy)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -80,14 +82,18 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        if self.config.policy != "fcfs":
+            self.running.sort(key=order_key)  # the most urgent get the token budget first
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv.allocate_slots(seq, n):
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                if victim is seq:
+                evicted = victim(self.running, self.config.policy)
+                if self.running.index(evicted) < i:  # already scheduled: the loop shifts back
+                    i -= 1
+                self._preempt(evicted, out)
+                if evicted is seq:
                     break
             else:
                 out.seqs.append(seq)
@@ -113,7 +119,7 @@ class Scheduler:
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        add_waiting(self.waiting, seq, self.config.policy, front=True)
 
     def _should_swap(self, seq: Sequence) -> bool:
         """swap: whenever the CPU pool has room; auto: when it has room and the cost model

@@ -41,9 +41,10 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
 
 
 def chat_token_ids(tokenizer: Any, messages: list[dict[str, Any]],
-                   add_generation_prompt: bool = True, chat_template: str | None = None) -> list[int]:
+                   add_generation_prompt: bool = True, chat_template: str | None = None,
+                   template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids of a chat conversation; the template already holds the special tokens."""
-    text = render_chat(tokenizer, messages, add_generation_prompt, chat_template)
+    text = render_chat(tokenizer, messages, add_generation_prompt, chat_template, template_kwargs)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

@@ -171,6 +171,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default=d("attention_backend"),
                    choices=("auto", "cpu", "torch", "triton", "reference"))
     g.add_argument("--seed", type=int, default=d("seed"), help="random seed of the engine")
+    g.add_argument("--scheduling-policy", default=d("scheduling_policy"),
+                   choices=("fcfs", "priority"),
+                   help="fcfs, or priority: lower `priority` values first, preempted last")
+    g.add_argument("--generation-config", default=d("generation_config"),
+                   help="default sampling: 'auto' (the model's generation_config.json), 'vllm' "
+                        "(OpenAI's defaults) or a folder holding a generation_config.json")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="allow model code from the hub (off: only built-in architectures)")
 

@@ -7,8 +7,11 @@ from typing import Annotated, Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvserve.engine.errors import InvalidRequestError
+from kvserve.engine.guided_params import StructuredOutputsParams
 from kvserve.engine.sampling_params import MAX_TOKEN_ID, SEED_MAX, SEED_MIN, SamplingParams
 from kvserve.service.limits import DEFAULT_LIMITS, RequestLimits
+from kvserve.service.structured_outputs import constraint_of
+from kvserve.service.tool_calls import ToolPlan, check_history, tool_plan
 from kvserve.service.unsupported_fields import (SAMPLING_UNSUPPORTED, Harmless, asks_nothing,
                                                 refuse_unsupported)
 
@@ -55,7 +58,7 @@ class SamplingFields(OpenAIModel):
     min_p: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     seed: Int64 | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
@@ -70,10 +73,9 @@ class SamplingFields(OpenAIModel):
     cache_salt: CacheSalt | None = None
     # known, not supported (service/unsupported_fields.py): typed loosely so the 400 names the field
     use_beam_search: Any = None
-    best_of: Any = None
     length_penalty: Any = None
     early_stopping: Any = None
-    logit_bias: Any = None
+    # structured outputs (service/structured_outputs.py): typed loosely, checked there
     response_format: Any = None
     guided_json: Any = None
     guided_regex: Any = None
@@ -82,6 +84,12 @@ class SamplingFields(OpenAIModel):
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
     structured_outputs: Any = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's) -> bias
+    best_of: Int64 | None = None  # sample this many, answer with the n most likely
+    # known, not supported (see _SAMPLING_UNSUPPORTED): typed loosely so the 400 names the field
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    early_stopping: Any = None
     prompt_logprobs: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
@@ -98,6 +106,12 @@ class SamplingFields(OpenAIModel):
         if not 1 <= self.n <= limits.max_n:
             raise InvalidRequestError(f"n must be in [1, {limits.max_n}] (--max-n), got "
                                       f"{self.n}", param="n")
+        if self.best_of is not None and not self.n <= self.best_of <= limits.max_n:
+            raise InvalidRequestError(f"best_of must be in [n, {limits.max_n}] (--max-n), got "
+                                      f"{self.best_of}", param="best_of")
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            raise InvalidRequestError("best_of > n cannot be streamed: the best candidates are "
+                                      "known only at the end", param="best_of")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > limits.max_stop:
             raise InvalidRequestError(f"stop holds {len(stops)} strings; at most "
@@ -109,18 +123,23 @@ class SamplingFields(OpenAIModel):
             raise InvalidRequestError(f"stop_token_ids holds {len(self.stop_token_ids or ())} "
                                       f"ids; at most {limits.max_stop} are allowed (--max-stop)",
                                       param="stop_token_ids")
+        self.constraint()  # a malformed schema, regex or tool is a 400 here
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """SamplingParams of this request; InvalidRequestError (400) for a value out of range."""
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """SamplingParams of this request; a field it leaves out takes `defaults` (the model's
+        generation config), then OpenAI's. InvalidRequestError (400) for a value out of range."""
+        d = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+             "repetition_penalty": 1.0, **{k: v for k, v in (defaults or {}).items()
+                                           if k != "max_tokens"}}
+        own = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p",
+                                               "repetition_penalty")}
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            best_of=self.best_of,
+            **{k: d[k] if v is None else v for k, v in own.items()},
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=list(self.stop_token_ids or []),
@@ -130,7 +149,23 @@ class SamplingFields(OpenAIModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.constraint(),
+            logit_bias=self.token_logit_bias(),
         )
+
+    def token_logit_bias(self) -> dict[int, float] | None:
+        """logit_bias with int keys; 400 for a key that is not a token id."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(k): v for k, v in self.logit_bias.items()}
+        except ValueError:
+            raise InvalidRequestError("logit_bias keys must be token ids (integers as strings)",
+                                      param="logit_bias") from None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """What the output must match (response_format, guided_*, structured_outputs)."""
+        return constraint_of(self)
 
     @property
     def include_usage(self) -> bool:
@@ -186,14 +221,15 @@ class ChatMessage(OpenAIModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-    tool_calls: Any = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result's call
     function_call: Any = None
 
-    UNSUPPORTED: ClassVar[dict[str, Harmless]] = {
-        "tool_calls": asks_nothing, "function_call": asks_nothing}
+    UNSUPPORTED: ClassVar[dict[str, Harmless]] = {"function_call": asks_nothing}
 
     def as_template_input(self) -> dict[str, Any]:
-        """{"role", "content"} with content parts flattened to text (text-only models)."""
+        """{"role", "content"} with content parts flattened to text (text-only models), plus
+        tool_calls / tool_call_id when set (service/tool_calls.py renders them)."""
         content = self.content
         if isinstance(content, list):
             parts = []
@@ -204,7 +240,12 @@ class ChatMessage(OpenAIModel):
                         "reads text only", param="messages")
                 parts.append(str(part.get("text", "")))
             content = "".join(parts)
-        return {"role": self.role, "content": content or ""}
+        out: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -230,9 +271,6 @@ class ChatCompletionRequest(SamplingFields):
 
     UNSUPPORTED: ClassVar[dict[str, Harmless]] = {
         **SAMPLING_UNSUPPORTED,
-        "tools": asks_nothing,
-        # with no tools, "auto" can only mean "answer in text", which is what happens
-        "tool_choice": lambda v, _: v in (None, "none", "auto"),
         "functions": asks_nothing,
         "function_call": lambda v, _: v in (None, "none", "auto"),
         "echo": asks_nothing,
@@ -253,6 +291,7 @@ class ChatCompletionRequest(SamplingFields):
             raise InvalidRequestError("messages must not be empty", param="messages")
         for i, message in enumerate(self.messages):
             refuse_unsupported(message, message.UNSUPPORTED, prefix=f"messages.{i}.")
+        check_history(self.messages)
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError(
                 "top_logprobs requires logprobs to be true", param="top_logprobs")
@@ -262,6 +301,19 @@ class ChatCompletionRequest(SamplingFields):
                 f"chat_template_kwargs must not set {reserved}: they are arguments of the "
                 "template call, not template variables (send chat_template as its own field)",
                 param="chat_template_kwargs")
+
+    def tool_plan(self) -> ToolPlan | None:
+        return tool_plan(self.tools, self.tool_choice)
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The tools' grammar (tool_choice required or named) or the response format's."""
+        own = constraint_of(self)
+        plan = self.tool_plan()
+        forced = plan.constraint() if plan is not None else None
+        if forced is not None and own is not None:
+            raise InvalidRequestError("a required or named tool_choice already fixes the output's "
+                                      "form; drop response_format / guided_*", "tool_choice")
+        return forced or own
 
     @property
     def requested_max_tokens(self) -> int | None:

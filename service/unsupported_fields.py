@@ -1,7 +1,7 @@
 """Request fields OpenAI or vLLM define that this server does not implement.
 
 Each is refused with a 400 naming it, unless its value asks for nothing (the table's predicate):
-a client that sends `logit_bias: {}` or `best_of: 1` gets what it asked for, one that relies on a
+a client that sends `use_beam_search: false` gets what it asked for, one that relies on a
 feature we lack is told so instead of silently getting something else. Fields nobody knows are
 still ignored (service/request_models.py)."""
 
@@ -36,18 +36,9 @@ def refuse_unsupported(req: BaseModel, table: dict[str, Harmless], prefix: str =
 # Known to OpenAI or vLLM for both completions and chat completions.
 SAMPLING_UNSUPPORTED: dict[str, Harmless] = {
     "use_beam_search": asks_nothing,
-    "best_of": lambda v, req: v is None or (type(v) is int and v == req.n),
     "length_penalty": lambda v, _: v is None or v == 1.0,
     "early_stopping": asks_nothing,
-    "logit_bias": asks_nothing,
-    "response_format": lambda v, _: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-    "guided_json": asks_nothing,
-    "guided_regex": asks_nothing,
-    "guided_choice": asks_nothing,
-    "guided_grammar": asks_nothing,
-    "guided_decoding_backend": asks_nothing,
     "guided_whitespace_pattern": asks_nothing,
-    "structured_outputs": asks_nothing,
     "prompt_logprobs": lambda v, _: v is None,  # 0 asks for the prompt tokens' own logprobs
     "allowed_token_ids": asks_nothing,
     "bad_words": asks_nothing,

@@ -69,7 +69,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics,
         if publisher is not None:
             await publisher.start()
         if config.print_banner:
-            print(banner(config, names[0]), flush=True)
+            print(banner(config, names[0], engine.sampling_defaults), flush=True)
         try:
             yield
         finally:

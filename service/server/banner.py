@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from kvserve.service.server.config import ServerConfig
 
 
-def banner(config: ServerConfig, model: str) -> str:
-    """How to call this server: a curl line and the Python snippet."""
+def banner(config: ServerConfig, model: str, defaults: dict[str, Any] | None = None) -> str:
+    """How to call this server: a curl line and the Python snippet (and the default sampling
+    from the model's generation config, when it sets any)."""
     host = "localhost" if config.host in ("0.0.0.0", "::", "") else config.host
     base = f"http://{host}:{config.port}"
     auth = " -H 'Authorization: Bearer $KVSERVE_API_KEY'" if config.api_key else ""
@@ -16,6 +18,8 @@ def banner(config: ServerConfig, model: str) -> str:
         {"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32})
     return "\n".join([
         f"kvserve is serving {model!r} at {base}/v1  (metrics: {base}/metrics)",
+        *(["default sampling (generation_config.json; a request's own values win): " +
+           ", ".join(f"{k} {v}" for k, v in defaults.items())] if defaults else []),
         "",
         "Try it:",
         f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'",

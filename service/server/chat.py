@@ -21,15 +21,22 @@ from kvserve.service.server.engine_streams import (before, collect, engine_error
                                                    merge_streams, start_requests,
                                                    unless_disconnected, until)
 from kvserve.service.server.logprobs import token_text, top_logprobs
-from kvserve.service.server.stream_deltas import StreamTracker, stop_hold
+from kvserve.service.server.stream_deltas import Delta, StreamTracker, stop_hold
 from kvserve.service.server.usage import usage_of
 from kvserve.service.sse import SSE_DONE, sse, sse_error
+from kvserve.service.tool_calls import (ToolCallStream, ToolPlan, finish_reason, parse_output,
+                                        template_messages)
 
 
 async def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
-    messages = [m.as_template_input() for m in req.messages]
+    template = req.chat_template or getattr(ctx.tokenizer, "chat_template", None) or ""
+    messages, tools = template_messages([m.as_template_input() for m in req.messages],
+                                        req.tool_plan(), template)
+    kwargs = dict(req.chat_template_kwargs or {})
+    if tools is not None:
+        kwargs["tools"] = tools
     return await ctx.chat_token_ids(messages, req.add_generation_prompt, req.chat_template,
-                                    req.chat_template_kwargs)
+                                    kwargs or None)
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest,
@@ -41,7 +48,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         ctx.check_prompts([prompt], "messages")
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = ctx.max_tokens_for(len(prompt), req.requested_max_tokens, param, "messages")
-        params = req.sampling_params(max_tokens, req.num_logprobs)
+        params = req.sampling_params(max_tokens, req.num_logprobs, ctx.engine.sampling_defaults)
     request_id = random_id("chatcmpl")  # from here the engine counts it as waiting
     streams = await before(deadline, start_requests(
         ctx, request_id, [prompt], [params], priority=req.priority, cache_salt=req.cache_salt))
@@ -49,9 +56,10 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         body = _stream(ctx, req, request_id, model, streams, stop_hold(params), deadline)
         return StreamingResponse(body, media_type="text/event-stream")
     (out,) = await unless_disconnected(raw, collect(streams, deadline))
+    plan = req.tool_plan()
     choices = [ChatChoice(
-        index=c.index, message=ChatResponseMessage(content=c.text),
-        finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+        index=c.index, message=_message(plan, c.text),
+        finish_reason=_finish_reason(plan, c.text, c.finish_reason), stop_reason=c.stop_reason,
         logprobs=_logprobs(ctx.tokenizer, c.token_ids, c.logprobs, req.top_logprobs or 0))
         for c in sorted(out.outputs, key=lambda c: c.index)]
     if not req.logprobs:
@@ -60,6 +68,17 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     response = ChatCompletionResponse(id=request_id, model=model, choices=choices,
                                       usage=usage_of([out], ctx.prompt_tokens_details))
     return JSONResponse(response.model_dump())
+
+
+def _message(plan: ToolPlan | None, text: str) -> ChatResponseMessage:
+    if plan is None:
+        return ChatResponseMessage(content=text)
+    content, calls = parse_output(plan, text)
+    return ChatResponseMessage(content=content, tool_calls=calls or None)
+
+
+def _finish_reason(plan: ToolPlan | None, text: str, reason: str | None) -> str | None:
+    return reason if plan is None else finish_reason(parse_output(plan, text)[1], reason)
 
 
 def _logprobs(tokenizer: Any, token_ids: Sequence[int], entries: list[dict[int, float]] | None,
@@ -86,6 +105,8 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, request_id: s
     for i in range(req.n):  # the role first, as OpenAI does
         yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
     tracker = StreamTracker(hold=hold)
+    plan = req.tool_plan()
+    tools = {i: ToolCallStream(plan) for i in range(req.n)} if plan is not None else {}
     last: RequestOutput | None = None
     try:
         async for _, out in until(deadline, merge_streams(streams)):
@@ -96,10 +117,14 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, request_id: s
                     continue
                 lp = _logprobs(ctx.tokenizer, delta.token_ids, delta.logprobs,
                                req.top_logprobs or 0) if req.logprobs else None
+                usage = usage_of([out], ctx.prompt_tokens_details) if continuous else None
+                if c.index in tools:
+                    for piece in _tool_chunks(c.index, tools[c.index], delta, lp):
+                        yield chunk([piece], usage)
+                    continue
                 choice = ChatStreamChoice(
                     index=c.index, delta=DeltaMessage(content=delta.text), logprobs=lp,
                     finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
-                usage = usage_of([out], ctx.prompt_tokens_details) if continuous else None
                 yield chunk([choice], usage)
     except Exception as exc:  # noqa: BLE001 - the stream already started: report in-band
         yield sse_error(engine_error_status(exc), str(exc))
@@ -108,3 +133,20 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, request_id: s
     if req.include_usage and last is not None:
         yield chunk([], usage_of([last], ctx.prompt_tokens_details))
     yield SSE_DONE
+
+
+def _tool_chunks(index: int, stream: ToolCallStream, delta: Delta, lp: ChatLogProbs | None
+                 ) -> list[ChatStreamChoice]:
+    """A tool-calling choice's chunks for one delta: text or call fragments as they become
+    safe to send, then (at the end) the calls and finish_reason "tool_calls"."""
+    fields = [f for f in [stream.feed(delta.text)] if f]
+    if delta.finish_reason is not None:
+        fields += stream.finish()
+    pieces = [ChatStreamChoice(index=index, delta=DeltaMessage(**f), logprobs=lp if i == 0 else None)
+              for i, f in enumerate(fields)]
+    if delta.finish_reason is not None:
+        pieces.append(ChatStreamChoice(
+            index=index, delta=DeltaMessage(),
+            finish_reason=finish_reason(stream.calls, delta.finish_reason),
+            stop_reason=delta.stop_reason))
+    return pieces

@@ -32,8 +32,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest,
     with ctx.admitted():
         prompts = await before(deadline, ctx.encode_prompts(req.prompts()))
         ctx.check_prompts(prompts, "prompt")
-        params = [req.sampling_params(ctx.max_tokens_for(len(ids), req.max_tokens), req.logprobs)
-                  for ids in prompts]
+        params = [req.sampling_params(ctx.max_tokens_for(len(ids), req.max_tokens), req.logprobs,
+                                      ctx.engine.sampling_defaults) for ids in prompts]
         echoes = [await ctx.decode(p) for p in prompts] if req.echo else [""] * len(prompts)
     request_id = random_id("cmpl")  # from here the engine counts it as waiting
     streams = await before(deadline, start_requests(

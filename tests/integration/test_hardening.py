@@ -172,23 +172,12 @@ def test_chat_top_logprobs_cap(server):
 
 
 UNSUPPORTED = [
-    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("/v1/chat/completions", "tool_choice", "required"),
     ("/v1/chat/completions", "functions", [{"name": "f"}]),
     ("/v1/chat/completions", "function_call", {"name": "f"}),
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
-    ("/v1/chat/completions", "logit_bias", {"5": 100}),
     ("/v1/chat/completions", "use_beam_search", True),
-    ("/v1/chat/completions", "guided_json", {"type": "object"}),
-    ("/v1/chat/completions", "guided_regex", "a+"),
-    ("/v1/chat/completions", "guided_choice", ["a", "b"]),
     ("/v1/chat/completions", "prompt_logprobs", 1),
     ("/v1/chat/completions", "continue_final_message", True),
-    ("/v1/completions", "best_of", 3),
     ("/v1/completions", "use_beam_search", True),
-    ("/v1/completions", "logit_bias", {"5": -100}),
-    ("/v1/completions", "response_format", {"type": "json_schema", "json_schema": {}}),
-    ("/v1/completions", "guided_grammar", "root ::= 'a'"),
     ("/v1/completions", "prompt_logprobs", 0),
     ("/v1/completions", "allowed_token_ids", [1, 2]),
     ("/v1/completions", "bad_words", ["x"]),
@@ -223,18 +212,39 @@ def test_values_that_ask_for_nothing_and_unknown_fields_are_accepted(server, pat
     assert resp.status_code == 200, resp.text
 
 
-def test_a_tool_call_in_the_history_is_refused(server):
+def test_a_malformed_tool_call_in_the_history_is_refused(server):
     messages = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+        {"id": "1", "type": "function", "function": {"arguments": "{}"}}]}]
     resp = post(server.url, "/v1/chat/completions", {"model": "tiny", "messages": messages})
     assert_openai_error(resp, 400, "messages.1.tool_calls")
+
+
+@pytest.mark.parametrize("path, field, value, param", [
+    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": ""}}], "tools.0"),
+    ("/v1/chat/completions", "tool_choice", "required", "tool_choice"),  # with no tools
+    ("/v1/chat/completions", "response_format", {"type": "xml"}, "response_format"),
+    ("/v1/chat/completions", "guided_json", {"type": "nonsense"}, "guided_json"),
+    ("/v1/chat/completions", "guided_regex", "a(b", "guided_regex"),
+    ("/v1/completions", "response_format", {"type": "json_schema", "json_schema": {}},
+     "response_format"),
+    ("/v1/completions", "guided_grammar", "root ::= undefined_rule", "guided_grammar"),
+    ("/v1/completions", "guided_choice", [], "guided_choice"),
+    ("/v1/completions", "logit_bias", {"x": 1}, "logit_bias"),
+    ("/v1/completions", "best_of", 0, "best_of"),
+    ("/v1/completions", "best_of", 17, "best_of"),
+    ("/v1/completions", "logit_bias", {"5": 101}, "logit_bias"),
+    ("/v1/completions", "logit_bias", {"99999": 1}, "logit_bias"),  # past the vocabulary
+])
+def test_bad_structured_output_and_tool_fields_are_400s(server, path, field, value, param):
+    resp = post(server.url, path, {**_base(path), field: value})
+    assert_openai_error(resp, 400, param)
 
 
 def test_the_openai_client_gets_a_bad_request_error_for_tools(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1, tools=[
-            {"type": "function", "function": {"name": "f", "parameters": {}}}])
-    assert info.value.body["param"] == "tools"
+            {"type": "function", "function": {"name": "f", "parameters": "not a schema"}}])
+    assert info.value.body["param"] == "tools.0"
 
 
 # ---------------------------------------------------------------------------- configuration
@@ -314,7 +324,7 @@ def test_a_40_mib_body_to_the_router_is_413_at_once(router):
     ("/v1/completions", '{"model": "tiny", "prompt": "x", "seed": 1e400}', "seed"),
     ("/v1/completions", '{"model": "tiny", "prompt": "x", "seed": %d}' % 2**64, "seed"),
     ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "x"}], '
-     '"tools": [{"type": "function", "function": {"name": "f"}}]}', "tools"),
+     '"tools": [{"type": "function", "function": {"name": ""}}]}', "tools"),
     ("/v1/chat/completions", '{"model": "tiny", "messages": "not a list"}', "messages"),
     ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": '
      '"\\ud800"}]}', None),

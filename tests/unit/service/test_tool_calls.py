@@ -1,0 +1,146 @@
+"""Tool plans, the Hermes prompt and parser, streamed tool calls, and request -> constraint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvserve.engine.errors import InvalidRequestError
+from kvserve.engine.tokenizer import render_chat
+from kvserve.service.request_models import ChatCompletionRequest, CompletionRequest
+from kvserve.service.tool_calls import (ToolCallStream, finish_reason, parse_output,
+                                        template_messages, tool_plan)
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_tool_choice_modes_and_their_constraints():
+    assert tool_plan(None, None) is None and tool_plan([WEATHER], "none") is None
+    assert tool_plan([WEATHER], None).mode == "auto"  # OpenAI's default with tools
+    assert tool_plan([WEATHER], "auto").constraint() is None
+    named = tool_plan([WEATHER, TIME], {"type": "function", "function": {"name": "get_weather"}})
+    assert named.constraint().schema() == WEATHER["function"]["parameters"]
+    assert tool_plan([TIME], {"type": "function", "function": {"name": "get_time"}}
+                     ).constraint().json_object
+    required = tool_plan([WEATHER, TIME], "required").constraint().schema()
+    assert required["minItems"] == 1 and len(required["items"]["anyOf"]) == 2
+
+
+@pytest.mark.parametrize("tools, choice, param", [
+    ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
+    (None, "required", "tool_choice"),
+    ([WEATHER], "sometimes", "tool_choice"),
+    ([{"type": "function", "function": {"description": "no name"}}], "auto", "tools.0"),
+    ([{"type": "function", "function": {"name": "f", "parameters": [1]}}], "auto", "tools.0"),
+    ("not a list", "auto", "tools"),
+])
+def test_bad_tools_are_400s(tools, choice, param):
+    with pytest.raises(InvalidRequestError) as info:
+        tool_plan(tools, choice)
+    assert info.value.param == param
+
+
+def test_hermes_parser_auto_required_named():
+    auto = tool_plan([WEATHER], "auto")
+    content, calls = parse_output(auto, "Let me look.\n" + CALL + CALL)
+    assert content == "Let me look." and len(calls) == 2
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert calls[0]["id"].startswith("call_") and calls[0]["id"] != calls[1]["id"]
+    assert parse_output(auto, "just text") == ("just text", [])
+    broken = "<tool_call>{not json</tool_call>"
+    assert parse_output(auto, broken) == (broken, [])  # no valid call: it stays text
+    required = tool_plan([WEATHER], "required")
+    assert parse_output(required, '[{"name": "get_weather", "arguments": {"city": "Rome"}}]'
+                        )[1][0]["function"]["arguments"] == '{"city": "Rome"}'
+    assert parse_output(required, '[{"name": "get_we') == ('[{"name": "get_we', [])
+    named = tool_plan([WEATHER], {"type": "function", "function": {"name": "get_weather"}})
+    assert parse_output(named, '{"city": "Oslo"}')[1][0]["function"]["arguments"] == \
+        '{"city": "Oslo"}'
+    assert finish_reason(calls, "stop") == "tool_calls"
+    assert finish_reason(calls, "length") == "length" and finish_reason([], "stop") == "stop"
+
+
+def test_auto_stream_holds_back_a_possible_call():
+    stream = ToolCallStream(tool_plan([WEATHER], "auto"))
+    sent = [stream.feed(piece) for piece in ["Sure", ". <tool", "_call>\n{\"name\": ",
+                                             '"get_weather", "arguments": {}}\n</tool_call>']]
+    assert sent == [{"content": "Sure"}, {"content": ". "}, None, None]
+    (last,) = stream.finish()
+    assert last["tool_calls"][0]["function"]["name"] == "get_weather"
+    plain = ToolCallStream(tool_plan([WEATHER], "auto"))
+    assert plain.feed("a <tool") == {"content": "a "}
+    assert plain.finish() == [{"content": "<tool"}]  # it never became a call
+
+
+def test_named_stream_sends_arguments_as_they_come():
+    stream = ToolCallStream(tool_plan([WEATHER], {"type": "function",
+                                                  "function": {"name": "get_weather"}}))
+    first, second = stream.feed('{"city": '), stream.feed('"Oslo"}')
+    assert first["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": '}
+    assert first["tool_calls"][0]["id"].startswith("call_")
+    assert second == {"tool_calls": [{"index": 0, "function": {"arguments": '"Oslo"}'}}]}
+    assert stream.finish() == [] and len(stream.calls) == 1
+
+
+def test_history_with_calls_and_results_renders_through_a_plain_template(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "call_1", "type": "function", "function": {
+                       "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "content": "18 C, sunny", "tool_call_id": "call_1"}]
+    messages, tools = template_messages(history, tool_plan([WEATHER], "auto"), tok.chat_template)
+    assert tools is None  # SmolLM2's template knows no tools: Hermes text instead
+    text = render_chat(tok, messages)
+    assert "<tools>" in text and '"get_weather"' in text
+    assert CALL.replace("\n", "") in text.replace("\n", "")
+    assert "<|im_start|>tool\n<tool_response>\n18 C, sunny\n</tool_response>" in text
+    native = "{% for m in messages %}{{ m.role }}{% endfor %}{{ tools | tojson }}"
+    messages, tools = template_messages(history, tool_plan([WEATHER], "auto"), native)
+    assert tools == [WEATHER] and messages[1]["tool_calls"][0]["function"]["arguments"] == \
+        {"city": "Paris"}
+
+
+def test_request_fields_to_constraints():
+    def chat(**kw):
+        req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **kw)
+        req.check()
+        return req.sampling_params(8, None).structured_outputs
+
+    assert chat() is None and chat(response_format={"type": "text"}) is None
+    assert chat(response_format={"type": "json_object"}).json_object
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert chat(response_format={"type": "json_schema",
+                                 "json_schema": {"name": "x", "schema": schema}}).json == schema
+    assert chat(structured_outputs={"regex": "a+"}).regex == "a+"
+    assert chat(tools=[WEATHER], tool_choice="required").json["type"] == "array"
+    comp = CompletionRequest(prompt="x", guided_choice=["a", "b"])
+    comp.check()
+    assert comp.sampling_params(8, None).structured_outputs.choice == ["a", "b"]
+
+
+@pytest.mark.parametrize("kw, param", [
+    (dict(response_format={"type": "xml"}), "response_format"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+     "response_format"),
+    (dict(guided_json={"type": "object"}, guided_regex="a"), "structured_outputs"),
+    (dict(guided_regex="a", response_format={"type": "json_object"}), "guided_regex"),
+    (dict(structured_outputs={"regexp": "a"}), "structured_outputs"),
+    (dict(guided_json="{not json"), "guided_json"),
+    (dict(guided_regex="a", guided_decoding_backend="outlines"), "guided_decoding_backend"),
+    (dict(tools=[WEATHER], tool_choice="required", guided_regex="a"), "tool_choice"),
+])
+def test_bad_request_fields_are_400s(kw, param):
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **kw)
+    with pytest.raises(InvalidRequestError) as info:
+        req.check()
+    assert info.value.param == param, str(info.value)
+    json.dumps(str(info.value))
