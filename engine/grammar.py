@@ -123,8 +123,17 @@ class GrammarCompiler:
         if self._filler is None:
             self._filler = _xgr().BatchGrammarMatcher(max_threads=self._max_threads)
         bitmask = torch.empty((len(states), (self.vocab_size + 31) // 32), dtype=torch.int32)
+        # A sequence about to fork appears once per sample in the batch: fill its matcher once
+        # (the filler's threads must never share a matcher) and copy that row to the others.
+        first: dict[int, int] = {}
+        for i in rows:
+            first.setdefault(id(states[i]), i)
+        unique = sorted(first.values())
         self._filler.batch_fill_next_token_bitmask(
-            [states[i].matcher for i in rows], bitmask, indices=rows)  # type: ignore[union-attr]
+            [states[i].matcher for i in unique], bitmask, indices=unique)  # type: ignore[union-attr]
+        for i in rows:
+            if first[id(states[i])] != i:
+                bitmask[i] = bitmask[first[id(states[i])]]
         return rows, bitmask
 
     def matcher(self, compiled: Any) -> GrammarState:
