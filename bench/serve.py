@@ -235,7 +235,7 @@ def main() -> None:
     p.add_argument("--json-out", default=None)
     args = p.parse_args()
     if args.kv_cache_memory:
-        from kvserve.service.cli import byte_size
+        from kvserve.service.flags import byte_size
 
         args.kv_cache_memory = byte_size(args.kv_cache_memory)
     if args.threads:  # before torch is imported here, and inherited by the server process

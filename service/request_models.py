@@ -11,7 +11,6 @@ from kvserve.engine.guided_params import StructuredOutputsParams
 from kvserve.engine.sampling_params import MAX_TOKEN_ID, SEED_MAX, SEED_MIN, SamplingParams
 from kvserve.service.limits import DEFAULT_LIMITS, RequestLimits
 from kvserve.service.structured_outputs import constraint_of
-from kvserve.service.tool_calls import ToolPlan, check_history, tool_plan
 from kvserve.service.unsupported_fields import (SAMPLING_UNSUPPORTED, Harmless, asks_nothing,
                                                 refuse_unsupported)
 
@@ -25,14 +24,6 @@ Int64 = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
 # or digest; capped so a salt cannot be a way to send megabytes the engine hashes.
 MAX_CACHE_SALT_LEN = 1024
 CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_LEN)]
-# Keyword arguments of apply_chat_template itself: as template variables they would change what
-# the call does (tokenize, truncate) rather than what the template sees.
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
-    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
-
-
 class OpenAIModel(BaseModel):
     # Unknown fields are accepted and ignored, like vLLM (clients send vendor extras). No float
     # may be NaN or infinite: they compare false with every bound and poison the sampler.
@@ -215,128 +206,3 @@ class CompletionRequest(SamplingFields):
         if all(isinstance(x, int) for x in p):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
-
-
-class ChatMessage(OpenAIModel):
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
-    tool_call_id: str | None = None  # a tool result's call
-    function_call: Any = None
-
-    UNSUPPORTED: ClassVar[dict[str, Harmless]] = {"function_call": asks_nothing}
-
-    def as_template_input(self) -> dict[str, Any]:
-        """{"role", "content"} with content parts flattened to text (text-only models), plus
-        tool_calls / tool_call_id when set (service/tool_calls.py renders them)."""
-        content = self.content
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if part.get("type") != "text":
-                    raise InvalidRequestError(
-                        f"content part type {part.get('type')!r} is not supported: this model "
-                        "reads text only", param="messages")
-                parts.append(str(part.get("text", "")))
-            content = "".join(parts)
-        out: dict[str, Any] = {"role": self.role, "content": content or ""}
-        if self.tool_calls:
-            out["tool_calls"] = self.tool_calls
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        return out
-
-
-class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
-    max_tokens: Int64 | None = None
-    max_completion_tokens: Int64 | None = None
-    logprobs: bool = False
-    top_logprobs: Int64 | None = None
-    add_generation_prompt: bool = True
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
-    echo: Any = None
-    continue_final_message: Any = None
-    audio: Any = None
-    modalities: Any = None
-    prediction: Any = None
-    reasoning_effort: Any = None
-    web_search_options: Any = None
-
-    UNSUPPORTED: ClassVar[dict[str, Harmless]] = {
-        **SAMPLING_UNSUPPORTED,
-        "functions": asks_nothing,
-        "function_call": lambda v, _: v in (None, "none", "auto"),
-        "echo": asks_nothing,
-        "continue_final_message": asks_nothing,
-        "audio": asks_nothing,
-        "modalities": lambda v, _: v is None or v == ["text"],
-        "prediction": asks_nothing,
-        "reasoning_effort": asks_nothing,
-        "web_search_options": asks_nothing,
-    }
-
-    def check(self, limits: RequestLimits = DEFAULT_LIMITS) -> None:
-        super().check(limits)
-        check_max_tokens(self.max_tokens, "max_tokens")
-        check_max_tokens(self.max_completion_tokens, "max_completion_tokens")
-        check_logprobs(self.top_logprobs, "top_logprobs", limits)
-        if not self.messages:
-            raise InvalidRequestError("messages must not be empty", param="messages")
-        for i, message in enumerate(self.messages):
-            refuse_unsupported(message, message.UNSUPPORTED, prefix=f"messages.{i}.")
-        check_history(self.messages)
-        if self.top_logprobs is not None and not self.logprobs:
-            raise InvalidRequestError(
-                "top_logprobs requires logprobs to be true", param="top_logprobs")
-        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {}))
-        if reserved:
-            raise InvalidRequestError(
-                f"chat_template_kwargs must not set {reserved}: they are arguments of the "
-                "template call, not template variables (send chat_template as its own field)",
-                param="chat_template_kwargs")
-
-    def tool_plan(self) -> ToolPlan | None:
-        return tool_plan(self.tools, self.tool_choice)
-
-    def constraint(self) -> StructuredOutputsParams | None:
-        """The tools' grammar (tool_choice required or named) or the response format's."""
-        own = constraint_of(self)
-        plan = self.tool_plan()
-        forced = plan.constraint() if plan is not None else None
-        if forced is not None and own is not None:
-            raise InvalidRequestError("a required or named tool_choice already fixes the output's "
-                                      "form; drop response_format / guided_*", "tool_choice")
-        return forced or own
-
-    @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None \
-            else self.max_tokens
-
-    @property
-    def num_logprobs(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-
-class TokenizeRequest(OpenAIModel):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-
-    def check(self, limits: RequestLimits = DEFAULT_LIMITS) -> None:
-        if (self.prompt is None) == (self.messages is None):
-            raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
-
-
-class DetokenizeRequest(OpenAIModel):
-    model: str | None = None
-    tokens: list[TokenId]

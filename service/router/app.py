@@ -14,7 +14,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvserve.service.limits import RequestLimits
 from kvserve.service.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from kvserve.service.openai_errors import APIError, error_response
-from kvserve.service.request_models import ChatCompletionRequest, CompletionRequest
+from kvserve.service.chat_request import ChatCompletionRequest
+from kvserve.service.request_models import CompletionRequest
 from kvserve.service.request_validation import read_json_body, validate_request
 from kvserve.service.router.config import RouterConfig
 from kvserve.service.router.drain import DrainMiddleware, DrainState

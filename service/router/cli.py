@@ -11,7 +11,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from kvserve.service.cli import add_limit_args, limits_from_args
+from kvserve.service.flags import add_limit_args, limits_from_args
 from kvserve.service.prefix_index.redis_client import redact_url
 from kvserve.service.prefix_index.replica_info import REGISTRATION_TOKEN_ENV
 from kvserve.service.router.app import create_app

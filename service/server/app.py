@@ -17,10 +17,10 @@ import kvserve
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.errors import KVServeError
 from kvserve.engine.tokenizer import prompt_token_ids
+from kvserve.service.chat_request import ChatCompletionRequest
 from kvserve.service.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from kvserve.service.openai_errors import APIError, install_error_handlers
-from kvserve.service.request_models import (ChatCompletionRequest, CompletionRequest,
-                                            DetokenizeRequest, TokenizeRequest)
+from kvserve.service.request_models import CompletionRequest
 from kvserve.service.request_validation import M, read_json_body, validate_request
 from kvserve.service.response_models import (DetokenizeResponse, ModelCard, ModelList,
                                              TokenizeResponse)
@@ -33,6 +33,7 @@ from kvserve.service.server.engine_streams import ClientDisconnected
 from kvserve.service.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvserve.service.server.openapi import install_openapi
 from kvserve.service.server.publishing import PublisherObserver, stop_advertising
+from kvserve.service.tokenize_request import DetokenizeRequest, TokenizeRequest
 
 logger = logging.getLogger("kvserve.service.api_server")
 

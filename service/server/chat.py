@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.engine.async_engine import RequestStream
 from kvserve.engine.outputs import RequestOutput
-from kvserve.service.request_models import ChatCompletionRequest
+from kvserve.service.chat_request import ChatCompletionRequest
 from kvserve.service.response_models import (ChatChoice, ChatCompletionChunk,
                                              ChatCompletionResponse, ChatLogProbs,
                                              ChatResponseMessage, ChatStreamChoice,

@@ -11,7 +11,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.engine.errors import ConfigError
 from kvserve.engine.generation_config import sampling_defaults
 from kvserve.engine.model_loader import _write_sampling
-from kvserve.service.request_models import ChatCompletionRequest
+from kvserve.service.chat_request import ChatCompletionRequest
 
 
 def test_reads_only_the_keys_the_file_sets(tmp_path):

@@ -9,8 +9,9 @@ from kvserve.engine.errors import InvalidRequestError
 from kvserve.engine.outputs import CompletionOutput
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.service.openai_errors import error_body, validation_error
-from kvserve.service.request_models import (ChatCompletionRequest, CompletionRequest,
-                                            TokenizeRequest)
+from kvserve.service.chat_request import ChatCompletionRequest
+from kvserve.service.request_models import CompletionRequest
+from kvserve.service.tokenize_request import TokenizeRequest
 from kvserve.service.response_models import UsageInfo
 from kvserve.service.server.stream_deltas import StreamTracker, stop_hold
 

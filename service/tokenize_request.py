@@ -1,0 +1,25 @@
+"""The /tokenize and /detokenize request bodies (pydantic)."""
+
+from __future__ import annotations
+
+from kvserve.engine.errors import InvalidRequestError
+from kvserve.service.chat_request import ChatMessage
+from kvserve.service.limits import DEFAULT_LIMITS, RequestLimits
+from kvserve.service.request_models import OpenAIModel, TokenId
+
+
+class TokenizeRequest(OpenAIModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    def check(self, limits: RequestLimits = DEFAULT_LIMITS) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[TokenId]
