@@ -34,6 +34,10 @@ def _add_plan(subparsers: Any) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-offloading-size", type=float, metavar="GIB",
+                   help="host tier (spec.engine.kvOffloading.hostGiB)")
+    p.add_argument("--kv-offloading-disk-size", type=float, metavar="GIB",
+                   help="disk tier (spec.engine.kvOffloading.diskGiB)")
     for flag in ARCH_FLAGS:
         p.add_argument(f"--{flag.replace('_', '-')}", type=int,
                        help="architecture of a model outside the catalog" if flag == "layers"
@@ -77,6 +81,11 @@ def plan_body(args: argparse.Namespace) -> dict:
     for flag, key in (("max_model_len", "maxModelLen"), ("max_num_seqs", "maxNumSeqs")):
         if getattr(args, flag) is not None:
             engine[key] = getattr(args, flag)
+    tiers = {key: getattr(args, flag) for flag, key in (("kv_offloading_size", "hostGiB"),
+                                                         ("kv_offloading_disk_size", "diskGiB"))
+             if getattr(args, flag) is not None}
+    if tiers:
+        engine["kvOffloading"] = tiers
     gpu: dict = {"maxPerReplica": args.max_gpus_per_replica}
     if args.gpu:
         gpu["type"] = args.gpu
@@ -89,6 +98,8 @@ def plan_body(args: argparse.Namespace) -> dict:
 
 
 def _cell(key: str, value: object) -> str:
+    if isinstance(value, dict):  # kvOffloading: the tiers
+        return ", ".join(f"{k} {_cell(k, v)}" for k, v in value.items())
     if isinstance(value, int) and key.endswith("Bytes"):
         return f"{value:,} ({value / (1 << 30):.2f} GiB)"
     return f"{value:,}" if isinstance(value, int) else str(value)

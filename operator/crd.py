@@ -116,7 +116,26 @@ def _engine() -> Schema:
         "dtype": _typed("string", "Weights and activations dtype (auto: bfloat16 on GPUs, "
                         "float32 on CPUs).",
                         enum=["auto", "float32", "float16", "bfloat16"], default="auto"),
+        "kvOffloading": _kv_offloading(),
     }, default={})
+
+
+def _kv_offloading() -> Schema:
+    return _obj("Tiers for prefix-cache blocks evicted from device memory (--kv-offloading-*).", {
+        "hostGiB": _typed("number", "Host memory (GiB) for evicted blocks; added to the pod's "
+                          "memory request and limit. Needs enablePrefixCaching.", minimum=0,
+                          maximum=4096),
+        "diskGiB": _typed("number", "Disk (GiB) for blocks the host tier evicts: an emptyDir "
+                          "with this sizeLimit, or diskClaimName. Needs hostGiB.", minimum=0,
+                          maximum=65536),
+        "diskClaimName": _typed("string", "An existing PersistentVolumeClaim for the disk tier "
+                                "instead of an emptyDir (one engine replica only).",
+                                minLength=1),
+    }, **{"x-kubernetes-validations": [
+        {"rule": "!has(self.diskGiB) || self.diskGiB == 0.0 || "
+                 "(has(self.hostGiB) && self.hostGiB > 0.0)",
+         "message": "kvOffloading.diskGiB needs hostGiB > 0 (the disk tier keeps what the "
+                    "host tier evicts)"}]})
 
 
 def _gpu() -> Schema:

@@ -6,7 +6,7 @@ import hashlib
 import json
 from typing import Any
 
-from kvserve.operator import monitoring, network_policy, traffic, trust, weights
+from kvserve.operator import monitoring, network_policy, offload, traffic, trust, weights
 from kvserve.operator.crd import API_VERSION, KIND
 from kvserve.operator.sizing import Sizing
 from kvserve.operator.spec import ServiceSpec
@@ -74,7 +74,7 @@ def engine_args(spec: ServiceSpec, sizing: Sizing) -> list[str]:
             "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching",
             "--dtype", sizing.weight_dtype,
             "--tensor-parallel-size", str(max(sizing.gpus_per_replica, 1)),
-            "--served-model-name", spec.model.served_name]
+            "--served-model-name", spec.model.served_name, *offload.engine_args(e.kv_offloading)]
     # Only a pinned revision: "main" is the engine's default, and an unchanged pod template
     # across operator versions is what keeps an operator upgrade from restarting engines.
     if weights.serves_hub_revision(spec) and spec.model.location.revision != "main":
@@ -113,7 +113,7 @@ def engine_resources(spec: ServiceSpec, sizing: Sizing) -> Obj:
     res = json.loads(json.dumps(spec.resources))  # a deep copy that drops nothing
     if sizing.gpus_per_replica:
         res.setdefault("limits", {})["nvidia.com/gpu"] = str(sizing.gpus_per_replica)
-    return res
+    return offload.add_resources(spec.engine.kv_offloading, res)
 
 
 def engine_env(spec: ServiceSpec) -> list[Obj]:
@@ -145,6 +145,10 @@ def engine_volumes(spec: ServiceSpec, sizing: Sizing) -> tuple[list[Obj], list[O
     if weights.volume(spec) is not None:
         vols.append(weights.volume(spec))
         mounts.append(weights.engine_mount())
+    disk = offload.volume(spec.engine.kv_offloading)
+    if disk is not None:
+        vols.append(disk[0])
+        mounts.append(disk[1])
     if sizing.gpus_per_replica > 1:  # NCCL needs a large /dev/shm between tensor-parallel ranks
         vols.append({"name": "shm", "emptyDir": {"medium": "Memory",
                                                  "sizeLimit": shm_size(sizing.gpus_per_replica)}})

@@ -9,13 +9,14 @@ GPUS_PER_NODE (multi-node tensor parallelism) are refused. Pure: no Kubernetes, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvserve.engine.memory import (
     default_max_num_batched_tokens,
     GiB, MemoryBudget, activation_peak_bytes, dtype_bytes, kv_heads_per_rank, plan_memory,
     rank_weight_bytes,
 )
+from kvserve.operator import offload
 from kvserve.operator.spec import InvalidSpecError, ServiceSpec
 
 DEFAULT_MAX_NUM_SEQS = 256  # the engine's own default (EngineConfig.max_num_seqs)
@@ -48,6 +49,8 @@ class Sizing:
     weight_dtype: str
     kv_cache_dtype: str
     explanation: str
+    kv_offloading: dict = field(default_factory=dict)  # offload.status: the tiers' sizes
+
 
     def as_status(self) -> dict:
         """status.sizing (also `kvserve plan --output json`)."""
@@ -57,7 +60,9 @@ class Sizing:
             "numBlocks": self.num_blocks, "maxConcurrency": self.max_concurrency,
             "maxNumSeqs": self.max_num_seqs, "activationPeakBytes": self.activation_peak_bytes,
             "deviceMemoryBytes": self.device_memory_bytes, "weightDtype": self.weight_dtype,
-            "kvCacheDtype": self.kv_cache_dtype, "explanation": self.explanation,
+            "kvCacheDtype": self.kv_cache_dtype,
+            **({"kvOffloading": self.kv_offloading} if self.kv_offloading else {}),
+            "explanation": self.explanation,
         }
 
 
@@ -168,13 +173,17 @@ def _sizing(spec: ServiceSpec, gpus: int, b: MemoryBudget) -> Sizing:
                         f"holding 1/{gpus} of the weights and "
                         f"{kv_heads_per_rank(arch.kv_heads, gpus)} of {arch.kv_heads} KV heads")
     share = gpus if spec.device != "cpu" else 1
+    kv = eng.kv_offloading
+    offload.check(kv, b.bytes_per_block * share, gpus)
+    explanation += offload.words(kv, b.bytes_per_block * share)
     return Sizing(
         gpus_per_replica=0 if spec.device == "cpu" else gpus, weight_bytes=weights,
         kv_bytes=b.kv_bytes * share, bytes_per_block=b.bytes_per_block * share,
         num_blocks=b.num_blocks, max_concurrency=b.max_concurrency,
         max_num_seqs=eng.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
         activation_peak_bytes=b.activation_peak_bytes, device_memory_bytes=spec.gpu_memory_bytes,
-        weight_dtype=wdt, kv_cache_dtype=kdt, explanation=explanation)
+        weight_dtype=wdt, kv_cache_dtype=kdt, explanation=explanation,
+        kv_offloading=offload.status(kv, b.bytes_per_block * share))
 
 
 def _refusal(spec: ServiceSpec, gpus: int, b: MemoryBudget) -> str:

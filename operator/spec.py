@@ -11,6 +11,8 @@ from kvserve.operator.catalog import GPUS, MODELS, ModelArch, lookup_model
 from kvserve.operator.crd import DEFAULT_IMAGE, spec_schema
 from kvserve.operator.errors import InvalidSpecError
 from kvserve.operator.model_uri import ModelURI, parse_model_uri
+from kvserve.operator.offload import KVOffloading
+from kvserve.operator.offload import parse as parse_offloading
 from kvserve.operator.trust import SecretRef, password_in_url
 
 GiB = 1 << 30
@@ -158,6 +160,7 @@ class EngineSpec:
     enable_prefix_caching: bool
     swap_space_gib: float
     dtype: str
+    kv_offloading: KVOffloading | None = None  # the host (and disk) tier; None: off
 
 
 @dataclass(frozen=True)
@@ -256,7 +259,7 @@ def model_ref(model: dict, cr_name: str) -> ModelRef:
                     cache=cache_spec(model.get("cache"), location, cr_name))
 
 
-def engine_spec(e: dict, arch: ModelArch) -> EngineSpec:
+def engine_spec(e: dict, arch: ModelArch, max_replicas: int = 1) -> EngineSpec:
     max_len = e.get("maxModelLen", arch.max_model_len)
     if max_len > arch.max_model_len:
         raise InvalidSpecError(
@@ -266,7 +269,9 @@ def engine_spec(e: dict, arch: ModelArch) -> EngineSpec:
         block_size=e["blockSize"], max_model_len=max_len, max_num_seqs=e.get("maxNumSeqs"),
         gpu_memory_utilization=float(e["gpuMemoryUtilization"]),
         kv_cache_dtype=e["kvCacheDtype"], enable_prefix_caching=e["enablePrefixCaching"],
-        swap_space_gib=float(e["swapSpaceGiB"]), dtype=e["dtype"])
+        swap_space_gib=float(e["swapSpaceGiB"]), dtype=e["dtype"],
+        kv_offloading=parse_offloading(e.get("kvOffloading"), e["enablePrefixCaching"],
+                                       max_replicas))
 
 
 def device_memory(spec: dict) -> tuple[str | None, int]:
@@ -338,12 +343,15 @@ def parse_spec(body: dict) -> ServiceSpec:
     router = spec["router"]
     redis_url, redis_deploy, redis_password = _redis(spec["redis"])
     ingress, gateway, monitoring = _traffic(spec)
+    autoscaling = _autoscaling(spec)
+    max_replicas = spec["replicas"] if autoscaling is None else autoscaling.max_replicas
     return ServiceSpec(
         name=meta.get("name", ""), namespace=meta.get("namespace", "default"),
-        uid=meta.get("uid", ""), model=model, engine=engine_spec(spec["engine"], model.arch),
+        uid=meta.get("uid", ""), model=model,
+        engine=engine_spec(spec["engine"], model.arch, max_replicas),
         device=spec["device"], gpu_type=gpu_type, gpu_memory_bytes=memory,
         max_gpus_per_replica=spec["gpu"]["maxPerReplica"], replicas=spec["replicas"],
-        autoscaling=_autoscaling(spec), router_enabled=router["enabled"],
+        autoscaling=autoscaling, router_enabled=router["enabled"],
         router_policy=router["policy"], router_replicas=router["replicas"],
         redis_url=redis_url, redis_deploy=redis_deploy, redis_password=redis_password,
         network_policy=_network_policy(spec["networkPolicy"]),
