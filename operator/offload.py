@@ -128,6 +128,15 @@ def volume(kv: KVOffloading | None) -> tuple[Obj, Obj] | None:
     return {"name": VOLUME, **source}, {"name": VOLUME, "mountPath": DISK_PATH}
 
 
+def strategy(kv: KVOffloading | None) -> Obj | None:
+    """Recreate for a disk tier on a claim: the engine locks its directory, so a surge pod next
+    to the old one would crash-loop and the rollout never finish. None: the usual rolling
+    update."""
+    if kv is None or not kv.disk_claim_name:
+        return None
+    return {"type": "Recreate"}
+
+
 def status(kv: KVOffloading | None, bytes_per_block: int) -> dict:
     """status.sizing.kvOffloading (and `kvserve plan`)."""
     if kv is None:

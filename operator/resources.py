@@ -199,6 +199,11 @@ def engine_pod_spec(spec: ServiceSpec, sizing: Sizing) -> Obj:
     return pod
 
 
+def rolling_update() -> Obj:
+    """A new pod must be ready before an old one goes: no capacity dip on updates."""
+    return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+
+
 def engine_deployment(spec: ServiceSpec, sizing: Sizing) -> Obj:
     annotations = {**scrape_annotations(), "kvserve.io/config-hash": config_hash(spec, sizing)}
     return {
@@ -207,9 +212,7 @@ def engine_deployment(spec: ServiceSpec, sizing: Sizing) -> Obj:
         "spec": {
             "replicas": engine_replicas(spec),
             "selector": {"matchLabels": selector(spec, "engine")},
-            # A new pod must be ready before an old one goes: no capacity dip on updates.
-            "strategy": {"type": "RollingUpdate",
-                         "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "strategy": offload.strategy(spec.engine.kv_offloading) or rolling_update(),
             "template": {"metadata": {"labels": labels(spec, "engine"),
                                       "annotations": annotations},
                          "spec": engine_pod_spec(spec, sizing)},

@@ -94,15 +94,28 @@ def test_disk_tier_on_a_claim() -> None:
     vol = next(v for v in pod["volumes"] if v["name"] == "kv-offload")
     assert vol == {"name": "kv-offload", "persistentVolumeClaim": {"claimName": "kv-disk"}}
     assert "ephemeral-storage" not in container["resources"].get("requests", {})
+    # The engine locks its directory: the old pod must let go before the new one starts.
+    dep = next(o for o in build_children(body).objects if o["kind"] == "Deployment"
+               and o["metadata"]["name"].endswith("-engine"))
+    assert dep["spec"]["strategy"] == {"type": "Recreate"}
+    plain = next(o for o in build_children(load("smollm2-cpu-kind.yaml", hostGiB=1, diskGiB=2))
+                 .objects if o["kind"] == "Deployment" and o["metadata"]["name"] ==
+                 "smollm2-engine")
+    assert plain["spec"]["strategy"]["type"] == "RollingUpdate"  # an emptyDir is per pod
 
 
 @pytest.mark.parametrize("name, tiers", [
     ("smollm2-cpu-kind.yaml", {"hostGiB": 1, "diskGiB": 20}),
     ("llama-2-7b-a100.yaml", {"hostGiB": 64, "diskGiB": 200}),
     ("llama-3-70b-h100-fp8.yaml", {"hostGiB": 100}),
+    ("llama-2-7b-a100.yaml", {"hostGiB": 64, "diskGiB": 200, "diskClaimName": "kv"}),
 ])
 def test_objects_with_tiers_validate(name: str, tiers: dict) -> None:
-    for obj in build_children(load(name, **tiers)).objects:
+    body = load(name, **tiers)
+    if "diskClaimName" in tiers:  # one replica: the claim is one engine's directory
+        body["spec"].pop("autoscaling", None)
+        body["spec"]["replicas"] = 1
+    for obj in build_children(body).objects:
         if obj["kind"] in ("Deployment", "Service", "ConfigMap", "PersistentVolumeClaim"):
             kubernetes_validate.validate(obj, "1.31", strict=True)
 
