@@ -3,11 +3,11 @@
 `prefix` scores each replica by `matched_fraction - load_weight * load / max_load`, after skipping
 replicas whose load is far above the mean (so one popular system prompt cannot pile every request on
 one replica); when no replica holds at least `min_match_tokens` of the prompt it falls back to
-least-load. A block a replica holds only in host memory (offloaded) counts `host_weight` of a
-device block in `matched_fraction`: restoring it is a copy, far cheaper than a prefill but not free,
-so a device hit ranks above a host hit above a miss. `least-load`, `round-robin` and `session` (rendezvous hash on a header value) ignore the
-index. Every ranking lists all candidates, so the router retries the next one when a replica fails.
-"""
+least-load. A block a replica holds only in host memory (offloaded) counts `host_weight` of a device
+block in `matched_fraction`: restoring it is a copy, far cheaper than a prefill but not free, so a
+device hit ranks above a host hit above a miss. `least-load`, `round-robin` and `session`
+(rendezvous hash on a header value) ignore the index. Every ranking lists all candidates, so the
+router retries the next one when a replica fails."""
 
 from __future__ import annotations
 

@@ -4,9 +4,9 @@ Lookup is ONE round trip: a Lua script (EVALSHA, `LOOKUP_SCRIPT`) gets the promp
 walks the live replicas and returns, per replica, its heartbeat fields and the number of LEADING
 blocks of the chain it holds in either tier, and how many of those are only in its host tier (one
 SMISMEMBER per replica and block set). A leading block counts as held when it is in the device set
-or the host set; one in both counts as a device block (no copy needed). The router thus learns liveness, load and
-prefix match at once. The script reads keys it derives from the prefix, which is fine on a single
-Redis (not Redis Cluster). The key layout is in service/prefix_index/keys.py.
+or the host set; one in both counts as a device block (no copy needed). The router thus learns
+liveness, load and prefix match at once. The script reads keys it derives from the prefix, which is
+fine on a single Redis (not Redis Cluster). The key layout is in service/prefix_index/keys.py.
 
 Anything in Redis may be garbage (a bug, an operator's typo, a hostile writer): a key of the wrong
 type counts as "holds nothing" inside the scripts (redis.pcall), and a heartbeat that does not parse
@@ -56,7 +56,8 @@ local function leading_matched(id)
 end
 local out = {}
 """
-# Per live replica: id, leading matched blocks, host-only ones among them, then its heartbeat fields in INFO_FIELDS order
+# Per live replica: id, leading matched blocks, host-only ones among them, then its heartbeat fields
+# in INFO_FIELDS order
 # (the router's once-a-second refresh). Replicas whose heartbeat expired are swept.
 # A heartbeat key of another type yields empty fields, which the parser rejects.
 LOOKUP_SCRIPT = _LUA_PRELUDE + """

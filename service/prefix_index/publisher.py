@@ -3,9 +3,9 @@
 The publisher never slows generation: `on_step` (engine thread) only appends to a bounded queue
 under a lock and wakes a writer task on the server's event loop. Events that cannot be written
 (queue full, Redis down) are dropped and counted; after (re)connecting, `wants_snapshot()` turns
-True, the engine thread passes `snapshot=engine.cached_block_hashes()` (and `host_snapshot=`
-the host tier's) and the writer replaces both sets in one MULTI/EXEC. Until the engine steps again (an idle replica), the set may be stale
-or empty. The key layout is in service/prefix_index/keys.py.
+True, the engine thread passes `snapshot=engine.cached_block_hashes()` (and `host_snapshot=` the
+host tier's) and the writer replaces both sets in one MULTI/EXEC. Until the engine steps again (an
+idle replica), the sets may be stale or empty. The key layout is in service/prefix_index/keys.py.
 
 Events carry their tier (`KVEvent.medium`): device-pool events go to `blocks:<id>`, host-tier events
 to `blocks_host:<id>`, so a block demoted to host memory leaves the first set (the pool's "removed")

@@ -63,7 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "/metrics stay open")
     p.add_argument("--expose-routing-headers", action="store_true",
                    help="add x-kvserve-replica, x-kvserve-predicted-matched-tokens and "
-                        "x-kvserve-predicted-host-tokens to responses (they reveal what other requests have cached)")
+                        "x-kvserve-predicted-host-tokens to responses (they reveal what other "
+                        "requests have cached)")
     p.add_argument("--shutdown-grace-period", type=float, default=d.shutdown_grace_period,
                    help="seconds requests in flight get to finish after SIGTERM")
     p.add_argument("--log-level", default="info",
