@@ -379,7 +379,8 @@ class AsyncEngine:
 
     def _refresh_observers(self, outputs: list[RequestOutput]) -> None:
         stats = self.engine.get_stats()
-        events = self.engine.drain_kv_events()  # always drained, so events never pile up
+        # Always drained, so events never pile up; the host tier's too, for tier-aware routing.
+        events = self.engine.drain_kv_events(("device", "host"))
         self.last_stats = stats
         for obs in self.observers:
             try:

@@ -3,9 +3,11 @@
 `prefix` scores each replica by `matched_fraction - load_weight * load / max_load`, after skipping
 replicas whose load is far above the mean (so one popular system prompt cannot pile every request on
 one replica); when no replica holds at least `min_match_tokens` of the prompt it falls back to
-least-load. `least-load`, `round-robin` and `session` (rendezvous hash on a header value) ignore the
-index. Every ranking lists all candidates, so the router retries the next one when a replica fails.
-"""
+least-load. A block a replica holds only in host memory (offloaded) counts `host_weight` of a device
+block in `matched_fraction`: restoring it is a copy, far cheaper than a prefill but not free, so a
+device hit ranks above a host hit above a miss. `least-load`, `round-robin` and `session`
+(rendezvous hash on a header value) ignore the index. Every ranking lists all candidates, so the
+router retries the next one when a replica fails."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ class Candidate:
     load: int = 0  # running + waiting requests (heartbeat, or this router's in-flight if larger)
     kv_cache_usage: float = 0.0
     matched_blocks: int = 0  # leading blocks of the prompt this replica already holds
+    host_blocks: int = 0  # of those, the ones it holds only in its host-memory tier
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,14 @@ class PolicyConfig:
     overload_slack: int = 4  # ... the slack keeps small absolute loads from counting as overload
     kv_full: float = 0.98  # a replica whose KV cache is this full counts as overloaded
     min_match_tokens: int = 32  # below this predicted match, prefix routing is not worth it
+    # A host-tier block's worth against a device block: a restore copies the block back (PCIe /
+    # memcpy) instead of recomputing it, so it is worth most of a hit; the rest of the weight
+    # keeps a device holder ahead of a host holder at equal load.
+    host_weight: float = 0.7
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.host_weight <= 1.0:
+            raise ValueError(f"host_weight must be in [0, 1], got {self.host_weight}")
 
 
 @dataclass(frozen=True)
@@ -91,7 +102,8 @@ def overloaded(cands: Sequence[Candidate], cfg: PolicyConfig) -> set[str]:
 
 
 def prefix_score(c: Candidate, num_blocks: int, max_load: int, cfg: PolicyConfig) -> float:
-    matched = c.matched_blocks / num_blocks if num_blocks else 0.0
+    worth = c.matched_blocks - (1.0 - cfg.host_weight) * c.host_blocks
+    matched = worth / num_blocks if num_blocks else 0.0
     return matched - cfg.load_weight * (c.load / max_load if max_load else 0.0)
 
 

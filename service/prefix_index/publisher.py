@@ -3,9 +3,14 @@
 The publisher never slows generation: `on_step` (engine thread) only appends to a bounded queue
 under a lock and wakes a writer task on the server's event loop. Events that cannot be written
 (queue full, Redis down) are dropped and counted; after (re)connecting, `wants_snapshot()` turns
-True, the engine thread passes `snapshot=engine.cached_block_hashes()` and the writer replaces the
-whole set in one MULTI/EXEC. Until the engine steps again (an idle replica), the set may be stale
-or empty. The key layout is in service/prefix_index/keys.py.
+True, the engine thread passes `snapshot=engine.cached_block_hashes()` (and `host_snapshot=` the
+host tier's) and the writer replaces both sets in one MULTI/EXEC. Until the engine steps again (an
+idle replica), the sets may be stale or empty. The key layout is in service/prefix_index/keys.py.
+
+Events carry their tier (`KVEvent.medium`): device-pool events go to `blocks:<id>`, host-tier events
+to `blocks_host:<id>`, so a block demoted to host memory leaves the first set (the pool's "removed")
+and joins the second (the tier's "stored"), and a router can weigh the two. Disk-tier events are
+not published: a disk hit is close enough to a miss for routing.
 """
 
 from __future__ import annotations
@@ -38,6 +43,10 @@ _CHUNK = 5000
 class _Batch:
     kind: str  # "stored" | "removed" | "cleared" | "snapshot"
     hashes: tuple[str, ...]
+    medium: str = "device"  # "device" | "host": which of the replica's sets it changes
+
+
+PUBLISHED_MEDIA = ("device", "host")
 
 
 class PrefixIndexPublisher:
@@ -72,25 +81,34 @@ class PrefixIndexPublisher:
 
     # ---- engine thread side -------------------------------------------------------------------
     def on_step(self, events: Iterable[Any], stats: Any = None,
-                snapshot: Sequence[str] | None = None) -> None:
-        """Record one step's KV events and load; never blocks on Redis (thread-safe)."""
-        batches = [_Batch(e.kind, tuple(e.block_hashes)) for e in events]
+                snapshot: Sequence[str] | None = None,
+                host_snapshot: Sequence[str] | None = None) -> None:
+        """Record one step's KV events and load; never blocks on Redis (thread-safe).
+
+        With `snapshot` (the device pool's hashes) both sets are replaced; `host_snapshot` is the
+        host tier's (None: the replica has no host tier, its host set is emptied)."""
+        batches = [_Batch(e.kind, tuple(e.block_hashes), getattr(e, "medium", "device"))
+                   for e in events]
+        batches = [b for b in batches if b.medium in PUBLISHED_MEDIA]
         with self._lock:
             if stats is not None:
                 self._load = (int(getattr(stats, "num_running", 0)),
                               int(getattr(stats, "num_waiting", 0)),
                               float(getattr(stats, "kv_cache_usage", 0.0)))
-            pushed = self._enqueue(batches, snapshot)
+            pushed = self._enqueue(batches, snapshot, host_snapshot)
         if pushed:
             self._wakeup()
 
-    def _enqueue(self, batches: list[_Batch], snapshot: Sequence[str] | None) -> bool:
+    def _enqueue(self, batches: list[_Batch], snapshot: Sequence[str] | None,
+                 host_snapshot: Sequence[str] | None = None) -> bool:
         """Queue batches (lock held); True when the writer has something new to do."""
         if snapshot is not None:
             # The snapshot already includes this step's events and everything queued before.
+            host = tuple(host_snapshot or ())
             self._pending.clear()
-            self._pending.append(_Batch("snapshot", tuple(snapshot)))
-            self._pending_hashes = len(snapshot)
+            self._pending.append(_Batch("snapshot", tuple(snapshot), "device"))
+            self._pending.append(_Batch("snapshot", host, "host"))
+            self._pending_hashes = len(snapshot) + len(host)
             self._want_snapshot = False
             return True
         if not batches:
@@ -105,7 +123,8 @@ class PrefixIndexPublisher:
         return True
 
     def wants_snapshot(self) -> bool:
-        """True when the engine thread should pass `snapshot=engine.cached_block_hashes()`."""
+        """True when the engine thread should pass `snapshot=engine.cached_block_hashes()` and
+        `host_snapshot=engine.cached_block_hashes("host")`."""
         with self._lock:
             return self._want_snapshot and self._connected
 
@@ -151,7 +170,8 @@ class PrefixIndexPublisher:
             try:
                 await self._client.pipeline(transaction=False).srem(
                     self.keys.replicas, self.replica_id).delete(
-                    self.keys.replica(self.replica_id), self.keys.blocks(self.replica_id)).execute()
+                    self.keys.replica(self.replica_id),
+                    *self.keys.block_sets(self.replica_id)).execute()
             except (RedisError, OSError):
                 pass
             await self._client.aclose()
@@ -183,8 +203,8 @@ class PrefixIndexPublisher:
         assert self._client is not None
         await self._client.ping()
         if self._first_connect:
-            # A previous life of this replica id may have left a set: the snapshot rebuilds it.
-            await self._client.delete(self.keys.blocks(self.replica_id))
+            # A previous life of this replica id may have left sets: the snapshot rebuilds them.
+            await self._client.delete(*self.keys.block_sets(self.replica_id))
             self._first_connect = False
         with self._lock:
             self._connected = True
@@ -222,6 +242,7 @@ class PrefixIndexPublisher:
                              .pexpire(self.keys.replica(rid), ttl_ms)
                              .sadd(self.keys.replicas, rid)
                              .pexpire(self.keys.blocks(rid), ttl_ms)
+                             .pexpire(self.keys.host_blocks(rid), ttl_ms)
                              .execute())
         if created and not self._want_snapshot:
             # Our entry had expired (a frozen process, a flushed Redis): the block set went with it.
@@ -237,11 +258,12 @@ class PrefixIndexPublisher:
             self._pending_hashes = 0
         if not batches:
             return
-        key = self.keys.blocks(self.replica_id)
+        keys = dict(zip(PUBLISHED_MEDIA, self.keys.block_sets(self.replica_id)))
         pipe = self._client.pipeline(transaction=True)
         for batch in batches:
-            _add_batch(pipe, key, batch)
-        pipe.pexpire(key, int(self.ttl * 1000))
+            _add_batch(pipe, keys[batch.medium], batch)
+        for key in keys.values():
+            pipe.pexpire(key, int(self.ttl * 1000))
         try:
             await pipe.execute()
         except (RedisError, OSError):

@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="predicted cache hit needed before prefix beats least load")
     p.add_argument("--load-weight", type=float, default=pc.load_weight,
                    help="score = matched fraction - load_weight * load / max load")
+    p.add_argument("--host-weight", type=float, default=pc.host_weight,
+                   help="worth of a prefix block held only in a replica's host-memory tier, as a "
+                        "fraction of a device block (0..1): a device hit ranks above a host hit")
     p.add_argument("--overload-factor", type=float, default=pc.overload_factor,
                    help="skip replicas with load > factor * mean + slack")
     p.add_argument("--overload-slack", type=int, default=pc.overload_slack)
@@ -59,8 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="require `Authorization: Bearer KEY` (env KVSERVE_API_KEY); /health and "
                         "/metrics stay open")
     p.add_argument("--expose-routing-headers", action="store_true",
-                   help="add x-kvserve-replica and x-kvserve-predicted-matched-tokens to "
-                        "responses (they reveal what other requests have cached)")
+                   help="add x-kvserve-replica, x-kvserve-predicted-matched-tokens and "
+                        "x-kvserve-predicted-host-tokens to responses (they reveal what other "
+                        "requests have cached)")
     p.add_argument("--shutdown-grace-period", type=float, default=d.shutdown_grace_period,
                    help="seconds requests in flight get to finish after SIGTERM")
     p.add_argument("--log-level", default="info",
@@ -71,7 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(ns: argparse.Namespace) -> RouterConfig:
     replicas = tuple(u.strip() for u in ns.replicas.split(",") if u.strip())
     pc = PolicyConfig(load_weight=ns.load_weight, overload_factor=ns.overload_factor,
-                      overload_slack=ns.overload_slack, min_match_tokens=ns.min_match_tokens)
+                      overload_slack=ns.overload_slack, min_match_tokens=ns.min_match_tokens,
+                      host_weight=_fraction(ns.host_weight, "--host-weight"))
     return RouterConfig(host=ns.host, port=ns.port, redis_url=ns.redis_url,
                         service_name=ns.service_name, replicas=replicas, policy=ns.policy,
                         tokenizer=ns.tokenizer, session_header=ns.session_header.lower(),
@@ -90,6 +95,12 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
 def _positive(value: float, flag: str) -> float:
     if not value > 0:
         raise SystemExit(f"kvserve router: {flag} must be a positive number of seconds")
+    return value
+
+
+def _fraction(value: float, flag: str) -> float:
+    if not 0.0 <= value <= 1.0:
+        raise SystemExit(f"kvserve router: {flag} must be between 0 and 1, got {value}")
     return value
 
 

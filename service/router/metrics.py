@@ -22,6 +22,10 @@ class RouterMetrics:
             "kvserve_router:predicted_matched_tokens", "Prompt tokens predicted to hit the cache "
             "of the chosen replica", registry=r,
             buckets=(0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384))
+        self.matched_tokens_by_tier = Counter(
+            "kvserve_router:predicted_matched_tokens_by_tier", "Prompt tokens of routed requests "
+            "predicted to hit the chosen replica's cache, by the tier holding them (device, host)",
+            ["tier"], registry=r)
         self.prompt_tokens = Counter("kvserve_router:prompt_tokens",
                                      "Prompt tokens of routed requests", registry=r)
         self.decision_seconds = Histogram(

@@ -105,8 +105,10 @@ class Proxy:
             resp, first, chunks = opened
             self.metrics.requests.labels(cand.replica_id, policy).inc()
             if route is not None:
-                matched = min(route.matched.get(cand.replica_id, 0), route.prompt_tokens)
-                self.metrics.matched_tokens.observe(matched)
+                device, host = route.split(cand.replica_id)
+                self.metrics.matched_tokens.observe(device + host)
+                self.metrics.matched_tokens_by_tier.labels("device").inc(device)
+                self.metrics.matched_tokens_by_tier.labels("host").inc(host)
                 self.metrics.prompt_tokens.inc(route.prompt_tokens)
             return self._stream_back(cand, resp, first, chunks, route)
         raise NoReplicaError(f"no replica could take the request ({len(ranking)} tried)")
@@ -191,8 +193,9 @@ class Proxy:
         if self.cfg.expose_routing_headers:  # they reveal what other tenants have cached
             headers["x-kvserve-replica"] = cand.replica_id
             if route is not None:
-                headers["x-kvserve-predicted-matched-tokens"] = str(
-                    min(route.matched.get(cand.replica_id, 0), route.prompt_tokens))
+                device, host = route.split(cand.replica_id)
+                headers["x-kvserve-predicted-matched-tokens"] = str(device + host)
+                headers["x-kvserve-predicted-host-tokens"] = str(host)
         sse = resp.headers.get("content-type", "").startswith("text/event-stream")
         return StreamingResponse(self._relay(cand, resp, first, chunks, sse),
                                  status_code=resp.status_code, headers=headers)

@@ -139,9 +139,10 @@ class ReplicaSet:
     def release(self, replica_id: str) -> None:
         self.inflight[replica_id] = max(0, self.inflight.get(replica_id, 1) - 1)
 
-    def candidate(self, info: ReplicaInfo, matched_blocks: int) -> Candidate:
+    def candidate(self, info: ReplicaInfo, matched_blocks: int, host_blocks: int = 0) -> Candidate:
         load = max(info.load, self.inflight.get(info.replica_id, 0))
-        return Candidate(info.replica_id, info.url, load, info.kv_cache_usage, matched_blocks)
+        return Candidate(info.replica_id, info.url, load, info.kv_cache_usage, matched_blocks,
+                         host_blocks)
 
     def announced_model(self) -> str | None:
         """The model a replica announced (the router's tokenizer by default)."""
@@ -158,12 +159,13 @@ class ReplicaSet:
     async def lookup(self, hashes: list[str]) -> list[ReplicaMatch]:
         """One Redis round trip when Redis is up; the last known set (no matches) otherwise.
 
-        Redis answers only the matched block counts of the live replicas; their heartbeat fields
+        Redis answers only the matched block counts (and the host-tier share) of the live
+        replicas; their heartbeat fields
         (URL, load) come from the set `refresh` re-reads every second.
         """
         if self.index is not None and self.redis_up:
             try:
-                counts = await self.index.match_counts(hashes)
+                counts = await self.index.match_tiers(hashes)
             except (RedisError, OSError) as exc:
                 self._redis_failed(exc)
             else:
@@ -172,7 +174,7 @@ class ReplicaSet:
                 new = any(rid not in self.known and rid not in self.ignored for rid in counts)
                 if new and self._pending_refresh is None:
                     self._pending_refresh = asyncio.create_task(self._refresh_now())
-                return [ReplicaMatch(self.known[rid], n) for rid, n in counts.items()
+                return [ReplicaMatch(self.known[rid], n, host) for rid, (n, host) in counts.items()
                         if rid in self.known]
         return self.without_matches()
 

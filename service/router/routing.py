@@ -4,7 +4,7 @@ prompt each live replica holds, rank the replicas by the policy (service/routing
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.service.router.config import RouterConfig
@@ -18,7 +18,14 @@ from kvserve.service.routing_policy import POLICIES, Candidate, Decision, decide
 class RouteInfo:
     decision: Decision
     prompt_tokens: int
-    matched: dict[str, int]  # replica id -> predicted matched tokens
+    matched: dict[str, int]  # replica id -> predicted matched tokens (either tier)
+    host_matched: dict[str, int] = field(default_factory=dict)  # of those, host-tier tokens
+
+    def split(self, replica_id: str) -> tuple[int, int]:
+        """(device, host) predicted matched tokens of a replica, capped at the prompt."""
+        matched = min(self.matched.get(replica_id, 0), self.prompt_tokens)
+        host = min(self.host_matched.get(replica_id, 0), matched)
+        return matched - host, host
 
 
 class Router:
@@ -61,7 +68,9 @@ class Router:
         matches = await replicas.lookup(hashes) if use_index else replicas.without_matches()
         routable = replicas.routable([m.replica for m in matches]) or [m.replica for m in matches]
         by_id = {m.replica.replica_id: m.matched_blocks for m in matches}
-        cands = [replicas.candidate(i, by_id.get(i.replica_id, 0)) for i in routable]
+        host = {m.replica.replica_id: m.host_blocks for m in matches}
+        cands = [replicas.candidate(i, by_id.get(i.replica_id, 0), host.get(i.replica_id, 0))
+                 for i in routable]
         policy = self.cfg.policy if (replicas.redis_up or self.cfg.policy != "prefix") \
             else "least-load"
         session = headers.get(self.cfg.session_header) or body.get("user")
@@ -70,7 +79,8 @@ class Router:
                           cfg=self.cfg.policy_cfg, counter=self.counter, session_key=session)
         self.metrics.decision_seconds.observe(time.perf_counter() - start)
         return RouteInfo(decision, len(tokens or ()),
-                         {rid: n * block_size for rid, n in by_id.items()})
+                         {rid: n * block_size for rid, n in by_id.items()},
+                         {rid: n * block_size for rid, n in host.items()})
 
     def least_load_ranking(self) -> list[Candidate]:
         """Every replica by load: for requests that are not routed by their prompt."""

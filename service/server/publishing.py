@@ -26,14 +26,16 @@ class PublisherObserver:
         pass
 
     def after_step(self, outputs: list[Any], stats: Any, events: list[Any], engine: Any) -> None:
-        snapshot = engine.cached_block_hashes() if self.publisher.wants_snapshot() else None
-        self.publisher.on_step(events=events, stats=stats, snapshot=snapshot)
+        snapshot = host = None
+        if self.publisher.wants_snapshot():
+            snapshot, host = engine.cached_block_hashes(), engine.cached_block_hashes("host")
+        self.publisher.on_step(events=events, stats=stats, snapshot=snapshot, host_snapshot=host)
 
 
 async def stop_advertising(publisher: Any) -> None:
     """Take this replica out of the index at once (a drain): routers stop sending to it on their
     next read of the replica set. Closing the publisher removes its heartbeat, its entry in the
-    replica set and its block set; closing again at shutdown does nothing."""
+    replica set and its block sets; closing again at shutdown does nothing."""
     try:
         await publisher.close()
     except Exception:  # noqa: BLE001 - best effort: the entries expire with the heartbeat anyway

@@ -283,6 +283,7 @@ def test_routing_headers_only_when_enabled(pair):
         resp = httpx.post(rt.url + "/v1/chat/completions", json=body, timeout=60)
         assert resp.headers["x-kvserve-replica"] in pair.replicas
         assert "x-kvserve-predicted-matched-tokens" in resp.headers
+        assert resp.headers["x-kvserve-predicted-host-tokens"] == "0"  # no host tier here
 
 
 def test_a_salted_request_routes_by_its_salted_chain(pair):

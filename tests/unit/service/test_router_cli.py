@@ -40,3 +40,11 @@ def test_flags_and_env(monkeypatch):
 def test_timeouts_must_be_positive(flag, value):
     with pytest.raises(SystemExit, match=flag):
         parse(flag, value)
+
+
+def test_host_weight_flag():
+    assert parse().policy_cfg.host_weight == 0.7
+    assert parse("--host-weight", "0.5").policy_cfg.host_weight == 0.5
+    for bad in ("-0.1", "1.5"):
+        with pytest.raises(SystemExit, match="--host-weight must be between 0 and 1"):
+            parse("--host-weight", bad)
