@@ -30,17 +30,21 @@ def tenant_prompts(rounds: int = 2, tenants: int = 3) -> list[list[int]]:
             for _ in range(rounds) for t in range(tenants)]
 
 
-def run_turns(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
-    """One request at a time (a chat's turns): output tokens and cached tokens of each."""
+def run_turns(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY
+              ) -> tuple[list[list[int]], list[int]]:
+    """One request at a time (a chat's turns): output tokens and cached tokens of each. A disk
+    tier's writer is drained between turns, so the next turn's reads hit files."""
     engine, toks, cached = llm.llm_engine, [], []
     for i, ids in enumerate(prompts):
-        engine.add_request(f"r{i}", ids, GREEDY)
+        engine.add_request(f"r{i}", ids, params)
         final = None
         while engine.has_unfinished_requests():
             for out in engine.step():
                 final = out
         toks.append(final.outputs[0].token_ids)
         cached.append(final.num_cached_tokens)
+        if getattr(engine, "disk", None) is not None:
+            engine.disk.flush()
     return toks, cached
 
 

@@ -15,6 +15,8 @@ from kvserve.engine import disk_block_file as fmt
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.errors import ConfigError
 
+from test_kv_offloading import run_turns  # noqa: E402 (this folder's helper: one turn at a time)
+
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 BLOCK = 16
 BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 16 * 4  # K/V, layers, tokens, KV heads, head_dim, fp32
@@ -39,22 +41,6 @@ def tenant_prompts(tenants: int = 4) -> list[list[int]]:
     prefixes = [[rng.randrange(3, 380) for _ in range(5 * BLOCK)] for _ in range(tenants)]
     return [prefixes[t] + [rng.randrange(3, 380) for _ in range(5)]
             for _ in range(2) for t in range(tenants)]
-
-
-def run_turns(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
-    """One request at a time, the disk writer drained between turns (so reads hit files)."""
-    engine, toks, cached = llm.llm_engine, [], []
-    for i, ids in enumerate(prompts):
-        engine.add_request(f"r{i}", ids, GREEDY)
-        final = None
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                final = out
-        toks.append(final.outputs[0].token_ids)
-        cached.append(final.num_cached_tokens)
-        if engine.disk is not None:
-            engine.disk.flush()
-    return toks, cached
 
 
 @pytest.fixture(scope="module")
