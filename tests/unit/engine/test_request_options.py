@@ -5,22 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve import LLM, SamplingParams
+from kvserve import SamplingParams
 from kvserve.engine.errors import InvalidRequestError
 
-PROMPTS = ["Hello world", "The quick brown fox", "What is the capital of France?",
-           "0123456789 abcdefghijklmnopqrstuvwxyz"]
-PLAIN = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-
-
-def make_llm(path, **kw) -> LLM:
-    kw.setdefault("kv_cache_memory", 1 << 22)
-    return LLM(str(path), dtype="float32", device="cpu", **kw)
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_model_dir):
-    return make_llm(tiny_model_dir)
+from test_structured_output import PLAIN, PROMPTS, llm, make_llm  # noqa: F401 (this folder's fixtures)
 
 
 def test_logit_bias_bans_and_forces_tokens(llm):
