@@ -1,0 +1,292 @@
+"""SimReplica: one simulated replica — the engine's real KV accounting (KVCacheManager over
+BlockPool: prefix lookup, LRU eviction, block hashes) under a timing model instead of a model.
+
+Continuous batching as the engine's scheduler does it, in simulated time (`asyncio.sleep`):
+requests are admitted FCFS while `max_num_seqs` and the block pool allow; a step computes up to
+`max_num_batched_tokens` prompt tokens (chunked prefill) plus one token for every decoding
+sequence; when no block is left for a decode the newest sequence is preempted by recompute.
+A run of decode-only steps is slept as one stretch, cut short by an arrival (the arrival then
+waits for the step in progress to end), so a replica wakes per event, not per token: 256 of them
+fit in one event loop. After every stretch the pool's KV events and the load go to Redis through
+the real `PrefixIndexPublisher`, so the router sees exactly what this replica caches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.engine.kv_cache_manager import KVCacheManager
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.sequence import Sequence
+from kvserve.service.sim.timing import TimingModel
+
+_OUTPUT_TOKEN = 29  # the token every simulated output is made of (its text is " x")
+_seq_ids = itertools.count()
+
+
+class CapacityError(ValueError):
+    """A prompt that cannot fit in the replica's KV pool even alone."""
+
+
+@dataclass(eq=False)
+class SimRequest:
+    """One request inside a replica: its sequence, progress, and what its HTTP handler reads."""
+
+    seq: Sequence
+    max_tokens: int
+    arrival: float = field(default_factory=time.monotonic)
+    target: int = 0  # tokens to prefill before the next output (prompt, + outputs if resumed)
+    cached_tokens: int = -1  # prompt tokens found in the prefix cache at (first) admission
+    first_token_at: float | None = None
+    finished: bool = False
+    error: str | None = None
+    # Tokens produced per event (first token, then decode stretches); None ends the stream.
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.seq.num_prompt_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.seq.output_token_ids)
+
+
+@dataclass
+class SimLoad:
+    """What the heartbeat publishes (the attribute names `on_step` reads from EngineStats)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+
+
+@dataclass
+class ReplicaCounters:
+    requests: int = 0
+    finished: int = 0
+    prompt_tokens: int = 0  # looked up at first admission
+    cached_tokens: int = 0  # of those, found in this replica's cache (the true hit count)
+    preemptions: int = 0
+    busy_s: float = 0.0  # simulated seconds spent in steps
+
+
+class SimReplica:
+    """One simulated replica; `publisher` (a PrefixIndexPublisher or None) is started by the
+    fleet and fed here after every stretch of steps."""
+
+    def __init__(self, replica_id: str, timing: TimingModel, publisher: Any = None) -> None:
+        self.replica_id, self.timing, self.publisher = replica_id, timing, publisher
+        self.kv = KVCacheManager(timing.num_blocks, timing.block_size)
+        self.waiting: list[SimRequest] = []
+        self.running: list[SimRequest] = []
+        self.counters = ReplicaCounters()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name=f"sim-{self.replica_id}")
+        self._publish()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        for r in self.waiting + self.running:
+            self._finish(r, error="replica stopped")
+
+    def reset(self) -> None:
+        """Forget every cached block and the counters (between benchmark runs); needs an idle
+        replica. The publisher replaces the replica's sets with the empty snapshot."""
+        if self.waiting or self.running:
+            raise RuntimeError(f"replica {self.replica_id} is busy; reset it when idle")
+        self.kv = KVCacheManager(self.timing.num_blocks, self.timing.block_size)
+        self.counters = ReplicaCounters()
+        if self.publisher is not None:
+            self.publisher.on_step([], self.load(), snapshot=[], host_snapshot=[])
+
+    # ---- what the HTTP side and the benchmark's oracle read -----------------------------------
+    def submit(self, request_id: str, prompt: list[int], max_tokens: int,
+               cache_salt: str | None = None) -> SimRequest:
+        """Queue a request; CapacityError when it could never fit the pool."""
+        blocks = -(-(len(prompt) + max_tokens) // self.timing.block_size)
+        if blocks > self.timing.num_blocks:
+            raise CapacityError(f"prompt + max_tokens need {blocks} KV blocks; this replica has "
+                                f"{self.timing.num_blocks}")
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        seq = Sequence(next(_seq_ids), request_id, 0, list(prompt), params, cache_salt=cache_salt)
+        req = SimRequest(seq, max_tokens)
+        self.waiting.append(req)
+        self.counters.requests += 1
+        self._wake.set()
+        return req
+
+    def abort(self, req: SimRequest) -> None:
+        if req.finished:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+            self.kv.free(req.seq)
+        self._finish(req, error="aborted")
+
+    def load(self) -> SimLoad:
+        return SimLoad(len(self.running), len(self.waiting), self.kv.usage())
+
+    def cached_prefix_blocks(self, hashes: list[bytes]) -> int:
+        """Leading blocks of a hash chain (engine.block_hash's bytes) this replica's pool holds
+        right now: the truth the router's index approximates."""
+        cached = self.kv.pool.cached
+        n = 0
+        for h in hashes:
+            if h not in cached:
+                break
+            n += 1
+        return n
+
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens admitted or waiting but not computed yet (the oracle's queue estimate)."""
+        left = sum(max(r.target - r.seq.num_computed_tokens, 0) for r in self.running)
+        return left + sum(r.seq.num_tokens for r in self.waiting)
+
+    # ---- the step loop ------------------------------------------------------------------------
+    async def _loop(self) -> None:
+        while True:
+            if not self.waiting and not self.running:
+                self._wake.clear()
+                await self._wake.wait()
+            self._admit()
+            if not self.running:  # the head of the queue waits for blocks no one will free
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            if any(r.seq.num_computed_tokens < r.target for r in self.running):
+                await self._prefill_step()
+            else:
+                await self._decode_stretch()
+            self._publish()
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.timing.max_num_seqs:
+            req = self.waiting[0]
+            seq = req.seq
+            hits = self.kv.lookup_prefix(seq)
+            if not self.kv.allocate_slots(seq, seq.num_tokens - len(hits) * self.kv.block_size,
+                                          hits):
+                if not self.running:  # alone and still no room: it can never run
+                    self.waiting.pop(0)
+                    self._finish(req, error="does not fit the KV cache")
+                    continue
+                return
+            self.waiting.pop(0)
+            seq.num_computed_tokens = len(hits) * self.kv.block_size
+            req.target = seq.num_tokens
+            if req.cached_tokens < 0:  # first admission: the request's hit figures
+                req.cached_tokens = seq.num_computed_tokens
+                self.kv.record_lookup(seq.num_prompt_tokens, req.cached_tokens)
+                self.counters.prompt_tokens += seq.num_prompt_tokens
+                self.counters.cached_tokens += req.cached_tokens
+            self.running.append(req)
+
+    async def _prefill_step(self) -> None:
+        budget = self.timing.max_num_batched_tokens
+        chunks: list[tuple[SimRequest, int]] = []
+        decoding: list[SimRequest] = []
+        for r in self.running:
+            left = r.target - r.seq.num_computed_tokens
+            if left <= 0:
+                decoding.append(r)
+            elif budget > 0:
+                n = min(left, budget)
+                budget -= n
+                chunks.append((r, n))
+        context = sum(r.seq.num_tokens for r in decoding)
+        dt = self.timing.step_seconds(sum(n for _, n in chunks), len(decoding), context)
+        await asyncio.sleep(dt)
+        self.counters.busy_s += dt
+        now = time.monotonic()
+        for r, n in chunks:
+            r.seq.num_computed_tokens += n
+            self.kv.register_computed(r.seq)
+            if r.seq.num_computed_tokens >= r.target:
+                self._emit(r, 1, now)
+        self._advance(decoding, 1, now)
+
+    async def _decode_stretch(self) -> None:
+        """Decode-only steps until the first sequence finishes, cut short by an arrival."""
+        seqs = list(self.running)
+        steps = min(r.max_tokens - r.num_output_tokens for r in seqs)
+        dt = self.timing.step_seconds(0, len(seqs), sum(r.seq.num_tokens for r in seqs))
+        self._wake.clear()
+        t0 = time.monotonic()
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout=steps * dt)
+        except TimeoutError:
+            pass
+        else:  # an arrival: finish the step in progress, then let it in
+            done = min(max(math.ceil((time.monotonic() - t0) / dt), 1), steps) if dt else steps
+            rest = done * dt - (time.monotonic() - t0)
+            if rest > 0:
+                await asyncio.sleep(rest)
+            steps = done
+        self.counters.busy_s += steps * dt
+        self._advance(seqs, steps, time.monotonic())
+
+    def _advance(self, seqs: list[SimRequest], steps: int, now: float) -> None:
+        """`steps` decode steps for each of `seqs` (a sequence preempted meanwhile is skipped)."""
+        for r in seqs:
+            if r.finished or r not in self.running:
+                continue
+            while not self.kv.allocate_slots(r.seq, steps):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is r:
+                    break
+            else:
+                r.seq.num_computed_tokens += steps
+                self.kv.register_computed(r.seq)
+                self._emit(r, steps, now)
+
+    def _preempt(self, r: SimRequest) -> None:
+        """Recompute preemption: blocks freed, back to the head of the queue."""
+        self.running.remove(r)
+        self.kv.free(r.seq)
+        r.seq.num_computed_tokens = 0
+        self.waiting.insert(0, r)
+        self.counters.preemptions += 1
+
+    def _emit(self, r: SimRequest, n: int, now: float) -> None:
+        r.seq.output_token_ids.extend([_OUTPUT_TOKEN] * n)
+        if r.first_token_at is None:
+            r.first_token_at = now
+        r.events.put_nowait(n)
+        if r.num_output_tokens >= r.max_tokens:
+            self.running.remove(r)
+            self.kv.free(r.seq)
+            self.counters.finished += 1
+            self._finish(r)
+
+    def _finish(self, r: SimRequest, error: str | None = None) -> None:
+        if r.finished:
+            return
+        r.finished, r.error = True, error
+        r.events.put_nowait(None)
+
+    def _publish(self) -> None:
+        pub = self.publisher
+        if pub is None:
+            return
+        events = self.kv.pool.drain_events()
+        if pub.wants_snapshot():
+            pub.on_step(events, self.load(), snapshot=self.kv.pool.cached_hashes(),
+                        host_snapshot=[])
+        else:
+            pub.on_step(events, self.load())
