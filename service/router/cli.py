@@ -51,6 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overload-factor", type=float, default=pc.overload_factor,
                    help="skip replicas with load > factor * mean + slack")
     p.add_argument("--overload-slack", type=int, default=pc.overload_slack)
+    p.add_argument("--shared-load-interval", type=float, default=d.shared_load_interval,
+                   help="seconds between exchanges of in-flight counts with the service's other "
+                        "routers through Redis (several routers must not herd on stale loads); "
+                        "0 turns it off")
     p.add_argument("--down-cooldown", type=float, default=d.down_cooldown,
                    help="seconds a replica that failed (or hung) stays out of routing")
     p.add_argument("--upstream-connect-timeout", type=float, default=d.connect_timeout,
@@ -89,12 +93,20 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
                         api_key=ns.api_key or os.environ.get("KVSERVE_API_KEY") or None,
                         expose_routing_headers=ns.expose_routing_headers,
                         registration_token=os.environ.get(REGISTRATION_TOKEN_ENV) or None,
-                        shutdown_grace_period=max(ns.shutdown_grace_period, 0.0))
+                        shutdown_grace_period=max(ns.shutdown_grace_period, 0.0),
+                        shared_load_interval=_non_negative(ns.shared_load_interval,
+                                                           "--shared-load-interval"))
 
 
 def _positive(value: float, flag: str) -> float:
     if not value > 0:
         raise SystemExit(f"kvserve router: {flag} must be a positive number of seconds")
+    return value
+
+
+def _non_negative(value: float, flag: str) -> float:
+    if not value >= 0:
+        raise SystemExit(f"kvserve router: {flag} must be 0 or a positive number of seconds")
     return value
 
 

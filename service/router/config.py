@@ -23,6 +23,9 @@ class RouterConfig:
     policy_cfg: PolicyConfig = field(default_factory=PolicyConfig)
     block_size: int = 16  # used for static replicas (Redis replicas announce theirs)
     refresh_interval: float = 1.0
+    # --shared-load-interval: how often routers exchange their in-flight counts through Redis
+    # (service/router/shared_load.py); 0 = each router counts only its own.
+    shared_load_interval: float = 0.1
     down_cooldown: float = 3.0
     connect_timeout: float = 2.0  # --upstream-connect-timeout
     # --upstream-first-byte-timeout: after this long without response headers the router probes

@@ -20,9 +20,11 @@ from collections.abc import Sequence
 from redis.exceptions import RedisError
 
 from kvserve.service.prefix_index.lookup import IndexScan, PrefixIndex, ReplicaMatch
+from kvserve.service.prefix_index.redis_client import async_redis
 from kvserve.service.prefix_index.replica_info import ReplicaInfo
 from kvserve.service.router.config import RouterConfig
 from kvserve.service.router.metrics import RouterMetrics
+from kvserve.service.router.shared_load import SharedInflight
 from kvserve.service.routing_policy import Candidate
 
 logger = logging.getLogger("kvserve.router")
@@ -40,6 +42,10 @@ class ReplicaSet:
         self.ignored: set[str] = set()  # ids in Redis left out of routing (see `_admit`)
         self._logged: dict[str, str] = {}  # id -> the reason last logged for leaving it out
         self.inflight: dict[str, int] = {}
+        # The other routers' in-flight counts (service/router/shared_load.py), None when alone.
+        self.shared = SharedInflight(async_redis(cfg.redis_url, cfg.redis_timeout),
+                                     cfg.service_name, self.inflight, cfg.shared_load_interval) \
+            if cfg.redis_url and cfg.shared_load_interval > 0 else None
         self.down_until: dict[str, float] = {}
         self._task: asyncio.Task | None = None
         self._pending_refresh: asyncio.Task | None = None
@@ -52,6 +58,8 @@ class ReplicaSet:
         if self.index is not None:
             await self.refresh()
             self._task = asyncio.create_task(self._refresh_loop())
+        if self.shared is not None:
+            self.shared.start()
 
     async def close(self) -> None:
         tasks = [t for t in (self._task, self._pending_refresh) if t is not None]
@@ -61,6 +69,9 @@ class ReplicaSet:
             await asyncio.gather(self._task, return_exceptions=True)
         if self.index is not None:
             await self.index.close()
+        if self.shared is not None:
+            await self.shared.close()
+            await self.shared.client.aclose()
 
     async def _refresh_loop(self) -> None:
         while True:
@@ -135,12 +146,20 @@ class ReplicaSet:
 
     def acquire(self, replica_id: str) -> None:
         self.inflight[replica_id] = self.inflight.get(replica_id, 0) + 1
+        if self.shared is not None:
+            self.shared.changed()
 
     def release(self, replica_id: str) -> None:
         self.inflight[replica_id] = max(0, self.inflight.get(replica_id, 1) - 1)
+        if self.shared is not None:
+            self.shared.changed()
 
     def candidate(self, info: ReplicaInfo, matched_blocks: int, host_blocks: int = 0) -> Candidate:
-        load = max(info.load, self.inflight.get(info.replica_id, 0))
+        """The replica as the policy sees it: its load is the larger of its heartbeat's (up to
+        ~2 s old) and the requests every router of the service has in flight on it now."""
+        rid = info.replica_id
+        others = self.shared.others.get(rid, 0) if self.shared is not None else 0
+        load = max(info.load, self.inflight.get(rid, 0) + others)
         return Candidate(info.replica_id, info.url, load, info.kv_cache_usage, matched_blocks,
                          host_blocks)
 

@@ -3,6 +3,7 @@ prompt each live replica holds, rank the replicas by the policy (service/routing
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +41,8 @@ class Router:
         self.metrics = RouterMetrics()
         self.replicas = ReplicaSet(cfg, self.metrics)
         self.prompts = RouterTokenizer(cfg.tokenizer, self.replicas, cfg.refresh_interval)
-        self.counter = 0
+        # A random start, so several routers' tie-break rotations are not in lockstep.
+        self.counter = random.randrange(1 << 30)
 
     async def start(self) -> None:
         await self.replicas.start()
