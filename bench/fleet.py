@@ -341,12 +341,10 @@ async def run_once(fleet: SimFleet, policy: str, router_urls: list[str], qps: fl
                 client, url, body, res.ttfts, counts, measure=now - start >= warmup)))
             await asyncio.sleep(rng.expovariate(qps))
         res.sent = len(tasks)
-        sent_after_warmup_at = time.perf_counter()
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - (start + warmup)
         assert before is not None
         after = await _snapshot(fleet, router_urls, probe, client)
-    del sent_after_warmup_at
     res.completed, res.errors = counts["completed"], counts["errors"]
     prompt_tokens = after["sums"][0] - before["sums"][0]
     res.hit_rate = (after["sums"][1] - before["sums"][1]) / max(prompt_tokens, 1)

@@ -5,10 +5,12 @@
 Runs `kvserve.LLM` (prefix caching off, so every prompt token is computed) and fits the
 simulator's `TimingModel` (service/sim/timing.py):
 
-- prefill seconds per token: the slope between a 256- and a 1,024-token prompt (best of 2), one each,
-  one output token (so the fixed cost of a step drops out);
+- prefill seconds per token: the slope between the fastest engine steps prefilling one 256- and
+  one 1,024-token prompt (so the fixed cost of a step drops out);
 - decode: the fastest of the engine's decode-only steps at batch 1, batch 8 and batch 8 with 8x
-  longer contexts, solved for a fixed cost per step, a cost per sequence and a cost per context token.
+  longer contexts, solved for a fixed cost per step, one per sequence and one per context token.
+
+The minimum, not the median, of each timing: other jobs share these 2 cores.
 
 It prints the fitted figures as the keyword arguments of a `TimingModel`, to paste into
 `CALIBRATIONS["cpu-smollm2"]` with the machine class and date.
@@ -30,14 +32,10 @@ def timed(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
     return time.perf_counter() - t0
 
 
-def best_of(n: int, fn) -> float:
-    return min(fn() for _ in range(n))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--repeats", type=int, default=2, help="best of N for each timing")
+    ap.add_argument("--repeats", type=int, default=4, help="best of N for each prefill timing")
     args = ap.parse_args()
     rng = random.Random(0)
 
@@ -48,9 +46,25 @@ def main() -> None:
     timed(llm, [prompt(64)], 4)  # warm-up: kernels built, allocator warm
     steps = 32
     short, long_ = 256, 1024
-    t_short = best_of(args.repeats, lambda: timed(llm, [prompt(short)], 1))
-    t_long = best_of(args.repeats, lambda: timed(llm, [prompt(long_)], 1))
+
+    def prefill_time(n: int) -> float:
+        """The fastest engine step that prefills one n-token prompt (one request per step, the
+        shape warmed first): the minimum, since other jobs share these cores."""
+        engine = llm.llm_engine
+        params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
+        times = []
+        for i in range(args.repeats + 1):
+            engine.add_request(f"p{n}-{i}-{rng.random()}", prompt(n), params)
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+            while engine.has_unfinished_requests():
+                engine.step()
+        return min(times[1:])
+
+    t_short, t_long = prefill_time(short), prefill_time(long_)
     prefill = (t_long - t_short) / (long_ - short)
+
     def decode_time(batch: int, ctx: int) -> float:
         """Median of the engine's own decode-only steps (after every prompt is prefilled)."""
         engine = llm.llm_engine

@@ -59,11 +59,12 @@ class SimFleetApp:
         try:
             body = json.loads(raw)
             prompt = self._prompt_tokens(path, body)
-            max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+            max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
+            max_tokens = 16 if max_tokens is None else int(max_tokens)
             if max_tokens < 1:
                 raise ValueError("max_tokens must be at least 1")
             req = replica.submit(f"sim-{next(_ids)}", prompt, max_tokens, body.get("cache_salt"))
-        except (ValueError, TypeError, KeyError, CapacityError) as exc:
+        except (ValueError, TypeError, KeyError, AttributeError, CapacityError) as exc:
             return await _json(send, 400, _error(str(exc)))
         chat = path.endswith("/chat/completions")
         try:

@@ -3,9 +3,10 @@
 Each replica heartbeats and publishes its block events to Redis with its own real
 `PrefixIndexPublisher` (replica id `<prefix>-<i>`, URL `http://host:port/r<i>`), so a real
 `kvserve router` finds and routes to them as to engine replicas. One uvicorn server with a path
-prefix per replica, not one server per replica: 256 uvicorn servers in one loop cost 256
-listening sockets and 256 housekeeping tasks ticking 10 times a second each, for nothing the
-router can tell apart (docs/perf.md has the idle CPU of both).
+prefix per replica, not one server per replica: the router cannot tell them apart (it joins URL +
+path), one port is simpler to run and to firewall, and it is a little cheaper: idle, 256 uvicorn
+servers in one loop took 2.9% of a core against 0.3% for one (their housekeeping ticks; measured
+2026-12-04, docs/perf.md); a request costs the same either way.
 
     python -m kvserve.service.sim.fleet --replicas 64 --redis-url redis://127.0.0.1:6379/0 \\
         --timing h100-llama3-8b --port 9000
