@@ -80,12 +80,15 @@ def _h100_llama3_8b() -> TimingModel:
                "measured on our H200 (docs/perf.md)")
 
 
-# Measured on this project's 2-core SPR machine (Intel Sapphire Rapids, AMX, bf16) by
-# `python bench/sim_calibrate.py` on 2026-12-04 with other helpers' jobs on the cores; KV blocks
-# are the engine's CPU default for SmolLM2-135M-Instruct.
+# Measured on this project's 2-core SPR machine (Intel Sapphire Rapids, AMX, bf16), 2026-12-04,
+# by `python bench/sim_calibrate.py` with other jobs on the cores (load average ~2), which made
+# single timings noisy: prefill from its slope (256 -> 1,024 tokens: 105 -> 1,285 ms), the context
+# cost from batch 8 at 64 vs 512 tokens (29.9 vs 37.4 ms); the cost per sequence from batch 8's
+# step against docs/perf.md's profiled 64-sequence step (46.5 ms, same machine class, idle).
+# KV blocks: the engine's CPU default for SmolLM2-135M-Instruct there.
 _CPU_SMOLLM2 = TimingModel(
-    name="cpu-smollm2", prefill_s_per_token=3.0e-4, decode_step_s=2.0e-2,
-    decode_s_per_seq=1.0e-3, decode_s_per_ctx_token=1.0e-6, num_blocks=4096, max_num_seqs=64,
+    name="cpu-smollm2", prefill_s_per_token=1.54e-3, decode_step_s=2.75e-2,
+    decode_s_per_seq=3.0e-4, decode_s_per_ctx_token=2.1e-6, num_blocks=11650, max_num_seqs=256,
     max_num_batched_tokens=2048,
     source="bench/sim_calibrate.py on SPR, 2 cores, SmolLM2-135M-Instruct bf16")
 
