@@ -114,7 +114,9 @@ class SharedInflight:
     async def write(self) -> None:
         own, self._dirty = {rid: n for rid, n in self._own.items() if n > 0}, False
         key = self.hash_prefix + self.router_id
-        pipe = self.client.pipeline(transaction=True).delete(key)
+        # No MULTI: a Redis Cluster pipeline may not support it, and a reader that sees the hash
+        # between DEL and HSET only counts this router as idle for one interval.
+        pipe = self.client.pipeline(transaction=False).delete(key)
         if own:
             pipe.hset(key, mapping=own)
         await (pipe.pexpire(key, int(self.ttl * 1000)).sadd(self.routers_key, self.router_id)
