@@ -479,7 +479,8 @@ def row(r: RunResult) -> str:
     return (f"{name:<12} {r.routers:>2} {r.qps:>5.1f} {r.completed:>5} {r.errors:>3} "
             f"{100 * r.hit_rate:>5.1f} {r.ttft_p50:>7.3f} {r.ttft_p90:>7.3f} {r.out_tok_s:>7.0f} "
             f"{r.decision_p50_ms:>6.2f} {r.decision_p99_ms:>6.2f} {r.redis_cmds_s:>8.0f} "
-            f"{r.redis_cpu_pct:>4.0f} {r.lookup_us:>5.0f} {r.requests_cv:>6.2f} {r.queue_cv:>4.2f} {r.max_queue:>4}")
+            f"{r.redis_cpu_pct:>4.0f} {r.lookup_us:>5.0f} {r.requests_cv:>6.2f} "
+            f"{r.queue_cv:>4.2f} {r.max_queue:>4}")
 
 
 def report(results: list[RunResult], replicas: int) -> None:
@@ -590,8 +591,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvserve-fleet-") as tmp:
         for n in [int(x) for x in _floats(args.replicas, "--replicas")]:
             cfg = fleet_config(n, base, workload, args, policies, tokenizer)
-            print(f"\n{n} replicas: timing {base.name} x{cfg.timing.decode_step_s / base.decode_step_s:.0f}"
-                  f" slower, {cfg.timing.num_blocks} KV blocks each, QPS {cfg.qps}", flush=True)
+            slower = cfg.timing.decode_step_s / base.decode_step_s
+            print(f"\n{n} replicas: timing {base.name} x{slower:.0f} slower, "
+                  f"{cfg.timing.num_blocks} KV blocks each, QPS {cfg.qps}", flush=True)
             print("  " + HEADER)
             results += asyncio.run(run_fleet(cfg, Path(tmp)))
     for n in sorted({r.replicas for r in results}):
