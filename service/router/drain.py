@@ -1,6 +1,8 @@
 """The router's drain on SIGTERM: new requests get 503 + Retry-After (and /health says
 draining, so the endpoint leaves the load balancer), requests in flight, streams included, get
-`shutdown_grace_period` seconds to finish, then the process exits. A second signal exits at once."""
+`shutdown_grace_period` seconds to finish, then the process exits. A stream still running then ends
+with an SSE error event (503, `service_unavailable`) so the client knows it was cut, rather than a
+dropped connection. A second signal exits at once."""
 
 from __future__ import annotations
 
@@ -17,6 +19,9 @@ from kvserve.service.signal_drain import SignalDrainServer
 
 logger = logging.getLogger("kvserve.router")
 
+# After the grace period, how long streams get to send their closing error event.
+_CUT_OFF_FLUSH_SECONDS = 1.0
+
 
 class DrainState:
     """Whether the router drains, and how many requests it is serving (one per router app)."""
@@ -24,6 +29,9 @@ class DrainState:
     def __init__(self) -> None:
         self.draining = False
         self.inflight = 0
+        # Set when the grace period ends with requests still in flight: a stream still relaying
+        # then ends with an SSE error event (service/router/proxy.py), not a cut connection.
+        self.cut_off = asyncio.Event()
 
 
 class DrainMiddleware:
@@ -73,5 +81,11 @@ class DrainingRouterServer(SignalDrainServer):
         deadline = time.monotonic() + self.grace
         while self.state.inflight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        if self.state.inflight > 0:
+            # Streams still relaying end with an error event; give them a moment to send it.
+            self.state.cut_off.set()
+            deadline = time.monotonic() + _CUT_OFF_FLUSH_SECONDS
+            while self.state.inflight > 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
         logger.info("drained (%d request(s) still in flight cut off); stopping",
                     self.state.inflight)
