@@ -65,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="add x-kvserve-replica, x-kvserve-predicted-matched-tokens and "
                         "x-kvserve-predicted-host-tokens to responses (they reveal what other "
                         "requests have cached)")
+    p.add_argument("--heartbeat-max-age", type=float, default=d.heartbeat_max_age,
+                   help="with KVSERVE_REGISTRATION_TOKEN: seconds a signed heartbeat's timestamp "
+                        "may be off from this router's clock (older: a replay, left out)")
     p.add_argument("--shutdown-grace-period", type=float, default=d.shutdown_grace_period,
                    help="seconds requests in flight get to finish after SIGTERM")
     p.add_argument("--log-level", default="info",
@@ -89,6 +92,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
                         api_key=ns.api_key or os.environ.get("KVSERVE_API_KEY") or None,
                         expose_routing_headers=ns.expose_routing_headers,
                         registration_token=os.environ.get(REGISTRATION_TOKEN_ENV) or None,
+                        heartbeat_max_age=_positive(ns.heartbeat_max_age, "--heartbeat-max-age"),
                         shutdown_grace_period=max(ns.shutdown_grace_period, 0.0))
 
 

@@ -6,8 +6,9 @@ alone), and a refresh is also how the router notices Redis came back. A replica 
 kept out of routing for `down_cooldown` seconds.
 
 Heartbeats are not trusted blindly: a malformed one, one without a valid signature when the router
-holds a registration token, and one that says the replica is draining are left out of routing
-(logged once per replica and reason).
+holds a registration token, a signed one whose timestamp is more than `heartbeat_max_age` off the
+router's clock (a replayed heartbeat), and one that says the replica is draining are left out of
+routing (logged once per replica and reason).
 """
 
 from __future__ import annotations
@@ -82,10 +83,18 @@ class ReplicaSet:
         token = self.cfg.registration_token
         reasons = {rid: f"malformed heartbeat ({why})" for rid, why in scan.malformed}
         known: dict[str, ReplicaInfo] = {}
+        now = time.time()
         for info in (m.replica for m in scan.matches):
             if token and not info.signed_by(token):
                 reasons[info.replica_id] = ("heartbeat unsigned or signed with another "
                                             "registration token (KVSERVE_REGISTRATION_TOKEN)")
+            elif token and abs(now - info.heartbeat_at) > self.cfg.heartbeat_max_age:
+                # The signature covers the timestamp, so an old signed heartbeat written back
+                # (a replay keeping a dead replica routable) is stale here.
+                reasons[info.replica_id] = (
+                    f"signed heartbeat is {now - info.heartbeat_at:+.0f} s off this router's "
+                    f"clock (a replay, or clocks apart; --heartbeat-max-age "
+                    f"{self.cfg.heartbeat_max_age:g})")
             elif info.draining:
                 reasons[info.replica_id] = "draining"
             else:
