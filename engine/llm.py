@@ -9,7 +9,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from kvserve.engine.config import DEFAULT_MODEL, EngineConfig
-from kvserve.engine.errors import InvalidRequestError, RequestFailedError
+from kvserve.engine.errors import ConfigError, InvalidRequestError, RequestFailedError
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
@@ -31,6 +31,7 @@ class LLM:
                  max_num_seqs: int = 256, max_model_len: int | None = None,
                  block_size: int = 16, enable_prefix_caching: bool = True,
                  kv_cache_dtype: str = "auto", **kwargs: Any) -> None:
+        _structured_outputs_kwargs(kwargs)
         config = EngineConfig.from_kwargs(
             model=model, tokenizer=tokenizer, tensor_parallel_size=tensor_parallel_size,
             dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
@@ -164,3 +165,25 @@ def _per_prompt_params(sp: SamplingParams | Seq[SamplingParams] | None, n: int
             f"got {len(sp)} SamplingParams for {n} prompts; pass one, or one per prompt",
             "sampling_params")
     return sp
+
+
+def _structured_outputs_kwargs(kwargs: dict[str, Any]) -> None:
+    """vLLM's `structured_outputs_config={"backend": ...}` and older `guided_decoding_backend=`
+    -> EngineConfig.structured_outputs_backend (in place)."""
+    config = kwargs.pop("structured_outputs_config", None)
+    old = kwargs.pop("guided_decoding_backend", None)
+    backend = None
+    if config is not None:
+        values = config if isinstance(config, dict) else vars(config)
+        unknown = sorted(set(values) - {"backend"})
+        if unknown:
+            raise ConfigError(f"structured_outputs_config: only 'backend' is supported, got "
+                              f"{unknown}")
+        backend = values.get("backend")
+    if old is not None:
+        if backend is not None and backend != old:
+            raise ConfigError("structured_outputs_config['backend'] and guided_decoding_backend "
+                              "disagree; give one of them")
+        backend = old
+    if backend is not None:
+        kwargs["structured_outputs_backend"] = backend

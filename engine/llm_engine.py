@@ -94,7 +94,8 @@ class LLMEngine:
             self._calibrate_kv_scales()
         # Sampling values a request leaves out (the server and LLM read them; the engine does not).
         self.sampling_defaults = sampling_defaults(model_path, config.generation_config)
-        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                        backend=config.structured_outputs_backend)
         self.requests: dict[str, RequestState] = {}
         self._next_seq_id = 0
         self._aborted: list[RequestOutput] = []

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
 from kvserve.engine.outputs import Logprob
 from kvserve.engine.sequence import Sequence
 

@@ -11,7 +11,7 @@ from dataclasses import MISSING, fields
 from typing import Any
 
 from kvserve.engine.config import DEFAULT_MODEL, KV_CACHE_DTYPES, MODEL_DTYPES, PREEMPTION_MODES, \
-    EngineConfig
+    STRUCTURED_OUTPUTS_BACKENDS, EngineConfig
 from kvserve.service.limits import RequestLimits
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -168,6 +168,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--generation-config", default=d("generation_config"),
                    help="default sampling: 'auto' (the model's generation_config.json), 'vllm' "
                         "(OpenAI's defaults) or a folder holding a generation_config.json")
+    g.add_argument("--structured-outputs-config.backend", "--guided-decoding-backend",
+                   dest="structured_outputs_backend", default=d("structured_outputs_backend"),
+                   choices=STRUCTURED_OUTPUTS_BACKENDS,
+                   help="structured outputs: xgrammar, guidance (llguidance), or auto (xgrammar, "
+                        "guidance for what xgrammar refuses); --guided-decoding-backend is the "
+                        "older spelling")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="allow model code from the hub (off: only built-in architectures)")
 

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
 from kvserve import LLM, Logprob, SamplingParams
 from kvserve.engine.errors import InvalidRequestError
+from transformers import AutoModelForCausalLM
 
 # Long enough to span several 16-token blocks and several 32-token prefill chunks.
 LONG = ("Paged attention stores the KV cache in fixed-size blocks, like virtual memory pages. "
