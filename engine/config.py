@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 from kvserve.engine.errors import ConfigError
 
@@ -122,3 +123,22 @@ class EngineConfig:
         if unknown:
             raise ConfigError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
         return cls(**kwargs)  # type: ignore[arg-type]
+
+
+def structured_outputs_backend(config: Any, old: str | None = None) -> str | None:
+    """The backend of vLLM's `structured_outputs_config` ({"backend": ...}, or an object with
+    that attribute) and of its older `guided_decoding_backend`; None when neither names one."""
+    backend = None
+    if config is not None:
+        values = config if isinstance(config, dict) else vars(config)
+        unknown = sorted(set(values) - {"backend"})
+        if unknown:
+            raise ConfigError(f"structured_outputs_config: only 'backend' is supported, got "
+                              f"{unknown}")
+        backend = values.get("backend")
+    if old is not None:
+        if backend is not None and backend != old:
+            raise ConfigError("structured_outputs_config['backend'] and guided_decoding_backend "
+                              "disagree; give one of them")
+        backend = old
+    return backend

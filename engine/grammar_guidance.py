@@ -96,7 +96,9 @@ class GuidanceMatcher:
         return True
 
     def rollback(self, num_tokens: int) -> None:
-        self.matcher.rollback(num_tokens)
+        if not self.matcher.rollback(num_tokens):
+            raise ValueError(f"llguidance could not roll back {num_tokens} tokens: "
+                             f"{self.matcher.get_error()}")
         self._ended = False
 
     def is_terminated(self) -> bool:

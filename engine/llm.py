@@ -8,8 +8,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from kvserve.engine.config import DEFAULT_MODEL, EngineConfig
-from kvserve.engine.errors import ConfigError, InvalidRequestError, RequestFailedError
+from kvserve.engine.config import DEFAULT_MODEL, EngineConfig, structured_outputs_backend
+from kvserve.engine.errors import InvalidRequestError, RequestFailedError
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
@@ -170,20 +170,7 @@ def _per_prompt_params(sp: SamplingParams | Seq[SamplingParams] | None, n: int
 def _structured_outputs_kwargs(kwargs: dict[str, Any]) -> None:
     """vLLM's `structured_outputs_config={"backend": ...}` and older `guided_decoding_backend=`
     -> EngineConfig.structured_outputs_backend (in place)."""
-    config = kwargs.pop("structured_outputs_config", None)
-    old = kwargs.pop("guided_decoding_backend", None)
-    backend = None
-    if config is not None:
-        values = config if isinstance(config, dict) else vars(config)
-        unknown = sorted(set(values) - {"backend"})
-        if unknown:
-            raise ConfigError(f"structured_outputs_config: only 'backend' is supported, got "
-                              f"{unknown}")
-        backend = values.get("backend")
-    if old is not None:
-        if backend is not None and backend != old:
-            raise ConfigError("structured_outputs_config['backend'] and guided_decoding_backend "
-                              "disagree; give one of them")
-        backend = old
+    backend = structured_outputs_backend(kwargs.pop("structured_outputs_config", None),
+                                         kwargs.pop("guided_decoding_backend", None))
     if backend is not None:
         kwargs["structured_outputs_backend"] = backend
