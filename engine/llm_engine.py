@@ -432,8 +432,8 @@ class LLMEngine:
         if state.best_of is not None:
             outs = select(outs, finished, state.best_of)
         # Complete once the prefill is (never changed after: a recompute skips what is recorded).
-        prompt_lps = state.seqs[0].prompt_logprobs if state.params.prompt_logprobs is not None \
-            else None
+        prompt_lps = (state.seqs[0].prompt_logprobs or [None]) \
+            if state.params.prompt_logprobs is not None else None  # [None]: a 1-token prompt
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs,
                              finished=finished, num_cached_tokens=cached, metrics=state.metrics,
                              prompt_logprobs=prompt_lps)

@@ -129,6 +129,11 @@ def test_n_and_best_of_compute_them_once(llm, hf_logprobs):
         check_against_hf(out, hf_logprobs(out.prompt_token_ids), 2)
 
 
+def test_a_one_token_prompt_has_only_the_leading_none(llm):
+    out = llm.generate([[5]], params(2), use_tqdm=False)[0]
+    assert out.prompt_logprobs == [None]
+
+
 def test_out_of_range_is_refused():
     with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=21)
