@@ -404,3 +404,9 @@ def _health(url: str) -> int:
         return httpx.get(url + "/health", timeout=2).status_code
     except httpx.TransportError:
         return 0
+
+
+def test_tokenize_refuses_a_tool_call_without_a_function(server):
+    """Found by the OpenAPI fuzzer: /tokenize rendered `tool_calls: [{}]` and crashed (500)."""
+    body = {"messages": [{"role": "assistant", "content": None, "tool_calls": [{}]}]}
+    assert_openai_error(post(server.url, "/tokenize", body), 400, "messages.0.tool_calls")
