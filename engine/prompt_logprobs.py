@@ -77,7 +77,7 @@ def plan(seqs: list[Sequence], num_tokens: list[int]) -> PromptLogprobsPlan | No
 @torch.inference_mode()
 def compute(model: Any, hidden: torch.Tensor, rows: list[int], targets: list[int],
             k: int) -> PromptLogprobsResult | None:
-    """LM head on the planned rows, then (as log_softmax) the target's logprob and rank and the
+    """LM head on the planned rows, log_softmax, then the target's logprob and rank and the
     top-k, a slice of ROWS_PER_PASS rows at a time. Every tensor-parallel rank calls it (the
     logits gather is a collective); rank 0 gets the result, the others None."""
     dev = hidden.device
@@ -89,15 +89,12 @@ def compute(model: Any, hidden: torch.Tensor, rows: list[int], targets: list[int
         logits = model.compute_logits(hidden[row_t[sl]])
         if logits is None:  # a tensor-parallel rank other than 0
             continue
-        # log_softmax without writing it out: logprob = logit - logsumexp, and ranks and the
-        # top-k are the same on the logits (three reads of the rows instead of five passes).
-        logits = logits.float()
-        lse = logits.logsumexp(dim=-1, keepdim=True)
-        own = logits.gather(1, target_t[sl].unsqueeze(1))
+        lp = logits.float().log_softmax(dim=-1)  # faster than logsumexp on the CPU
+        own = lp.gather(1, target_t[sl].unsqueeze(1))
         # as vLLM's: 1 = the most likely, ties count ahead (an int32 sum: a third faster)
-        ranks = (logits >= own).sum(dim=-1, dtype=torch.int32)
-        top, top_ids = logits.topk(k, dim=-1) if k else (logits[:, :0], lse[:, :0].long())
-        parts.append(((own - lse).squeeze(1), ranks, top - lse, top_ids))
+        ranks = (lp >= own).sum(dim=-1, dtype=torch.int32)
+        top, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], ranks[:, None][:, :0].long())
+        parts.append((own.squeeze(1), ranks, top, top_ids))
     if not parts:
         return None
     own, ranks, top_lp, top_ids = (torch.cat(p).cpu() for p in zip(*parts))
