@@ -93,7 +93,10 @@ def compute(model: Any, hidden: torch.Tensor, rows: list[int], targets: list[int
         own = lp.gather(1, target_t[sl].unsqueeze(1))
         # as vLLM's: 1 = the most likely, ties count ahead (an int32 sum: a third faster)
         ranks = (lp >= own).sum(dim=-1, dtype=torch.int32)
-        top, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], ranks[:, None][:, :0].long())
+        if k:
+            top, top_ids = lp.topk(k, dim=-1)
+        else:  # the actual token only: empty top-k columns
+            top, top_ids = lp[:, :0], torch.empty((lp.shape[0], 0), dtype=torch.int64, device=dev)
         parts.append((own.squeeze(1), ranks, top, top_ids))
     if not parts:
         return None
