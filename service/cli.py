@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
 
-from kvserve.engine.config import DEFAULT_MODEL, EngineConfig
+from kvserve.engine.config import DEFAULT_MODEL, EngineConfig, structured_outputs_backend
 from kvserve.engine.errors import ConfigError, KVServeError
 from kvserve.service.flags import add_engine_args, add_server_args, limits_from_args
 
@@ -45,6 +45,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     values = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
     values["model"] = args.model_tag or args.model or DEFAULT_MODEL
     values["served_model_name"] = args.served_model_name[0] if args.served_model_name else None
+    if getattr(args, "structured_outputs_config", None) is not None:
+        default = EngineConfig.structured_outputs_backend
+        flag = values.get("structured_outputs_backend")
+        values["structured_outputs_backend"] = structured_outputs_backend(
+            args.structured_outputs_config, None if flag == default else flag) or flag
     return EngineConfig.from_kwargs(**values)
 
 

@@ -11,7 +11,7 @@ from dataclasses import MISSING, fields
 from typing import Any
 
 from kvserve.engine.config import DEFAULT_MODEL, KV_CACHE_DTYPES, MODEL_DTYPES, PREEMPTION_MODES, \
-    EngineConfig
+    STRUCTURED_OUTPUTS_BACKENDS, EngineConfig
 from kvserve.service.limits import RequestLimits
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -37,6 +37,17 @@ def string_list(text: str) -> list[str]:
         except json.JSONDecodeError as exc:
             raise argparse.ArgumentTypeError(f"bad JSON list {text!r}: {exc}") from exc
     return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A JSON object ('{"backend": "guidance"}', as vLLM's --*-config flags take)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"bad JSON {text!r}: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def positive_int(text: str) -> int:
@@ -168,6 +179,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--generation-config", default=d("generation_config"),
                    help="default sampling: 'auto' (the model's generation_config.json), 'vllm' "
                         "(OpenAI's defaults) or a folder holding a generation_config.json")
+    g.add_argument("--structured-outputs-config", type=json_object, default=None,
+                   metavar="JSON", help='vLLM\'s JSON form, e.g. \'{"backend": "guidance"}\'')
+    g.add_argument("--structured-outputs-config.backend", "--guided-decoding-backend",
+                   dest="structured_outputs_backend", default=d("structured_outputs_backend"),
+                   choices=STRUCTURED_OUTPUTS_BACKENDS,
+                   help="structured outputs: xgrammar, guidance (llguidance), or auto (xgrammar, "
+                        "guidance for what xgrammar refuses); --guided-decoding-backend is the "
+                        "older spelling")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="allow model code from the hub (off: only built-in architectures)")
 
