@@ -97,7 +97,8 @@ class Node:
 class SentinelSet:
     """A primary, one replica of it and three sentinels (quorum 2) watching MASTER_NAME."""
 
-    def __init__(self, workdir: Path, password: str | None = None) -> None:
+    def __init__(self, workdir: Path, password: str | None = None,
+                 sentinel_auth: bool = True) -> None:
         binary = require_binary("redis-server")
         auth = ["--requirepass", password, "--masterauth", password] if password else []
         self.password = password
@@ -112,8 +113,9 @@ class SentinelSet:
                     f"sentinel down-after-milliseconds {MASTER_NAME} 1000\n"
                     f"sentinel failover-timeout {MASTER_NAME} 5000\n"
                     f"sentinel known-replica {MASTER_NAME} 127.0.0.1 {self.replica.port}\n")
-            if password:
-                conf += f"sentinel auth-pass {MASTER_NAME} {password}\nrequirepass {password}\n"
+            if password:  # the sentinels log in to the data nodes; clients to the sentinels
+                conf += f"sentinel auth-pass {MASTER_NAME} {password}\n"
+                conf += f"requirepass {password}\n" if sentinel_auth else ""
             self.sentinels.append(Node(binary, workdir, ["--sentinel"], port, conf))
 
     def url(self, with_password: bool = False) -> str:

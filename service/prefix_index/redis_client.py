@@ -3,7 +3,8 @@
 (`redis+sentinel://[:PASSWORD@]HOST:PORT[,HOST:PORT...]/MASTER_NAME`) or a Redis Cluster
 (`redis+cluster://[:PASSWORD@]HOST:PORT[,HOST:PORT...]`). The password comes from the URL or, when
 the URL has none, from `KVSERVE_REDIS_PASSWORD` (a Kubernetes Secret); with Sentinel it is sent to
-the sentinels too (Bitnami's `auth.sentinel: true`). URLs are redacted before logging.
+the sentinels too (Bitnami's `auth.sentinel: true`) unless the URL ends in `?sentinel_auth=false`
+(sentinels without a password). URLs are redacted before logging.
 
 Under Cluster a service's keys share one slot (the `{service}` hash tag in keys.py), so the index's
 Lua scripts and MULTI/EXEC run on the one node that owns it.
@@ -15,7 +16,7 @@ import os
 import re
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
@@ -57,6 +58,7 @@ class RedisTarget:
     master: str | None = None
     username: str | None = None
     password: str | None = None
+    sentinel_auth: bool = True  # send the password to the sentinels too
 
 
 def parse_redis_url(url: str, flag: str = "--redis-url") -> RedisTarget:
@@ -77,8 +79,9 @@ def parse_redis_url(url: str, flag: str = "--redis-url") -> RedisTarget:
         if scheme != "unix" and not parts.hostname:
             raise bad("no host")
         return RedisTarget("single", url)
-    if parts.query or parts.fragment:
-        raise bad(f"{scheme}:// takes no ?query or #fragment")
+    sentinel_auth = _sentinel_auth(scheme, parts.query, bad)
+    if parts.fragment:
+        raise bad(f"{scheme}:// takes no #fragment")
     netloc = parts.netloc.rpartition("@")[2]
     if not netloc:
         raise bad("no hosts")
@@ -95,7 +98,23 @@ def parse_redis_url(url: str, flag: str = "--redis-url") -> RedisTarget:
                   "use redis+cluster://HOST:PORT[,HOST:PORT...]")
     return RedisTarget("sentinel" if master else "cluster", url, hosts, master,
                        unquote(parts.username) if parts.username else None,
-                       unquote(parts.password) if parts.password else None)
+                       unquote(parts.password) if parts.password else None, sentinel_auth)
+
+
+def _sentinel_auth(scheme: str, query: str, bad: Any) -> bool:
+    """`?sentinel_auth=false` (redis+sentinel:// only): sentinels that have no password of their
+    own (the data nodes still get it); the only query option."""
+    if not query:
+        return True
+    options = parse_qs(query, keep_blank_values=True)
+    value = options.pop("sentinel_auth", [""])[-1].lower()
+    if scheme != SENTINEL_SCHEME or options or value not in _BOOLS:
+        raise bad(f"{scheme}:// takes no ?query" if scheme != SENTINEL_SCHEME else
+                  "the only query option is ?sentinel_auth=true|false")
+    return _BOOLS[value]
+
+
+_BOOLS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
 
 
 def _host_port(item: str, default_port: int, bad: Any) -> tuple[str, int]:
@@ -139,7 +158,8 @@ def async_redis(url: str, timeout: float, **kwargs: Any) -> aioredis.Redis | Red
     if target.kind == "cluster":
         nodes = [ClusterNode(host, port) for host, port in target.hosts]
         return RedisCluster(startup_nodes=nodes, **auth, **timeouts, **kwargs)
-    sentinel = Sentinel(list(target.hosts), sentinel_kwargs={**auth, **timeouts},
+    sentinel_auth = auth if target.sentinel_auth else {}
+    sentinel = Sentinel(list(target.hosts), sentinel_kwargs={**sentinel_auth, **timeouts},
                         **auth, **timeouts, **kwargs)
     assert target.master is not None
     return sentinel.master_for(target.master, redis_class=SentinelMasterRedis)

@@ -174,6 +174,31 @@ async def test_sentinel_password_in_the_url(sentinel_set, monkeypatch):
         await index.close()
 
 
+async def test_sentinels_without_a_password_of_their_own(tmp_path, monkeypatch):
+    """The data nodes require a password, the sentinels have none (the Valkey chart's
+    sentinel.auth.enabled=false). `?sentinel_auth=false` keeps the password from the sentinels;
+    without it redis-py's RESP3 handshake (HELLO 3 AUTH) is accepted too, since a user without a
+    password takes any (an old RESP2 client would get "AUTH called without any password")."""
+    topology = SentinelSet(tmp_path, password="data-pw", sentinel_auth=False).start()
+    monkeypatch.setenv("KVSERVE_REDIS_PASSWORD", "data-pw")
+    try:
+        for url in (topology.url() + "?sentinel_auth=false", topology.url()):
+            replica = await Replica(url, "r1").start()
+            index = PrefixIndex.from_url(url, SERVICE)
+            try:
+                replica.store(CHAIN[:2])
+                await until(lambda: _equals(_matched(index), {"r1": 2}), 10, f"index at {url}")
+            finally:
+                await index.close()
+                await replica.close()
+    finally:
+        topology.stop()
+
+
+async def _matched(index: PrefixIndex) -> dict[str, int]:
+    return {m.replica.replica_id: m.matched_blocks for m in await index.lookup(CHAIN)}
+
+
 # ---- Cluster --------------------------------------------------------------------------------
 
 @pytest.fixture

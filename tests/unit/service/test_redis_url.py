@@ -50,6 +50,10 @@ def test_single_server_urls_are_left_to_redis_py(url):
     ("redis+cluster://:hunter2@n1:7000,,n2:7001", "an empty entry"),
     ("redis+cluster://n1:7000/2", "only database 0"),
     ("redis+cluster://n1:7000?timeout=1", "no ?query"),
+    ("redis+cluster://n1:7000?sentinel_auth=false", "no ?query"),
+    ("redis+sentinel://s1/m?sentinel_auth=maybe", "the only query option is ?sentinel_auth"),
+    ("redis+sentinel://s1/m?sentinel_auth=false&db=2", "the only query option"),
+    ("redis+sentinel://s1/m#frag", "no #fragment"),
 ])
 def test_bad_urls_name_the_flag_and_hide_the_password(url, why):
     with pytest.raises(ValueError) as err:
@@ -86,6 +90,19 @@ async def test_sentinel_client_authenticates_to_sentinels_and_primary(monkeypatc
         assert all(s.connection_pool.connection_kwargs["password"] == "from-url"
                    for s in sentinels)
         assert pool.connection_kwargs["socket_timeout"] == 0.5
+    finally:
+        await client.aclose()
+
+
+async def test_sentinels_without_a_password_of_their_own(monkeypatch):
+    monkeypatch.setenv(REDIS_PASSWORD_ENV, "data-only")
+    assert parse_redis_url("redis+sentinel://s1/m?sentinel_auth=false").sentinel_auth is False
+    assert parse_redis_url("redis+sentinel://s1/m?sentinel_auth=yes").sentinel_auth is True
+    client = async_redis("redis+sentinel://s1:1/mymaster?sentinel_auth=false", timeout=0.5)
+    try:
+        assert client.connection_pool.connection_kwargs["password"] == "data-only"
+        sentinel = client.connection_pool.sentinel_manager.sentinels[0]
+        assert sentinel.connection_pool.connection_kwargs.get("password") is None
     finally:
         await client.aclose()
 
