@@ -187,7 +187,7 @@ async def test_sentinels_without_a_password_of_their_own(tmp_path, monkeypatch):
             index = PrefixIndex.from_url(url, SERVICE)
             try:
                 replica.store(CHAIN[:2])
-                await until(lambda: _equals(_matched(index), {"r1": 2}), 10, f"index at {url}")
+                await until(lambda i=index: _equals(_matched(i), {"r1": 2}), 10, f"index at {url}")
             finally:
                 await index.close()
                 await replica.close()
@@ -245,6 +245,13 @@ async def test_cluster_index_reads_writes_and_spreads_services(redis_cluster):
                     keys.blocks(f"r-{service}")} <= local
         assert redis_cluster.owner_of(IndexKeys(a).replicas).port != \
             redis_cluster.owner_of(IndexKeys(b).replicas).port
+        # Leaving (a drain) removes the replica's entries in one pipeline on the slot's node.
+        for replica, service in zip(replicas, (a, b)):
+            await replica.close()
+            keys, rid = IndexKeys(service), f"r-{service}"
+            node = redis_cluster.owner_of(keys.replicas).client()
+            assert node.exists(keys.replica(rid), *keys.block_sets(rid)) == 0
+            assert not node.sismember(keys.replicas, rid)
     finally:
         for index in indexes.values():
             await index.close()
