@@ -78,6 +78,8 @@ def parse_redis_url(url: str, flag: str = "--redis-url") -> RedisTarget:
             raise bad(f"bad port ({exc})") from None
         if scheme != "unix" and not parts.hostname:
             raise bad("no host")
+        if scheme != "unix" and not parts.path.strip("/").isdigit() and parts.path.strip("/"):
+            raise bad(f"the database after the host must be a number, not {parts.path!r}")
         return RedisTarget("single", url)
     sentinel_auth = _sentinel_auth(scheme, parts.query, bad)
     if parts.fragment:
@@ -122,7 +124,7 @@ def _host_port(item: str, default_port: int, bad: Any) -> tuple[str, int]:
     item = item.strip()
     if item.startswith("["):
         host, _, rest = item[1:].partition("]")
-        port_text = rest[1:] if rest.startswith(":") else rest
+        port_text = rest.removeprefix(":")
     else:
         host, _, port_text = item.rpartition(":") if ":" in item else (item, "", "")
     if not host:

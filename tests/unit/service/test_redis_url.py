@@ -41,6 +41,7 @@ def test_single_server_urls_are_left_to_redis_py(url):
     ("redis://:hunter2@h:port/0", "bad port"),
     ("redis://:hunter2@h:70000/0", "bad port"),
     ("redis://", "no host"),
+    ("redis://:hunter2@h:6379/mymaster", "the database after the host must be a number"),
     ("redis+sentinel://:hunter2@s1:26379,s2:26379", "name the Sentinel master set"),
     ("redis+sentinel://s1:26379/a/b", "name the Sentinel master set"),
     ("redis+sentinel:///mymaster", "no hosts"),
