@@ -20,6 +20,8 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.asyncio.sentinel import Sentinel
 
 REDIS_PASSWORD_ENV = "KVSERVE_REDIS_PASSWORD"
@@ -158,6 +160,10 @@ def async_redis(url: str, timeout: float, **kwargs: Any) -> aioredis.Redis | Red
         return aioredis.Redis.from_url(url, **timeouts, **kwargs)
     auth = {k: v for k, v in (("username", target.username), ("password", password)) if v}
     if target.kind == "cluster":
+        # One immediate retry (after the slot map's refresh), not redis-py's ten with backoff:
+        # those hold a routing decision for seconds while a master fails over, where the router
+        # should answer by load at once; its refresh and the publisher retry every second anyway.
+        kwargs.setdefault("retry", Retry(NoBackoff(), 1))
         nodes = [ClusterNode(host, port) for host, port in target.hosts]
         return RedisCluster(startup_nodes=nodes, **auth, **timeouts, **kwargs)
     sentinel_auth = auth if target.sentinel_auth else {}

@@ -85,6 +85,7 @@ def test_router_keeps_routing_through_a_sentinel_failover(sentinel_fleet):
         raise AssertionError("no prefix routing within 40 s of the primary's death")
     print(f"sentinel e2e: prefix routing back {time.monotonic() - killed:.1f} s after kill -9, "
           f"{answered} requests answered meanwhile, degraded seen: {degraded_seen}")
+    assert degraded_seen  # by load alone while no primary answered
     again = chat(router.url, body)
     assert again.headers["x-kvserve-replica"] == holder
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= (blocks - 1) * 16
