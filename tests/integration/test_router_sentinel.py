@@ -26,16 +26,19 @@ PASSWORD = "s3ntinel-pw"
 
 @pytest.fixture
 def sentinel_fleet(tiny_model_dir, tmp_path):
-    redis_ha = SentinelSet(tmp_path, password=PASSWORD).start()
+    redis_ha = SentinelSet(tmp_path, password=PASSWORD)
     env = {REDIS_PASSWORD_ENV: PASSWORD}
     url = redis_ha.url()
-    replicas = [spawn_replica(rid, tiny_model_dir, url, tmp_path, env) for rid in ("r1", "r2")]
-    port = free_port()
-    router = spawn("router", ["kvserve.service.router", "--host", "127.0.0.1", "--port",
-                              str(port), "--redis-url", url, "--tokenizer", str(tiny_model_dir),
-                              *ROUTER_FLAGS, HEADERS_FLAG], port, tmp_path, env)
-    procs = [*replicas, router]
+    procs = []
     try:
+        redis_ha.start()
+        procs += [spawn_replica(rid, tiny_model_dir, url, tmp_path, env) for rid in ("r1", "r2")]
+        port = free_port()
+        router = spawn("router", ["kvserve.service.router", "--host", "127.0.0.1", "--port",
+                                  str(port), "--redis-url", url, "--tokenizer",
+                                  str(tiny_model_dir), *ROUTER_FLAGS, HEADERS_FLAG],
+                       port, tmp_path, env)
+        procs.append(router)
         deadline = time.monotonic() + 240
         for p in procs:
             wait_healthy(p, deadline)
@@ -63,7 +66,7 @@ def test_router_keeps_routing_through_a_sentinel_failover(sentinel_fleet):
         return len(block_hashes(prompt_tokens_for(tokenizer, "/v1/chat/completions", body), 16))
 
     body = chat_body(TENANT_PROMPTS[2], "before the failover")
-    holder = chat(router.url, body).headers["x-kvserve-replica"]
+    chat(router.url, body)
     blocks = blocks_of(body)
     assert blocks >= 3
     wait_until(lambda: int(chat(router.url, body).headers[
@@ -86,8 +89,10 @@ def test_router_keeps_routing_through_a_sentinel_failover(sentinel_fleet):
     print(f"sentinel e2e: prefix routing back {time.monotonic() - killed:.1f} s after kill -9, "
           f"{answered} requests answered meanwhile, degraded seen: {degraded_seen}")
     assert degraded_seen  # by load alone while no primary answered
+    # Requests routed by load during the outage may have cached the prompt on the other replica
+    # too: whichever holds it, the prediction and the replica's cache agree.
     again = chat(router.url, body)
-    assert again.headers["x-kvserve-replica"] == holder
+    assert int(again.headers["x-kvserve-predicted-matched-tokens"]) == blocks * 16
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= (blocks - 1) * 16
     # A prompt first seen after the failover is published to the new primary and found there.
     fresh = chat_body(TENANT_PROMPTS[3], "after the failover")
