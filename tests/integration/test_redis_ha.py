@@ -163,6 +163,7 @@ async def test_an_index_back_without_heartbeats_keeps_the_known_replicas(redis_s
     finally:
         await router.close()
         await fresh.close()
+        await replica.close()
 
 
 # ---- Sentinel -------------------------------------------------------------------------------
