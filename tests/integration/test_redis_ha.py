@@ -276,7 +276,7 @@ async def test_cluster_index_reads_writes_and_spreads_services(redis_cluster):
         assert redis_cluster.owner_of(IndexKeys(a).replicas).port != \
             redis_cluster.owner_of(IndexKeys(b).replicas).port
         # Leaving (a drain) removes the replica's entries in one pipeline on the slot's node.
-        for replica, service in zip(replicas, (a, b)):
+        for replica, service in zip(replicas, (a, b), strict=True):
             await replica.close()
             keys, rid = IndexKeys(service), f"r-{service}"
             node = redis_cluster.owner_of(keys.replicas).client()
