@@ -56,6 +56,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def server_config_from_args(args: argparse.Namespace) -> Any:
     from kvserve.service.server.config import ServerConfig
 
+    if args.redis_url:
+        check_redis_url(args.redis_url)
     return ServerConfig(
         host=args.host, port=args.port, served_model_names=list(args.served_model_name or []),
         api_key=args.api_key or os.environ.get("KVSERVE_API_KEY") or None,
@@ -70,6 +72,18 @@ def server_config_from_args(args: argparse.Namespace) -> Any:
         shutdown_grace_period=args.shutdown_grace_period, log_level=args.log_level,
         redis_url=args.redis_url, service_name=args.service_name,
         advertise_url=args.advertise_url, replica_id=args.replica_id, print_banner=True)
+
+
+def check_redis_url(url: str) -> None:
+    """ConfigError (before the model loads) for a --redis-url that cannot work."""
+    try:
+        from kvserve.service.prefix_index.redis_client import parse_redis_url
+    except ModuleNotFoundError:  # without the prefix index the server warns and goes on
+        return
+    try:
+        parse_redis_url(url)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def setup_logging(level: str) -> None:

@@ -223,7 +223,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     add_limit_args(parser)
     r = parser.add_argument_group("prefix index (Redis, read by the router)")
-    r.add_argument("--redis-url", default=None, help="publish KV block hashes to this Redis")
+    r.add_argument("--redis-url", default=None,
+                   help="publish KV block hashes to this Redis: redis://HOST:PORT/DB, "
+                        "redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER_NAME or "
+                        "redis+cluster://HOST:PORT[,HOST:PORT...]; password in the URL or "
+                        "env KVSERVE_REDIS_PASSWORD")
     r.add_argument("--service-name", default="default", help="the service's key namespace")
     r.add_argument("--advertise-url", default=None,
                    help="URL the router uses to reach this replica (default http://HOST:PORT)")

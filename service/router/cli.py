@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvserve.service.flags import add_limit_args, limits_from_args
-from kvserve.service.prefix_index.redis_client import redact_url
+from kvserve.service.prefix_index.redis_client import parse_redis_url, redact_url
 from kvserve.service.prefix_index.replica_info import REGISTRATION_TOKEN_ENV
 from kvserve.service.router.app import create_app
 from kvserve.service.router.config import RouterConfig
@@ -28,7 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=d.host, help="address to listen on")
     p.add_argument("--port", type=int, default=d.port, help="port to listen on")
     p.add_argument("--redis-url", default=None,
-                   help="Redis holding the prefix index and replica heartbeats")
+                   help="Redis holding the prefix index and replica heartbeats: "
+                        "redis://HOST:PORT/DB, redis+sentinel://HOST:PORT[,HOST:PORT...]/"
+                        "MASTER_NAME or redis+cluster://HOST:PORT[,HOST:PORT...]; password in "
+                        "the URL or env KVSERVE_REDIS_PASSWORD")
     p.add_argument("--service-name", default=d.service_name,
                    help="index namespace (keys kvserve:<service>:...), as on the replicas")
     p.add_argument("--replicas", default="",
@@ -76,6 +79,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(ns: argparse.Namespace) -> RouterConfig:
+    if ns.redis_url:
+        try:
+            parse_redis_url(ns.redis_url)
+        except ValueError as exc:
+            raise SystemExit(f"kvserve router: {exc}") from None
     replicas = tuple(u.strip() for u in ns.replicas.split(",") if u.strip())
     pc = PolicyConfig(load_weight=ns.load_weight, overload_factor=ns.overload_factor,
                       overload_slack=ns.overload_slack, min_match_tokens=ns.min_match_tokens,
