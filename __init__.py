@@ -8,7 +8,7 @@ from importlib import import_module
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput",
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
            "StructuredOutputsParams", "GuidedDecodingParams", "__version__"]
 
 _LAZY = {
@@ -16,6 +16,7 @@ _LAZY = {
     "SamplingParams": "kvserve.engine.sampling_params",
     "RequestOutput": "kvserve.engine.outputs",
     "CompletionOutput": "kvserve.engine.outputs",
+    "Logprob": "kvserve.engine.outputs",
     "StructuredOutputsParams": "kvserve.engine.guided_params",
     "GuidedDecodingParams": "kvserve.engine.guided_params",
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 from kvserve.engine.errors import ConfigError
 
@@ -10,6 +11,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "float32", "float16", "bfloat16")
 MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,11 @@ class EngineConfig:
     # or a folder holding a generation_config.json (engine/generation_config.py).
     generation_config: str = "auto"
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (lower value first)
+    # Structured outputs (engine/grammar.py): "auto" (xgrammar, guidance for what it refuses),
+    # "xgrammar" or "guidance". LLM(...) also takes vLLM's structured_outputs_config={"backend":
+    # ...} and the older guided_decoding_backend=...; the server
+    # --structured-outputs-config.backend.
+    structured_outputs_backend: str = "auto"
 
     def __post_init__(self) -> None:
         # Whether N splits the model (heads, KV heads, MLP) is checked where the model's config
@@ -70,6 +77,10 @@ class EngineConfig:
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ConfigError(f"scheduling_policy must be 'fcfs' or 'priority', got "
                               f"{self.scheduling_policy!r}")
+        if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ConfigError(
+                f"the structured outputs backend (--structured-outputs-config.backend) must be "
+                f"one of {STRUCTURED_OUTPUTS_BACKENDS}, got {self.structured_outputs_backend!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ConfigError(f"preemption_mode must be one of {PREEMPTION_MODES}, got "
                               f"{self.preemption_mode!r}")
@@ -112,3 +123,22 @@ class EngineConfig:
         if unknown:
             raise ConfigError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
         return cls(**kwargs)  # type: ignore[arg-type]
+
+
+def structured_outputs_backend(config: Any, old: str | None = None) -> str | None:
+    """The backend of vLLM's `structured_outputs_config` ({"backend": ...}, or an object with
+    that attribute) and of its older `guided_decoding_backend`; None when neither names one."""
+    backend = None
+    if config is not None:
+        values = config if isinstance(config, dict) else vars(config)
+        unknown = sorted(set(values) - {"backend"})
+        if unknown:
+            raise ConfigError(f"structured_outputs_config: only 'backend' is supported, got "
+                              f"{unknown}")
+        backend = values.get("backend")
+    if old is not None:
+        if backend is not None and backend != old:
+            raise ConfigError("structured_outputs_config['backend'] and guided_decoding_backend "
+                              "disagree; give one of them")
+        backend = old
+    return backend

@@ -24,8 +24,8 @@ class StructuredOutputsParams:
     # can spend its whole budget on newlines. False allows any whitespace, as vLLM's default.
     disable_any_whitespace: bool | None = None
     disable_additional_properties: bool = False
-    whitespace_pattern: str | None = None  # accepted for vLLM compatibility; see `verify`
-    backend: str | None = None  # "xgrammar", "auto" or None; anything else is refused
+    whitespace_pattern: str | None = None  # JSON whitespace regex (the guidance backend only)
+    backend: str | None = None  # None / "auto" = the engine's; "xgrammar" or "guidance"
     # The request field an error should name (the server sets it: "response_format", ...).
     source: str | None = field(default=None, compare=False, repr=False)
 
@@ -43,14 +43,14 @@ class StructuredOutputsParams:
             raise InvalidRequestError(
                 "structured outputs need exactly one of json, regex, choice, grammar or "
                 f"json_object; got {given or 'none'}", param="structured_outputs")
-        if self.backend not in (None, "auto", "xgrammar"):
+        if self.backend not in (None, "auto", "xgrammar", "guidance"):
             raise InvalidRequestError(
-                f"structured output backend {self.backend!r} is not available; this server "
-                "uses 'xgrammar'", param="guided_decoding_backend")
-        if self.whitespace_pattern is not None:
-            raise InvalidRequestError(
-                "whitespace_pattern is not supported by the xgrammar backend; use "
-                "disable_any_whitespace", param="guided_whitespace_pattern")
+                f"structured output backend {self.backend!r} is not available; use 'auto', "
+                "'xgrammar' or 'guidance'", param="guided_decoding_backend")
+        if self.whitespace_pattern is not None and not (
+                isinstance(self.whitespace_pattern, str) and self.whitespace_pattern):
+            raise InvalidRequestError("whitespace_pattern must be a non-empty regex",
+                                      param="guided_whitespace_pattern")
         self._verify_value()
 
     def _verify_value(self) -> None:
@@ -84,7 +84,7 @@ class StructuredOutputsParams:
                                       f"{type(value).__name__}", param="guided_json")
         return value
 
-    def cache_key(self) -> tuple[str, str, bool, bool]:
+    def cache_key(self) -> tuple[str, str, bool, bool, str | None]:
         """Equal for constraints that compile to the same grammar (schemas compared as parsed)."""
         kind = self.kind
         if kind == "json":
@@ -95,7 +95,8 @@ class StructuredOutputsParams:
             text = ""
         else:
             text = getattr(self, kind)
-        return (kind, text, self.compact_whitespace, self.disable_additional_properties)
+        return (kind, text, self.compact_whitespace, self.disable_additional_properties,
+                self.whitespace_pattern)
 
     @property
     def compact_whitespace(self) -> bool:

@@ -8,7 +8,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from kvserve.engine.config import DEFAULT_MODEL, EngineConfig
+from kvserve.engine.config import DEFAULT_MODEL, EngineConfig, structured_outputs_backend
 from kvserve.engine.errors import InvalidRequestError, RequestFailedError
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.outputs import RequestOutput
@@ -31,6 +31,7 @@ class LLM:
                  max_num_seqs: int = 256, max_model_len: int | None = None,
                  block_size: int = 16, enable_prefix_caching: bool = True,
                  kv_cache_dtype: str = "auto", **kwargs: Any) -> None:
+        _structured_outputs_kwargs(kwargs)
         config = EngineConfig.from_kwargs(
             model=model, tokenizer=tokenizer, tensor_parallel_size=tensor_parallel_size,
             dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
@@ -164,3 +165,12 @@ def _per_prompt_params(sp: SamplingParams | Seq[SamplingParams] | None, n: int
             f"got {len(sp)} SamplingParams for {n} prompts; pass one, or one per prompt",
             "sampling_params")
     return sp
+
+
+def _structured_outputs_kwargs(kwargs: dict[str, Any]) -> None:
+    """vLLM's `structured_outputs_config={"backend": ...}` and older `guided_decoding_backend=`
+    -> EngineConfig.structured_outputs_backend (in place)."""
+    backend = structured_outputs_backend(kwargs.pop("structured_outputs_config", None),
+                                         kwargs.pop("guided_decoding_backend", None))
+    if backend is not None:
+        kwargs["structured_outputs_backend"] = backend

@@ -26,6 +26,8 @@ from kvserve.engine.model_loader import load_model, resolve_model
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.engine.platform import EngineSetup, set_up
+from kvserve.engine.prompt_logprobs import append_entries
+from kvserve.engine.prompt_logprobs import plan as plan_prompt_logprobs
 from kvserve.engine.sampler import SamplerOutput, SamplingMetadata, make_generator
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -92,7 +94,8 @@ class LLMEngine:
             self._calibrate_kv_scales()
         # Sampling values a request leaves out (the server and LLM read them; the engine does not).
         self.sampling_defaults = sampling_defaults(model_path, config.generation_config)
-        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                        backend=config.structured_outputs_backend)
         self.requests: dict[str, RequestState] = {}
         self._next_seq_id = 0
         self._aborted: list[RequestOutput] = []
@@ -199,8 +202,6 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"logit_bias names token ids past the vocabulary ({self.vocab_size}): {bias[:5]}",
                 "logit_bias")
-        if params.prompt_logprobs is not None:
-            raise InvalidRequestError("prompt_logprobs is not supported yet", "prompt_logprobs")
         if params.n > self.config.max_num_seqs:
             raise InvalidRequestError(
                 f"n={params.n} exceeds max_num_seqs {self.config.max_num_seqs}", "n")
@@ -262,8 +263,11 @@ class LLMEngine:
             self._observe_copies()
             return outputs
         rows, sampling = self._sampling_rows(sched)
-        result = self.runner.execute(sched, self.kv, rows, sampling)
+        prompt_plan = plan_prompt_logprobs(sched.seqs, sched.num_tokens)
+        result, prompt_result = self.runner.execute(sched, self.kv, rows, sampling, prompt_plan)
         now = time.monotonic()
+        if prompt_result is not None:  # before the seqs move on: the plan read their progress
+            append_entries(prompt_plan, prompt_result, self.tokenizer)  # type: ignore[arg-type]
         for seq, n in zip(sched.seqs, sched.num_tokens):
             seq.num_computed_tokens += n
             self.kv.register_computed(seq)
@@ -427,9 +431,12 @@ class LLMEngine:
         finished = state.finished or any(o.finish_reason == "abort" for o in outs)
         if state.best_of is not None:
             outs = select(outs, finished, state.best_of)
+        # Complete once the prefill is (never changed after: a recompute skips what is recorded).
+        prompt_lps = (state.seqs[0].prompt_logprobs or [None]) \
+            if state.params.prompt_logprobs is not None else None  # [None]: a 1-token prompt
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs,
-                             finished=finished,
-                             num_cached_tokens=cached, metrics=state.metrics)
+                             finished=finished, num_cached_tokens=cached, metrics=state.metrics,
+                             prompt_logprobs=prompt_lps)
 
     # ---- figures ------------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:

@@ -17,6 +17,8 @@ import torch
 
 from kvserve.engine.host_blocks import HostBlocks
 from kvserve.engine.kv_cache_manager import KVCacheManager
+from kvserve.engine.prompt_logprobs import PromptLogprobsPlan, PromptLogprobsResult
+from kvserve.engine.prompt_logprobs import compute as compute_prompt_logprobs
 from kvserve.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.kernels.backend import resolve_backend
@@ -75,6 +77,10 @@ class StepInput:
     max_seq_len: int
     sample_rows: list[int]  # batch index per sampled row (may repeat: n > 1)
     moves: BlockMoves
+    # prompt logprobs (engine/prompt_logprobs.py): flattened rows, the token each predicts, top-k
+    prompt_rows: list[int] = field(default_factory=list)
+    prompt_targets: list[int] = field(default_factory=list)
+    prompt_k: int = 0
 
 
 class ModelRunner:
@@ -238,34 +244,46 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager, sample_rows: list[int],
-                sampling: SamplingMetadata | None) -> SamplerOutput | None:
+                sampling: SamplingMetadata | None, prompt: PromptLogprobsPlan | None = None
+                ) -> tuple[SamplerOutput | None, PromptLogprobsResult | None]:
         """Run one step. `sample_rows[i]` is the batch index of the seq whose last scheduled
-        token's logits feed sampler row i (an index may repeat: n > 1 forks)."""
+        token's logits feed sampler row i (an index may repeat: n > 1 forks); `prompt` names
+        the rows whose prompt logprobs are computed too."""
         step = self.build_step(sched, kv, sample_rows if sampling is not None else [])
+        if prompt is not None:
+            step.prompt_rows, step.prompt_targets, step.prompt_k = \
+                prompt.rows, prompt.targets, prompt.k
         if self.workers is None:
-            logits = self.run_step(step)
+            logits, prompt_result = self.run_step(step)
         else:
             self.workers.broadcast("step", step)
             try:
-                logits = self.run_step(step)
+                logits, prompt_result = self.run_step(step)
             except RuntimeError as exc:  # a collective whose peer died, most likely
                 raise self.workers.failed(exc) from exc
         if logits is None or sampling is None:
-            return None
-        return self.sampler(logits, sampling)
+            return None, prompt_result
+        return self.sampler(logits, sampling), prompt_result
 
     @torch.inference_mode()
-    def run_step(self, step: StepInput) -> torch.Tensor | None:
+    def run_step(self, step: StepInput) -> tuple[torch.Tensor | None,
+                                                 PromptLogprobsResult | None]:
         """Every rank: move blocks, run the forward, and (rank 0) return the sampled rows'
-        logits; the other ranks only take part in the collectives."""
+        logits and the prompt logprobs asked; the other ranks only take part in the
+        collectives."""
         self.apply_moves(step.moves)
         ids, positions, meta = self.to_device(step)
         hidden = self.model(ids, positions, self.kv_caches, meta)
-        if not step.sample_rows:
-            return None
-        last = meta.query_start_loc[1:].long() - 1
-        rows = last[torch.tensor(step.sample_rows, device=self.device)]
-        return self.model.compute_logits(hidden[rows])
+        logits = None
+        if step.sample_rows:
+            last = meta.query_start_loc[1:].long() - 1
+            rows = last[torch.tensor(step.sample_rows, device=self.device)]
+            logits = self.model.compute_logits(hidden[rows])
+        prompt = None
+        if step.prompt_rows:
+            prompt = compute_prompt_logprobs(self.model, hidden, step.prompt_rows,
+                                             step.prompt_targets, step.prompt_k)
+        return logits, prompt
 
 
 def _moves(sched: SchedulerOutput) -> BlockMoves:

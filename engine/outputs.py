@@ -6,6 +6,15 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """One token's entry in a prompt-logprobs dict (vLLM's `vllm.logprobs.Logprob`)."""
+
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token at that position
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
@@ -38,5 +47,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # prompt_logprobs=k: None for the first prompt token, then per token {token_id: Logprob} for
+    # the actual token and the k most likely (engine/prompt_logprobs.py).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     extra: dict = field(default_factory=dict)

@@ -42,7 +42,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None  # number of top logprobs per generated token
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top logprobs per prompt token (engine/prompt_logprobs.py)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's)
@@ -113,6 +113,8 @@ class SamplingParams:
             bad("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens}.")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", f"must be in [0, 20], got {self.logprobs}.")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            bad("prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs}.")
         if any(not isinstance(s, str) or not s for s in self._stop_list):
             bad("stop", "must be a string or a list of non-empty strings.")
         if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t <= MAX_TOKEN_ID

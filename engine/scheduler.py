@@ -177,8 +177,11 @@ class Scheduler:
         deferred: list[Sequence] = []
         while self.waiting and budget > 0 and self._has_seq_room(self.waiting[0]):
             seq = self.waiting[0]
-            hits = self.kv.lookup_prefix(seq)
-            nxt = self.kv.full_block_hashes(seq, len(hits), len(hits) + 1)
+            # A seq still owed prompt logprobs computes its whole prompt: a cached block has
+            # no hidden states (engine/prompt_logprobs.py), so waiting for one gains nothing.
+            owed = seq.wants_prompt_logprobs
+            hits = [] if owed else self.kv.lookup_prefix(seq)
+            nxt = [] if owed else self.kv.full_block_hashes(seq, len(hits), len(hits) + 1)
             if nxt and nxt[0] in pending:
                 deferred.append(self.waiting.popleft())
                 continue
@@ -192,7 +195,8 @@ class Scheduler:
             self.waiting.popleft()
             from_host = sum(1 for h in hits if isinstance(h, HostHit)) * self.kv.block_size
             from_disk = sum(1 for h in hits if isinstance(h, DiskHit)) * self.kv.block_size
-            self.kv.record_lookup(seq.num_tokens, cached, from_host, from_disk)
+            if not owed:
+                self.kv.record_lookup(seq.num_tokens, cached, from_host, from_disk)
             if seq.num_cached_tokens < 0:  # first admission: what the request got from the cache
                 seq.num_cached_tokens = cached
             seq.num_computed_tokens = cached

@@ -41,6 +41,8 @@ class Sequence:
     num_preemptions: int = 0
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] | None = None
+    # prompt_logprobs=k: [None, then one {token_id: Logprob} per prompt position recorded so far]
+    prompt_logprobs: list | None = None
     # The n > 1 parent samples n tokens after its prefill and forks its siblings then.
     pending_forks: int = 0
 
@@ -64,6 +66,13 @@ class Sequence:
         if start >= p:
             return self.output_token_ids[start - p : end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Asks prompt logprobs and has not all of them yet: its prefill must compute every
+        prompt position (no prefix-cache hits, engine/prompt_logprobs.py)."""
+        return self.params.prompt_logprobs is not None and \
+            len(self.prompt_logprobs or [None]) < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -177,9 +177,12 @@ def _router_redis() -> dict[str, Schema]:
                                minimum=1, maximum=100, default=1),
         }, default={}),
         "redis": _obj("The prefix index: an existing Redis `url`, or one deployed per service.", {
-            "url": _typed("string", "redis:// URL of an existing Redis (wins over deploy), "
-                          "without a password (one in the URL is refused: use "
-                          "passwordSecretRef).", pattern="^rediss?://"),
+            "url": _typed("string", "URL of an existing Redis (wins over deploy): "
+                          "redis://HOST:PORT/DB, rediss://..., "
+                          "redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER_NAME or "
+                          "redis+cluster://HOST:PORT[,HOST:PORT...]; without a password (one "
+                          "in the URL is refused: use passwordSecretRef).",
+                          pattern=r"^(rediss?|redis\+sentinel|redis\+cluster)://"),
             "deploy": _typed("boolean", "Deploy a Redis for this service when url is unset.",
                              default=True),
             "passwordSecretRef": _obj(

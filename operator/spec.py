@@ -14,6 +14,7 @@ from kvserve.operator.model_uri import ModelURI, parse_model_uri
 from kvserve.operator.offload import KVOffloading
 from kvserve.operator.offload import parse as parse_offloading
 from kvserve.operator.trust import SecretRef, password_in_url
+from kvserve.service.prefix_index.redis_client import parse_redis_url
 
 GiB = 1 << 30
 _QUANTITY = re.compile(r"^([0-9.]+)([KMGTPE]i?|m|k)?$")
@@ -321,6 +322,11 @@ def _redis(redis: dict) -> tuple[str | None, bool, SecretRef | None]:
             "pod args and logs would show it): create a Secret (kubectl create secret generic "
             "NAME --from-literal=password=...) and set spec.redis.passwordSecretRef "
             "{name: NAME, key: password}", reason="RedisPasswordInSpec")
+    if url:
+        try:  # the parser every component uses (schemes, hosts, ports, the master set's name)
+            parse_redis_url(url, flag="spec.redis.url")
+        except ValueError as exc:
+            raise InvalidSpecError(str(exc), reason="InvalidRedisURL") from None
     ref = redis.get("passwordSecretRef")
     password = None if ref is None else SecretRef(ref["name"], ref["key"])
     return url, redis["deploy"] and not url, password

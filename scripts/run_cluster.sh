@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # A local kvserve cluster: redis-server, REPLICAS `kvserve serve` replicas publishing to it, and the
 # prefix-aware router on :PORT. Clients talk to http://localhost:PORT/v1 as to one server.
-# Ctrl-C stops everything. Knobs (env): MODEL REPLICAS PORT REDIS_PORT SERVICE VENV ROUTER_POLICY.
+# Ctrl-C stops everything. Knobs (env): MODEL REPLICAS PORT REDIS_PORT SERVICE VENV ROUTER_POLICY,
+# and REDIS_URL to use an existing Redis instead of starting one (any --redis-url, e.g.
+# redis+sentinel://127.0.0.1:26379/mymaster or redis+cluster://127.0.0.1:7000,127.0.0.1:7001).
 set -euo pipefail
 
 MODEL=${MODEL:-smollm2-135m-instruct}
@@ -12,7 +14,7 @@ SERVICE=${SERVICE:-demo}
 VENV=${VENV:-.venv}
 ROUTER_POLICY=${ROUTER_POLICY:-prefix}
 KVSERVE=${KVSERVE:-$VENV/bin/kvserve}
-REDIS_URL="redis://127.0.0.1:${REDIS_PORT}"
+REDIS_URL=${REDIS_URL:-}
 
 pids=()
 cleanup() {
@@ -22,9 +24,13 @@ cleanup() {
 }
 trap cleanup EXIT INT TERM
 
-if command -v redis-cli >/dev/null && redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1; then
+if [ -n "$REDIS_URL" ]; then
+  echo "using REDIS_URL (the replicas and the router check it at startup)"
+elif command -v redis-cli >/dev/null && redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1; then
   echo "using the Redis already on :$REDIS_PORT"
+  REDIS_URL="redis://127.0.0.1:${REDIS_PORT}"
 else
+  REDIS_URL="redis://127.0.0.1:${REDIS_PORT}"
   command -v redis-server >/dev/null || { echo "redis-server not found (apt install redis-server)"; exit 1; }
   redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no >/dev/null &
   pids+=($!)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
 
-from kvserve.engine.config import DEFAULT_MODEL, EngineConfig
+from kvserve.engine.config import DEFAULT_MODEL, EngineConfig, structured_outputs_backend
 from kvserve.engine.errors import ConfigError, KVServeError
 from kvserve.service.flags import add_engine_args, add_server_args, limits_from_args
 
@@ -45,12 +45,19 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     values = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
     values["model"] = args.model_tag or args.model or DEFAULT_MODEL
     values["served_model_name"] = args.served_model_name[0] if args.served_model_name else None
+    if getattr(args, "structured_outputs_config", None) is not None:
+        default = EngineConfig.structured_outputs_backend
+        flag = values.get("structured_outputs_backend")
+        values["structured_outputs_backend"] = structured_outputs_backend(
+            args.structured_outputs_config, None if flag == default else flag) or flag
     return EngineConfig.from_kwargs(**values)
 
 
 def server_config_from_args(args: argparse.Namespace) -> Any:
     from kvserve.service.server.config import ServerConfig
 
+    if args.redis_url:
+        check_redis_url(args.redis_url)
     return ServerConfig(
         host=args.host, port=args.port, served_model_names=list(args.served_model_name or []),
         api_key=args.api_key or os.environ.get("KVSERVE_API_KEY") or None,
@@ -65,6 +72,18 @@ def server_config_from_args(args: argparse.Namespace) -> Any:
         shutdown_grace_period=args.shutdown_grace_period, log_level=args.log_level,
         redis_url=args.redis_url, service_name=args.service_name,
         advertise_url=args.advertise_url, replica_id=args.replica_id, print_banner=True)
+
+
+def check_redis_url(url: str) -> None:
+    """ConfigError (before the model loads) for a --redis-url that cannot work."""
+    try:
+        from kvserve.service.prefix_index.redis_client import parse_redis_url
+    except ModuleNotFoundError:  # without the prefix index the server warns and goes on
+        return
+    try:
+        parse_redis_url(url)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def setup_logging(level: str) -> None:

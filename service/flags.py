@@ -11,7 +11,7 @@ from dataclasses import MISSING, fields
 from typing import Any
 
 from kvserve.engine.config import DEFAULT_MODEL, KV_CACHE_DTYPES, MODEL_DTYPES, PREEMPTION_MODES, \
-    EngineConfig
+    STRUCTURED_OUTPUTS_BACKENDS, EngineConfig
 from kvserve.service.limits import RequestLimits
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -37,6 +37,17 @@ def string_list(text: str) -> list[str]:
         except json.JSONDecodeError as exc:
             raise argparse.ArgumentTypeError(f"bad JSON list {text!r}: {exc}") from exc
     return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A JSON object ('{"backend": "guidance"}', as vLLM's --*-config flags take)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"bad JSON {text!r}: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def positive_int(text: str) -> int:
@@ -168,6 +179,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--generation-config", default=d("generation_config"),
                    help="default sampling: 'auto' (the model's generation_config.json), 'vllm' "
                         "(OpenAI's defaults) or a folder holding a generation_config.json")
+    g.add_argument("--structured-outputs-config", type=json_object, default=None,
+                   metavar="JSON", help='vLLM\'s JSON form, e.g. \'{"backend": "guidance"}\'')
+    g.add_argument("--structured-outputs-config.backend", "--guided-decoding-backend",
+                   dest="structured_outputs_backend", default=d("structured_outputs_backend"),
+                   choices=STRUCTURED_OUTPUTS_BACKENDS,
+                   help="structured outputs: xgrammar, guidance (llguidance), or auto (xgrammar, "
+                        "guidance for what xgrammar refuses); --guided-decoding-backend is the "
+                        "older spelling")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="allow model code from the hub (off: only built-in architectures)")
 
@@ -204,7 +223,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     add_limit_args(parser)
     r = parser.add_argument_group("prefix index (Redis, read by the router)")
-    r.add_argument("--redis-url", default=None, help="publish KV block hashes to this Redis")
+    r.add_argument("--redis-url", default=None,
+                   help="publish KV block hashes to this Redis: redis://HOST:PORT/DB, "
+                        "redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER_NAME or "
+                        "redis+cluster://HOST:PORT[,HOST:PORT...]; password in the URL or "
+                        "env KVSERVE_REDIS_PASSWORD")
     r.add_argument("--service-name", default="default", help="the service's key namespace")
     r.add_argument("--advertise-url", default=None,
                    help="URL the router uses to reach this replica (default http://HOST:PORT)")

@@ -77,11 +77,11 @@ class SamplingFields(OpenAIModel):
     structured_outputs: Any = None
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's) -> bias
     best_of: Int64 | None = None  # sample this many, answer with the n most likely
+    prompt_logprobs: Int64 | None = None  # vLLM's: top logprobs of every prompt token
     # known, not supported (see _SAMPLING_UNSUPPORTED): typed loosely so the 400 names the field
     use_beam_search: Any = None
     length_penalty: Any = None
     early_stopping: Any = None
-    prompt_logprobs: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
     truncate_prompt_tokens: Any = None
@@ -114,6 +114,10 @@ class SamplingFields(OpenAIModel):
             raise InvalidRequestError(f"stop_token_ids holds {len(self.stop_token_ids or ())} "
                                       f"ids; at most {limits.max_stop} are allowed (--max-stop)",
                                       param="stop_token_ids")
+        check_logprobs(self.prompt_logprobs, "prompt_logprobs", limits)
+        if self.stream and self.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt_logprobs cannot be streamed (as vLLM): send the "
+                                      "request with stream false", param="prompt_logprobs")
         self.constraint()  # a malformed schema, regex or tool is a 400 here
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
@@ -138,11 +142,16 @@ class SamplingFields(OpenAIModel):
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=self.num_prompt_logprobs(),
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=self.constraint(),
             logit_bias=self.token_logit_bias(),
         )
+
+    def num_prompt_logprobs(self) -> int | None:
+        """How many top logprobs each prompt token gets (None: no prompt logprobs)."""
+        return self.prompt_logprobs
 
     def token_logit_bias(self) -> dict[int, float] | None:
         """logit_bias with int keys; 400 for a key that is not a token id."""
@@ -187,7 +196,8 @@ class CompletionRequest(SamplingFields):
 
     def check(self, limits: RequestLimits = DEFAULT_LIMITS) -> None:
         super().check(limits)
-        check_max_tokens(self.max_tokens, "max_tokens")
+        if not (self.echo and self.max_tokens == 0):  # echo alone scores the prompt (OpenAI's)
+            check_max_tokens(self.max_tokens, "max_tokens")
         check_logprobs(self.logprobs, "logprobs", limits)
         if isinstance(self.prompt, list) and (not self.prompt or any(
                 isinstance(p, list) and not p for p in self.prompt)):
@@ -197,6 +207,19 @@ class CompletionRequest(SamplingFields):
             raise InvalidRequestError(
                 f"prompt holds {count} prompts; at most {limits.max_prompts} are allowed in one "
                 "request (--max-prompts-per-request): send several requests", param="prompt")
+
+    def num_prompt_logprobs(self) -> int | None:
+        """echo with logprobs covers the prompt tokens too: their logprobs are prompt logprobs
+        (vLLM's rule: prompt_logprobs, else logprobs when echo is set)."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the answer is the prompt alone (one token is generated and
+        dropped, as vLLM does)."""
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts: text or token ids."""

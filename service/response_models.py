@@ -38,12 +38,25 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One token's entry in `prompt_logprobs` (vLLM's Logprob, as its server writes it)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's shape: None for the first prompt token, then {token id: PromptLogprob} per token.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra, on the choice
 
 
 class CompletionResponse(BaseModel):
@@ -90,6 +103,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra, on the response
 
 
 class DeltaMessage(BaseModel):

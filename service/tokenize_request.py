@@ -6,6 +6,7 @@ from kvserve.engine.errors import InvalidRequestError
 from kvserve.service.chat_request import ChatMessage
 from kvserve.service.limits import DEFAULT_LIMITS, RequestLimits
 from kvserve.service.request_models import OpenAIModel, TokenId
+from kvserve.service.tool_calls import check_history
 
 
 class TokenizeRequest(OpenAIModel):
@@ -18,6 +19,7 @@ class TokenizeRequest(OpenAIModel):
     def check(self, limits: RequestLimits = DEFAULT_LIMITS) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
+        check_history(self.messages or [])  # the template renders tool calls: each needs a name
 
 
 class DetokenizeRequest(OpenAIModel):

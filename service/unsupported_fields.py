@@ -39,7 +39,6 @@ SAMPLING_UNSUPPORTED: dict[str, Harmless] = {
     "length_penalty": lambda v, _: v is None or v == 1.0,
     "early_stopping": asks_nothing,
     "guided_whitespace_pattern": asks_nothing,
-    "prompt_logprobs": lambda v, _: v is None,  # 0 asks for the prompt tokens' own logprobs
     "allowed_token_ids": asks_nothing,
     "bad_words": asks_nothing,
     "truncate_prompt_tokens": lambda v, _: v is None,

@@ -1,4 +1,7 @@
-"""Key names of one service's prefix index in Redis (every key under `kvserve:<service>:`).
+"""Key names of one service's prefix index in Redis (every key under `kvserve:{<service>}:`).
+
+The braces are a Redis Cluster hash tag: all of a service's keys hash to one slot, so its Lua
+scripts and MULTI/EXEC work on a Cluster, and different services spread over the nodes.
 
     replicas              SET   ids of replicas that heartbeated (swept lazily by the lookup)
     replica:<id>          HASH  url, model, block_size, num_running, num_waiting, kv_cache_usage,
@@ -30,7 +33,7 @@ class IndexKeys:
 
     @property
     def prefix(self) -> str:
-        return f"kvserve:{self.service}:"
+        return f"kvserve:{{{self.service}}}:"  # {service}: the Cluster hash tag
 
     @property
     def replicas(self) -> str:

@@ -5,8 +5,9 @@ walks the live replicas and returns, per replica, its heartbeat fields and the n
 blocks of the chain it holds in either tier, and how many of those are only in its host tier (one
 SMISMEMBER per replica and block set). A leading block counts as held when it is in the device set
 or the host set; one in both counts as a device block (no copy needed). The router thus learns
-liveness, load and prefix match at once. The script reads keys it derives from the prefix, which is
-fine on a single Redis (not Redis Cluster). The key layout is in service/prefix_index/keys.py.
+liveness, load and prefix match at once. The script reads keys it derives from the prefix; on a
+Redis Cluster they share the prefix's hash-tag slot, and the declared key (`replicas`) routes the
+script to the node owning it. The key layout is in service/prefix_index/keys.py.
 
 Anything in Redis may be garbage (a bug, an operator's typo, a hostile writer): a key of the wrong
 type counts as "holds nothing" inside the scripts (redis.pcall), and a heartbeat that does not parse
@@ -180,11 +181,12 @@ class PrefixIndex:
         if len(blob) != HASH_HEX_LEN * len(chain):
             raise ValueError("block hashes must be 32-hex-digit strings from engine.block_hash")
         args = [self.keys.prefix, blob]
+        keys = [self.keys.replicas]  # a declared key routes the script to its Cluster node
         try:
-            return await script(keys=[], args=args)
+            return await script(keys=keys, args=args)
         except RedisConnectionError:
             # A pooled connection from before a Redis restart fails once; a fresh one may not.
-            return await script(keys=[], args=args)
+            return await script(keys=keys, args=args)
 
     async def replicas(self) -> list[ReplicaInfo]:
         return [m.replica for m in await self.lookup([])]

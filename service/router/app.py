@@ -28,7 +28,8 @@ _REQUEST_MODELS = {"/v1/completions": CompletionRequest,
 
 def create_app(cfg: RouterConfig) -> FastAPI:
     router = Router(cfg)
-    proxy = Proxy(cfg, router.replicas, router.metrics)
+    drain = DrainState()
+    proxy = Proxy(cfg, router.replicas, router.metrics, drain)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -39,7 +40,6 @@ def create_app(cfg: RouterConfig) -> FastAPI:
         await proxy.close()
 
     app = FastAPI(title="kvserve router", lifespan=lifespan)
-    drain = DrainState()
     router.metrics.draining.set_function(lambda: float(drain.draining))
     app.state.router, app.state.proxy, app.state.drain, app.state.config = \
         router, proxy, drain, cfg

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvserve.service.flags import add_limit_args, limits_from_args
-from kvserve.service.prefix_index.redis_client import redact_url
+from kvserve.service.prefix_index.redis_client import parse_redis_url, redact_url
 from kvserve.service.prefix_index.replica_info import REGISTRATION_TOKEN_ENV
 from kvserve.service.router.app import create_app
 from kvserve.service.router.config import RouterConfig
@@ -28,7 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=d.host, help="address to listen on")
     p.add_argument("--port", type=int, default=d.port, help="port to listen on")
     p.add_argument("--redis-url", default=None,
-                   help="Redis holding the prefix index and replica heartbeats")
+                   help="Redis holding the prefix index and replica heartbeats: "
+                        "redis://HOST:PORT/DB, redis+sentinel://HOST:PORT[,HOST:PORT...]/"
+                        "MASTER_NAME or redis+cluster://HOST:PORT[,HOST:PORT...]; password in "
+                        "the URL or env KVSERVE_REDIS_PASSWORD")
     p.add_argument("--service-name", default=d.service_name,
                    help="index namespace (keys kvserve:<service>:...), as on the replicas")
     p.add_argument("--replicas", default="",
@@ -69,6 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="add x-kvserve-replica, x-kvserve-predicted-matched-tokens and "
                         "x-kvserve-predicted-host-tokens to responses (they reveal what other "
                         "requests have cached)")
+    p.add_argument("--heartbeat-max-age", type=float, default=d.heartbeat_max_age,
+                   help="with KVSERVE_REGISTRATION_TOKEN: seconds a signed heartbeat's timestamp "
+                        "may be off from this router's clock (older: a replay, left out)")
     p.add_argument("--shutdown-grace-period", type=float, default=d.shutdown_grace_period,
                    help="seconds requests in flight get to finish after SIGTERM")
     p.add_argument("--log-level", default="info",
@@ -77,6 +83,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(ns: argparse.Namespace) -> RouterConfig:
+    if ns.redis_url:
+        try:
+            parse_redis_url(ns.redis_url)
+        except ValueError as exc:
+            raise SystemExit(f"kvserve router: {exc}") from None
     replicas = tuple(u.strip() for u in ns.replicas.split(",") if u.strip())
     pc = PolicyConfig(load_weight=ns.load_weight, overload_factor=ns.overload_factor,
                       overload_slack=ns.overload_slack, min_match_tokens=ns.min_match_tokens,
@@ -93,6 +104,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
                         api_key=ns.api_key or os.environ.get("KVSERVE_API_KEY") or None,
                         expose_routing_headers=ns.expose_routing_headers,
                         registration_token=os.environ.get(REGISTRATION_TOKEN_ENV) or None,
+                        heartbeat_max_age=_positive(ns.heartbeat_max_age, "--heartbeat-max-age"),
                         shutdown_grace_period=max(ns.shutdown_grace_period, 0.0),
                         shared_load_interval=_non_negative(ns.shared_load_interval,
                                                            "--shared-load-interval"))

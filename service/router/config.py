@@ -41,4 +41,7 @@ class RouterConfig:
     # other tenants' prompts are cached: off unless --expose-routing-headers.
     expose_routing_headers: bool = False
     registration_token: str | None = None  # KVSERVE_REGISTRATION_TOKEN: only signed replicas
+    # A signed heartbeat older (or further in the future) than this is a replay or a clock that
+    # is off: left out (--heartbeat-max-age; only checked with a registration token).
+    heartbeat_max_age: float = 30.0
     shutdown_grace_period: float = 30.0  # SIGTERM: in-flight requests get this long to finish

@@ -1,21 +1,26 @@
 """The router's drain on SIGTERM: new requests get 503 + Retry-After (and /health says
 draining, so the endpoint leaves the load balancer), requests in flight, streams included, get
-`shutdown_grace_period` seconds to finish, then the process exits. A second signal exits at once."""
+`shutdown_grace_period` seconds to finish, then the process exits. A stream still running then ends
+with an SSE error event (503, `service_unavailable`) so the client knows it was cut, rather than a
+dropped connection. A second signal exits at once."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
-import signal
 import time
 from typing import Any
 
 import uvicorn
 
 from kvserve.service.openai_errors import error_body
+from kvserve.service.signal_drain import SignalDrainServer
 
 logger = logging.getLogger("kvserve.router")
+
+# After the grace period, how long streams get to send their closing error event.
+_CUT_OFF_FLUSH_SECONDS = 1.0
 
 
 class DrainState:
@@ -24,6 +29,9 @@ class DrainState:
     def __init__(self) -> None:
         self.draining = False
         self.inflight = 0
+        # Set when the grace period ends with requests still in flight: a stream still relaying
+        # then ends with an SSE error event (service/router/proxy.py), not a cut connection.
+        self.cut_off = asyncio.Event()
 
 
 class DrainMiddleware:
@@ -55,38 +63,29 @@ async def _send_draining(send: Any) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-class DrainingRouterServer(uvicorn.Server):
-    """uvicorn that drains the router's requests on SIGTERM/SIGINT before stopping."""
+class DrainingRouterServer(SignalDrainServer):
+    """uvicorn that drains the router's requests on SIGTERM/SIGINT before stopping (the signal
+    protocol is service/signal_drain.py's)."""
+
+    logger = logger
 
     def __init__(self, config: uvicorn.Config, state: DrainState, grace: float) -> None:
-        super().__init__(config)
-        self.state, self.grace = state, grace
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._drain_task: asyncio.Task | None = None
+        super().__init__(config, grace)
+        self.state = state
 
-    async def startup(self, sockets: list | None = None) -> None:
-        self._loop = asyncio.get_running_loop()
-        await super().startup(sockets)
+    def stop_accepting(self) -> str:
+        self.state.draining = True  # from the signal on, new requests get 503
+        return f"draining {self.state.inflight} request(s) in flight"
 
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        if self._loop is None:  # not serving yet: nothing to drain
-            self.should_exit = True
-        elif self.state.draining:  # a second signal: stop now
-            logger.warning("second signal: exiting without waiting for requests in flight")
-            self.should_exit = self.force_exit = True
-        else:
-            self.state.draining = True
-            logger.info("signal %s: draining %d request(s) in flight (grace period %.0f s)",
-                        signal.Signals(sig).name, self.state.inflight, self.grace)
-            self._loop.call_soon_threadsafe(self._start_drain)
-
-    def _start_drain(self) -> None:
-        self._drain_task = asyncio.ensure_future(self._drain())
-
-    async def _drain(self) -> None:
+    async def drain(self) -> None:
         deadline = time.monotonic() + self.grace
         while self.state.inflight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        if self.state.inflight > 0:
+            # Streams still relaying end with an error event; give them a moment to send it.
+            self.state.cut_off.set()
+            deadline = time.monotonic() + _CUT_OFF_FLUSH_SECONDS
+            while self.state.inflight > 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
         logger.info("drained (%d request(s) still in flight cut off); stopping",
                     self.state.inflight)
-        self.should_exit = True

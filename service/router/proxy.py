@@ -21,11 +21,12 @@ import httpx
 from fastapi.responses import Response, StreamingResponse
 
 from kvserve.service.router.config import RouterConfig
+from kvserve.service.router.drain import DrainState
 from kvserve.service.router.metrics import RouterMetrics
 from kvserve.service.router.replicas import ReplicaSet
 from kvserve.service.router.routing import RouteInfo
 from kvserve.service.routing_policy import Candidate
-from kvserve.service.sse import sse_error
+from kvserve.service.sse import SSE_DONE, sse_error
 
 logger = logging.getLogger("kvserve.router")
 
@@ -72,8 +73,10 @@ class ClientWatch:
 class Proxy:
     """The router's HTTP client to the replicas; one per router process."""
 
-    def __init__(self, cfg: RouterConfig, replicas: ReplicaSet, metrics: RouterMetrics) -> None:
+    def __init__(self, cfg: RouterConfig, replicas: ReplicaSet, metrics: RouterMetrics,
+                 drain: DrainState | None = None) -> None:
         self.cfg, self.replicas, self.metrics = cfg, replicas, metrics
+        self.drain = drain
         self.http: httpx.AsyncClient | None = None
 
     def start(self) -> None:
@@ -205,8 +208,16 @@ class Proxy:
         try:
             if first:
                 yield first
-            async for chunk in chunks:
-                yield chunk
+            if sse and self.drain is not None:
+                async for chunk in self._until_cut_off(chunks, self.drain.cut_off):
+                    yield chunk
+                if self.drain.cut_off.is_set():
+                    yield sse_error(503, "the router shut down before the stream finished "
+                                    "(--shutdown-grace-period); retry the request",
+                                    code="service_unavailable").encode() + SSE_DONE.encode()
+            else:
+                async for chunk in chunks:
+                    yield chunk
         except asyncio.CancelledError:  # the client left mid-response
             self.metrics.client_disconnects.inc()
             raise
@@ -224,6 +235,26 @@ class Proxy:
             # replica's connection really closes and the replica aborts the request.
             with anyio.CancelScope(shield=True):
                 await resp.aclose()
+
+    @staticmethod
+    async def _until_cut_off(chunks: AsyncIterator[bytes], cut_off: asyncio.Event
+                             ) -> AsyncIterator[bytes]:
+        """The replica's chunks until it ends or the drain's grace period does (`cut_off`)."""
+        cut = asyncio.ensure_future(cut_off.wait())
+        try:
+            while True:
+                nxt = asyncio.ensure_future(anext(chunks, None))
+                await asyncio.wait({nxt, cut}, return_when=asyncio.FIRST_COMPLETED)
+                if not nxt.done():
+                    nxt.cancel()
+                    await asyncio.gather(nxt, return_exceptions=True)
+                    return
+                chunk = nxt.result()
+                if chunk is None:
+                    return
+                yield chunk
+        finally:
+            cut.cancel()
 
     async def merged_models(self, headers: Any) -> dict[str, Any]:
         assert self.http is not None

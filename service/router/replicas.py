@@ -2,12 +2,14 @@
 
 Replicas come from Redis heartbeats (service/prefix_index/), re-read every `refresh_interval`, or
 from a static `--replicas url,url`. Without Redis the last known set stays routable (by load
-alone), and a refresh is also how the router notices Redis came back. A replica that fails is
-kept out of routing for `down_cooldown` seconds.
+alone), and a refresh is also how the router notices Redis came back; if it comes back without any
+heartbeat (they expired during a failover), the last known set stays until the replicas
+re-register. A replica that fails is kept out of routing for `down_cooldown` seconds.
 
 Heartbeats are not trusted blindly: a malformed one, one without a valid signature when the router
-holds a registration token, and one that says the replica is draining are left out of routing
-(logged once per replica and reason).
+holds a registration token, a signed one whose timestamp is more than `heartbeat_max_age` off the
+router's clock (a replayed heartbeat), and one that says the replica is draining are left out of
+routing (logged once per replica and reason).
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ from kvserve.service.routing_policy import Candidate
 
 logger = logging.getLogger("kvserve.router")
 
+# Seconds after Redis becomes reachable during which an index without any heartbeat keeps the
+# replicas known before (replicas heartbeat every second and re-register within one beat).
+REREGISTER_GRACE = 10.0
+
 
 class ReplicaSet:
     """Known replicas, which are down, each one's requests in flight, and the prefix lookup."""
@@ -38,6 +44,8 @@ class ReplicaSet:
         self.index = PrefixIndex.from_url(cfg.redis_url, cfg.service_name, cfg.redis_timeout) \
             if cfg.redis_url else None
         self.redis_up = False
+        self._had_outage = False
+        self._reachable_since = -REREGISTER_GRACE  # when Redis came back from an outage
         self.known: dict[str, ReplicaInfo] = self._static()
         self.ignored: set[str] = set()  # ids in Redis left out of routing (see `_admit`)
         self._logged: dict[str, str] = {}  # id -> the reason last logged for leaving it out
@@ -93,10 +101,18 @@ class ReplicaSet:
         token = self.cfg.registration_token
         reasons = {rid: f"malformed heartbeat ({why})" for rid, why in scan.malformed}
         known: dict[str, ReplicaInfo] = {}
+        now = time.time()
         for info in (m.replica for m in scan.matches):
             if token and not info.signed_by(token):
                 reasons[info.replica_id] = ("heartbeat unsigned or signed with another "
                                             "registration token (KVSERVE_REGISTRATION_TOKEN)")
+            elif token and abs(now - info.heartbeat_at) > self.cfg.heartbeat_max_age:
+                # The signature covers the timestamp, so an old signed heartbeat written back
+                # (a replay keeping a dead replica routable) is stale here.
+                reasons[info.replica_id] = (
+                    f"signed heartbeat is {now - info.heartbeat_at:+.0f} s off this router's "
+                    f"clock (a replay, or clocks apart; --heartbeat-max-age "
+                    f"{self.cfg.heartbeat_max_age:g})")
             elif info.draining:
                 reasons[info.replica_id] = "draining"
             else:
@@ -112,6 +128,7 @@ class ReplicaSet:
 
     def _redis_failed(self, exc: BaseException) -> None:
         self.metrics.redis_errors.inc()
+        self._had_outage = True
         if self.redis_up:
             logger.warning("Redis failed (%s: %s): routing by least load over %d known replicas",
                            type(exc).__name__, exc, len(self.known))
@@ -119,9 +136,18 @@ class ReplicaSet:
         self.update_gauges()
 
     def _redis_ok(self, known: dict[str, ReplicaInfo]) -> None:
+        now = time.monotonic()
         if not self.redis_up:
             logger.info("Redis reachable: %d live replicas", len(known))
+            if self._had_outage:  # back from an outage, not starting up
+                self._reachable_since = now
         self.redis_up = True
+        if not known and self.known and now - self._reachable_since < REREGISTER_GRACE:
+            # Back from an outage (a failover, a restart) with no heartbeat: they expired while
+            # the replicas could not write. They re-register within a heartbeat; until then the
+            # replicas known before the outage are better than none (503s).
+            self.update_gauges()
+            return
         # No heartbeat at all but static replicas configured: keep those rather than nothing.
         self.known = known or self._static()
         self.update_gauges()

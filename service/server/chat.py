@@ -20,7 +20,7 @@ from kvserve.service.server.context import ServingContext
 from kvserve.service.server.engine_streams import (before, collect, engine_error_status,
                                                    merge_streams, start_requests,
                                                    unless_disconnected, until)
-from kvserve.service.server.logprobs import token_text, top_logprobs
+from kvserve.service.server.logprobs import prompt_logprobs_json, token_text, top_logprobs
 from kvserve.service.server.stream_deltas import Delta, StreamTracker, stop_hold
 from kvserve.service.server.usage import usage_of
 from kvserve.service.sse import SSE_DONE, sse, sse_error
@@ -66,7 +66,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         for choice in choices:
             choice.logprobs = None
     response = ChatCompletionResponse(id=request_id, model=model, choices=choices,
-                                      usage=usage_of([out], ctx.prompt_tokens_details))
+                                      usage=usage_of([out], ctx.prompt_tokens_details),
+                                      prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs))
     return JSONResponse(response.model_dump())
 
 

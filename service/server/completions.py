@@ -19,7 +19,8 @@ from kvserve.service.server.context import ServingContext
 from kvserve.service.server.engine_streams import (before, collect, engine_error_status,
                                                    merge_streams, start_requests,
                                                    unless_disconnected, until)
-from kvserve.service.server.logprobs import token_text, top_logprobs
+from kvserve.service.server.logprobs import (prompt_logprob_values, prompt_logprobs_json,
+                                             token_text, top_logprobs)
 from kvserve.service.server.stream_deltas import Delta, StreamTracker, stop_hold
 from kvserve.service.server.usage import usage_of
 from kvserve.service.sse import SSE_DONE, sse, sse_error
@@ -32,7 +33,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest,
     with ctx.admitted():
         prompts = await before(deadline, ctx.encode_prompts(req.prompts()))
         ctx.check_prompts(prompts, "prompt")
-        params = [req.sampling_params(ctx.max_tokens_for(len(ids), req.max_tokens), req.logprobs,
+        wanted = 1 if req.echo_only else req.max_tokens  # echo_only drops its one token
+        params = [req.sampling_params(ctx.max_tokens_for(len(ids), wanted), req.logprobs,
                                       ctx.engine.sampling_defaults) for ids in prompts]
         echoes = [await ctx.decode(p) for p in prompts] if req.echo else [""] * len(prompts)
     request_id = random_id("cmpl")  # from here the engine counts it as waiting
@@ -50,11 +52,46 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest,
 
 def _choices(ctx: ServingContext, req: CompletionRequest, i: int, out: RequestOutput,
              echo: str) -> list[CompletionChoice]:
-    return [CompletionChoice(
-        index=i * req.n + c.index, text=echo + c.text, finish_reason=c.finish_reason,
-        stop_reason=c.stop_reason,
-        logprobs=_logprobs(ctx.tokenizer, c.token_ids, c.logprobs, req.logprobs, len(echo)))
-        for c in sorted(out.outputs, key=lambda c: c.index)]
+    prompt_lps = prompt_logprobs_json(out.prompt_logprobs)
+    prompt_part = _echo_logprobs(ctx.tokenizer, out, req.logprobs) if req.echo else None
+    choices = []
+    for c in sorted(out.outputs, key=lambda c: c.index):
+        if req.echo_only:  # the prompt alone: the one token generated is dropped
+            text, lp = echo, prompt_part
+        else:
+            text = echo + c.text
+            lp = _join(prompt_part, _logprobs(ctx.tokenizer, c.token_ids, c.logprobs,
+                                              req.logprobs, len(echo)))
+        choices.append(CompletionChoice(
+            index=i * req.n + c.index, text=text, finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason, logprobs=lp, prompt_logprobs=prompt_lps))
+    return choices
+
+
+def _echo_logprobs(tokenizer: Any, out: RequestOutput, k: int | None
+                   ) -> CompletionLogProbs | None:
+    """The prompt tokens' part of an echoed choice's logprobs: the first token has none (null,
+    as OpenAI's), the others come from the prompt logprobs; offsets start at 0."""
+    if k is None or out.prompt_logprobs is None:
+        return None
+    ids = out.prompt_token_ids
+    first = token_text(tokenizer, ids[0])
+    rest = _logprobs(tokenizer, ids[1:], prompt_logprob_values(out.prompt_logprobs), k,
+                     len(first))
+    head = CompletionLogProbs(text_offset=[0], token_logprobs=[None], tokens=[first],
+                              top_logprobs=[None])
+    return _join(head, rest)
+
+
+def _join(a: CompletionLogProbs | None, b: CompletionLogProbs | None
+          ) -> CompletionLogProbs | None:
+    """`a`'s tokens then `b`'s (None when both are None)."""
+    if a is None or b is None:
+        return a or b
+    return CompletionLogProbs(text_offset=a.text_offset + b.text_offset,
+                              token_logprobs=a.token_logprobs + b.token_logprobs,
+                              tokens=a.tokens + b.tokens,
+                              top_logprobs=a.top_logprobs + b.top_logprobs)
 
 
 def _logprobs(tokenizer: Any, token_ids: Sequence[int], entries: list[dict[int, float]] | None,
@@ -90,11 +127,13 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str, 
                 delta = tracker.delta(index, c)
                 if delta is None:
                     continue
-                prefix = ""
+                prefix, prompt_part = "", None
                 if req.echo and index not in echoed:
                     prefix = echoes[i]
+                    prompt_part = _echo_logprobs(ctx.tokenizer, out, req.logprobs)
                     echoed.add(index)
-                yield sse(_chunk(ctx, req, request_id, model, index, delta, prefix, latest))
+                yield sse(_chunk(ctx, req, request_id, model, index, delta, prefix, prompt_part,
+                                 len(echoes[i]), latest))
     except Exception as exc:  # noqa: BLE001 - the stream already started: report in-band
         yield sse_error(engine_error_status(exc), str(exc))
         yield SSE_DONE
@@ -106,13 +145,18 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str, 
 
 
 def _chunk(ctx: ServingContext, req: CompletionRequest, request_id: str, model: str,
-           index: int, delta: Delta, prefix: str,
-           latest: dict[int, RequestOutput]) -> CompletionResponse:
-    choice = CompletionChoice(
-        index=index, text=prefix + delta.text, finish_reason=delta.finish_reason,
-        stop_reason=delta.stop_reason,
-        logprobs=_logprobs(ctx.tokenizer, delta.token_ids, delta.logprobs, req.logprobs,
-                           delta.offset))
+           index: int, delta: Delta, prefix: str, prompt_part: CompletionLogProbs | None,
+           echo_len: int, latest: dict[int, RequestOutput]) -> CompletionResponse:
+    """One choice's chunk; the first of an echoed choice starts with the prompt (and its
+    logprobs). With echo and max_tokens 0 the generated token is not shown."""
+    text, lp = prefix, prompt_part
+    if not req.echo_only:
+        offset = delta.offset + echo_len
+        text += delta.text
+        lp = _join(lp, _logprobs(ctx.tokenizer, delta.token_ids, delta.logprobs, req.logprobs,
+                                 offset))
+    choice = CompletionChoice(index=index, text=text, finish_reason=delta.finish_reason,
+                              stop_reason=delta.stop_reason, logprobs=lp)
     usage = None
     if req.stream_options and req.stream_options.continuous_usage_stats:
         usage = usage_of(list(latest.values()), ctx.prompt_tokens_details)

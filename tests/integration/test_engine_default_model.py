@@ -65,3 +65,23 @@ def test_capital_of_france_smoke(llm):
                    SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop"
+
+
+def test_prompt_logprobs_equal_hf_log_softmax(llm, chats, default_model_dir):
+    """SamplingParams(prompt_logprobs=3) on the real model: the actual token's logprob and the
+    top-3 at every prompt position equal HF's fp32 log_softmax (one batch of all the chats)."""
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    outs = llm.generate([list(c) for c in chats[:4]],
+                        SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3),
+                        use_tqdm=False)
+    for out in outs:
+        ids = out.prompt_token_ids
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0].double().log_softmax(-1)
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+        for j in range(1, len(ids)):
+            entry = out.prompt_logprobs[j]
+            assert entry[ids[j]].logprob == pytest.approx(float(ref[j - 1, ids[j]]), abs=2e-3)
+            top = sorted((e for e in entry.values() if e.rank <= 3), key=lambda e: e.rank)
+            assert [e.logprob for e in top] == pytest.approx(ref[j - 1].topk(3).values.tolist(),
+                                                             abs=2e-3)

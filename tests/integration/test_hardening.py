@@ -157,6 +157,10 @@ def test_total_prompt_tokens_over_the_cap_is_400(server):
     ({"stop": "x" * 33}, "stop"),
     ({"stop_token_ids": [1, 2, 3, 4, 5]}, "stop_token_ids"),
     ({"logprobs": 6}, "logprobs"),
+    ({"prompt_logprobs": 6}, "prompt_logprobs"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"max_tokens": 0}, "max_tokens"),  # only echo makes 0 mean something (the prompt alone)
 ])
 def test_caps_on_n_stop_and_logprobs(server, body, param):
     resp = post(server.url, "/v1/completions", {"model": "tiny", "prompt": "x", **body})
@@ -175,10 +179,10 @@ UNSUPPORTED = [
     ("/v1/chat/completions", "functions", [{"name": "f"}]),
     ("/v1/chat/completions", "function_call", {"name": "f"}),
     ("/v1/chat/completions", "use_beam_search", True),
-    ("/v1/chat/completions", "prompt_logprobs", 1),
+    ("/v1/chat/completions", "truncate_prompt_tokens", 4),
     ("/v1/chat/completions", "continue_final_message", True),
     ("/v1/completions", "use_beam_search", True),
-    ("/v1/completions", "prompt_logprobs", 0),
+    ("/v1/completions", "logits_processors", ["x"]),
     ("/v1/completions", "allowed_token_ids", [1, 2]),
     ("/v1/completions", "bad_words", ["x"]),
     ("/v1/completions", "suffix", "tail"),
@@ -400,3 +404,9 @@ def _health(url: str) -> int:
         return httpx.get(url + "/health", timeout=2).status_code
     except httpx.TransportError:
         return 0
+
+
+def test_tokenize_refuses_a_tool_call_without_a_function(server):
+    """Found by the OpenAPI fuzzer: /tokenize rendered `tool_calls: [{}]` and crashed (500)."""
+    body = {"messages": [{"role": "assistant", "content": None, "tool_calls": [{}]}]}
+    assert_openai_error(post(server.url, "/tokenize", body), 400, "messages.0.tool_calls")

@@ -257,14 +257,14 @@ def test_drain_takes_the_replica_out_of_redis_before_requests_finish(tiny_model_
     srv = ServerThread(create_app(engine, config, publisher)).start()
     r = redis.Redis.from_url(redis_server.url, decode_responses=True)
     try:
-        wait_for(lambda: r.sismember("kvserve:svc:replicas", "r1"), what="the heartbeat")
+        wait_for(lambda: r.sismember("kvserve:{svc}:replicas", "r1"), what="the heartbeat")
         body = {"model": "tiny", "prompt": "The quick", "stream": True, **LONG}
         with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as resp:
             lines = resp.iter_lines()
             next(lines)
             srv.drain()  # what SIGTERM does
-            wait_for(lambda: not r.sismember("kvserve:svc:replicas", "r1")
-                     and not r.exists("kvserve:svc:replica:r1"), what="deregistration")
+            wait_for(lambda: not r.sismember("kvserve:{svc}:replicas", "r1")
+                     and not r.exists("kvserve:{svc}:replica:r1"), what="deregistration")
             assert srv.server.engine.num_active == 1  # the stream still runs
             rest = [line for line in lines if line.startswith("data: ")]
         assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2]

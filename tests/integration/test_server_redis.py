@@ -36,9 +36,9 @@ def test_replica_publishes_block_hashes_and_load(tiny_model_dir, redis_server):
     srv = ServerThread(create_app(engine, config, publisher)).start()
     r = redis.Redis.from_url(redis_server.url, decode_responses=True)
     try:
-        wait_for(lambda: r.hget("kvserve:svc:replica:r1", "url") == "http://r1:8000",
+        wait_for(lambda: r.hget("kvserve:{svc}:replica:r1", "url") == "http://r1:8000",
                  what="the replica's heartbeat")
-        info = r.hgetall("kvserve:svc:replica:r1")
+        info = r.hgetall("kvserve:{svc}:replica:r1")
         assert info["model"] == "tiny" and info["block_size"] == "16"
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]
         resp = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
@@ -47,9 +47,9 @@ def test_replica_publishes_block_hashes_and_load(tiny_model_dir, redis_server):
         ids = httpx.post(srv.url + "/tokenize", json={"messages": messages}).json()["tokens"]
         expected = block_hashes(ids, 16)  # what the router computes for this prompt
         assert len(expected) >= 3
-        wait_for(lambda: set(expected) <= r.smembers("kvserve:svc:blocks:r1"),
+        wait_for(lambda: set(expected) <= r.smembers("kvserve:{svc}:blocks:r1"),
                  what="the prompt's block hashes in Redis")
     finally:
         srv.stop()
-    assert not r.exists("kvserve:svc:replica:r1")  # removed on shutdown
-    assert not r.sismember("kvserve:svc:replicas", "r1")
+    assert not r.exists("kvserve:{svc}:replica:r1")  # removed on shutdown
+    assert not r.sismember("kvserve:{svc}:replicas", "r1")

@@ -1,5 +1,6 @@
 """Structured outputs and tool calls through the real server and the real openai client, on the
-tiny random Llama: its preferences are random, so only the grammar can make outputs valid."""
+tiny random Llama: its preferences are random, so only the grammar can make outputs valid. Each
+test runs against a server of each backend (xgrammar, guidance)."""
 
 from __future__ import annotations
 
@@ -39,12 +40,18 @@ HERMES_CALL = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[ServerThread]:
+def tiny_2k(tmp_path_factory):
     # Room for the Hermes tool instructions, which the tiny byte-level vocabulary makes long.
-    path = build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-2k",
+    return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-2k",
                             max_position_embeddings=2048)
-    engine = LLMEngine.from_config(EngineConfig(model=str(path), max_model_len=2048,
-                                                kv_cache_memory=16 << 20, dtype="float32"))
+
+
+@pytest.fixture(scope="module", params=["xgrammar", "guidance"])
+def server(request, tiny_2k) -> Iterator[ServerThread]:
+    """One server per structured-output backend (--structured-outputs-config.backend)."""
+    engine = LLMEngine.from_config(EngineConfig(
+        model=str(tiny_2k), max_model_len=2048, kv_cache_memory=16 << 20, dtype="float32",
+        structured_outputs_backend=request.param))
     srv = ServerThread(create_app(engine, ServerConfig(served_model_names=["tiny"]))).start()
     yield srv
     srv.stop()

@@ -1,7 +1,8 @@
 """Structured outputs on the tiny random Llama: whatever the (random) model prefers, the grammar
 decides what it may say, so every output must validate. Also: unconstrained rows of a mixed batch
 are untouched, preemption and forks keep each sequence's matcher right, bad constraints are
-refused before they are queued."""
+refused before they are queued. Every constraint test runs with both backends (xgrammar and
+guidance, `gllm`); `llm` is the default ("auto") engine the other test files share."""
 
 from __future__ import annotations
 
@@ -53,6 +54,15 @@ def llm(tiny_model_dir):
     return make_llm(tiny_model_dir)
 
 
+BACKENDS = ["xgrammar", "guidance"]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def gllm(request, tiny_model_dir):
+    """An engine whose structured outputs use one backend (--structured-outputs-config.backend)."""
+    return make_llm(tiny_model_dir, structured_outputs_config={"backend": request.param})
+
+
 def guided(max_tokens: int = 160, **kw) -> SamplingParams:
     sampling = {k: kw.pop(k) for k in ("temperature", "seed", "n", "stop") if k in kw}
     sampling.setdefault("temperature", 0)
@@ -65,12 +75,12 @@ def check_valid(text: str, schema: dict) -> None:
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-def test_every_output_validates_and_plain_rows_are_untouched(llm, sampled):
-    plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PLAIN, use_tqdm=False)]
+def test_every_output_validates_and_plain_rows_are_untouched(gllm, sampled):
+    plain = [o.outputs[0].token_ids for o in gllm.generate(PROMPTS, PLAIN, use_tqdm=False)]
     extra = dict(temperature=1.0, seed=11) if sampled else {}
     params = [guided(json=s, **extra) for s in SCHEMAS]
     # constrained and unconstrained requests interleaved in one batch
-    outs = llm.generate(PROMPTS + PROMPTS, [PLAIN, params[0], PLAIN, params[1], PLAIN, params[2],
+    outs = gllm.generate(PROMPTS + PROMPTS, [PLAIN, params[0], PLAIN, params[1], PLAIN, params[2],
                                             PLAIN, params[3]], use_tqdm=False)
     for i, out in enumerate(outs):
         if i % 2 == 0:
@@ -80,9 +90,9 @@ def test_every_output_validates_and_plain_rows_are_untouched(llm, sampled):
             check_valid(out.outputs[0].text, SCHEMAS[i // 2])
 
 
-def test_json_object_regex_and_choice(llm):
+def test_json_object_regex_and_choice(gllm):
     choices = ["red", "green", "blue and \"quoted\"\n"]
-    outs = llm.generate(PROMPTS[:3], [
+    outs = gllm.generate(PROMPTS[:3], [
         guided(json_object=True, temperature=0.7, seed=1),
         guided(regex=r"[a-z]{3}-\d{2,4}", temperature=1.0, seed=2),
         guided(choice=choices, temperature=1.0, seed=3, n=4)], use_tqdm=False)
@@ -92,36 +102,38 @@ def test_json_object_regex_and_choice(llm):
     assert all(c.text in choices and c.finish_reason == "stop" for c in outs[2].outputs)
 
 
-def test_forked_siblings_each_follow_their_own_matcher(llm):
+def test_forked_siblings_each_follow_their_own_matcher(gllm):
     pattern = r"[a-z]{4}(,[0-9]{2}){2}"
-    out = llm.generate(PROMPTS[0], guided(regex=pattern, temperature=1.5, seed=5, n=6),
+    out = gllm.generate(PROMPTS[0], guided(regex=pattern, temperature=1.5, seed=5, n=6),
                        use_tqdm=False)[0]
     texts = [c.text for c in out.outputs]
     assert all(re.fullmatch(pattern, t) for t in texts), texts
     assert len(set(texts)) > 1  # siblings diverged, and each stayed inside the grammar
 
 
-def test_both_spellings_and_the_old_one_alone(llm):
+def test_both_spellings_and_the_old_one_alone(gllm):
     old = SamplingParams(temperature=0, max_tokens=40,
                          guided_decoding=GuidedDecodingParams(regex=r"(ab|cd){3}"))
-    assert re.fullmatch(r"(ab|cd){3}", llm.generate("x", old, use_tqdm=False)[0].outputs[0].text)
+    assert re.fullmatch(r"(ab|cd){3}", gllm.generate("x", old, use_tqdm=False)[0].outputs[0].text)
     g = GuidedDecodingParams(choice=["a"])
     SamplingParams(guided_decoding=g, structured_outputs=g)  # the same value twice is fine
     with pytest.raises(InvalidRequestError, match="two names"):
         SamplingParams(guided_decoding=g, structured_outputs=GuidedDecodingParams(choice=["b"]))
 
 
-def test_stop_string_ends_a_constrained_output(llm):
-    out = llm.generate("x", guided(regex=r"abc,[a-z]{3}", stop=[","]), use_tqdm=False)[0]
+def test_stop_string_ends_a_constrained_output(gllm):
+    out = gllm.generate("x", guided(regex=r"abc,[a-z]{3}", stop=[","]), use_tqdm=False)[0]
     assert out.outputs[0].text == "abc" and out.outputs[0].stop_reason == ","
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_mid_output_resumes_validly(tiny_model_dir, llm, mode):
+def test_preemption_mid_output_resumes_validly(tiny_model_dir, gllm, mode):
     params = [guided(json=s, max_tokens=70) for s in SCHEMAS]
-    expected = [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    expected = [o.outputs[0].text for o in gllm.generate(PROMPTS, params, use_tqdm=False)]
+    backend = gllm.llm_engine.config.structured_outputs_backend
     small = make_llm(tiny_model_dir, num_gpu_blocks_override=6, preemption_mode=mode,
-                     swap_space=0.01, enable_prefix_caching=False)
+                     swap_space=0.01, enable_prefix_caching=False,
+                     structured_outputs_backend=backend)
     outs = small.generate(PROMPTS, params, use_tqdm=False)
     assert small.llm_engine.get_stats().num_preemptions > 0
     assert [o.outputs[0].text for o in outs] == expected
@@ -129,8 +141,9 @@ def test_preemption_mid_output_resumes_validly(tiny_model_dir, llm, mode):
         check_valid(out.outputs[0].text, schema)
 
 
-def test_fp8_kv_cache(tiny_model_dir):
-    fp8 = make_llm(tiny_model_dir, kv_cache_dtype="fp8")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp8_kv_cache(tiny_model_dir, backend):
+    fp8 = make_llm(tiny_model_dir, kv_cache_dtype="fp8", guided_decoding_backend=backend)
     outs = fp8.generate(PROMPTS, [guided(json=s, temperature=0.8, seed=4) for s in SCHEMAS],
                         use_tqdm=False)
     for out, schema in zip(outs, SCHEMAS):
@@ -141,14 +154,14 @@ def test_fp8_kv_cache(tiny_model_dir):
     (dict(json={"type": "nonsense"}), "guided_json", "nonsense"),
     (dict(json="{not json"), "guided_json", "not valid JSON"),
     (dict(json=[1, 2]), "guided_json", "JSON object"),
-    (dict(regex="a(b"), "guided_regex", "parenthesis"),
+    (dict(regex="a(b"), "guided_regex", "parenthesis|unclosed group"),
     (dict(grammar="root ::= missing"), "guided_grammar", "missing"),
     (dict(choice=[]), "guided_choice", "non-empty"),
     (dict(regex="a", choice=["b"]), "structured_outputs", "exactly one"),
     (dict(regex="a", backend="outlines"), "guided_decoding_backend", "xgrammar"),
 ])
-def test_bad_constraints_are_refused_before_queueing(llm, kw, param, words):
-    engine = llm.llm_engine
+def test_bad_constraints_are_refused_before_queueing(gllm, kw, param, words):
+    engine = gllm.llm_engine
     with pytest.raises(InvalidRequestError, match=words) as info:
         engine.add_request("bad", "x", SamplingParams(
             structured_outputs=StructuredOutputsParams(**kw)))
@@ -156,8 +169,8 @@ def test_bad_constraints_are_refused_before_queueing(llm, kw, param, words):
     assert not engine.has_unfinished_requests()
 
 
-def test_compiles_are_cached_by_constraint(llm):
-    compiler = llm.llm_engine.grammars
+def test_compiles_are_cached_by_constraint(gllm):
+    compiler = gllm.llm_engine.grammars
     a = StructuredOutputsParams(json={"type": "object", "properties": {"k": {"type": "integer"}}})
     b = StructuredOutputsParams(json='{"properties": {"k": {"type": "integer"}}, '
                                      '"type": "object"}')
@@ -167,10 +180,10 @@ def test_compiles_are_cached_by_constraint(llm):
     assert compiler.hits == hits + 1
 
 
-def test_rollback_gives_back_the_earlier_mask(llm):
-    compiler: GrammarCompiler = llm.llm_engine.grammars
+def test_rollback_gives_back_the_earlier_mask(gllm):
+    compiler: GrammarCompiler = gllm.llm_engine.grammars
     compiled = compiler.compile(StructuredOutputsParams(regex=r"[ab]{2}c[de]{3}"))
-    tok = llm.get_tokenizer()
+    tok = gllm.get_tokenizer()
     ids = tok.encode("abcde", add_special_tokens=False)
     state = compiler.matcher(compiled)
     state.sync(ids[:1])
@@ -197,8 +210,37 @@ def test_choice_grammar_escapes():
 
 
 
-def test_a_finished_grammar_ends_the_output_despite_min_tokens(llm):
+def test_a_finished_grammar_ends_the_output_despite_min_tokens(gllm):
     params = SamplingParams(temperature=0, max_tokens=30, min_tokens=20,
                             structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
-    out = llm.generate("x", params, use_tqdm=False)[0].outputs[0]
+    out = gllm.generate("x", params, use_tqdm=False)[0].outputs[0]
     assert out.text in ("yes", "no") and out.finish_reason == "stop"
+
+
+def test_auto_falls_back_to_guidance_for_what_xgrammar_refuses(llm):
+    """A whitespace_pattern only guidance has; "auto" (the default) serves it with guidance,
+    and everything else with xgrammar."""
+    compiler = llm.llm_engine.grammars
+    assert compiler.backend == "auto"
+    assert compiler.compile(StructuredOutputsParams(regex="[ab]+")).backend.name == "xgrammar"
+    spaced = StructuredOutputsParams(json=SCHEMAS[3], whitespace_pattern=r"[ ]{0,2}")
+    assert compiler.compile(spaced).backend.name == "guidance"
+    out = llm.generate("x", SamplingParams(temperature=1.0, seed=2, max_tokens=80,
+                                           structured_outputs=spaced), use_tqdm=False)[0]
+    check_valid(out.outputs[0].text, SCHEMAS[3])
+    # asked of xgrammar by name, it is a 400 naming the field
+    with pytest.raises(InvalidRequestError, match="whitespace_pattern") as info:
+        llm.llm_engine.add_request("ws", "x", SamplingParams(structured_outputs=(
+            StructuredOutputsParams(json=SCHEMAS[3], whitespace_pattern=" ",
+                                    backend="xgrammar"))))
+    assert info.value.param == "guided_whitespace_pattern"
+
+
+def test_unknown_backend_is_a_config_error(tiny_model_dir):
+    from kvserve.engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="structured-outputs-config.backend"):
+        make_llm(tiny_model_dir, structured_outputs_config={"backend": "outlines"})
+    with pytest.raises(ConfigError, match="disagree"):
+        make_llm(tiny_model_dir, structured_outputs_config={"backend": "guidance"},
+                 guided_decoding_backend="xgrammar")

@@ -96,6 +96,41 @@ def test_redis_url_wins_over_deploy() -> None:
     assert s.redis_url == "redis://shared:6379/0" and s.redis_deploy is False
 
 
+@pytest.mark.parametrize("url", ["redis+sentinel://s-0.redis-headless:26379,s-1:26379/mymaster",
+                                 "redis+cluster://redis-cluster-0:6379,redis-cluster-1:6379",
+                                 "rediss://redis.shared:6380/2"])
+def test_sentinel_and_cluster_urls_reach_replicas_and_router(url: str) -> None:
+    from kvserve.operator.resources import desired_objects
+    from kvserve.operator.sizing import plan
+
+    s = parse_spec(body(model={"name": "llama-2-7b"}, gpu={"type": "L4"}, redis={"url": url}))
+    assert s.redis_url == url and s.redis_deploy is False
+    objs = {f"{o['kind']}/{o['metadata']['name']}": o for o in desired_objects(s, plan(s))}
+    assert "Deployment/svc-redis" not in objs
+    for name in ("svc-engine", "svc-router"):
+        args = objs[f"Deployment/{name}"]["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[args.index("--redis-url") + 1] == url
+
+
+@pytest.mark.parametrize("url, message", [
+    ("redis+sentinel://s-0:26379", "spec.redis.url 'redis+sentinel://s-0:26379': name the "
+                                   "Sentinel master set"),
+    ("redis+cluster://n:port", "spec.redis.url 'redis+cluster://n:port': bad port 'port'"),
+    ("redis+cluster://", "spec.redis.url 'redis+cluster://': no hosts"),
+])
+def test_bad_sentinel_or_cluster_url_is_refused_by_name(url: str, message: str) -> None:
+    with pytest.raises(InvalidSpecError) as err:
+        parse_spec(body(model={"name": "llama-2-7b"}, gpu={"type": "L4"}, redis={"url": url}))
+    assert message in str(err.value) and err.value.reason == "InvalidRedisURL"
+
+
+def test_unknown_redis_scheme_is_a_schema_violation() -> None:
+    with pytest.raises(InvalidSpecError) as err:
+        parse_spec(body(model={"name": "llama-2-7b"}, gpu={"type": "L4"},
+                        redis={"url": "redis+valkey://v:6379"}))
+    assert "spec.redis.url: 'redis+valkey://v:6379' does not match" in str(err.value)
+
+
 @pytest.mark.parametrize("text, value", [("4Gi", 4 << 30), ("500M", 500_000_000), (1024, 1024),
                                          ("1.5Gi", 3 << 29)])
 def test_parse_quantity(text: object, value: int) -> None:

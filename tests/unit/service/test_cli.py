@@ -53,6 +53,21 @@ def test_engine_flags_with_vllm_spelling():
     assert cli.server_config_from_args(args).served_model_names == ["alias", "other"]
 
 
+def test_structured_outputs_backend_flag_both_spellings():
+    assert cli.engine_config_from_args(_serve()).structured_outputs_backend == "auto"
+    for argv, want in [(("--structured-outputs-config.backend", "guidance"), "guidance"),
+                       (("--guided-decoding-backend", "xgrammar"), "xgrammar")]:
+        assert cli.engine_config_from_args(_serve(*argv)).structured_outputs_backend == want
+    json_form = _serve("--structured-outputs-config", '{"backend": "guidance"}')
+    assert cli.engine_config_from_args(json_form).structured_outputs_backend == "guidance"
+    with pytest.raises(SystemExit):
+        _serve("--structured-outputs-config.backend", "outlines")
+    with pytest.raises(ConfigError, match="only 'backend'"):
+        cli.engine_config_from_args(_serve("--structured-outputs-config", '{"bakend": "x"}'))
+    with pytest.raises(ConfigError, match="structured-outputs-config.backend"):
+        cli.engine_config_from_args(_serve("--structured-outputs-config", '{"backend": "x"}'))
+
+
 def test_default_model_and_conflicting_models():
     assert cli.engine_config_from_args(_serve()).model == DEFAULT_MODEL
     with pytest.raises(ConfigError):

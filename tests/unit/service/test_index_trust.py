@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import subprocess
+import time
 
 import pytest
 import redis
@@ -26,10 +27,11 @@ CHAIN = block_hashes(list(range(16 * 4)), 16)
 KEYS = IndexKeys("svc")
 
 
-def good_beat(rid: str, token: str | None = None, **extra: str) -> dict[str, str]:
+def good_beat(rid: str, token: str | None = None, age: float = 0.0,
+              **extra: str) -> dict[str, str]:
     beat = {"url": f"http://{rid}:8000", "model": "tiny", "block_size": "16",
             "num_running": "0", "num_waiting": "0", "kv_cache_usage": "0.0",
-            "heartbeat_at": "1700000000.000000", **extra}
+            "heartbeat_at": f"{time.time() - age:.6f}", **extra}
     if token is not None:
         beat[SIGNATURE_FIELD] = sign_heartbeat(token, rid, beat["url"], beat["heartbeat_at"])
     return beat
@@ -137,6 +139,32 @@ async def test_only_replicas_signed_with_the_token_are_routed(redis_server, capl
         await open_router.refresh()  # without a token every well-formed replica is routed
         assert set(open_router.known) == {"signed", "unsigned", "other-token", "forged"}
         await open_router.close()
+    finally:
+        await replicas.close()
+
+
+async def test_a_replayed_signed_heartbeat_is_left_out(redis_server, caplog):
+    """A signed heartbeat written back later (keeping a dead replica routable) is stale: its
+    timestamp, which the signature covers, is too far from the router's clock."""
+    r = redis.Redis.from_url(redis_server.url)
+    register(r, "fresh", good_beat("fresh", token="s3cret", age=5))
+    register(r, "replayed", good_beat("replayed", token="s3cret", age=120))
+    register(r, "future", good_beat("future", token="s3cret", age=-120))
+    cfg = RouterConfig(redis_url=redis_server.url, service_name="svc",
+                       registration_token="s3cret", heartbeat_max_age=30)
+    replicas = ReplicaSet(cfg, RouterMetrics())
+    caplog.set_level(logging.WARNING, logger="kvserve.router")
+    try:
+        await replicas.refresh()
+        assert set(replicas.known) == {"fresh"}
+        assert replicas.ignored == {"replayed", "future"}
+        assert any("-120 s off" in m or "+120 s off" in m for m in caplog.messages)
+        lenient = ReplicaSet(RouterConfig(redis_url=redis_server.url, service_name="svc",
+                                          registration_token="s3cret", heartbeat_max_age=600),
+                             RouterMetrics())
+        await lenient.refresh()
+        assert set(lenient.known) == {"fresh", "replayed", "future"}
+        await lenient.close()
     finally:
         await replicas.close()
 
