@@ -111,8 +111,11 @@ def rank_prefix(cands: Sequence[Candidate], num_blocks: int, block_size: int,
                 cfg: PolicyConfig, tiebreak: int = 0) -> tuple[list[Candidate], str]:
     """Ranking by prefix score among non-overloaded replicas; the overloaded ones come last."""
     hot = overloaded(cands, cfg)
-    usable = [c for c in cands if c.replica_id not in hot] or list(cands)
-    spill = rank_least_load([c for c in cands if c not in usable], tiebreak)
+    usable = [c for c in cands if c.replica_id not in hot]
+    if not usable:  # every replica is hot: rank them all, nothing spills
+        usable, hot = list(cands), set()
+    # By id, not `c not in usable`: that compares dataclasses pairwise (O(n^2), 5 ms at 256).
+    spill = rank_least_load([c for c in cands if c.replica_id in hot], tiebreak)
     best = max((c.matched_blocks for c in usable), default=0)
     if best * block_size < max(cfg.min_match_tokens, 1):
         return rank_least_load(usable, tiebreak) + spill, "least-load"
