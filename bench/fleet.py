@@ -149,6 +149,7 @@ class RedisProbe:
     def __init__(self, url: str) -> None:
         import redis
 
+        self.url = url
         self.r = redis.Redis.from_url(url)
 
     def sample(self) -> dict[str, float]:
@@ -241,8 +242,11 @@ class RunResult:
     decision_p99_ms: float = float("nan")
     redis_cmds_s: float = 0.0
     redis_cpu_pct: float = 0.0
-    lookups_s: float = 0.0  # EVALSHA calls a second (the index lookups)
-    lookup_us: float = 0.0  # Redis's own time per EVALSHA (commandstats usec_per_call)
+    lookups_s: float = 0.0  # EVALSHA calls a second (lookups, scans and, since the inverted
+    # index, the replicas' writes)
+    lookup_us: float = 0.0  # Redis's own time per lookup, from the probe after the run
+    lookup_rtt_p50_ms: float = float("nan")  # the probe's client round trips
+    lookup_rtt_p99_ms: float = float("nan")
     index_bytes: int = 0
     index_keys: int = 0
     cached_blocks: int = 0
@@ -316,6 +320,7 @@ async def run_once(fleet: SimFleet, policy: str, router_urls: list[str], qps: fl
     res = RunResult(len(fleet.replicas), policy, len(router_urls), qps)
     counts = {"completed": 0, "errors": 0}
     tasks: list[asyncio.Task] = []
+    sent_prompts: list[list[int]] = []
     queue_samples: list[list[int]] = []
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
@@ -330,6 +335,7 @@ async def run_once(fleet: SimFleet, policy: str, router_urls: list[str], qps: fl
                 queue_samples.append([len(r.running) + len(r.waiting) for r in fleet.replicas])
                 next_sample = now + 0.25
             _, prompt = convs.next_prompt()
+            sent_prompts.append(prompt)
             body = json.dumps({"model": model, "prompt": prompt, "max_tokens": w.max_tokens,
                                "stream": True}).encode()
             if policy == "oracle":
@@ -345,6 +351,8 @@ async def run_once(fleet: SimFleet, policy: str, router_urls: list[str], qps: fl
         wall = time.perf_counter() - (start + warmup)
         assert before is not None
         after = await _snapshot(fleet, router_urls, probe, client)
+    if policy == "prefix":
+        await lookup_probe(res, probe, sent_prompts[-PROBE_LOOKUPS:], fleet.timing.block_size)
     res.completed, res.errors = counts["completed"], counts["errors"]
     prompt_tokens = after["sums"][0] - before["sums"][0]
     res.hit_rate = (after["sums"][1] - before["sums"][1]) / max(prompt_tokens, 1)
@@ -362,8 +370,6 @@ async def run_once(fleet: SimFleet, policy: str, router_urls: list[str], qps: fl
     res.redis_cmds_s = (ra["calls"] - rb["calls"]) / wall
     res.redis_cpu_pct = 100.0 * (ra["cpu"] - rb["cpu"]) / wall
     res.lookups_s = (ra["evalsha"] - rb["evalsha"]) / wall
-    res.lookup_us = (ra["evalsha_usec"] - rb["evalsha_usec"]) / max(ra["evalsha"] - rb["evalsha"],
-                                                                    1)
     res.index_bytes, res.index_keys = probe.index_bytes()
     res.cached_blocks = sum(len(r.kv.pool.cached) for r in fleet.replicas)
     per_replica = [r.counters.requests for r in fleet.replicas]
@@ -374,6 +380,37 @@ async def run_once(fleet: SimFleet, policy: str, router_urls: list[str], qps: fl
     res.queue_cv = statistics.fmean(cvs) if cvs else 0.0
     res.preemptions = sum(r.counters.preemptions for r in fleet.replicas)
     return res
+
+
+PROBE_LOOKUPS = 300
+
+
+async def lookup_probe(res: RunResult, probe: RedisProbe, prompts: list[list[int]],
+                       block_size: int) -> None:
+    """The index lookup alone, on the fleet's state at the end of the run: the router's own
+    per-request call (`PrefixIndex.match_counts`) for the run's last prompts, back to back.
+    Redis's time per lookup from INFO commandstats (the routers' once-a-second scans fall in the
+    window too: a few calls among hundreds), round trips from the client."""
+    from kvserve.engine.block_hash import block_hashes
+    from kvserve.service.prefix_index.lookup import PrefixIndex
+
+    index = PrefixIndex.from_url(probe.url, SERVICE, timeout=5.0)
+    chains = [block_hashes(p, block_size) for p in prompts]
+    try:
+        await index.match_counts(chains[0])  # loads the script
+        before = await asyncio.to_thread(probe.sample)
+        rtts = []
+        for chain in chains:
+            t = time.perf_counter()
+            await index.match_counts(chain)
+            rtts.append(time.perf_counter() - t)
+        after = await asyncio.to_thread(probe.sample)
+    finally:
+        await index.close()
+    calls = after["evalsha"] - before["evalsha"]
+    res.lookup_us = (after["evalsha_usec"] - before["evalsha_usec"]) / max(calls, 1)
+    res.lookup_rtt_p50_ms = percentile(rtts, 0.5) * 1e3
+    res.lookup_rtt_p99_ms = percentile(rtts, 0.99) * 1e3
 
 
 async def _snapshot(fleet: SimFleet, router_urls: list[str], probe: RedisProbe,
@@ -471,7 +508,7 @@ async def _wait_routable(urls: list[str], n: int, timeout: float = 60.0) -> None
 
 # ---- report -----------------------------------------------------------------------------------
 HEADER = ("policy       rt   qps  done err  hit%  ttft50  ttft90   tok/s  dec50  dec99  "
-          "redis/s cpu% lk_us  reqCV qCV maxQ")
+          "redis/s cpu% lk_us rtt50 rtt99  reqCV qCV maxQ")
 
 
 def row(r: RunResult) -> str:
@@ -479,7 +516,8 @@ def row(r: RunResult) -> str:
     return (f"{name:<12} {r.routers:>2} {r.qps:>5.1f} {r.completed:>5} {r.errors:>3} "
             f"{100 * r.hit_rate:>5.1f} {r.ttft_p50:>7.3f} {r.ttft_p90:>7.3f} {r.out_tok_s:>7.0f} "
             f"{r.decision_p50_ms:>6.2f} {r.decision_p99_ms:>6.2f} {r.redis_cmds_s:>8.0f} "
-            f"{r.redis_cpu_pct:>4.0f} {r.lookup_us:>5.0f} {r.requests_cv:>6.2f} "
+            f"{r.redis_cpu_pct:>4.0f} {r.lookup_us:>5.0f} {r.lookup_rtt_p50_ms:>5.2f} "
+            f"{r.lookup_rtt_p99_ms:>5.2f} {r.requests_cv:>6.2f} "
             f"{r.queue_cv:>4.2f} {r.max_queue:>4}")
 
 

@@ -320,6 +320,7 @@ async def latency_only(args: argparse.Namespace) -> None:
     from kvserve.engine.block_hash import block_hashes
     from kvserve.engine.tokenizer import load_tokenizer
     from kvserve.service.prefix_index.keys import IndexKeys
+    from kvserve.service.prefix_index.scripts import add_blocks
     from kvserve.service.router.prompt_tokens import prompt_tokens_for
 
     model = build_model(args.model, Path(tempfile.mkdtemp(prefix="kvserve-router-lat-")))
@@ -349,7 +350,7 @@ async def latency_only(args: argparse.Namespace) -> None:
             for t in range(r, len(prompts), args.replicas):
                 req = {"messages": [{"role": "system", "content": prompts[t]}]}
                 ids = prompt_tokens_for(tok, "/v1/chat/completions", req)
-                client.sadd(keys.blocks(rid), *block_hashes(ids, 16))
+                add_blocks(client, keys, rid, block_hashes(ids, 16))
         lat = await decision_latency(url, model, prompts, args.workload, n=args.latency_calls)
     finally:
         proc.kill()

@@ -1,13 +1,11 @@
 """The router's side of the prefix index: which live replica holds how much of a hash chain.
 
-Lookup is ONE round trip: a Lua script (EVALSHA, `LOOKUP_SCRIPT`) gets the prompt's hash chain,
-walks the live replicas and returns, per replica, its heartbeat fields and the number of LEADING
-blocks of the chain it holds in either tier, and how many of those are only in its host tier (one
-SMISMEMBER per replica and block set). A leading block counts as held when it is in the device set
-or the host set; one in both counts as a device block (no copy needed). The router thus learns
-liveness, load and prefix match at once. The script reads keys it derives from the prefix; on a
-Redis Cluster they share the prefix's hash-tag slot, and the declared key (`replicas`) routes the
-script to the node owning it. The key layout is in service/prefix_index/keys.py.
+Each routing decision is ONE round trip: `match_tiers` runs MATCH_SCRIPT (scripts.py), which walks
+the prompt's hash chain through the inverted index and returns, per live replica holding its first
+block, the number of LEADING blocks it holds in either tier and how many of those only its host
+tier holds (a block in both counts as a device block: no copy needed). The router's
+once-a-second `scan` (LOOKUP_SCRIPT) reads every live replica's heartbeat and takes a bounded
+share of dead replicas' entries out of the index. The key layout is in keys.py.
 
 Anything in Redis may be garbage (a bug, an operator's typo, a hostile writer): a key of the wrong
 type counts as "holds nothing" inside the scripts (redis.pcall), and a heartbeat that does not parse
@@ -27,76 +25,11 @@ from kvserve.service.prefix_index.keys import IndexKeys
 from kvserve.service.prefix_index.redis_client import async_redis
 from kvserve.service.prefix_index.replica_info import (INFO_FIELDS, MalformedHeartbeatError,
                                                        ReplicaInfo)
+from kvserve.service.prefix_index.scripts import (LOOKUP_SCRIPT, MATCH_SCRIPT, SWEEP_BUDGET,
+                                                  chain_blob)
 
-# Both scripts take ARGV[1]: key prefix; ARGV[2]: the chain as ONE string of 32-hex-digit hashes
-# (one argument instead of one per block: cheaper to encode and send). They share this prelude
-# (split the chain) and a function giving a replica's leading matched blocks and, of those, how many
-# only its host tier holds.
-_LUA_PRELUDE = """
-local prefix = ARGV[1]
-local blob = ARGV[2] or ''
-local n = math.floor(#blob / 32)
-local hashes = {}
-for i = 1, n do hashes[i] = string.sub(blob, (i - 1) * 32 + 1, i * 32) end
-local function members(key)
-  local flags = redis.pcall('SMISMEMBER', key, unpack(hashes))
-  if flags.err then return {} end  -- not a set: garbage holds nothing
-  return flags
-end
-local function leading_matched(id)
-  if n == 0 then return 0, 0 end
-  local device = members(prefix .. 'blocks:' .. id)
-  local host = members(prefix .. 'blocks_host:' .. id)
-  local matched, on_host = 0, 0
-  for i = 1, n do
-    if device[i] == 1 then matched = i
-    elseif host[i] == 1 then matched = i; on_host = on_host + 1
-    else break end
-  end
-  return matched, on_host
-end
-local out = {}
-"""
-# Per live replica: id, leading matched blocks, host-only ones among them, then its heartbeat fields
-# in INFO_FIELDS order
-# (the router's once-a-second refresh). Replicas whose heartbeat expired are swept.
-# A heartbeat key of another type yields empty fields, which the parser rejects.
-LOOKUP_SCRIPT = _LUA_PRELUDE + """
-for _, id in ipairs(redis.call('SMEMBERS', prefix .. 'replicas')) do
-  local key = prefix .. 'replica:' .. id
-  if redis.call('EXISTS', key) == 0 then
-    redis.call('SREM', prefix .. 'replicas', id)
-  else
-    local info = redis.pcall('HMGET', key, %s)
-    if info.err then info = {} end
-    local matched, on_host = leading_matched(id)
-    out[#out + 1] = id
-    out[#out + 1] = matched
-    out[#out + 1] = on_host
-    for i = 1, %d do out[#out + 1] = info[i] or '' end
-  end
-end
-return out
-""" % (", ".join(f"'{f}'" for f in INFO_FIELDS), len(INFO_FIELDS))
-# The per-request hot path: id, matched, host-only, id, ... for the live replicas (liveness by the
-# heartbeat key's existence), without the heartbeat fields the router already holds.
-MATCH_SCRIPT = _LUA_PRELUDE + """
-for _, id in ipairs(redis.call('SMEMBERS', prefix .. 'replicas')) do
-  if redis.call('EXISTS', prefix .. 'replica:' .. id) == 0 then
-    redis.call('SREM', prefix .. 'replicas', id)
-  else
-    local matched, on_host = leading_matched(id)
-    out[#out + 1] = id
-    out[#out + 1] = matched
-    out[#out + 1] = on_host
-  end
-end
-return out
-"""
-HASH_HEX_LEN = 32  # engine.block_hash: blake2b-128 as hex
-
-# Lua's unpack() is limited by the C stack (~8000 values); longer chains are cut (a 128k-token
-# prompt at block size 16), which only makes the predicted match conservative.
+# A lookup walks at most this many blocks (112k tokens at block size 16), which bounds its time on
+# Redis's one thread; a longer chain is cut, which only makes the predicted match conservative.
 MAX_LOOKUP_BLOCKS = 7000
 
 
@@ -146,9 +79,11 @@ class PrefixIndex:
         that are not valid heartbeats are left out."""
         return (await self.scan(hashes)).matches
 
-    async def scan(self, hashes: Sequence[str] = ()) -> IndexScan:
-        """`lookup`, plus the entries left out as malformed and why."""
-        flat = await self._call(self._script, hashes)
+    async def scan(self, hashes: Sequence[str] = (), sweep: int = SWEEP_BUDGET) -> IndexScan:
+        """`lookup`, plus the entries left out as malformed and why. Also moves replicas whose
+        heartbeat expired to `dead` and takes up to `sweep` of dead replicas' block entries out of
+        the index (every router's once-a-second refresh does this)."""
+        flat = await self._call(self._script, hashes, str(sweep))
         stride = 3 + len(INFO_FIELDS)
         matches, malformed = [], []
         for i in range(0, len(flat) - stride + 1, stride):
@@ -164,23 +99,20 @@ class PrefixIndex:
         return IndexScan(sorted(matches, key=lambda m: m.replica.replica_id), malformed)
 
     async def match_counts(self, hashes: Sequence[str]) -> dict[str, int]:
-        """{replica id: leading matched blocks, either tier} of every live replica."""
+        """{replica id: leading matched blocks, either tier} of the live replicas holding at
+        least the chain's first block."""
         return {rid: matched for rid, (matched, _) in (await self.match_tiers(hashes)).items()}
 
     async def match_tiers(self, hashes: Sequence[str]) -> dict[str, tuple[int, int]]:
-        """{replica id: (leading matched blocks, host-only ones among them)} of every live
-        replica, in one round trip: the router's per-request call (it knows the replicas'
-        heartbeat fields from `replicas()`)."""
+        """{replica id: (leading matched blocks, host-only ones among them)} of the live replicas
+        holding at least the chain's first block, in one round trip: the router's per-request
+        call (it knows every live replica and its heartbeat fields from `scan`)."""
         flat = await self._call(self._match_script, hashes)
         return {_s(flat[i]): (int(flat[i + 1]), int(flat[i + 2]))
                 for i in range(0, len(flat) - 2, 3)}
 
-    async def _call(self, script: Any, hashes: Sequence[str]) -> Any:
-        chain = list(hashes)[:MAX_LOOKUP_BLOCKS]
-        blob = "".join(chain)
-        if len(blob) != HASH_HEX_LEN * len(chain):
-            raise ValueError("block hashes must be 32-hex-digit strings from engine.block_hash")
-        args = [self.keys.prefix, blob]
+    async def _call(self, script: Any, hashes: Sequence[str], *extra: str) -> Any:
+        args = [self.keys.prefix, chain_blob(list(hashes)[:MAX_LOOKUP_BLOCKS]), *extra]
         keys = [self.keys.replicas]  # a declared key routes the script to its Cluster node
         try:
             return await script(keys=keys, args=args)

@@ -4,13 +4,18 @@ The publisher never slows generation: `on_step` (engine thread) only appends to 
 under a lock and wakes a writer task on the server's event loop. Events that cannot be written
 (queue full, Redis down) are dropped and counted; after (re)connecting, `wants_snapshot()` turns
 True, the engine thread passes `snapshot=engine.cached_block_hashes()` (and `host_snapshot=` the
-host tier's) and the writer replaces both sets in one MULTI/EXEC. Until the engine steps again (an
-idle replica), the sets may be stale or empty. The key layout is in service/prefix_index/keys.py.
+host tier's) and the writer replaces both tiers' entries (a bounded clear, then the snapshot in
+chunks). Until the engine steps again (an idle replica), the entries may be stale or empty.
 
-Events carry their tier (`KVEvent.medium`): device-pool events go to `blocks:<id>`, host-tier events
-to `blocks_host:<id>`, so a block demoted to host memory leaves the first set (the pool's "removed")
-and joins the second (the tier's "stored"), and a router can weigh the two. Disk-tier events are
-not published: a disk hit is close enough to a miss for routing.
+Every write is an UPDATE_SCRIPT call (scripts.py) that changes the replica's own set and the
+inverted index together, up to WRITE_CHUNK hashes a call: one round trip per flush in the steady
+state. The key layout is in keys.py.
+
+Events carry their tier (`KVEvent.medium`): device-pool events go to `blocks:<id>` (holder code
+2*slot), host-tier events to `blocks_host:<id>` (2*slot+1), so a block demoted to host memory
+leaves the first (the pool's "removed") and joins the second (the tier's "stored"), and a router
+can weigh the two. Disk-tier events are not published: a disk hit is close enough to a miss for
+routing.
 """
 
 from __future__ import annotations
@@ -32,11 +37,10 @@ from kvserve.service.prefix_index.keys import IndexKeys
 from kvserve.service.prefix_index.redis_client import async_redis, redact_url
 from kvserve.service.prefix_index.replica_info import (REGISTRATION_TOKEN_ENV, SIGNATURE_FIELD,
                                                        sign_heartbeat)
+from kvserve.service.prefix_index.scripts import (CLEAR_SCRIPT, SWEEP_BUDGET, UPDATE_SCRIPT,
+                                                  write_calls)
 
 logger = logging.getLogger(__name__)
-
-# Largest number of hashes per SADD, so a big snapshot never builds one huge command.
-_CHUNK = 5000
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,7 @@ class PrefixIndexPublisher:
         self._connected = False
         self._first_connect = True
         self._dropped = 0
+        self._stopping = False
         self._redis_errors = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
@@ -155,23 +160,32 @@ class PrefixIndexPublisher:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._client = async_redis(self.redis_url, self._timeout)
+        self._update = self._client.register_script(UPDATE_SCRIPT)
+        self._clear_script = self._client.register_script(CLEAR_SCRIPT)
         self._task = asyncio.create_task(self._run(), name="kvserve-prefix-index-publisher")
 
     async def close(self) -> None:
         """Stop publishing and remove this replica's entries (best effort)."""
         if self._task is not None:
+            # The flag as well as the cancel: a cancel that lands inside a Redis call can be
+            # swallowed (seen on Python 3.11: close() then waited forever), the flag cannot.
+            self._stopping = True
+            if self._wake is not None:
+                self._wake.set()
             self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+            await asyncio.wait({self._task}, timeout=2.0)
+            if not self._task.done():
+                logger.warning("prefix index: the publisher of %s did not stop within 2 s",
+                               self.replica_id)
+            elif not self._task.cancelled() and self._task.exception() is not None:
+                logger.warning("prefix index: publisher failed: %s", self._task.exception())
             self._task = None
         if self._client is not None:
-            try:
+            try:  # routers stop routing here at once and take the entries out in bounded steps
                 await self._client.pipeline(transaction=False).srem(
                     self.keys.replicas, self.replica_id).delete(
-                    self.keys.replica(self.replica_id),
-                    *self.keys.block_sets(self.replica_id)).execute()
+                    self.keys.replica(self.replica_id)).sadd(
+                    self.keys.dead, self.replica_id).execute()
             except (RedisError, OSError):
                 pass
             await self._client.aclose()
@@ -180,7 +194,7 @@ class PrefixIndexPublisher:
     async def _run(self) -> None:
         assert self._wake is not None
         next_beat = 0.0
-        while True:
+        while not self._stopping:
             try:
                 if not self._connected:
                     await self._connect()
@@ -193,9 +207,10 @@ class PrefixIndexPublisher:
                 next_beat = 0.0
             timeout = max(0.0, next_beat - time.monotonic()) if self._connected else \
                 self.heartbeat_interval
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout=timeout)
-            except asyncio.TimeoutError:
+            try:  # not asyncio.wait_for: on 3.11 it can swallow a cancel (close() hung)
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
+            except TimeoutError:
                 pass
             self._wake.clear()
 
@@ -203,8 +218,9 @@ class PrefixIndexPublisher:
         assert self._client is not None
         await self._client.ping()
         if self._first_connect:
-            # A previous life of this replica id may have left sets: the snapshot rebuilds them.
-            await self._client.delete(*self.keys.block_sets(self.replica_id))
+            # A previous life of this replica id may have left entries: the snapshot rebuilds them.
+            for medium in PUBLISHED_MEDIA:
+                await self._clear(medium)
             self._first_connect = False
         with self._lock:
             self._connected = True
@@ -241,11 +257,10 @@ class PrefixIndexPublisher:
                              .hset(self.keys.replica(rid), mapping=fields)
                              .pexpire(self.keys.replica(rid), ttl_ms)
                              .sadd(self.keys.replicas, rid)
-                             .pexpire(self.keys.blocks(rid), ttl_ms)
-                             .pexpire(self.keys.host_blocks(rid), ttl_ms)
                              .execute())
         if created and not self._want_snapshot:
-            # Our entry had expired (a frozen process, a flushed Redis): the block set went with it.
+            # Our entry had expired (a frozen process, a flushed Redis): routers are taking our
+            # block entries out, or they are gone.
             logger.warning("prefix index: entry of replica %s had expired; republishing", rid)
             with self._lock:
                 self._want_snapshot = True
@@ -258,23 +273,30 @@ class PrefixIndexPublisher:
             self._pending_hashes = 0
         if not batches:
             return
-        keys = dict(zip(PUBLISHED_MEDIA, self.keys.block_sets(self.replica_id)))
-        pipe = self._client.pipeline(transaction=True)
-        for batch in batches:
-            _add_batch(pipe, keys[batch.medium], batch)
-        for key in keys.values():
-            pipe.pexpire(key, int(self.ttl * 1000))
+        ops: list[tuple[str, str, Sequence[str]]] = []
         try:
-            await pipe.execute()
+            for batch in batches:
+                if batch.kind in ("cleared", "snapshot"):
+                    await self._write(ops)
+                    ops = []
+                    await self._clear(batch.medium)
+                if batch.kind in ("stored", "snapshot"):
+                    ops.append(("add", batch.medium, batch.hashes))
+                elif batch.kind == "removed":
+                    ops.append(("remove", batch.medium, batch.hashes))
+            await self._write(ops)
         except (RedisError, OSError):
             self._dropped += sum(len(b.hashes) for b in batches)
             raise
 
+    async def _write(self, ops: list[tuple[str, str, Sequence[str]]]) -> None:
+        assert self._client is not None
+        for args in write_calls(self.keys, self.replica_id, ops):
+            await self._update(keys=[self.keys.replicas], args=args)
 
-def _add_batch(pipe: Any, key: str, batch: _Batch) -> None:
-    if batch.kind in ("cleared", "snapshot"):
-        pipe.delete(key)
-    op = pipe.srem if batch.kind == "removed" else pipe.sadd
-    if batch.kind in ("stored", "removed", "snapshot"):
-        for i in range(0, len(batch.hashes), _CHUNK):
-            op(key, *batch.hashes[i : i + _CHUNK])
+    async def _clear(self, medium: str) -> None:
+        """Take all of this replica's entries of one tier out of the index, in bounded calls."""
+        assert self._client is not None
+        args = [self.keys.prefix, self.replica_id, medium, SWEEP_BUDGET]
+        while await self._clear_script(keys=[self.keys.replicas], args=args):
+            pass

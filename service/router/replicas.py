@@ -205,8 +205,8 @@ class ReplicaSet:
         """One Redis round trip when Redis is up; the last known set (no matches) otherwise.
 
         Redis answers only the matched block counts (and the host-tier share) of the live
-        replicas; their heartbeat fields
-        (URL, load) come from the set `refresh` re-reads every second.
+        replicas holding the chain's first block; the replica set and their heartbeat fields
+        (URL, load) come from `refresh`, every second.
         """
         if self.index is not None and self.redis_up:
             try:
@@ -214,13 +214,11 @@ class ReplicaSet:
             except (RedisError, OSError) as exc:
                 self._redis_failed(exc)
             else:
-                if not counts:  # no replica heartbeats: the static set, as `refresh` keeps it
-                    return self.without_matches()
                 new = any(rid not in self.known and rid not in self.ignored for rid in counts)
                 if new and self._pending_refresh is None:
                     self._pending_refresh = asyncio.create_task(self._refresh_now())
-                return [ReplicaMatch(self.known[rid], n, host) for rid, (n, host) in counts.items()
-                        if rid in self.known]
+                return [ReplicaMatch(info, *counts.get(rid, (0, 0)))
+                        for rid, info in self.known.items()]
         return self.without_matches()
 
     async def _refresh_now(self) -> None:

@@ -227,8 +227,9 @@ class SimReplica:
         dt = self.timing.step_seconds(0, len(seqs), sum(r.seq.num_tokens for r in seqs))
         self._wake.clear()
         t0 = time.monotonic()
-        try:
-            await asyncio.wait_for(self._wake.wait(), timeout=steps * dt)
+        try:  # not asyncio.wait_for: on 3.11 it can swallow a cancel
+            async with asyncio.timeout(steps * dt):
+                await self._wake.wait()
         except TimeoutError:
             pass
         else:  # an arrival: finish the step in progress, then let it in

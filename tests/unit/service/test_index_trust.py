@@ -19,11 +19,13 @@ from kvserve.service.prefix_index.redis_client import REDIS_PASSWORD_ENV, redact
 from kvserve.service.prefix_index.replica_info import (DRAINING_FIELD, DRAINING_VALUE,
                                                        REGISTRATION_TOKEN_ENV, SIGNATURE_FIELD,
                                                        sign_heartbeat)
+from kvserve.service.prefix_index.scripts import add_blocks
 from kvserve.service.router.config import RouterConfig
 from kvserve.service.router.metrics import RouterMetrics
 from kvserve.service.router.replicas import ReplicaSet
 
 CHAIN = block_hashes(list(range(16 * 4)), 16)
+OTHER = block_hashes(list(range(100, 100 + 16 * 4)), 16)
 KEYS = IndexKeys("svc")
 
 
@@ -41,7 +43,7 @@ def register(r: redis.Redis, rid: str, fields: dict[str, str], blocks=CHAIN) -> 
     r.hset(KEYS.replica(rid), mapping=fields)
     r.sadd(KEYS.replicas, rid)
     if blocks:
-        r.sadd(KEYS.blocks(rid), *blocks)
+        add_blocks(r, KEYS, rid, blocks)
 
 
 def write_garbage(r: redis.Redis) -> None:
@@ -60,7 +62,12 @@ def write_garbage(r: redis.Redis) -> None:
     # A good heartbeat whose block set is not a set, and one whose set holds non-hex junk.
     register(r, "wrongtype-blocks", good_beat("wrongtype-blocks"), blocks=None)
     r.set(KEYS.blocks("wrongtype-blocks"), "junk")
-    register(r, "junk-blocks", good_beat("junk-blocks"), blocks=["zz" * 16, "not hex", "!"])
+    register(r, "junk-blocks", good_beat("junk-blocks"), blocks=None)
+    r.sadd(KEYS.blocks("junk-blocks"), "zz" * 16, "not hex", "!")
+    # Holders that name no replica (not integers, negative, a slot nobody has), and a holder
+    # set of the wrong type.
+    r.sadd(KEYS.holders(CHAIN[0]), "junk", "-7", "3.5", "999999")
+    r.set(KEYS.holders(OTHER[0]), "not a set")
 
 
 async def test_garbage_in_the_index_is_skipped_with_reasons(redis_server):
@@ -76,9 +83,14 @@ async def test_garbage_in_the_index_is_skipped_with_reasons(redis_server):
         assert set(bad) == {"bad-int", "bad-url", "nan-load", "huge", "no-fields", "a-string",
                             "\ufffd\ufffd", "bytes"}
         assert "block_size" in bad["bad-int"] and "url" in bad["bad-url"]
-        # The per-request path answers too, with every id in the set (the router filters).
-        counts = await index.match_counts(CHAIN)
-        assert counts["good"] == 4 and counts["wrongtype-blocks"] == 0
+        # The per-request path answers too: every live holder (the router keeps only the
+        # replicas its scan admitted), none of the junk holders.
+        holders = ("good", "bad-int", "bad-url", "nan-load", "huge", "no-fields")
+        assert await index.match_counts(CHAIN) == dict.fromkeys(holders, 4)
+        assert await index.match_counts(OTHER) == {}
+        # A replica writes over garbage in its own set and in the holder sets.
+        add_blocks(r, KEYS, "wrongtype-blocks", CHAIN)
+        assert (await index.match_counts(CHAIN))["wrongtype-blocks"] == len(CHAIN)
     finally:
         await index.close()
 
