@@ -15,7 +15,8 @@ import torch
 
 from kvserve import LLM, GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 from kvserve.engine.errors import InvalidRequestError
-from kvserve.engine.grammar import GrammarCompiler, apply_token_bitmask, choice_grammar
+from kvserve.engine.grammar import GrammarCompiler, apply_token_bitmask, choice_grammar, \
+    import_library
 
 SCHEMAS = [
     {"type": "object", "properties": {
@@ -207,6 +208,16 @@ def test_bitmask_touches_only_its_rows():
 
 def test_choice_grammar_escapes():
     assert choice_grammar(['a"b', "c\\d"]) == 'root ::= "a\\"b" | "c\\\\d"'
+
+
+def test_a_missing_backend_library_is_a_400_naming_the_package():
+    assert import_library("json", "decoder", needed_by="x needs") is json
+    for package, sub in (("kvserve_no_such_library", ()), ("json", ("no_such_module",))):
+        with pytest.raises(InvalidRequestError) as info:
+            import_library(package, *sub, needed_by="structured outputs need")
+        assert str(info.value) == (f"structured outputs need the {package} package "
+                                   f"(pip install {package})")
+        assert info.value.param == "structured_outputs"
 
 
 
