@@ -11,7 +11,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -48,6 +48,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 30.0,
+             what: str = "condition") -> None:
+    """Poll `predicate` until it is true; AssertionError naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
 
 
 def build_tiny_tokenizer():
@@ -93,6 +103,14 @@ def build_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture
+def client(server):
+    """The openai client of the test module's `server` fixture (a server_thread.ServerThread)."""
+    import openai
+
+    return openai.Client(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="session")
