@@ -15,6 +15,7 @@ is queued). Matchers belong to one sequence each and are driven by the engine th
 
 from __future__ import annotations
 
+import importlib
 import json
 import threading
 from abc import ABC, abstractmethod
@@ -49,6 +50,20 @@ class GrammarBackend(ABC):
     def fill_bitmask(self, matchers: list[Any], bitmask: torch.Tensor,
                      indices: list[int]) -> None:
         """Fill row indices[i] of the int32 bitmask from matchers[i] (distinct matchers)."""
+
+
+def import_library(package: str, *submodules: str, needed_by: str) -> Any:
+    """`package` (and its `submodules`), imported on first use: engines that never see a
+    constraint never load it. Missing, it is a 400 naming the pip package; `needed_by` starts
+    that message ("structured outputs need")."""
+    try:
+        module = importlib.import_module(package)
+        for sub in submodules:
+            importlib.import_module(f"{package}.{sub}")
+    except ImportError as exc:  # both are dependencies of kvserve: a broken install
+        raise InvalidRequestError(f"{needed_by} the {package} package (pip install {package})",
+                                  param="structured_outputs") from exc
+    return module
 
 
 def constraint_error(params: StructuredOutputsParams, why: str) -> InvalidRequestError:

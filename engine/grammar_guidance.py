@@ -10,20 +10,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from kvserve.engine.errors import InvalidRequestError
-from kvserve.engine.grammar import GrammarBackend, constraint_error
+from kvserve.engine.grammar import GrammarBackend, constraint_error, import_library
 from kvserve.engine.guided_params import StructuredOutputsParams
 
 
 def llg() -> Any:
-    try:
-        import llguidance
-        import llguidance.hf
-        import llguidance.torch
-    except ImportError as exc:  # pragma: no cover - a dependency of kvserve
-        raise InvalidRequestError("the guidance backend needs the llguidance package "
-                                  "(pip install llguidance)", param="structured_outputs") from exc
-    return llguidance
+    return import_library("llguidance", "hf", "torch", needed_by="the guidance backend needs")
 
 
 class GuidanceBackend(GrammarBackend):

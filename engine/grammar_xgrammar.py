@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 from kvserve.engine.errors import InvalidRequestError
-from kvserve.engine.grammar import GrammarBackend, choice_grammar, constraint_error
+from kvserve.engine.grammar import GrammarBackend, choice_grammar, constraint_error, import_library
 from kvserve.engine.guided_params import StructuredOutputsParams
 
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
@@ -23,13 +23,7 @@ _JSON_CHAR = r'[^\0-\x1f\"\\]'
 
 
 def xgr() -> Any:
-    """xgrammar, imported on first use: engines that never see a constraint never load it."""
-    try:
-        import xgrammar
-    except ImportError as exc:  # pragma: no cover - a dependency of kvserve
-        raise InvalidRequestError("structured outputs need the xgrammar package "
-                                  "(pip install xgrammar)", param="structured_outputs") from exc
-    return xgrammar
+    return import_library("xgrammar", needed_by="structured outputs need")
 
 
 class XGrammarBackend(GrammarBackend):

@@ -15,6 +15,10 @@ from kvserve.engine.config import DEFAULT_MODEL, KV_CACHE_DTYPES, MODEL_DTYPES, 
 from kvserve.service.limits import RequestLimits
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# The --redis-url forms, as the replica's and the router's help give them.
+REDIS_URL_FORMS = ("redis://HOST:PORT/DB, redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER_NAME or "
+                   "redis+cluster://HOST:PORT[,HOST:PORT...]; password in the URL or env "
+                   "KVSERVE_REDIS_PASSWORD")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -224,10 +228,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     add_limit_args(parser)
     r = parser.add_argument_group("prefix index (Redis, read by the router)")
     r.add_argument("--redis-url", default=None,
-                   help="publish KV block hashes to this Redis: redis://HOST:PORT/DB, "
-                        "redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER_NAME or "
-                        "redis+cluster://HOST:PORT[,HOST:PORT...]; password in the URL or "
-                        "env KVSERVE_REDIS_PASSWORD")
+                   help="publish KV block hashes to this Redis: " + REDIS_URL_FORMS)
     r.add_argument("--service-name", default="default", help="the service's key namespace")
     r.add_argument("--advertise-url", default=None,
                    help="URL the router uses to reach this replica (default http://HOST:PORT)")

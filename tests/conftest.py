@@ -10,11 +10,16 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from kvserve import LLM
 
 # Triton decides at `import triton` whether its own library functions (tl.max, ...) are compiled
 # or interpreted, so on a machine without CUDA the interpreter must be on before any test imports
@@ -24,6 +29,8 @@ if "TRITON_INTERPRET" not in os.environ:
 
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # The SmolLM2 chat template, so the tiny model is templated exactly like the default one.
 CHAT_TEMPLATE = (
@@ -48,6 +55,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 30.0,
+             what: str = "condition") -> None:
+    """Poll `predicate` until it is true; AssertionError naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def bench_smoke_run(script: str, timeout: float) -> str:
+    """The output of `bench/<script> --smoke` (a lent-GPU script's whole code path at tiny shapes
+    on the CPU, with this Python), which must exit 0."""
+    out = subprocess.run(["bash", str(ROOT / "bench" / script), "--smoke"],
+                         env={**os.environ, "PYTHON": sys.executable},
+                         capture_output=True, text=True, timeout=timeout, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
 
 
 def build_tiny_tokenizer():
@@ -93,6 +120,28 @@ def build_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+def make_llm(path: Path | str, **kw: Any) -> LLM:
+    """The offline LLM on a model folder: fp32 on the CPU, a 4 MiB KV cache unless `kw` says."""
+    from kvserve import LLM
+
+    kw.setdefault("kv_cache_memory", 1 << 22)
+    return LLM(str(path), dtype="float32", device="cpu", **kw)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir) -> LLM:
+    """The tiny model's LLM with make_llm's defaults, one per test module."""
+    return make_llm(tiny_model_dir)
+
+
+@pytest.fixture
+def client(server):
+    """The openai client of the test module's `server` fixture (a server_thread.ServerThread)."""
+    import openai
+
+    return openai.Client(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from kvserve.service.flags import add_limit_args, limits_from_args
+from kvserve.service.flags import LOG_LEVELS, REDIS_URL_FORMS, add_limit_args, limits_from_args
 from kvserve.service.prefix_index.redis_client import parse_redis_url, redact_url
 from kvserve.service.prefix_index.replica_info import REGISTRATION_TOKEN_ENV
 from kvserve.service.router.app import create_app
@@ -28,10 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=d.host, help="address to listen on")
     p.add_argument("--port", type=int, default=d.port, help="port to listen on")
     p.add_argument("--redis-url", default=None,
-                   help="Redis holding the prefix index and replica heartbeats: "
-                        "redis://HOST:PORT/DB, redis+sentinel://HOST:PORT[,HOST:PORT...]/"
-                        "MASTER_NAME or redis+cluster://HOST:PORT[,HOST:PORT...]; password in "
-                        "the URL or env KVSERVE_REDIS_PASSWORD")
+                   help="Redis holding the prefix index and replica heartbeats: " + REDIS_URL_FORMS)
     p.add_argument("--service-name", default=d.service_name,
                    help="index namespace (keys kvserve:<service>:...), as on the replicas")
     p.add_argument("--replicas", default="",
@@ -77,8 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "may be off from this router's clock (older: a replay, left out)")
     p.add_argument("--shutdown-grace-period", type=float, default=d.shutdown_grace_period,
                    help="seconds requests in flight get to finish after SIGTERM")
-    p.add_argument("--log-level", default="info",
-                   choices=("debug", "info", "warning", "error", "critical"))
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     add_limit_args(p)
 
 

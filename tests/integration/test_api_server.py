@@ -8,7 +8,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 from collections.abc import Iterator
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from conftest import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from server_thread import ServerThread
 
@@ -46,11 +46,6 @@ def server(tiny_model_dir) -> Iterator[ServerThread]:
     srv.stop()
 
 
-@pytest.fixture
-def client(server) -> openai.Client:
-    return openai.Client(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
 def metrics(url: str) -> dict[str, float]:
     """Samples of /metrics as {name{labels}: value} (labels sorted, model_name dropped)."""
     text = httpx.get(url + "/metrics").text
@@ -60,14 +55,6 @@ def metrics(url: str) -> dict[str, float]:
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
             out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return out
-
-
-def wait_for(predicate, timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def blocks_all_free(url: str) -> bool:

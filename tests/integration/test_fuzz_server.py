@@ -14,11 +14,11 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import schemathesis
+from conftest import wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from server_thread import ServerThread
-from test_api_server import wait_for
 
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine

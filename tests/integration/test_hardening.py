@@ -26,11 +26,6 @@ def server(tiny_model_dir) -> Iterator[ServerThread]:
     srv.stop()
 
 
-@pytest.fixture
-def client(server) -> openai.Client:
-    return openai.Client(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
 def still_serving(server: ServerThread) -> None:
     """/health is ok and a normal completion still runs after the hostile one."""
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
@@ -350,28 +345,18 @@ def test_sigterm_cuts_off_requests_with_503_and_an_sse_error(tiny_model_dir, tmp
     """A real server process drained with a grace period too short for its two running requests:
     the non-streaming one gets 503 + Retry-After, the streaming one an error event, then [DONE]."""
     import signal
-    import subprocess
-    import sys
     import threading
 
-    from conftest import free_port
-    from test_api_server import metrics, wait_for
+    from conftest import wait_for
+    from server_process import api_server_process
+    from test_api_server import metrics
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log = tmp_path / "server.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvserve.service.api_server", "--model", str(tiny_model_dir),
-         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-         "--max-model-len", "512", "--kv-cache-memory", "4MiB", "--dtype", "float32",
-         "--shutdown-grace-period", "0.2", "--log-level", "info"],
-        stdout=log.open("w"), stderr=subprocess.STDOUT)
     body = {"model": "tiny", "prompt": "The quick", "max_tokens": 480, "temperature": 0,
             "ignore_eos": True}
     whole: list[httpx.Response] = []
-    try:
-        wait_for(lambda: proc.poll() is not None or _health(url) == 200, 180, "the server")
-        assert proc.poll() is None, log.read_text()[-3000:]
+    with api_server_process(tiny_model_dir, log, "--max-model-len", "512",
+                            "--shutdown-grace-period", "0.2") as (proc, url):
         thread = threading.Thread(target=lambda: whole.append(
             httpx.post(url + "/v1/completions", json=body, timeout=120)))
         thread.start()
@@ -385,10 +370,6 @@ def test_sigterm_cuts_off_requests_with_503_and_an_sse_error(tiny_model_dir, tmp
                 events = [line[6:] for line in lines if line.startswith("data: ")]
         thread.join(120)
         assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert error["type"] == "service_unavailable" and "shut down" in error["message"]
@@ -397,13 +378,6 @@ def test_sigterm_cuts_off_requests_with_503_and_an_sse_error(tiny_model_dir, tmp
     assert cut.json()["error"]["type"] == "service_unavailable"
     assert cut.headers["retry-after"] == "1"
     assert "drained (2 request(s) aborted)" in log.read_text()
-
-
-def _health(url: str) -> int:
-    try:
-        return httpx.get(url + "/health", timeout=2).status_code
-    except httpx.TransportError:
-        return 0
 
 
 def test_tokenize_refuses_a_tool_call_without_a_function(server):

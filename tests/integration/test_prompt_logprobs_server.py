@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import openai
 import pytest
 import torch
 from server_thread import ServerThread
@@ -21,11 +20,6 @@ def server(tiny_model_dir) -> Iterator[ServerThread]:
     srv = start_server(tiny_model_dir, engine_kw={"max_num_batched_tokens": 32})
     yield srv
     srv.stop()
-
-
-@pytest.fixture
-def client(server) -> openai.Client:
-    return openai.Client(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,9 @@ import httpx
 import openai
 import pytest
 import redis
-from conftest import build_tiny_llama
+from conftest import build_tiny_llama, wait_for
 from server_thread import ServerThread
-from test_api_server import (CHAT, assert_openai_error, blocks_all_free, post, start_server,
-                             wait_for)
+from test_api_server import CHAT, assert_openai_error, blocks_all_free, post, start_server
 
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
@@ -35,11 +34,6 @@ def server(tiny_model_dir) -> Iterator[ServerThread]:
     srv = start_server(tiny_model_dir)
     yield srv
     srv.stop()
-
-
-@pytest.fixture
-def client(server) -> openai.Client:
-    return openai.Client(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
 # ---------------------------------------------------------------------------- the event loop

@@ -3,10 +3,9 @@ Redis, under the keys the router reads, and removes them when it shuts down."""
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import redis
+from conftest import wait_for
 from server_thread import ServerThread
 
 from kvserve.engine.block_hash import block_hashes
@@ -17,14 +16,6 @@ from kvserve.service.server.config import ServerConfig
 from kvserve.service.server.publishing import make_publisher
 
 SYSTEM = "You are a helpful assistant. Answer briefly and precisely. " * 4
-
-
-def wait_for(predicate, timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def test_replica_publishes_block_hashes_and_load(tiny_model_dir, redis_server):

@@ -57,11 +57,6 @@ def server(request, tiny_2k) -> Iterator[ServerThread]:
     srv.stop()
 
 
-@pytest.fixture
-def client(server) -> openai.Client:
-    return openai.Client(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
 def chat(client, **kw):
     kw.setdefault("max_tokens", 400)
     return client.chat.completions.create(model="tiny", messages=CHAT, **kw)

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import time
 
 import httpx
 import openai
 import psutil
-from conftest import free_port
+from conftest import wait_for
+from server_process import api_server_process
 from server_thread import ServerThread
 
 from kvserve.engine.config import EngineConfig
@@ -22,14 +20,6 @@ from kvserve.service.server.app import create_app
 from kvserve.service.server.config import ServerConfig
 
 PROMPT = "Paged attention stores the KV cache in"
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def complete(url: str) -> str:
@@ -69,23 +59,8 @@ def test_two_ranks_serve_the_same_text_and_a_dead_worker_is_a_503(tiny_model_dir
 
 
 def test_sigterm_leaves_no_worker_process(tiny_model_dir, tmp_path) -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = (tmp_path / "server.log").open("w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvserve.service.api_server", "--model", str(tiny_model_dir),
-         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-         "--max-model-len", "256", "--kv-cache-memory", "4MiB", "--dtype", "float32",
-         "--tensor-parallel-size", "2", "--log-level", "info"],
-        stdout=log, stderr=subprocess.STDOUT)
-    try:
-        def up() -> bool:
-            try:
-                return httpx.get(url + "/health", timeout=2).status_code == 200
-            except httpx.TransportError:
-                return proc.poll() is not None
-        wait_for(up, 240, "the server")
-        assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+    with api_server_process(tiny_model_dir, tmp_path / "server.log", "--max-model-len", "256",
+                            "--tensor-parallel-size", "2", timeout=240) as (proc, url):
         workers = psutil.Process(proc.pid).children(recursive=True)
         assert workers, "no tensor-parallel worker process found"
         assert complete(url)
@@ -93,7 +68,3 @@ def test_sigterm_leaves_no_worker_process(tiny_model_dir, tmp_path) -> None:
         assert proc.wait(60) == 0
         _, alive = psutil.wait_procs(workers, timeout=30)
         assert not alive, f"left behind: {alive}"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from conftest import make_llm
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.errors import ConfigError
@@ -14,11 +15,6 @@ from kvserve.engine.swap_cost import SwapCostModel
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 BLOCK = 16
-
-
-def make_llm(path, **kw) -> LLM:
-    kw.setdefault("kv_cache_memory", 1 << 22)
-    return LLM(str(path), dtype="float32", device="cpu", **kw)
 
 
 def tenant_prompts(rounds: int = 2, tenants: int = 3) -> list[list[int]]:

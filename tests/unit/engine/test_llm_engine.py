@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_llm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvserve import LLM, SamplingParams
@@ -22,11 +23,6 @@ PROMPTS = [
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-def make_llm(path, **kw) -> LLM:
-    kw.setdefault("kv_cache_memory", 1 << 22)
-    return LLM(str(path), dtype="float32", device="cpu", **kw)
-
-
 @pytest.fixture(scope="module")
 def hf_greedy(tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -37,11 +33,6 @@ def hf_greedy(tiny_model_dir):
         gen = hf.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)
         out.append(gen[0, ids.shape[1]:].tolist())
     return out
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_model_dir):
-    return make_llm(tiny_model_dir)
 
 
 def tokens(outs):

@@ -4,11 +4,11 @@ priority scheduling policy."""
 from __future__ import annotations
 
 import pytest
+from conftest import make_llm
+from test_structured_output import PLAIN, PROMPTS
 
 from kvserve import SamplingParams
 from kvserve.engine.errors import InvalidRequestError
-
-from test_structured_output import PLAIN, PROMPTS, llm, make_llm  # noqa: F401 (this folder's fixtures)
 
 
 def test_logit_bias_bans_and_forces_tokens(llm):

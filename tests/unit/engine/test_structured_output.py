@@ -2,7 +2,7 @@
 decides what it may say, so every output must validate. Also: unconstrained rows of a mixed batch
 are untouched, preemption and forks keep each sequence's matcher right, bad constraints are
 refused before they are queued. Every constraint test runs with both backends (xgrammar and
-guidance, `gllm`); `llm` is the default ("auto") engine the other test files share."""
+guidance, `gllm`); `llm` (tests/conftest.py) is the default ("auto") engine."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ import re
 import jsonschema
 import pytest
 import torch
+from conftest import make_llm
 
-from kvserve import LLM, GuidedDecodingParams, SamplingParams, StructuredOutputsParams
+from kvserve import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 from kvserve.engine.errors import InvalidRequestError
-from kvserve.engine.grammar import GrammarCompiler, apply_token_bitmask, choice_grammar
+from kvserve.engine.grammar import GrammarCompiler, apply_token_bitmask, choice_grammar, \
+    import_library
 
 SCHEMAS = [
     {"type": "object", "properties": {
@@ -42,16 +44,6 @@ SCHEMAS = [
 PROMPTS = ["Hello world", "The quick brown fox", "What is the capital of France?",
            "0123456789 abcdefghijklmnopqrstuvwxyz"]
 PLAIN = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-
-
-def make_llm(path, **kw) -> LLM:
-    kw.setdefault("kv_cache_memory", 1 << 22)
-    return LLM(str(path), dtype="float32", device="cpu", **kw)
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_model_dir):
-    return make_llm(tiny_model_dir)
 
 
 BACKENDS = ["xgrammar", "guidance"]
@@ -207,6 +199,16 @@ def test_bitmask_touches_only_its_rows():
 
 def test_choice_grammar_escapes():
     assert choice_grammar(['a"b', "c\\d"]) == 'root ::= "a\\"b" | "c\\\\d"'
+
+
+def test_a_missing_backend_library_is_a_400_naming_the_package():
+    assert import_library("json", "decoder", needed_by="x needs") is json
+    for package, sub in (("kvserve_no_such_library", ()), ("json", ("no_such_module",))):
+        with pytest.raises(InvalidRequestError) as info:
+            import_library(package, *sub, needed_by="structured outputs need")
+        assert str(info.value) == (f"structured outputs need the {package} package "
+                                   f"(pip install {package})")
+        assert info.value.param == "structured_outputs"
 
 
 

@@ -4,21 +4,13 @@ CPU over gloo."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[3]
+from conftest import bench_smoke_run
 
 
 def test_tp_gpu_bench_smoke_run_gives_identical_tokens() -> None:
-    out = subprocess.run(["bash", str(ROOT / "bench" / "tensor_parallel_gpu.sh"), "--smoke"],
-                         env={**os.environ, "PYTHON": sys.executable},
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout + out.stderr
-    rows = [line.split() for line in out.stdout.splitlines() if line[:2].strip().isdigit()]
-    assert [r[0] for r in rows] == ["1", "2"], out.stdout
-    assert all(r[-1] == "True" for r in rows), out.stdout  # N = 2 gives N = 1's tokens
+    out = bench_smoke_run("tensor_parallel_gpu.sh", timeout=600)
+    rows = [line.split() for line in out.splitlines() if line[:2].strip().isdigit()]
+    assert [r[0] for r in rows] == ["1", "2"], out
+    assert all(r[-1] == "True" for r in rows), out  # N = 2 gives N = 1's tokens
     assert rows[0][3] == "0.0%" and float(rows[1][3].rstrip("%")) > 0  # collectives timed
-    assert "GPU decode step at N=2" in out.stdout
+    assert "GPU decode step at N=2" in out

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from hypothesis import strategies as st
 
+from kvserve.kernels.attention import paged_attention
 from kvserve.kernels.fp8 import FP8_DTYPE as FP8
 from kvserve.kernels.reference import quantize
 
@@ -43,6 +45,12 @@ class Spec:
     q_dtype: torch.dtype
     shared_blocks: int = 0  # leading full blocks every sequence shares with the first
     seed: int = 0
+
+
+# Decodes of several lengths, a chunked prefill and a whole prompt, over two shared blocks.
+MIXED = Spec(seqs=((70, 1), (3, 1), (45, 1), (64, 9), (17, 17)), num_kv_heads=3, group=3,
+             head_dim=64, block_size=16, cache_dtype=torch.float32, q_dtype=torch.float32,
+             shared_blocks=2, seed=11)
 
 
 def build_batch(spec: Spec) -> Batch:
@@ -108,3 +116,9 @@ def assert_close_to(out: torch.Tensor, expected: torch.Tensor) -> None:
     assert out.shape == expected.shape and out.dtype == expected.dtype
     atol, rtol = TOLERANCE[out.dtype]
     torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+def assert_matches_reference(args: tuple, backend: str, **kw: Any) -> None:
+    """paged_attention(*args) on `backend` (with `kw`, e.g. a plan) is close to the reference's."""
+    expected = paged_attention(*args, backend="reference")
+    assert_close_to(paged_attention(*args, backend=backend, **kw), expected)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from kv_batches import FP8, Spec, assert_close_to, build_batch, specs
+from kv_batches import FP8, MIXED, Spec, assert_matches_reference, build_batch, specs
 from kvserve.kernels.attention import paged_attention
 from kvserve.kernels.checks import KernelInputError
 from kvserve.kernels.plan import plan_attention
@@ -40,8 +40,7 @@ def test_a_build_killed_mid_way_does_not_block_the_next_start():
 @given(specs())
 def test_cpu_matches_reference(spec):
     batch = build_batch(spec)
-    expected = paged_attention(*batch.args(), backend="reference")
-    assert_close_to(paged_attention(*batch.args(), backend="cpu"), expected)
+    assert_matches_reference(batch.args(), "cpu")
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16, FP8])
@@ -56,8 +55,7 @@ def test_long_decodes_with_outlier_keys(cache_dtype):
     last_block = int(batch.block_tables[0, (700 - 1) // 16])
     boost = batch.q[0, :3].float().mean(0) * 8 / batch.k_scale
     batch.k_cache[last_block, 5, 0] = boost.to(batch.k_cache.dtype)
-    expected = paged_attention(*batch.args(), backend="reference")
-    assert_close_to(paged_attention(*batch.args(), backend="cpu"), expected)
+    assert_matches_reference(batch.args(), "cpu")
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, FP8])
@@ -74,15 +72,11 @@ def test_long_prefills_across_tiles(cache_dtype):
     block = int(batch.block_tables[1, 400 // 16])
     boost = batch.q[int(batch.query_start_loc[1]) + 250, :3].float().mean(0) * 8 / batch.k_scale
     batch.k_cache[block, 400 % 16, 0] = boost.to(batch.k_cache.dtype)
-    expected = paged_attention(*batch.args(), backend="reference")
-    assert_close_to(paged_attention(*batch.args(), backend="cpu"), expected)
+    assert_matches_reference(batch.args(), "cpu")
 
 
 def test_int64_indices_and_one_plan_over_layers():
-    spec = Spec(seqs=((70, 1), (3, 1), (45, 1), (64, 9), (17, 17)), num_kv_heads=3, group=3,
-                head_dim=64, block_size=16, cache_dtype=torch.float32, q_dtype=torch.float32,
-                shared_blocks=2, seed=11)
-    batch = build_batch(spec)
+    batch = build_batch(MIXED)
     tables, lens, qsl = (batch.block_tables.long(), batch.seq_lens.long(),
                          batch.query_start_loc.long())
     plan = plan_attention(tables, lens, qsl, 16)
@@ -91,8 +85,7 @@ def test_int64_indices_and_one_plan_over_layers():
         q = torch.randn(batch.q.shape, generator=gen)
         k, v = (torch.randn(batch.k_cache.shape, generator=gen) for _ in range(2))
         args = (q, k, v, tables, lens, qsl, batch.scale)
-        expected = paged_attention(*args, backend="reference")
-        assert_close_to(paged_attention(*args, backend="cpu", plan=plan), expected)
+        assert_matches_reference(args, "cpu", plan=plan)
 
 
 def test_disabled_kernel_falls_back_to_the_torch_path(monkeypatch):
@@ -117,17 +110,14 @@ PORTABLE_CHECK = """
 import sys, torch
 sys.path.insert(0, {here!r})
 from hypothesis import given, settings
-from kv_batches import assert_close_to, build_batch, specs
+from kv_batches import assert_matches_reference, build_batch, specs
 from kvserve.kernels import cpu_attention
-from kvserve.kernels.attention import paged_attention
 assert cpu_attention.available() and "-DKVSERVE_NO_SIMD" in cpu_attention._cflags()
 
 @settings(max_examples=25, deadline=None, database=None)
 @given(specs())
 def check(spec):
-    batch = build_batch(spec)
-    expected = paged_attention(*batch.args(), backend="reference")
-    assert_close_to(paged_attention(*batch.args(), backend="cpu"), expected)
+    assert_matches_reference(build_batch(spec).args(), "cpu")
 
 check()
 print("portable kernel ok")

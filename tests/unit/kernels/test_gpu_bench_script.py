@@ -4,22 +4,15 @@ path (shapes, pool shuffle, the Triton kernel against SDPA, the printout) must w
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
+from conftest import bench_smoke_run
 
 
 def test_gpu_bench_script_smoke_run_matches_sdpa() -> None:
-    out = subprocess.run(["bash", str(ROOT / "bench" / "kernels_gpu.sh"), "--smoke"],
-                         env={**os.environ, "PYTHON": sys.executable},
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
-    rows = [line for line in out.stdout.splitlines() if line.startswith(("decode", "prefill"))]
-    assert {r.split()[0] for r in rows} == {"decode", "prefill"}, out.stdout
-    errors = [float(m) for m in re.findall(r"max err ([0-9.e+-]+)", out.stdout)]
+    out = bench_smoke_run("kernels_gpu.sh", timeout=300)
+    rows = [line for line in out.splitlines() if line.startswith(("decode", "prefill"))]
+    assert {r.split()[0] for r in rows} == {"decode", "prefill"}, out
+    errors = [float(m) for m in re.findall(r"max err ([0-9.e+-]+)", out)]
     assert len(errors) == len(rows)
-    assert max(errors) < 1e-4, out.stdout
+    assert max(errors) < 1e-4, out

@@ -5,7 +5,7 @@ from dataclasses import replace
 import torch
 from hypothesis import given, settings
 
-from kv_batches import Spec, assert_close_to, build_batch, specs
+from kv_batches import MIXED, Spec, assert_matches_reference, build_batch, specs
 from kvserve.kernels.attention import paged_attention
 from kvserve.kernels.plan import plan_attention
 
@@ -14,24 +14,19 @@ from kvserve.kernels.plan import plan_attention
 @given(specs())
 def test_torch_matches_reference(spec):
     batch = build_batch(spec)
-    expected = paged_attention(*batch.args(), backend="reference")
-    assert_close_to(paged_attention(*batch.args(), backend="torch"), expected)
+    assert_matches_reference(batch.args(), "torch")
 
 
 def test_one_plan_serves_every_layer():
     """A plan made once per step is reused over layers with different caches and queries."""
-    spec = Spec(seqs=((70, 1), (3, 1), (45, 1), (64, 9), (17, 17)), num_kv_heads=3, group=3,
-                head_dim=64, block_size=16, cache_dtype=torch.float32, q_dtype=torch.float32,
-                shared_blocks=2, seed=11)
-    first = build_batch(spec)
+    first = build_batch(MIXED)
     layers = [first] + [replace(first, q=torch.randn_like(first.q),
                                 k_cache=torch.randn_like(first.k_cache),
                                 v_cache=torch.randn_like(first.v_cache)) for _ in range(2)]
     plan = plan_attention(first.block_tables, first.seq_lens, first.query_start_loc, 16,
                           max_query_len=17, max_seq_len=70)
     for layer in layers:
-        expected = paged_attention(*layer.args(), backend="reference")
-        assert_close_to(paged_attention(*layer.args(), backend="torch", plan=plan), expected)
+        assert_matches_reference(layer.args(), "torch", plan=plan)
 
 
 def test_many_decodes_of_mixed_lengths_span_several_chunks():
@@ -45,8 +40,7 @@ def test_many_decodes_of_mixed_lengths_span_several_chunks():
     plan = plan_attention(batch.block_tables, batch.seq_lens, batch.query_start_loc, 8)
     token_bytes = 2 * 2 * 64 * 4
     assert len(torch_plan(plan, token_bytes, chunk_bytes=64 * token_bytes).decode) > 2
-    expected = paged_attention(*batch.args(), backend="reference")
-    assert_close_to(paged_attention(*batch.args(), backend="torch", plan=plan), expected)
+    assert_matches_reference(batch.args(), "torch", plan=plan)
 
 
 def test_empty_batch_gives_empty_output():

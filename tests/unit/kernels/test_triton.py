@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from kv_batches import FP8, Spec, assert_close_to, build_batch, specs
+from kv_batches import FP8, Spec, assert_close_to, assert_matches_reference, build_batch, specs
 from kvserve.kernels.attention import paged_attention
 from kvserve.kernels.write_kv import write_kv
 from kvserve.kernels.plan import plan_attention
@@ -41,8 +41,7 @@ def interpreter():
 @given(specs(max_seqs=3, max_len=40, head_dims=(64, 80)))
 def test_triton_matches_reference(spec):
     batch = build_batch(spec)
-    expected = paged_attention(*batch.args(), backend="reference")
-    assert_close_to(paged_attention(*batch.args(), backend="triton"), expected)
+    assert_matches_reference(batch.args(), "triton")
 
 
 @pytest.mark.parametrize("cache_dtype,q_dtype", [(torch.float32, torch.float32),
