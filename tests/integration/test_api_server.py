@@ -265,11 +265,13 @@ def test_disconnect_mid_stream_frees_every_block(server):
 
 
 def test_disconnect_of_a_non_streaming_request_aborts_it(server):
-    body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 220,
-            "temperature": 0, "ignore_eos": True}
+    # 4 x 220 tokens: long enough that the client's 0.1 s read timeout always cuts it short
+    # (220 tokens alone took under 0.3 s on a fast CPU).
+    body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 220, "n": 4,
+            "temperature": 1.0, "seed": 1, "ignore_eos": True}
     aborts = metrics(server.url).get("vllm:request_success_total{finished_reason=abort}", 0)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json=body, timeout=0.3)
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.1)
     wait_for(lambda: metrics(server.url).get(
         "vllm:request_success_total{finished_reason=abort}", 0) > aborts, what="abort")
     wait_for(lambda: blocks_all_free(server.url), what="free blocks back to total")
