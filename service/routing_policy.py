@@ -22,9 +22,10 @@ class UnknownPolicyError(ValueError):
     """A policy name that is not one of POLICIES."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Candidate:
-    """One routable replica as the router sees it for this request."""
+    """One routable replica as the router sees it for this request (not frozen: the router
+    builds one per replica per request, and a frozen dataclass's __init__ is ~5x slower)."""
 
     replica_id: str
     url: str

@@ -30,6 +30,7 @@ from kvserve.service.router.shared_load import SharedInflight
 from kvserve.service.routing_policy import Candidate
 
 logger = logging.getLogger("kvserve.router")
+_NO_MATCH = (0, 0)
 
 # Seconds after Redis becomes reachable during which an index without any heartbeat keeps the
 # replicas known before (replicas heartbeat every second and re-register within one beat).
@@ -201,25 +202,45 @@ class ReplicaSet:
     def without_matches(self) -> list[ReplicaMatch]:
         return [ReplicaMatch(i, 0) for i in self.known.values()]
 
-    async def lookup(self, hashes: list[str]) -> list[ReplicaMatch]:
-        """One Redis round trip when Redis is up; the last known set (no matches) otherwise.
+    def candidates(self, counts: dict[str, tuple[int, int]]) -> list[Candidate]:
+        """Every routable replica as a Candidate, `counts` {id: (matched, host-only)} giving the
+        matched blocks (absent: 0); every known replica when all are marked down. One pass: this
+        runs per request over the whole fleet."""
+        now = time.monotonic()
+        down, inflight = self.down_until, self.inflight
+        others = self.shared.others if self.shared is not None else {}
+        out, downs = [], []
+        for rid, info in self.known.items():
+            matched, host = counts.get(rid, _NO_MATCH)
+            load = max(info.load, inflight.get(rid, 0) + others.get(rid, 0))
+            cand = Candidate(rid, info.url, load, info.kv_cache_usage, matched, host)
+            (downs if down and down.get(rid, 0.0) > now else out).append(cand)
+        return out or downs
 
-        Redis answers only the matched block counts (and the host-tier share) of the live
-        replicas holding the chain's first block; the replica set and their heartbeat fields
-        (URL, load) come from `refresh`, every second.
+    async def match_counts(self, hashes: list[str]) -> dict[str, tuple[int, int]]:
+        """{replica id: (leading matched blocks, host-only ones)} in one Redis round trip; {} when
+        Redis is down (counted as an outage), unused or the chain empty.
+
+        Redis names only the live replicas holding the chain's first block; the replica set and
+        their heartbeat fields (URL, load) come from `refresh`, every second.
         """
-        if self.index is not None and self.redis_up:
-            try:
-                counts = await self.index.match_tiers(hashes)
-            except (RedisError, OSError) as exc:
-                self._redis_failed(exc)
-            else:
-                new = any(rid not in self.known and rid not in self.ignored for rid in counts)
-                if new and self._pending_refresh is None:
-                    self._pending_refresh = asyncio.create_task(self._refresh_now())
-                return [ReplicaMatch(info, *counts.get(rid, (0, 0)))
-                        for rid, info in self.known.items()]
-        return self.without_matches()
+        if self.index is None or not self.redis_up or not hashes:
+            return {}
+        try:
+            counts = await self.index.match_tiers(hashes)
+        except (RedisError, OSError) as exc:
+            self._redis_failed(exc)
+            return {}
+        new = any(rid not in self.known and rid not in self.ignored for rid in counts)
+        if new and self._pending_refresh is None:
+            self._pending_refresh = asyncio.create_task(self._refresh_now())
+        return counts
+
+    async def lookup(self, hashes: list[str]) -> list[ReplicaMatch]:
+        """Every known replica with its matched blocks (`match_counts`)."""
+        counts = await self.match_counts(hashes)
+        return [ReplicaMatch(info, *counts.get(rid, _NO_MATCH))
+                for rid, info in self.known.items()]
 
     async def _refresh_now(self) -> None:
         """A replica joined since the last refresh: learn its URL and load now."""

@@ -67,12 +67,8 @@ class Router:
 
             hashes = block_hashes(tokens, block_size, body.get("cache_salt"))
         # Only prefix routing needs Redis per request; the others use the set refreshed each second.
-        matches = await replicas.lookup(hashes) if use_index else replicas.without_matches()
-        routable = replicas.routable([m.replica for m in matches]) or [m.replica for m in matches]
-        by_id = {m.replica.replica_id: m.matched_blocks for m in matches}
-        host = {m.replica.replica_id: m.host_blocks for m in matches}
-        cands = [replicas.candidate(i, by_id.get(i.replica_id, 0), host.get(i.replica_id, 0))
-                 for i in routable]
+        counts = await replicas.match_counts(hashes) if use_index else {}
+        cands = replicas.candidates(counts)
         policy = self.cfg.policy if (replicas.redis_up or self.cfg.policy != "prefix") \
             else "least-load"
         session = headers.get(self.cfg.session_header) or body.get("user")
@@ -81,8 +77,8 @@ class Router:
                           cfg=self.cfg.policy_cfg, counter=self.counter, session_key=session)
         self.metrics.decision_seconds.observe(time.perf_counter() - start)
         return RouteInfo(decision, len(tokens or ()),
-                         {rid: n * block_size for rid, n in by_id.items()},
-                         {rid: n * block_size for rid, n in host.items()})
+                         {rid: n * block_size for rid, (n, _) in counts.items()},
+                         {rid: h * block_size for rid, (_, h) in counts.items()})
 
     def least_load_ranking(self) -> list[Candidate]:
         """Every replica by load: for requests that are not routed by their prompt."""

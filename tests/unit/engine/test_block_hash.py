@@ -174,3 +174,16 @@ def test_unstable_extra_keys_are_rejected():
 
     with pytest.raises(TypeError, match="stable across processes"):
         block_hashes(TOKENS, 16, Tenant())
+
+
+@pytest.mark.parametrize("extra", [None, "salt", {"tenant": {3, 1, 2}}])
+@pytest.mark.parametrize("n", [0, 15, 16, 17, 100 * 16 + 5])
+def test_the_chain_is_hash_block_block_by_block(n, extra):
+    # block_hashes_bytes packs the tokens once; hash_block is the definition, one block at a time.
+    tokens = [(i * 7919) % 49152 for i in range(n)]
+    for parent in (None, b"p" * 16):
+        want, prev = [], parent
+        for start in range(0, n - 15, 16):
+            prev = hash_block(prev, tokens[start : start + 16], extra)
+            want.append(prev)
+        assert block_hashes_bytes(tokens, 16, extra, parent=parent) == want
