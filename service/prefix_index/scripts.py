@@ -111,17 +111,22 @@ local function walk(hashes)
       elseif host == 0 then on_host[s] = 0 end
     end
   end
+  local codes, stale = {}, true  -- cur's holder codes as strings, rebuilt when cur shrinks
   for i = 2, #hashes do
     if #cur == 0 then break end
+    if stale then
+      codes = {}
+      for j, s in ipairs(cur) do
+        codes[2 * j - 1] = tostring(s * 2); codes[2 * j] = tostring(s * 2 + 1)
+      end
+      stale = false
+    end
     local key, nxt = prefix .. 'h:' .. hashes[i], {}
     for c = 1, #cur, 1000 do  -- unpack() is bounded by the C stack: 2000 codes a call
-      local codes = {}
-      for j = c, math.min(c + 999, #cur) do
-        codes[#codes + 1] = cur[j] * 2; codes[#codes + 1] = cur[j] * 2 + 1
-      end
-      local flags = redis.pcall('SMISMEMBER', key, unpack(codes))
+      local last = math.min(c + 999, #cur)
+      local flags = redis.pcall('SMISMEMBER', key, unpack(codes, 2 * c - 1, 2 * last))
       if flags.err then flags = {} end
-      for j = c, math.min(c + 999, #cur) do
+      for j = c, last do
         local s, k = cur[j], (j - c) * 2 + 1
         if flags[k] == 1 or flags[k + 1] == 1 then
           nxt[#nxt + 1] = s; matched[s] = i
@@ -129,6 +134,7 @@ local function walk(hashes)
         end
       end
     end
+    if #nxt < #cur then stale = true end
     cur = nxt
   end
   return matched, on_host

@@ -250,3 +250,30 @@ async def test_lookup_rejects_hashes_that_are_not_engine_block_hashes(redis_serv
             await index.lookup(["abc", CHAIN[0]])
     finally:
         await index.close()
+
+
+async def test_lookup_walks_more_holders_than_one_redis_call_takes(redis_server):
+    # 1,100 replicas hold the chain's first block: the walk splits its SMISMEMBER calls (2,000
+    # holder codes each) and rebuilds its codes as holders drop out.
+    from kvserve.service.prefix_index.scripts import add_blocks
+
+    r = redis.Redis.from_url(redis_server.url)
+    keys = IndexKeys("svc")
+    want = {}
+    pipe = r.pipeline(transaction=False)
+    for i in range(1100):
+        rid = f"r{i:04d}"
+        pipe.hset(keys.replica(rid), mapping={"url": f"http://{rid}:8000", "heartbeat_at": "1"})
+        pipe.sadd(keys.replicas, rid)
+        want[rid] = 1 + i % 8  # replica i holds the first 1 + i % 8 blocks
+    pipe.execute()
+    for rid, n in want.items():
+        add_blocks(r, keys, rid, CHAIN[:n], medium="host" if rid.endswith("7") else "device")
+    index = PrefixIndex.from_url(redis_server.url, "svc")
+    try:
+        tiers = await index.match_tiers(CHAIN)
+        assert {rid: m for rid, (m, _) in tiers.items()} == want
+        assert all(host == (m if rid.endswith("7") else 0) for rid, (m, host) in tiers.items())
+    finally:
+        await index.close()
+        r.close()
