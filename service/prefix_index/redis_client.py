@@ -7,7 +7,7 @@ the sentinels too (Bitnami's `auth.sentinel: true`) unless the URL ends in `?sen
 (sentinels without a password). URLs are redacted before logging.
 
 Under Cluster a service's keys share one slot (the `{service}` hash tag in keys.py), so the index's
-Lua scripts and MULTI/EXEC run on the one node that owns it.
+Lua scripts run on the one node that owns it.
 """
 
 from __future__ import annotations
