@@ -98,44 +98,63 @@ return take_out(ARGV[2], ARGV[3], tonumber(ARGV[4]))
 # tier, and how many of those only its host tier holds (a block in both counts as a device block).
 _WALK = """
 local function walk(hashes)
-  local matched, on_host = {}, {}
+  local matched, on_host, flag = {}, {}, {}  -- flag[s]: 1 when s holds the last block on host only
   if #hashes == 0 then return matched, on_host end
-  local first = redis.pcall('SMEMBERS', prefix .. 'h:' .. hashes[1])
+  local prev = prefix .. 'h:' .. hashes[1]
+  local first = redis.pcall('SMEMBERS', prev)
   if first.err then return matched, on_host end
   local cur = {}
   for _, v in ipairs(first) do
     v = tonumber(v)
     if v and v >= 2 and v == math.floor(v) then  -- slots start at 1: anything else is junk
       local s, host = math.floor(v / 2), v % 2
-      if matched[s] == nil then cur[#cur + 1] = s; matched[s] = 1; on_host[s] = host
-      elseif host == 0 then on_host[s] = 0 end
+      if matched[s] == nil then cur[#cur + 1] = s; matched[s] = 1; flag[s] = host
+      elseif host == 0 then flag[s] = 0 end
     end
   end
+  for _, s in ipairs(cur) do on_host[s] = flag[s] end
   local codes, stale = {}, true  -- cur's holder codes as strings, rebuilt when cur shrinks
   for i = 2, #hashes do
     if #cur == 0 then break end
-    if stale then
-      codes = {}
-      for j, s in ipairs(cur) do
-        codes[2 * j - 1] = tostring(s * 2); codes[2 * j] = tostring(s * 2 + 1)
+    local key = prefix .. 'h:' .. hashes[i]
+    -- Many holders: when block i's holder set equals block i-1's (a prefix every replica holds),
+    -- every holder goes on with the same tiers, at the cost of a set intersection in C instead of
+    -- one membership test per holder.
+    local same = false
+    if #cur > 8 then
+      local n_prev, n = redis.pcall('SCARD', prev), redis.pcall('SCARD', key)
+      if type(n) == 'number' and n == n_prev then
+        same = redis.pcall('SINTERCARD', 2, prev, key) == n
       end
-      stale = false
     end
-    local key, nxt = prefix .. 'h:' .. hashes[i], {}
-    for c = 1, #cur, 1000 do  -- unpack() is bounded by the C stack: 2000 codes a call
-      local last = math.min(c + 999, #cur)
-      local flags = redis.pcall('SMISMEMBER', key, unpack(codes, 2 * c - 1, 2 * last))
-      if flags.err then flags = {} end
-      for j = c, last do
-        local s, k = cur[j], (j - c) * 2 + 1
-        if flags[k] == 1 or flags[k + 1] == 1 then
-          nxt[#nxt + 1] = s; matched[s] = i
-          if flags[k] ~= 1 then on_host[s] = on_host[s] + 1 end
+    if same then
+      for _, s in ipairs(cur) do matched[s] = i; on_host[s] = on_host[s] + flag[s] end
+    else
+      if stale then
+        codes = {}
+        for j, s in ipairs(cur) do
+          codes[2 * j - 1] = tostring(s * 2); codes[2 * j] = tostring(s * 2 + 1)
+        end
+        stale = false
+      end
+      local nxt = {}
+      for c = 1, #cur, 1000 do  -- unpack() is bounded by the C stack: 2000 codes a call
+        local last = math.min(c + 999, #cur)
+        local flags = redis.pcall('SMISMEMBER', key, unpack(codes, 2 * c - 1, 2 * last))
+        if flags.err then flags = {} end
+        for j = c, last do
+          local s, k = cur[j], (j - c) * 2 + 1
+          if flags[k] == 1 or flags[k + 1] == 1 then
+            nxt[#nxt + 1] = s; matched[s] = i
+            flag[s] = flags[k] == 1 and 0 or 1
+            on_host[s] = on_host[s] + flag[s]
+          end
         end
       end
+      if #nxt < #cur then stale = true end
+      cur = nxt
     end
-    if #nxt < #cur then stale = true end
-    cur = nxt
+    prev = key
   end
   return matched, on_host
 end
@@ -192,17 +211,30 @@ return out
 """ % (", ".join(f"'{f}'" for f in INFO_FIELDS), len(INFO_FIELDS))
 
 # The per-request hot path. ARGV[2]: chain. id, matched, host-only, id, ... for the live replicas
-# holding at least the chain's first block (liveness: the heartbeat key exists); the router knows
-# the others from its scan.
+# holding at least the chain's first block (live: in `replicas`, which the routers' scans keep);
+# the router knows the others from its scan. Two calls resolve every holder's id and liveness.
 MATCH_SCRIPT = _SPLIT + _WALK + """
 local matched, on_host = walk(split(ARGV[2] or ''))
+local slots = {}
+for slot in pairs(matched) do slots[#slots + 1] = slot end
 local out = {}
-for slot, m in pairs(matched) do
-  local id = redis.call('HGET', prefix .. 'slot_ids', slot)
-  if id and redis.call('EXISTS', prefix .. 'replica:' .. id) == 1 then
-    out[#out + 1] = id
-    out[#out + 1] = m
-    out[#out + 1] = on_host[slot]
+for c = 1, #slots, 4000 do  -- unpack() is bounded by the C stack
+  local last = math.min(c + 3999, #slots)
+  local ids = redis.call('HMGET', prefix .. 'slot_ids', unpack(slots, c, last))
+  local named, where = {}, {}
+  for j = c, last do
+    local id = ids[j - c + 1]
+    if id then named[#named + 1] = id; where[#named] = slots[j] end
+  end
+  if #named > 0 then
+    local live = redis.call('SMISMEMBER', prefix .. 'replicas', unpack(named))
+    for j, id in ipairs(named) do
+      if live[j] == 1 then
+        out[#out + 1] = id
+        out[#out + 1] = matched[where[j]]
+        out[#out + 1] = on_host[where[j]]
+      end
+    end
   end
 end
 return out

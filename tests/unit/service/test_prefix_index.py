@@ -277,3 +277,29 @@ async def test_lookup_walks_more_holders_than_one_redis_call_takes(redis_server)
     finally:
         await index.close()
         r.close()
+
+
+async def test_lookup_of_a_prefix_many_replicas_hold(redis_server):
+    # 20 holders: while a block's holder set equals the previous block's, the walk compares the
+    # sets instead of testing each holder; where they differ it tests each one again.
+    from kvserve.service.prefix_index.scripts import add_blocks
+
+    r = redis.Redis.from_url(redis_server.url)
+    keys = IndexKeys("svc")
+    for i in range(20):
+        rid = f"r{i:02d}"
+        r.hset(keys.replica(rid), mapping={"url": f"http://{rid}:8000", "heartbeat_at": "1"})
+        r.sadd(keys.replicas, rid)
+        held = CHAIN[:4] + CHAIN[5:] if rid == "r05" else CHAIN  # r05 lost block 4
+        add_blocks(r, keys, rid, held, medium="host" if i >= 15 else "device")
+    add_blocks(r, keys, "r16", CHAIN[6:7])  # block 6 of r16 also back on the device
+    want = {f"r{i:02d}": (8, 8 if i >= 15 else 0) for i in range(20)}
+    want["r05"], want["r16"] = (4, 0), (8, 7)
+    index = PrefixIndex.from_url(redis_server.url, "svc")
+    try:
+        assert await index.match_tiers(CHAIN) == want
+        assert {m.replica.replica_id: (m.matched_blocks, m.host_blocks)
+                for m in await index.lookup(CHAIN) if m.replica.replica_id in want} == want
+    finally:
+        await index.close()
+        r.close()
