@@ -62,10 +62,6 @@ class IndexKeys:
     def host_blocks(self, replica_id: str) -> str:
         return f"{self.prefix}blocks_host:{replica_id}"
 
-    def block_sets(self, replica_id: str) -> tuple[str, str]:
-        """Both of a replica's block sets (device, host)."""
-        return self.blocks(replica_id), self.host_blocks(replica_id)
-
     def holders(self, block_hash: str) -> str:
         return f"{self.prefix}h:{block_hash}"
 

@@ -167,8 +167,8 @@ class PrefixIndexPublisher:
     async def close(self) -> None:
         """Stop publishing and remove this replica's entries (best effort)."""
         if self._task is not None:
-            # The flag as well as the cancel: a cancel that lands inside a Redis call can be
-            # swallowed (seen on Python 3.11: close() then waited forever), the flag cannot.
+            # The flag as well as the cancel: a cancel can be lost (seen on Python 3.11: close()
+            # waited forever on a task left "cancelling" in its idle wait); the flag cannot.
             self._stopping = True
             if self._wake is not None:
                 self._wake.set()
@@ -207,7 +207,7 @@ class PrefixIndexPublisher:
                 next_beat = 0.0
             timeout = max(0.0, next_beat - time.monotonic()) if self._connected else \
                 self.heartbeat_interval
-            try:  # not asyncio.wait_for: on 3.11 it can swallow a cancel (close() hung)
+            try:  # not asyncio.wait_for: on 3.11 it can swallow a cancel racing its timeout
                 async with asyncio.timeout(timeout):
                     await self._wake.wait()
             except TimeoutError:
