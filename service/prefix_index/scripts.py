@@ -5,8 +5,9 @@ Why an inverted index: the first layout kept only the replicas' sets and the loo
 live replica (one SMISMEMBER of the whole chain each), so Redis's one thread spent replicas x
 blocks per routing decision (4.7-9.0 ms at 256 replicas, docs/perf.md). Walking the chain through
 `h:<hash>` costs what the chain's holders hold instead: the first block's holders, then one
-SMISMEMBER of the replicas still matching per further block, stopping when none is left. Replicas
-holding nothing cost nothing. Holders are small integers (2*slot, +1 for the host tier) so each
+SMISMEMBER of the replicas still matching per further block, stopping when none is left; while a
+block's holder set equals the previous block's (a prefix every replica holds) one SINTERCARD of
+the two sets stands for the per-holder tests. Replicas holding nothing cost nothing. Holders are small integers (2*slot, +1 for the host tier) so each
 `h:*` set is a compact intset.
 
 Conventions: KEYS[1] is the service's `replicas` key (a declared key routes the script to the
@@ -27,9 +28,10 @@ from kvserve.service.prefix_index.replica_info import INFO_FIELDS
 
 HASH_HEX_LEN = 32  # engine.block_hash: blake2b-128 as hex
 # Hashes per write call, and entries a clear or a sweep removes per call: each call holds Redis's
-# one thread for ~1-5 ms at most, whatever a replica's cache size.
-WRITE_CHUNK = 5000
-SWEEP_BUDGET = 5000
+# one thread for ~2 ms at most (5,000 took 8.6-11 ms on Zen 4), whatever a replica's cache size, so
+# lookups never queue long behind a snapshot or a dead replica's cleanup.
+WRITE_CHUNK = 1000
+SWEEP_BUDGET = 1000
 
 _SPLIT = """
 local prefix = ARGV[1]

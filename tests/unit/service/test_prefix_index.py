@@ -303,3 +303,53 @@ async def test_lookup_of_a_prefix_many_replicas_hold(redis_server):
     finally:
         await index.close()
         r.close()
+
+
+async def test_a_dead_replica_is_swept_in_bounded_steps(redis_server):
+    from kvserve.service.prefix_index.scripts import add_blocks
+
+    r = redis.Redis.from_url(redis_server.url)
+    keys = IndexKeys("svc")
+    long_chain = block_hashes(list(range(16 * 2500)), 16)
+    add_blocks(r, keys, "dead", long_chain[:2000])
+    add_blocks(r, keys, "dead", long_chain[2000:], medium="host")
+    r.sadd(keys.replicas, "dead")  # its heartbeat key is gone: the next scan finds it dead
+    index = PrefixIndex.from_url(redis_server.url, "svc")
+    try:
+        assert (await index.scan(sweep=1000)).matches == []
+        assert r.smembers(keys.dead) == {b"dead"}
+        assert r.scard(keys.blocks("dead")) + r.scard(keys.host_blocks("dead")) == 1500
+        assert await index.match_counts(long_chain) == {}  # half-swept: never routed to
+        await index.scan(sweep=1000)
+        await index.scan(sweep=1000)
+        assert not r.exists(keys.blocks("dead"), keys.host_blocks("dead"), keys.dead)
+        assert not any(r.exists(keys.holders(h)) for h in long_chain[::97])
+        assert not r.hexists(keys.slots, "dead")
+    finally:
+        await index.close()
+        r.close()
+
+
+def test_writes_are_split_into_bounded_calls_in_order():
+    from kvserve.service.prefix_index.scripts import WRITE_CHUNK, write_calls
+
+    keys = IndexKeys("svc")
+    a, b = CHAIN * 300, CHAIN[:3]  # 2,400 and 3 hashes
+    calls = write_calls(keys, "r", [("add", "device", a), ("remove", "host", b)])
+    flat = []
+    for call in calls:
+        assert call[:2] == [keys.prefix, "r"]
+        groups = [call[i : i + 3] for i in range(2, len(call), 3)]
+        assert sum(len(blob) // 32 for _, _, blob in groups) <= WRITE_CHUNK
+        flat += [(op, medium, blob[i : i + 32]) for op, medium, blob in groups
+                 for i in range(0, len(blob), 32)]
+    assert flat == [("add", "device", h) for h in a] + [("remove", "host", h) for h in b]
+    assert len(calls) == -(-(len(a) + len(b)) // WRITE_CHUNK)
+    with pytest.raises(ValueError, match="32-hex-digit"):
+        write_calls(keys, "r", [("add", "device", ["abc"])])
+
+
+def test_a_service_name_must_make_a_hash_tag():
+    for bad in ("", "a{b", "a}b"):
+        with pytest.raises(ValueError, match="service name"):
+            IndexKeys(bad)
