@@ -57,7 +57,7 @@ def server_config_from_args(args: argparse.Namespace) -> Any:
     from kvserve.service.server.config import ServerConfig
 
     if args.redis_url:
-        check_redis_url(args.redis_url)
+        check_redis_url(args.redis_url, args.service_name)
     return ServerConfig(
         host=args.host, port=args.port, served_model_names=list(args.served_model_name or []),
         api_key=args.api_key or os.environ.get("KVSERVE_API_KEY") or None,
@@ -74,14 +74,17 @@ def server_config_from_args(args: argparse.Namespace) -> Any:
         advertise_url=args.advertise_url, replica_id=args.replica_id, print_banner=True)
 
 
-def check_redis_url(url: str) -> None:
-    """ConfigError (before the model loads) for a --redis-url that cannot work."""
+def check_redis_url(url: str, service_name: str = "default") -> None:
+    """ConfigError (before the model loads) for a --redis-url (or --service-name) that cannot
+    work."""
     try:
+        from kvserve.service.prefix_index.keys import IndexKeys
         from kvserve.service.prefix_index.redis_client import parse_redis_url
     except ModuleNotFoundError:  # without the prefix index the server warns and goes on
         return
     try:
         parse_redis_url(url)
+        IndexKeys(service_name)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 

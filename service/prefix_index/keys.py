@@ -42,8 +42,8 @@ class IndexKeys:
         # An empty name would make the empty hash tag `{}`, which Redis Cluster ignores (the keys
         # would scatter over slots); braces inside would cut the tag short.
         if not self.service or "{" in self.service or "}" in self.service:
-            raise ValueError(f"service name must be non-empty and without braces, "
-                             f"got {self.service!r}")
+            raise ValueError(f"--service-name: a service name must be non-empty and without "
+                             f"braces (it is the Redis Cluster hash tag), got {self.service!r}")
 
     @property
     def prefix(self) -> str:

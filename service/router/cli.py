@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvserve.service.flags import LOG_LEVELS, REDIS_URL_FORMS, add_limit_args, limits_from_args
+from kvserve.service.prefix_index.keys import IndexKeys
 from kvserve.service.prefix_index.redis_client import parse_redis_url, redact_url
 from kvserve.service.prefix_index.replica_info import REGISTRATION_TOKEN_ENV
 from kvserve.service.router.app import create_app
@@ -82,6 +83,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
     if ns.redis_url:
         try:
             parse_redis_url(ns.redis_url)
+            IndexKeys(ns.service_name)
         except ValueError as exc:
             raise SystemExit(f"kvserve router: {exc}") from None
     replicas = tuple(u.strip() for u in ns.replicas.split(",") if u.strip())

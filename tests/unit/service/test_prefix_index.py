@@ -351,5 +351,5 @@ def test_writes_are_split_into_bounded_calls_in_order():
 
 def test_a_service_name_must_make_a_hash_tag():
     for bad in ("", "a{b", "a}b"):
-        with pytest.raises(ValueError, match="service name"):
+        with pytest.raises(ValueError, match="--service-name"):
             IndexKeys(bad)

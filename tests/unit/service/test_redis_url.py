@@ -135,3 +135,15 @@ def test_router_refuses_a_bad_url_at_startup():
     assert "--redis-url 'redis+cluster://***@': no hosts" in str(err.value)
     ok = router_cli.config_from_args(parser.parse_args(["--redis-url", "redis+cluster://n:1"]))
     assert ok.redis_url == "redis+cluster://n:1"
+
+
+@pytest.mark.parametrize("name", ["", "a{b}"])
+def test_a_service_name_that_cannot_be_a_hash_tag_is_refused_at_startup(name, capsys):
+    code = cli.main(["serve", "/nonexistent/model", "--redis-url", "redis://r:6379/0",
+                     "--service-name", name])
+    assert code == 2 and "configuration error: --service-name" in capsys.readouterr().err
+    parser = argparse.ArgumentParser()
+    router_cli.add_arguments(parser)
+    with pytest.raises(SystemExit, match="--service-name"):
+        router_cli.config_from_args(parser.parse_args(["--redis-url", "redis://r:6379/0",
+                                                       "--service-name", name]))
