@@ -7,8 +7,8 @@ blocks per routing decision (4.7-9.0 ms at 256 replicas, docs/perf.md). Walking 
 `h:<hash>` costs what the chain's holders hold instead: the first block's holders, then one
 SMISMEMBER of the replicas still matching per further block, stopping when none is left; while a
 block's holder set equals the previous block's (a prefix every replica holds) one SINTERCARD of
-the two sets stands for the per-holder tests. Replicas holding nothing cost nothing. Holders are small integers (2*slot, +1 for the host tier) so each
-`h:*` set is a compact intset.
+the two sets stands for the per-holder tests. Replicas holding nothing cost nothing. Holders are
+small integers (2*slot, +1 for the host tier) so each `h:*` set is a compact intset.
 
 Conventions: KEYS[1] is the service's `replicas` key (a declared key routes the script to the
 Cluster node owning the service's hash tag; the others are derived from the prefix and share the
