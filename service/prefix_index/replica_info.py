@@ -3,6 +3,7 @@ registration signature that proves the replica holds the service's shared token.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import math
@@ -72,8 +73,7 @@ class ReplicaInfo:
             raise MalformedHeartbeatError(f"expected {len(INFO_FIELDS)} fields, got {len(values)}")
         f = dict(zip(INFO_FIELDS, (_text(v) for v in values)))
         url = f["url"]
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
+        if not _is_http_url(url):
             raise MalformedHeartbeatError(f"url {url[:80]!r} is not http(s)://host[:port]")
         return cls(
             replica_id=replica_id, url=url, model=f["model"],
@@ -82,6 +82,13 @@ class ReplicaInfo:
             kv_cache_usage=_float(f, "kv_cache_usage"), heartbeat_at=_float(f, "heartbeat_at"),
             draining=f["draining"] == DRAINING_VALUE, heartbeat_at_raw=f["heartbeat_at"],
             signature=f["signature"])
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_http_url(url: str) -> bool:
+    """Cached: a router re-reads every replica's URL every second, and it rarely changes."""
+    parts = urlsplit(url)
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
 
 
 def _text(value: Any) -> str:
