@@ -13,6 +13,7 @@ from kvserve.engine.kv_events import KVEvent
 from kvserve.service.prefix_index.keys import IndexKeys
 from kvserve.service.prefix_index.lookup import PrefixIndex
 from kvserve.service.prefix_index.publisher import PrefixIndexPublisher
+from kvserve.service.prefix_index.scripts import WRITE_CHUNK, add_blocks, write_calls
 
 
 @dataclass
@@ -252,21 +253,22 @@ async def test_lookup_rejects_hashes_that_are_not_engine_block_hashes(redis_serv
         await index.close()
 
 
+def heartbeats(r: redis.Redis, keys: IndexKeys, ids) -> None:
+    """Minimal live heartbeats, written directly (no publisher per replica)."""
+    pipe = r.pipeline(transaction=False)
+    for rid in ids:
+        pipe.hset(keys.replica(rid), mapping={"url": f"http://{rid}:8000", "heartbeat_at": "1"})
+        pipe.sadd(keys.replicas, rid)
+    pipe.execute()
+
+
 async def test_lookup_walks_more_holders_than_one_redis_call_takes(redis_server):
     # 1,100 replicas hold the chain's first block: the walk splits its SMISMEMBER calls (2,000
     # holder codes each) and rebuilds its codes as holders drop out.
-    from kvserve.service.prefix_index.scripts import add_blocks
-
     r = redis.Redis.from_url(redis_server.url)
     keys = IndexKeys("svc")
-    want = {}
-    pipe = r.pipeline(transaction=False)
-    for i in range(1100):
-        rid = f"r{i:04d}"
-        pipe.hset(keys.replica(rid), mapping={"url": f"http://{rid}:8000", "heartbeat_at": "1"})
-        pipe.sadd(keys.replicas, rid)
-        want[rid] = 1 + i % 8  # replica i holds the first 1 + i % 8 blocks
-    pipe.execute()
+    want = {f"r{i:04d}": 1 + i % 8 for i in range(1100)}  # r<i> holds the first 1 + i % 8 blocks
+    heartbeats(r, keys, want)
     for rid, n in want.items():
         add_blocks(r, keys, rid, CHAIN[:n], medium="host" if rid.endswith("7") else "device")
     index = PrefixIndex.from_url(redis_server.url, "svc")
@@ -282,14 +284,11 @@ async def test_lookup_walks_more_holders_than_one_redis_call_takes(redis_server)
 async def test_lookup_of_a_prefix_many_replicas_hold(redis_server):
     # 20 holders: while a block's holder set equals the previous block's, the walk compares the
     # sets instead of testing each holder; where they differ it tests each one again.
-    from kvserve.service.prefix_index.scripts import add_blocks
-
     r = redis.Redis.from_url(redis_server.url)
     keys = IndexKeys("svc")
+    heartbeats(r, keys, [f"r{i:02d}" for i in range(20)])
     for i in range(20):
         rid = f"r{i:02d}"
-        r.hset(keys.replica(rid), mapping={"url": f"http://{rid}:8000", "heartbeat_at": "1"})
-        r.sadd(keys.replicas, rid)
         held = CHAIN[:4] + CHAIN[5:] if rid == "r05" else CHAIN  # r05 lost block 4
         add_blocks(r, keys, rid, held, medium="host" if i >= 15 else "device")
     add_blocks(r, keys, "r16", CHAIN[6:7])  # block 6 of r16 also back on the device
@@ -306,8 +305,6 @@ async def test_lookup_of_a_prefix_many_replicas_hold(redis_server):
 
 
 async def test_a_dead_replica_is_swept_in_bounded_steps(redis_server):
-    from kvserve.service.prefix_index.scripts import add_blocks
-
     r = redis.Redis.from_url(redis_server.url)
     keys = IndexKeys("svc")
     long_chain = block_hashes(list(range(16 * 2500)), 16)
@@ -331,8 +328,6 @@ async def test_a_dead_replica_is_swept_in_bounded_steps(redis_server):
 
 
 def test_writes_are_split_into_bounded_calls_in_order():
-    from kvserve.service.prefix_index.scripts import WRITE_CHUNK, write_calls
-
     keys = IndexKeys("svc")
     a, b = CHAIN * 300, CHAIN[:3]  # 2,400 and 3 hashes
     calls = write_calls(keys, "r", [("add", "device", a), ("remove", "host", b)])
