@@ -183,7 +183,8 @@ class ReplicaSet:
 
     def candidate(self, info: ReplicaInfo, matched_blocks: int, host_blocks: int = 0) -> Candidate:
         """The replica as the policy sees it: its load is the larger of its heartbeat's (up to
-        ~2 s old) and the requests every router of the service has in flight on it now."""
+        ~2 s old) and the requests every router of the service has in flight on it now
+        (`candidates` inlines the same formula)."""
         rid = info.replica_id
         others = self.shared.others.get(rid, 0) if self.shared is not None else 0
         load = max(info.load, self.inflight.get(rid, 0) + others)
@@ -212,6 +213,7 @@ class ReplicaSet:
         out, downs = [], []
         for rid, info in self.known.items():
             matched, host = counts.get(rid, _NO_MATCH)
+            # `candidate`'s load, inlined: a method call per replica costs ~10% of a decision
             load = max(info.load, inflight.get(rid, 0) + others.get(rid, 0))
             cand = Candidate(rid, info.url, load, info.kv_cache_usage, matched, host)
             (downs if down and down.get(rid, 0.0) > now else out).append(cand)

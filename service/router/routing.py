@@ -82,7 +82,6 @@ class Router:
 
     def least_load_ranking(self) -> list[Candidate]:
         """Every replica by load: for requests that are not routed by their prompt."""
-        infos = self.replicas.routable() or list(self.replicas.known.values())
         self.counter += 1
-        return list(decide("least-load", [self.replicas.candidate(i, 0) for i in infos],
+        return list(decide("least-load", self.replicas.candidates({}),
                            counter=self.counter).ranking)
