@@ -200,9 +200,6 @@ class ReplicaSet:
         sizes = [i.block_size for i in self.known.values() if i.model]
         return max(set(sizes), key=sizes.count) if sizes else self.cfg.block_size
 
-    def without_matches(self) -> list[ReplicaMatch]:
-        return [ReplicaMatch(i, 0) for i in self.known.values()]
-
     def candidates(self, counts: dict[str, tuple[int, int]]) -> list[Candidate]:
         """Every routable replica as a Candidate, `counts` {id: (matched, host-only)} giving the
         matched blocks (absent: 0); every known replica when all are marked down. One pass: this
