@@ -83,11 +83,11 @@ def assert_matches_hf(hf, token_prompts: list[list[int]], outputs, greedy: bool 
             torch.testing.assert_close(ours, theirs, atol=atol, rtol=0)
 
 
-def check_family(folder: Path, **llm_kw) -> None:
+def check_family(folder: Path, lens=PROMPT_LENS, **llm_kw) -> None:
     """Cold then warm prefix cache, chunked prefill in small steps (across every window), greedy
     and n = 2 sampled, all against HF."""
     hf = hf_model(folder)
-    token_prompts = prompts(hf.config.vocab_size)
+    token_prompts = prompts(hf.config.vocab_size, lens)
     llm = make_llm(folder, block_size=8, max_num_batched_tokens=16, **llm_kw)
     try:
         cold = run(llm, token_prompts)
