@@ -4,7 +4,7 @@ One forward takes a flattened batch of prefill and decode tokens ([T] ids and po
 padding); each layer writes its new K/V through the slot mapping and attends through the block
 tables with `kvserve.kernels`. q/k/v and gate/up are fused into one matmul each at load time.
 With a TPGroup (tensor parallelism) each rank holds its heads, its slice of the MLP and of the
-vocabulary (engine/distributed.py), and all-reduces after o_proj, down_proj and the embedding;
+vocabulary (engine/worker/distributed.py), and all-reduces after o_proj, down_proj and the embedding;
 without one the model is the plain unsharded one, with no collective.
 """
 
@@ -17,9 +17,9 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
-from kvserve.engine.distributed import TPGroup, TPShape
+from kvserve.engine.worker.distributed import TPGroup, TPShape
 from kvserve.engine.errors import ConfigError, ModelNotFoundError
-from kvserve.engine.models.parallel_layers import VocabParallelEmbedding, rank_slice, read_slice
+from kvserve.engine.layers.linear import VocabParallelEmbedding, rank_slice, read_slice
 from kvserve.kernels import cpu_ops as ops
 from kvserve.kernels.metadata import AttentionMetadata
 

@@ -65,8 +65,8 @@ def test_priority_policy_serves_lower_values_first(tiny_model_dir, llm):
 def test_priority_preempts_the_least_urgent(tiny_model_dir):
     from collections import deque
 
-    from kvserve.engine.scheduling_policy import add_waiting, victim
-    from kvserve.engine.sequence import Sequence
+    from kvserve.engine.core.scheduling_policy import add_waiting, victim
+    from kvserve.engine.core.sequence import Sequence
 
     seqs = [Sequence(i, str(i), 0, [1], PLAIN, arrival_time=float(i), priority=p)
             for i, p in enumerate([2, 0, 2, 1])]

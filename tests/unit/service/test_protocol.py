@@ -7,7 +7,7 @@ from pydantic import ValidationError
 
 from kvserve.engine.errors import InvalidRequestError
 from kvserve.engine.outputs import CompletionOutput
-from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.sample.sampling_params import SamplingParams
 from kvserve.service.openai_errors import error_body, validation_error
 from kvserve.service.chat_request import ChatCompletionRequest
 from kvserve.service.request_models import CompletionRequest
