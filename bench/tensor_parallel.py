@@ -57,7 +57,7 @@ class Timed:
         self.calls = 0
 
     def install(self) -> None:
-        from kvserve.engine.worker.distributed import TPGroup
+        from kvserve.engine.distributed import TPGroup
 
         for name in ("all_reduce", "gather_logits"):
             setattr(TPGroup, name, self._wrap(getattr(TPGroup, name)))

@@ -46,7 +46,7 @@ class EngineConfig:
     # or a folder holding a generation_config.json (engine/sample/generation_config.py).
     generation_config: str = "auto"
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (lower value first)
-    # Structured outputs (engine/structured_output/grammar.py): "auto" (xgrammar, guidance for what it refuses),
+    # Structured outputs (structured_output/): "auto" (xgrammar, guidance for what it refuses),
     # "xgrammar" or "guidance". LLM(...) also takes vLLM's structured_outputs_config={"backend":
     # ...} and the older guided_decoding_backend=...; the server
     # --structured-outputs-config.backend.

@@ -81,7 +81,7 @@ def kv_dtype(spec: ServiceSpec) -> str:
 
 def gpu_candidates(spec: ServiceSpec) -> list[int]:
     """Powers of two up to maxPerReplica that the engine can split the model over (heads, KV
-    heads, MLP: engine/worker/distributed.py's rule)."""
+    heads, MLP: engine/distributed.py's rule)."""
     if spec.device == "cpu":
         return [1]
     arch, out, n = spec.model.arch, [], 1

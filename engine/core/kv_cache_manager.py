@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 from kvserve.engine.core.block_hash import hash_block
 from kvserve.engine.core.block_pool import Block, BlockPool
+from kvserve.engine.core.sequence import Sequence
 from kvserve.engine.kv_offload.disk_tier import DiskTier
 from kvserve.engine.kv_offload.host_tier import HostTier, TierCounters
-from kvserve.engine.core.sequence import Sequence
 
 
 @dataclass

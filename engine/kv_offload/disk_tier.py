@@ -20,10 +20,10 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
-from kvserve.engine.kv_offload import disk_block_file as fmt
-from kvserve.engine.errors import ConfigError
-from kvserve.engine.kv_offload.host_tier import TierCounters
 from kvserve.engine.core.kv_events import KVEvent
+from kvserve.engine.errors import ConfigError
+from kvserve.engine.kv_offload import disk_block_file as fmt
+from kvserve.engine.kv_offload.host_tier import TierCounters
 
 logger = logging.getLogger("kvserve.engine")
 

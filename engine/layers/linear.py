@@ -1,5 +1,6 @@
-"""Sharded layers that need more than a narrower nn.Linear: the vocabulary-parallel embedding, and
-the rule that says which slice of each checkpoint tensor a rank reads.
+"""Linears: plain (skip-initialised) ones, and the rule that says which slice of each checkpoint
+tensor a rank reads under tensor parallelism (the vocabulary-parallel embedding is in
+vocab_embedding.py).
 
 Column-parallel linears (q/k/v, gate/up, lm_head) are plain linears with fewer output rows; a
 row-parallel one (o, down) is a plain linear with fewer input columns whose output the caller
@@ -12,30 +13,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvserve.engine.worker.distributed import TPGroup, TPShape
+from kvserve.engine.distributed import TPShape
 
 
-class VocabParallelEmbedding(nn.Module):
-    """Rows [vocab_start, vocab_start + vocab_per_rank) of the embedding; ids outside give zero,
-    and one all-reduce leaves every rank with every token's row (exact: one non-zero addend)."""
-
-    def __init__(self, shape: TPShape, hidden: int, tp: TPGroup, dtype: torch.dtype,
-                 device=None) -> None:
-        super().__init__()
-        self.tp, self.start, self.rows = tp, shape.vocab_start, shape.vocab_rows
-        # Zeroed: the rows past the vocabulary on the last rank are padding that lm_head reads.
-        self.weight = nn.Parameter(torch.zeros(shape.vocab_per_rank, hidden, dtype=dtype,
-                                               device=device))
-
-    def forward(self, input_ids: Tensor) -> Tensor:
-        local = input_ids - self.start
-        outside = (local < 0) | (local >= self.rows)
-        x = F.embedding(local.masked_fill(outside, 0), self.weight)
-        x.masked_fill_(outside.unsqueeze(-1), 0)
-        return self.tp.all_reduce(x)
+def skip_init_linear(n_in: int, n_out: int, bias: bool, dtype: torch.dtype, device) -> nn.Linear:
+    """A plain nn.Linear (column or row parallel: the caller passes this rank's sizes)."""
+    # skip_init: no random init of weights that load_weights overwrites anyway
+    return torch.nn.utils.skip_init(nn.Linear, n_in, n_out, bias=bias, dtype=dtype, device=device)
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from kvserve.engine.outputs import Logprob
 from kvserve.engine.core.sequence import Sequence
+from kvserve.engine.outputs import Logprob
 
 # Prompt rows sent through the LM head at once: bounds the [rows, vocab] float32 logits (a
 # 2,048-token chunk of a 128k vocabulary would be 1 GiB at once).

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvserve.engine.structured_output.grammar import apply_token_bitmask
 from kvserve.engine.sample.sampling_params import SamplingParams
+from kvserve.engine.structured_output.grammar import apply_token_bitmask
 from kvserve.kernels.cpu_ops import argmax
 
 # Below this temperature a row is greedy (the same threshold as SamplingParams.greedy).
@@ -67,7 +67,7 @@ class SamplingMetadata:
     no_top_k: bool = False
     # (rows, token ids) whose logits are -inf this step: stop/EOS tokens of rows under min_tokens.
     min_tokens_block: tuple[torch.Tensor, torch.Tensor] | None = field(default=None)
-    # (rows, int32 bitmask [S, ceil(V/32)]) of the rows under a grammar (engine/structured_output/grammar.py):
+    # (rows, int32 bitmask [S, ceil(V/32)]) of the rows under a grammar (structured_output/):
     # forbidden tokens are -inf before anything else, so logprobs see the constrained distribution.
     token_bitmask: tuple[list[int], torch.Tensor] | None = field(default=None)
     # (rows, token ids, biases) added to the logits after the raw logprobs (OpenAI's logit_bias).

@@ -27,7 +27,7 @@ _INTS = ("n", "best_of", "top_k", "max_tokens", "min_tokens", "logprobs", "promp
 @dataclass
 class SamplingParams:
     n: int = 1
-    best_of: int | None = None  # sample this many, return the n most likely (engine/sample/best_of.py)
+    best_of: int | None = None  # sample this many, return the n most likely (sample/best_of.py)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 (or 0) = no top-k
@@ -42,11 +42,11 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None  # number of top logprobs per generated token
-    prompt_logprobs: int | None = None  # top logprobs per prompt token (engine/sample/prompt_logprobs.py)
+    prompt_logprobs: int | None = None  # top logprobs per prompt token (sample/prompt_logprobs.py)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's)
-    # What the output must match (engine/structured_output/params.py): vLLM's current and older spellings.
+    # What the output must match (structured_output/params.py): vLLM's current and older spellings.
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: StructuredOutputsParams | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)

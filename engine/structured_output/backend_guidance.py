@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from kvserve.engine.structured_output.backend import GrammarBackend, constraint_error, import_library
+from kvserve.engine.structured_output.backend import GrammarBackend, constraint_error, \
+    import_library
 from kvserve.engine.structured_output.params import StructuredOutputsParams
 
 

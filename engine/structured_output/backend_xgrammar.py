@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 from kvserve.engine.errors import InvalidRequestError
-from kvserve.engine.structured_output.backend import GrammarBackend, choice_grammar, constraint_error, \
-    import_library
+from kvserve.engine.structured_output.backend import GrammarBackend, choice_grammar, \
+    constraint_error, import_library
 from kvserve.engine.structured_output.params import StructuredOutputsParams
 
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")

@@ -1,6 +1,7 @@
 """StructuredOutputsParams: what a request's output must match (a JSON schema, any JSON object, a
 regex, one of several strings, or an EBNF grammar), with vLLM's names: `GuidedDecodingParams` is
-the older spelling of the same class. Checked here without compiling; engine/structured_output/grammar.py compiles."""
+the older spelling of the same class. Checked here without compiling;
+grammar.py compiles."""
 
 from __future__ import annotations
 

@@ -1,1 +1,2 @@
-"""Execution: the model runner, tensor-parallel workers, the platform (memory budget, device), model loading."""
+"""Execution: the model runner, tensor-parallel workers, the platform (memory budget, device),
+model loading."""

@@ -25,7 +25,7 @@ from kvserve.engine.errors import ModelNotFoundError
 from kvserve.paths import cache_root
 
 if TYPE_CHECKING:
-    from kvserve.engine.worker.distributed import TPGroup
+    from kvserve.engine.distributed import TPGroup
 
 logger = logging.getLogger(__name__)
 

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from kvserve.engine.kv_offload.host_blocks import CopyTiming, HostBlocks
 from kvserve.engine.core.kv_cache_manager import KVCacheManager
+from kvserve.engine.core.scheduler import SchedulerOutput
+from kvserve.engine.kv_offload.host_blocks import CopyTiming, HostBlocks
 from kvserve.engine.sample.prompt_logprobs import PromptLogprobsPlan, PromptLogprobsResult
 from kvserve.engine.sample.prompt_logprobs import compute as compute_prompt_logprobs
 from kvserve.engine.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
-from kvserve.engine.core.scheduler import SchedulerOutput
 from kvserve.kernels.backend import resolve_backend
 from kvserve.kernels.fp8 import compute_kv_scale
 from kvserve.kernels.metadata import AttentionMetadata
@@ -76,7 +76,7 @@ class StepInput:
     max_seq_len: int
     sample_rows: list[int]  # batch index per sampled row (may repeat: n > 1)
     moves: BlockMoves
-    # prompt logprobs (engine/sample/prompt_logprobs.py): flattened rows, the token each predicts, top-k
+    # prompt logprobs (sample/prompt_logprobs.py): flattened rows, the token each predicts, top-k
     prompt_rows: list[int] = field(default_factory=list)
     prompt_targets: list[int] = field(default_factory=list)
     prompt_k: int = 0

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from kvserve.engine.config import EngineConfig
-from kvserve.engine.worker.distributed import TPGroup, check_tensor_parallel
+from kvserve.engine.distributed import TPGroup, check_tensor_parallel
 from kvserve.engine.errors import ConfigError, OutOfKVCacheError
 from kvserve.engine.worker.malloc_tuning import keep_activation_memory
 from kvserve.engine.memory import GiB, MemoryBudget, activation_peak_bytes, blocks_for_bytes, \

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from kvserve.engine.worker.distributed import TPGroup
+from kvserve.engine.distributed import TPGroup
 from kvserve.engine.errors import WorkerDiedError
 
 logger = logging.getLogger("kvserve.engine")

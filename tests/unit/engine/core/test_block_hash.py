@@ -12,8 +12,8 @@ import pytest
 
 from kvserve.engine.core.block_hash import block_hashes, block_hashes_bytes, hash_block
 from kvserve.engine.core.kv_cache_manager import KVCacheManager
-from kvserve.engine.sample.sampling_params import SamplingParams
 from kvserve.engine.core.sequence import Sequence
+from kvserve.engine.sample.sampling_params import SamplingParams
 
 TOKENS = [(i * 37 + 11) % 50_000 for i in range(70)]  # 4 full blocks of 16 + 6 tokens
 

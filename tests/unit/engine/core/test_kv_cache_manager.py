@@ -14,8 +14,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvserve.engine.core.block_hash import block_hashes_bytes
 from kvserve.engine.core.kv_cache_manager import KVCacheManager
-from kvserve.engine.sample.sampling_params import SamplingParams
 from kvserve.engine.core.sequence import Sequence
+from kvserve.engine.sample.sampling_params import SamplingParams
 
 BS = 4
 

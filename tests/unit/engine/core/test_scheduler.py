@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from kvserve.engine.core.block_hash import block_hashes
 from kvserve.engine.core.kv_cache_manager import KVCacheManager
-from kvserve.engine.sample.sampling_params import SamplingParams
 from kvserve.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.engine.core.sequence import Sequence, SequenceStatus
+from kvserve.engine.sample.sampling_params import SamplingParams
 
 
 def next_token(seq: Sequence) -> int:

@@ -9,9 +9,9 @@ import random
 
 import pytest
 
+from kvserve.engine.errors import ConfigError
 from kvserve.engine.kv_offload import disk_block_file as fmt
 from kvserve.engine.kv_offload.disk_tier import DiskTier
-from kvserve.engine.errors import ConfigError
 
 PAYLOAD = 256
 FILE = fmt.HEADER_SIZE + PAYLOAD

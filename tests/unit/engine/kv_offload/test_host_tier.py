@@ -9,9 +9,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvserve.engine.kv_offload.host_tier import HostTier
 from kvserve.engine.core.kv_cache_manager import HostHit, KVCacheManager
 from kvserve.engine.core.kv_events import KVEvent
+from kvserve.engine.kv_offload.host_tier import HostTier
 
 from test_kv_cache_manager import _SETTINGS, BS, KVCacheMachine, KVMemory, make_seq, prefill
 

@@ -11,9 +11,9 @@ import random
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.kv_offload import disk_block_file as fmt
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.errors import ConfigError
+from kvserve.engine.kv_offload import disk_block_file as fmt
 
 from test_kv_offloading import run_turns  # noqa: E402 (this folder's helper: one turn at a time)
 

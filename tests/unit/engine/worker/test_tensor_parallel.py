@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.worker.distributed import TPGroup, TPShape, check_tensor_parallel
+from kvserve.engine.distributed import TPGroup, TPShape, check_tensor_parallel
 from kvserve.engine.errors import ConfigError, WorkerDiedError
 from kvserve.engine.worker.model_loader import load_model
 
