@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import pytest
 from conftest import make_llm
-from test_structured_output import PLAIN, PROMPTS
 
 from kvserve import SamplingParams
 from kvserve.engine.errors import InvalidRequestError
+
+PROMPTS = ["Hello world", "The quick brown fox", "What is the capital of France?",
+           "0123456789 abcdefghijklmnopqrstuvwxyz"]
+PLAIN = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
 def test_logit_bias_bans_and_forces_tokens(llm):
