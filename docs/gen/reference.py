@@ -109,7 +109,8 @@ def _help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
         return "(hidden from `--help`)"
     if not action.help:
         return ""
-    return cell(parser._get_formatter()._expand_help(action))
+    # The plain formatter: no "(default: ...)" suffix, the default has its own column.
+    return cell(argparse.HelpFormatter(parser.prog)._expand_help(action))
 
 
 def flag_names(action: argparse.Action) -> list[str]:
@@ -121,8 +122,9 @@ def cli_page() -> str:
              "and each subcommand's)"), "Every command and flag. The same text is in `--help`; "
              "defaults are what the parser sets when a flag is left out.", ""]
     for cmd in commands():
-        lines += [f"## `{cmd.name}` {{#{_anchor(cmd.name)}}}", "",
-                  cell(cmd.parser.description or ""), ""]
+        lines += [f"## {cmd.name} {{#{_anchor(cmd.name)}}}", "",
+                  cell(cmd.parser.description or ""), "", "```{ .text .no-copy }",
+                  _usage(cmd).rstrip(), "```", ""]
         if cmd.also:
             lines += [f"Also: `{cmd.also}`.", ""]
         subs = _subcommands(cmd.parser)
@@ -140,6 +142,20 @@ def cli_page() -> str:
                 lines += [f"**{group[0].upper() + group[1:]}**", ""]
             lines += table(["flag", "value", "default", "description"], rows)
     return "\n".join(lines)
+
+
+def _usage(cmd: Command) -> str:
+    """A short usage line: the command, `[options]` (the tables list them), the positionals."""
+    words = [cmd.name]
+    if any(a.option_strings for _, a in options(cmd.parser)):
+        words.append("[options]")
+    for action in cmd.parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            words.append("COMMAND ...")
+        elif not action.option_strings:
+            name = action.metavar or action.dest.upper()
+            words.append(f"[{name}]" if action.nargs in ("?", "*") else name)
+    return " ".join(words)
 
 
 def _sub_help(parser: argparse.ArgumentParser, name: str) -> str:
@@ -277,12 +293,13 @@ def metrics() -> list[Metric]:
     return out
 
 
-SERIES = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}
-
-
 def series(metric: Metric) -> list[str]:
-    """The names a scrape shows for `metric`."""
-    return [metric.name + s for s in SERIES.get(metric.kind, [""])]
+    """The name to look for, then the names a scrape shows when they differ from it."""
+    if metric.kind == "counter":
+        return [metric.name + "_total"]
+    if metric.kind == "histogram":
+        return [metric.name] + [metric.name + s for s in ("_bucket", "_sum", "_count")]
+    return [metric.name]
 
 
 def metrics_page() -> str:
@@ -298,7 +315,7 @@ def metrics_page() -> str:
     for component, items in by_component.items():
         lines += [f"## {component[0].upper() + component[1:]}", ""]
         lines += table(["metric", "type", "labels", "help"], [
-            [code(series(m)[0]) + ("" if len(series(m)) == 1 else " (also " + ", ".join(
+            [code(series(m)[0]) + ("" if len(series(m)) == 1 else " (scraped as " + ", ".join(
                 code(s) for s in series(m)[1:]) + ")"), m.kind,
              ", ".join(code(x) for x in m.labels), cell(m.help)] for m in items])
     return "\n".join(lines)
@@ -351,7 +368,7 @@ def http_page() -> str:
         [m, f"[`{p}`](#{_anchor(m + ' ' + p)})", cell(op.get("summary", ""))]
         for p, m, op in operations(doc)])
     for path, method, op in operations(doc):
-        lines += [f"## `{method} {path}` {{#{_anchor(method + ' ' + path)}}}", ""]
+        lines += [f"## {method} {path} {{#{_anchor(method + ' ' + path)}}}", ""]
         if op.get("description"):
             lines += [cell(op["description"]), ""]
         model = _body_model(op)
