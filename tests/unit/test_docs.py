@@ -227,6 +227,16 @@ def test_kubectl_get_kvis_output_matches_the_crd_and_the_sizing(doc):
     assert ready == "True" and int(replicas) == manifest["spec"]["replicas"]
 
 
+def test_quickstart_plan_output_is_what_kvserve_plan_prints(capsys):
+    from kvserve.service.cli import main
+
+    text = (DOCS / "guides" / "quickstart-kubernetes.md").read_text()
+    command, shown = re.search(r"^kvserve plan (.+)\n```\n\n```\{ \.text \.no-copy \}\n(.*?)\n```",
+                               text, flags=re.M | re.S).groups()
+    assert main(["plan", *command.split()]) == 0
+    assert capsys.readouterr().out.rstrip() == shown
+
+
 def test_readme_is_a_short_front_door_whose_links_and_paths_exist():
     text = (ROOT / "README.md").read_text()
     assert len(text.splitlines()) <= 120
