@@ -293,13 +293,9 @@ def metrics() -> list[Metric]:
     return out
 
 
-def series(metric: Metric) -> list[str]:
-    """The name to look for, then the names a scrape shows when they differ from it."""
-    if metric.kind == "counter":
-        return [metric.name + "_total"]
-    if metric.kind == "histogram":
-        return [metric.name] + [metric.name + s for s in ("_bucket", "_sum", "_count")]
-    return [metric.name]
+def exposed_name(metric: Metric) -> str:
+    """The name a scrape shows: counters gain `_total` (histograms' suffixes are in the intro)."""
+    return metric.name + "_total" if metric.kind == "counter" else metric.name
 
 
 def metrics_page() -> str:
@@ -315,9 +311,8 @@ def metrics_page() -> str:
     for component, items in by_component.items():
         lines += [f"## {component[0].upper() + component[1:]}", ""]
         lines += table(["metric", "type", "labels", "help"], [
-            [code(series(m)[0]) + ("" if len(series(m)) == 1 else " (scraped as " + ", ".join(
-                code(s) for s in series(m)[1:]) + ")"), m.kind,
-             ", ".join(code(x) for x in m.labels), cell(m.help)] for m in items])
+            [code(exposed_name(m)), m.kind, ", ".join(code(x) for x in m.labels), cell(m.help)]
+            for m in items])
     return "\n".join(lines)
 
 

@@ -285,8 +285,8 @@ def test_metric_types_and_help_come_from_the_registry(ref):
     page = ref.metrics_page()
     assert re.search(r"^\| `vllm:num_preemptions_total` \| counter \| `model_name` \| "
                      r"Preemptions since start\. \|", page, flags=re.M)
-    assert re.search(r"^\| `vllm:time_to_first_token_seconds` \(scraped as `[^|]*_bucket`", page,
-                     flags=re.M)
+    assert re.search(r"^\| `vllm:time_to_first_token_seconds` \| histogram \| `model_name` \| "
+                     r"Time to first token\. \|", page, flags=re.M)
 
 
 # -------------------------------------------------------------------------------- HTTP API
