@@ -90,7 +90,7 @@ def logprobs_cap(text: str) -> int:
 
 
 def add_limit_args(parser: argparse.ArgumentParser) -> None:
-    """Caps on one request (docs/operations.md, "Request limits"); the server and router share
+    """Caps on one request (docs/guides/operations.md, "Request limits"); the server and router share
     them, so a body the router accepts is one the replicas accept."""
     d = RequestLimits()
     g = parser.add_argument_group("request limits (over a cap: 400 naming the field)")
