@@ -453,6 +453,10 @@ def vllm_page() -> str:
         lines += table(["vLLM", "kvserve", "note"], [
             [code(r["name"]), f"**{r['status']}**" if r["status"] == "implemented"
              else r["status"], cell(r["note"])] for r in entries])
+    vllm_flags = {r["name"] for r in rows.get("serve_flags", [])}
+    own = sorted(kvserve_names()["serve_flags"] - vllm_flags - {"-h", "--help"})
+    lines += ["## `kvserve serve` flags vLLM does not have", "",
+              ", ".join(f"[{code(f)}](cli.md#kvserve-serve)" for f in own), ""]
     return "\n".join(lines)
 
 
