@@ -99,9 +99,10 @@ def _value(action: argparse.Action) -> str:
 def _default(action: argparse.Action) -> str:
     if action.required:
         return "required"
-    if action.default in (None, argparse.SUPPRESS) or (action.nargs == 0 and action.default is False):
+    switch_off = action.nargs == 0 and action.default is False
+    if action.default in (None, argparse.SUPPRESS) or switch_off:
         return ""
-    return code(action.default if not isinstance(action.default, Path) else str(action.default))
+    return code(str(action.default) if isinstance(action.default, Path) else action.default)
 
 
 def _help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
@@ -301,9 +302,9 @@ def exposed_name(metric: Metric) -> str:
 def metrics_page() -> str:
     lines = ["# Prometheus metrics", "", HEADER.format(source="the servers' Prometheus registries "
              "(`service/server/metrics.py`, `service/router/metrics.py`)"),
-             "Replicas keep vLLM's names (`vllm:*`, so dashboards built for vLLM read them) and add "
-             "`kvserve:*`; the router's are `kvserve_router:*`. Every replica metric carries the "
-             "label `model_name`. Counters are scraped as `NAME_total`, histograms as "
+             "Replicas keep vLLM's names (`vllm:*`, so dashboards built for vLLM read them) and "
+             "add `kvserve:*`; the router's are `kvserve_router:*`. Every replica metric carries "
+             "the label `model_name`. Counters are scraped as `NAME_total`, histograms as "
              "`NAME_bucket`, `NAME_sum` and `NAME_count`.", ""]
     by_component: dict[str, list[Metric]] = {}
     for m in metrics():
