@@ -164,6 +164,17 @@ def test_every_documented_flag_is_accepted_by_its_command(ref):
                 assert flag in parser._option_string_actions, f"{name}: {flag} does not exist"
 
 
+@pytest.mark.parametrize("command", ["kvserve serve", "kvserve router"])
+def test_every_serve_and_router_flag_says_what_it_does(ref, command):
+    text = documented_sections(ref.cli_page())[command]
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    assert len(rows) > 20
+    cells = [[c.strip() for c in re.split(r"(?<!\\)\|", row)[1:-1]] for row in rows]
+    assert all(len(c) == 4 for c in cells)
+    silent = [c[0] for c in cells if not c[3]]
+    assert not silent, f"{command}: flags without a description: {silent}"
+
+
 # ------------------------------------------------------------------------------------- CRD
 
 
