@@ -416,14 +416,14 @@ def kvserve_names() -> dict[str, set[str]]:
     from dataclasses import fields
 
     from kvserve import LLM, SamplingParams
-    from kvserve.engine.config import EngineConfig
     from kvserve.service.cli import build_serve_parser
 
     flags = {n for _, a in options(build_serve_parser()) for n in a.option_strings}
     # LLM(...) passes its **kwargs to EngineConfig, after taking vLLM's structured-output aliases.
+    llm_module = importlib.import_module(LLM.__module__)
     llm = set(inspect.signature(LLM.__init__).parameters) - {"self", "kwargs"}
-    llm |= {f.name for f in fields(EngineConfig)}
-    llm_source = inspect.getsource(importlib.import_module(LLM.__module__))
+    llm |= {f.name for f in fields(llm_module.EngineConfig)}
+    llm_source = inspect.getsource(llm_module)
     llm |= {name for name in ("structured_outputs_config", "guided_decoding_backend")
             if f'kwargs.pop("{name}"' in llm_source}
     sampling = set(inspect.signature(SamplingParams).parameters)
