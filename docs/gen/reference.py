@@ -352,8 +352,16 @@ def _body_model(op: dict[str, Any]) -> str | None:
     return ref.rsplit("/", 1)[-1] if ref else None
 
 
+def unsupported_fields() -> dict[str, set[str]]:
+    """path -> request fields the server knows but refuses (a 400 unless they ask for nothing)."""
+    from kvserve.service.server.app import REQUEST_BODIES
+
+    return {path: set(getattr(model, "UNSUPPORTED", {})) for path, model in REQUEST_BODIES.items()}
+
+
 def http_page() -> str:
     doc = openapi()
+    refused = unsupported_fields()
     schemas = doc.get("components", {}).get("schemas", {})
     lines = ["# HTTP API", "", HEADER.format(source="the server's OpenAPI document "
              "(`service/server/app.py`; a running server serves it at `/openapi.json`)"),
@@ -372,10 +380,11 @@ def http_page() -> str:
             body = schemas[model]
             required = set(body.get("required", []))
             lines += [f"Request body: JSON, `{model}`.", ""]
-            lines += table(["field", "type", "default", "description"], [
+            lines += table(["field", "type", "default", "notes"], [
                 [code(name) + (" (required)" if name in required else ""),
                  cell(_schema_type(s)), code(json.dumps(s["default"])) if "default" in s else "",
-                 cell(s.get("description", ""))]
+                 "not supported: a 400 unless it asks for nothing" if name in refused.get(path, ())
+                 else cell(s.get("description", ""))]
                 for name, s in body.get("properties", {}).items()])
         codes = ", ".join(f"`{c}` {cell(r.get('description', ''))}"
                           for c, r in op.get("responses", {}).items())

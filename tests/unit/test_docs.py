@@ -325,6 +325,10 @@ def test_http_reference_matches_a_live_servers_openapi(ref, tiny_model_dir):
     section = page.split("## POST /v1/completions ")[1].split("\n## ")[0]
     for field in body:
         assert f"| `{field}`" in section, field
+    from kvserve.service.request_models import CompletionRequest
+
+    for field in CompletionRequest.UNSUPPORTED:  # known but refused fields say so
+        assert re.search(rf"^\| `{field}` \|.*\| not supported", section, flags=re.M), field
 
 
 # ---------------------------------------------------------------------- vLLM compatibility
