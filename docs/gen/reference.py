@@ -365,8 +365,9 @@ def http_page() -> str:
     schemas = doc.get("components", {}).get("schemas", {})
     lines = ["# HTTP API", "", HEADER.format(source="the server's OpenAPI document "
              "(`service/server/app.py`; a running server serves it at `/openapi.json`)"),
-             "One replica (`kvserve serve`) answers these; the router (`kvserve router`) "
-             "forwards the same paths. Errors have OpenAI's shape: `{\"error\": {\"message\", "
+             "One replica (`kvserve serve`) answers these. The router (`kvserve router`) "
+             "answers `/health`, `/metrics` (its own) and `/v1/models` itself and forwards the "
+             "rest to a replica. Errors have OpenAI's shape: `{\"error\": {\"message\", "
              "\"type\", \"param\", \"code\"}}`.", ""]
     lines += table(["method", "path", "what it does"], [
         [m, f"[`{p}`](#{_anchor(m + ' ' + p)})", cell(op.get("summary", ""))]
