@@ -83,20 +83,21 @@ def assert_matches_hf(hf, token_prompts: list[list[int]], outputs, greedy: bool 
             torch.testing.assert_close(ours, theirs, atol=atol, rtol=0)
 
 
-def check_family(folder: Path, lens=PROMPT_LENS, **llm_kw) -> None:
+def check_family(folder: Path, lens=PROMPT_LENS, max_tokens: int = TOKENS, **llm_kw) -> None:
     """Cold then warm prefix cache, chunked prefill in small steps (across every window), greedy
     and n = 2 sampled, all against HF."""
     hf = hf_model(folder)
     token_prompts = prompts(hf.config.vocab_size, lens)
     llm = make_llm(folder, block_size=8, max_num_batched_tokens=16, **llm_kw)
     try:
-        cold = run(llm, token_prompts)
+        cold = run(llm, token_prompts, max_tokens=max_tokens)
         assert_matches_hf(hf, token_prompts, cold)
-        warm = run(llm, token_prompts)
+        warm = run(llm, token_prompts, max_tokens=max_tokens)
         assert sum(o.num_cached_tokens for o in warm) > 0
         assert [o.outputs[0].token_ids for o in warm] == [o.outputs[0].token_ids for o in cold]
         assert_matches_hf(hf, token_prompts, warm)
-        sampled = run(llm, token_prompts[1:], n=2, temperature=1.0, seed=7)
+        sampled = run(llm, token_prompts[1:], n=2, temperature=1.0, seed=7,
+                      max_tokens=max_tokens)
         assert all(len(o.outputs) == 2 for o in sampled)
         assert_matches_hf(hf, token_prompts[1:], sampled, greedy=False)
     finally:

@@ -34,3 +34,11 @@ def test_phi3_matches_hf(phi3_dir):
 def test_phi3_longrope_long_factors_match_hf(longrope_dir):
     """max_model_len 256 > 16: long factors everywhere, as HF for sequences past 16 tokens."""
     check_family(longrope_dir, lens=(17, 23, 37))
+
+
+def test_phi3_longrope_short_factors_match_hf(longrope_dir):
+    """max_model_len 16 (= the original context): the short factors, as HF for short sequences;
+    TP = 2 ranks agree (each worker builds its table from the same max_model_len)."""
+    check_family(longrope_dir, lens=(9, 12, 5), max_tokens=4, max_model_len=16)
+    check_family(longrope_dir, lens=(9, 12, 5), max_tokens=4, max_model_len=16,
+                 tensor_parallel_size=2)
