@@ -51,9 +51,12 @@ def _model() -> Schema:
         "vocabSize": _typed("integer", "vocab_size (default 32000).", minimum=1),
         "maxModelLen": _typed("integer", "The model's context length (default 4096).", minimum=1),
     }, required=["layers", "kvHeads", "headDim", "parameters"])
-    return _obj("The model to serve: a catalog `name` or a `uri` the engine can load.", {
-        "name": _typed("string", "Catalog name (llama-2-7b, llama-3-70b, mistral-7b, qwen2.5-7b, "
-                       "smollm2-135m, ...) or any name when `architecture` is given.",
+    return _obj("The model to serve: a catalog `name` or a `uri` the engine can load. A model "
+                "outside the catalog is sized from its own config.json and safetensors headers "
+                "(read from HF_ENDPOINT at reconcile time).", {
+        "name": _typed("string", "Catalog name (llama-3.1-8b, qwen3-32b, gpt-oss-120b, "
+                       "gemma-3-27b, smollm2-135m, ...), a hub id ORG/NAME, or any name when "
+                       "`uri` or `architecture` is given.",
                        minLength=1),
         "uri": _typed("string", "Where the weights come from, spelled as KServe's storageUri: "
                       "hf://ORG/NAME[:REVISION] (the Hugging Face hub), pvc://CLAIM/PATH (an "
@@ -67,6 +70,13 @@ def _model() -> Schema:
         "servedModelName": _typed("string", "Name clients use in requests (default: name, "
                                   "else the resource's name).", minLength=1),
         "architecture": arch,
+        "tokenSecretRef": _obj(
+            "A Secret key (in the service's namespace) holding a Hugging Face token, for gated "
+            "or private models: the operator reads it to size the model from its files, and "
+            "the engine, router and fetch pods get it as env HF_TOKEN.", {
+                "name": _typed("string", "Secret name.", minLength=1),
+                "key": _typed("string", "Key in the Secret.", default="token", minLength=1),
+            }, required=["name"]),
     }, **{"x-kubernetes-validations": [
         {"rule": "has(self.name) || has(self.uri)", "message": "set model.name or model.uri"}]})
 
