@@ -23,8 +23,7 @@ def hub_endpoint(endpoint: str | None = None) -> str:
 
 
 def _translate(exc: Exception, repo_id: str, revision: str, endpoint: str) -> CheckpointReadError:
-    """huggingface_hub's and httpx's errors as one typed error with a condition reason."""
-    import httpx
+    """huggingface_hub's and its HTTP client's errors as one typed error with a reason."""
     from huggingface_hub import errors
 
     where = f"{repo_id}@{revision} on {endpoint}"
@@ -44,12 +43,24 @@ def _translate(exc: Exception, repo_id: str, revision: str, endpoint: str) -> Ch
         return CheckpointReadError(f"{where}: the hub answered HTTP {status}",
                                    "ModelUnreachable" if transient else "ModelUnreadable",
                                    transient)
-    if isinstance(exc, (httpx.TransportError, OSError)):
+    if isinstance(exc, (*_transport_errors(), OSError)):
         return CheckpointReadError(f"cannot reach {endpoint} for {repo_id}: {exc}",
                                    "ModelUnreachable", transient=True)
     if isinstance(exc, (errors.SafetensorsParsingError, ValueError)):
         return CheckpointReadError(f"{where}: {exc}")
     raise exc
+
+
+def _transport_errors() -> tuple[type[Exception], ...]:
+    """Connection and timeout errors of the HTTP client huggingface_hub uses (httpx2 in 2.x,
+    httpx before)."""
+    found = []
+    for module in ("httpx2", "httpx"):
+        try:
+            found.append(__import__(module).TransportError)
+        except (ImportError, AttributeError):
+            continue
+    return tuple(found)
 
 
 def _get_json(api: Any, repo_id: str, filename: str, revision: str,

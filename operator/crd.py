@@ -303,12 +303,20 @@ def spec_schema() -> Schema:
 def status_schema() -> Schema:
     sizing = _obj("What the memory budget chose (as `kvserve plan --output json`).", {
         "gpusPerReplica": _typed("integer", "GPUs per replica."),
-        "weightBytes": _typed("integer", "Weight bytes per replica.", format="int64"),
+        "weightBytes": _typed("integer", "Weight bytes per replica: from the checkpoint's "
+                              "safetensors headers when the operator read them (quantised "
+                              "tensors at their stored bytes), else parameters x dtype bytes.",
+                              format="int64"),
         "kvBytes": _typed("integer", "KV-cache bytes per replica.", format="int64"),
         "bytesPerBlock": _typed("integer", "Bytes per KV block per replica.", format="int64"),
         "numBlocks": _typed("integer", "KV blocks per replica.", format="int64"),
         "maxConcurrency": _typed("integer", "Full-length requests one replica holds at once.",
                                  format="int64"),
+        "maxConcurrencyWindowed": _typed(
+            "integer", "The same with sliding-window layers (Gemma, gpt-oss, Mistral) holding "
+            "only their window.", format="int64"),
+        "modelSource": _typed("string", "Where the model's figures came from: catalog, "
+                              "spec.model.architecture, or the files read."),
         "explanation": _typed("string", "The arithmetic, in words."),
     }, **{"x-kubernetes-preserve-unknown-fields": True})
     condition = _obj("A status condition.", {

@@ -52,6 +52,7 @@ class Sizing:
     kv_cache_dtype: str
     explanation: str
     kv_offloading: dict = field(default_factory=dict)  # offload.status: the tiers' sizes
+    model_source: str = "catalog"  # catalog, spec.model.architecture, or the files read
 
 
     def as_status(self) -> dict:
@@ -63,7 +64,7 @@ class Sizing:
             "maxConcurrencyWindowed": self.max_concurrency_windowed,
             "maxNumSeqs": self.max_num_seqs, "activationPeakBytes": self.activation_peak_bytes,
             "deviceMemoryBytes": self.device_memory_bytes, "weightDtype": self.weight_dtype,
-            "kvCacheDtype": self.kv_cache_dtype,
+            "kvCacheDtype": self.kv_cache_dtype, "modelSource": self.model_source,
             **({"kvOffloading": self.kv_offloading} if self.kv_offloading else {}),
             "explanation": self.explanation,
         }
@@ -190,7 +191,7 @@ def _sizing(spec: ServiceSpec, gpus: int, b: MemoryBudget) -> Sizing:
         max_num_seqs=eng.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
         activation_peak_bytes=b.activation_peak_bytes, device_memory_bytes=spec.gpu_memory_bytes,
         weight_dtype=wdt, kv_cache_dtype=kdt, explanation=explanation,
-        kv_offloading=offload.status(kv, b.bytes_per_block * share))
+        kv_offloading=offload.status(kv, b.bytes_per_block * share), model_source=arch.origin)
 
 
 def _weight_words(arch: ModelArch, wdt: str) -> str:

@@ -215,7 +215,8 @@ def _arch_from_spec(a: dict, source: str) -> ModelArch:
         layers=a["layers"], heads=heads, kv_heads=a["kvHeads"], head_dim=a["headDim"],
         hidden=hidden, intermediate=a.get("intermediateSize", 4 * hidden),
         vocab=a.get("vocabSize", 32000), parameters=a["parameters"],
-        dtype=a.get("dtype", "bfloat16"), max_model_len=a.get("maxModelLen", 4096), source=source)
+        dtype=a.get("dtype", "bfloat16"), max_model_len=a.get("maxModelLen", 4096), source=source,
+        origin="spec.model.architecture")
 
 
 def cache_spec(cache: dict | None, location: ModelURI, cr_name: str) -> CacheSpec | None:
@@ -246,6 +247,8 @@ def _catalog_or_files(model: dict, location: ModelURI | None, reader: ModelReade
         location = parse_model_uri(name, model.get("revision"))  # a hub id given as name
     if location is not None:
         found = lookup_model(location.path)
+        if found is None and location.scheme == "pvc" and name:
+            found = lookup_model(name)  # weights on a claim: the name says which model
         if found is not None:
             return found
         if reader is not None and location.scheme in ("hf", "path", "pvc"):
