@@ -35,6 +35,7 @@ from kvserve.engine.sequence import Sequence
 from kvserve.engine.stats import EngineStats, TierFigures
 from kvserve.engine.swap_cost import SwapCostModel
 from kvserve.engine.tokenizer import load_tokenizer, prompt_token_ids
+from kvserve.engine.weights_size import weights_log_line
 from kvserve.kernels.fp8 import FP8_DTYPE
 
 logger = logging.getLogger("kvserve.engine")
@@ -106,6 +107,9 @@ class LLMEngine:
         logger.info("%s; device %s, dtype %s, kv dtype %s, attention backend %s",
                     self.memory_budget.describe(), self.device, self.dtype, setup.kv_dtype,
                     self.runner.backend)
+        self.model_weight_bytes = setup.budget.weight_bytes * config.tensor_parallel_size
+        logger.info("%s", weights_log_line(self.model_weight_bytes, model_path,
+                                           torch.finfo(self.dtype).bits // 8))
 
     def _calibrate_kv_scales(self) -> None:
         """`calculate_kv_scales=True`: FP8 scales from a representative first batch."""

@@ -161,3 +161,16 @@ def local_checkpoint(folder: Path | str) -> Checkpoint:
 def checkpoint_weight_bytes(path: Path | str) -> int:
     """Stored bytes of every tensor of a local checkpoint folder (quantised layouts included)."""
     return local_checkpoint(path).weights.total_bytes
+
+
+def weights_log_line(resident_bytes: int, model_path: Path | str, compute_dtype_bytes: int) -> str:
+    """The engine's startup line: the weight bytes it holds, and the checkpoint headers' figure
+    (what `kvserve plan` and the operator size with) when the folder is local and readable."""
+    line = f"model weights: {resident_bytes} bytes resident ({resident_bytes / (1 << 30):.3f} GiB)"
+    if not Path(model_path).is_dir():
+        return line
+    try:
+        headers = local_checkpoint(model_path).weights.resident_bytes(compute_dtype_bytes)
+    except CheckpointReadError as exc:
+        return f"{line}; checkpoint headers unreadable: {exc}"
+    return f"{line}; checkpoint headers say {headers} bytes"
