@@ -125,7 +125,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from kvserve.operator.sizing import plan
 
     try:
-        status = plan(parse_spec(plan_body(args), ModelReader())).as_status()
+        status = plan(parse_spec(plan_body(args), ModelReader(use_hf_cache=True))).as_status()
     except InvalidSpecError as exc:
         print(f"error ({exc.reason}): {exc}", file=sys.stderr)
         return 2

@@ -46,6 +46,7 @@ class ModelReader:
     the token comes from HF_TOKEN, as for `kvserve plan`)."""
 
     kube: Any = None
+    use_hf_cache: bool = False  # `kvserve plan`: a hub model already in the HF cache is read there
     ok_ttl_s: float = OK_TTL_S
     error_ttl_s: float = ERROR_TTL_S
     _cache: dict[tuple, tuple[float, Any]] = field(default_factory=dict)
@@ -64,7 +65,8 @@ class ModelReader:
         token = self._token(namespace, token_ref)
         digest = hashlib.sha256((token or "").encode()).hexdigest()[:12]
         key = (location.scheme, location.path, location.revision, endpoint, digest)
-        return self._cached(key, lambda: self._read(location, token, endpoint))
+        return self._cached(key, lambda: self._read(location, token, endpoint,
+                                                    self.use_hf_cache))
 
     def _cached(self, key: tuple, read: Any) -> ModelArch:
         now = time.monotonic()
@@ -85,10 +87,11 @@ class ModelReader:
         return value
 
     @staticmethod
-    def _read(location: ModelURI, token: str | None, endpoint: str) -> ModelArch:
+    def _read(location: ModelURI, token: str | None, endpoint: str,
+              use_hf_cache: bool) -> ModelArch:
         try:
             checkpoint = read_checkpoint(location.path, location.revision, token, endpoint,
-                                         use_cache=location.scheme == "path")
+                                         use_cache=use_hf_cache)
         except CheckpointReadError as exc:
             raise ModelReadError(f"cannot size {location.path!r} from its files: {exc}",
                                  exc.reason, exc.transient) from exc

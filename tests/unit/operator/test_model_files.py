@@ -208,3 +208,23 @@ def test_plan_a_hub_id_through_hf_endpoint(capsys, hub, monkeypatch) -> None:
     monkeypatch.setenv("HF_ENDPOINT", closed_port_url())
     code, _, err = run_plan(capsys, ["--model", "acme/tiny-qwen3", "--gpu", "L4"])
     assert code == 2 and "ModelUnreachable" in err and "cannot reach" in err
+
+
+def test_plan_reads_a_hub_model_from_the_hf_cache_without_the_network(capsys, folders,
+                                                                      monkeypatch) -> None:
+    from huggingface_hub import hf_hub_download
+
+    hub = HubServer()
+    hub.add_folder("acme/cached-qwen3", folders["qwen3"])
+    hub.start()
+    try:
+        for name in ("config.json", "model.safetensors"):  # into HF_HOME's cache
+            hf_hub_download("acme/cached-qwen3", name, endpoint=hub.url)
+    finally:
+        hub.stop()
+    monkeypatch.setenv("HF_ENDPOINT", closed_port_url())  # the hub is gone now
+    code, out, err = run_plan(capsys, ["--model", "acme/cached-qwen3", "--gpu", "L4",
+                                       "--output", "json"])
+    assert code == 0, err
+    assert json.loads(out)["weightBytes"] == local_checkpoint(folders["qwen3"]).weights.\
+        resident_bytes(2)
