@@ -1,0 +1,1 @@
+"""Shared model pieces the families in engine/models are built from."""
