@@ -1,1 +1,1 @@
-"""Shared model pieces the families in engine/models are built from."""
+"""Shared model layers: norms, rotary embeddings, the attention wrapper, MLPs, parallel and packed linears."""
