@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvserve.engine.errors import ModelNotFoundError
+from kvserve.engine.errors import ConfigError, ModelNotFoundError
 from kvserve.kernels import cpu_ops as ops
 
 if TYPE_CHECKING:
@@ -156,6 +156,10 @@ class FusedMoE(nn.Module):
         if spec.activation not in ACTIVATIONS:
             raise ValueError(f"activation {spec.activation!r}: expected one of {ACTIVATIONS}")
         size = tp.size if tp is not None else 1
+        for what, n in (("expert intermediate size", spec.intermediate),
+                        ("shared expert intermediate size", spec.shared_intermediate)):
+            if n % size:
+                raise ConfigError(f"tensor_parallel_size={size} does not divide the {what} {n}")
         device = device if device is not None else "cpu"  # skip_init's None would mean "meta"
         self.spec, self.tp = spec, tp
         self.local_intermediate = spec.intermediate // size
@@ -205,6 +209,21 @@ class FusedMoE(nn.Module):
                 rows = self.w13[expert].narrow(0, 0 if proj == "gate" else n, n)
                 rows.copy_(source.narrow(0, start, n))
 
+    def load_shared(self, proj: str, source, name: str) -> None:
+        """The shared expert's HF weight: proj "gate" or "up" [Is, H], "down" [H, Is]."""
+        spec, size = self.spec, self.tp.size if self.tp is not None else 1
+        n = spec.shared_intermediate // size
+        start = (self.tp.rank if self.tp is not None else 0) * n
+        full = (spec.hidden, spec.shared_intermediate) if proj == "down" else \
+            (spec.shared_intermediate, spec.hidden)
+        _check_shape(name, source, full)
+        with torch.no_grad():
+            if proj == "down":
+                self.shared_expert.down_proj.weight.copy_(source.narrow(1, start, n))
+            else:
+                gate_up = self.shared_expert.gate_up_proj.weight
+                gate_up.narrow(0, 0 if proj == "gate" else n, n).copy_(source.narrow(0, start, n))
+
     def load_stacked(self, leaf: str, source, name: str) -> None:
         """gpt-oss's stacked expert tensors: gate_up_proj [E, H, 2I] (gate and up columns
         interleaved), gate_up_proj_bias [E, 2I], down_proj [E, I, H], down_proj_bias [E, H]."""
@@ -222,7 +241,7 @@ class FusedMoE(nn.Module):
                 else:
                     self.b2.zero_()
             else:  # columns 2j (gate j) and 2j + 1 (up j): this rank's j lie in one range
-                part = source.narrow(-1, 2 * start, 2 * n)
+                part = source.narrow(2 if leaf == "gate_up_proj" else 1, 2 * start, 2 * n)
                 part = torch.cat((part[..., 0::2], part[..., 1::2]), dim=-1)
                 target = self.w13 if leaf == "gate_up_proj" else self.b13
                 target.copy_(part.transpose(1, 2) if leaf == "gate_up_proj" else part)
