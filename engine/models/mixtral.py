@@ -7,7 +7,8 @@ from __future__ import annotations
 from kvserve.engine.layers.moe import MoESpec
 from kvserve.engine.models.config_keys import check_config_keys, require_value
 from kvserve.engine.models.decoder import DecoderSpec, decoder_dims
-from kvserve.engine.models.moe_decoder import MoEDecoderForCausalLM, sparse_layers
+from kvserve.engine.models.moe_decoder import (MoEDecoderForCausalLM, refuse_quantized,
+                                               sparse_layers)
 from kvserve.engine.models.windows import layer_windows
 
 # output_router_logits, router_aux_loss_coef, router_jitter_noise: training only.
@@ -20,6 +21,7 @@ class MixtralForCausalLM(MoEDecoderForCausalLM):
     @classmethod
     def spec_from_config(cls, config, max_model_len: int | None) -> DecoderSpec:
         check_config_keys(config, "MixtralForCausalLM", MIXTRAL_KEYS)
+        refuse_quantized(config, "MixtralForCausalLM")
         require_value(config, "hidden_act", ("silu",), "MixtralForCausalLM")
         moe = MoESpec(num_experts=config.num_local_experts, top_k=config.num_experts_per_tok,
                       hidden=config.hidden_size, intermediate=config.intermediate_size,

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Iterator
 
 from torch import Tensor
 
-from kvserve.engine.errors import ModelNotFoundError
+from kvserve.engine.errors import ConfigError, ModelNotFoundError
 from kvserve.engine.layers.moe import FusedMoE
 from kvserve.engine.models.decoder import DecoderForCausalLM
 
@@ -36,6 +36,17 @@ def sparse_layers(config, num_experts: int) -> tuple[bool, ...]:
     dense = set(getattr(config, "mlp_only_layers", None) or ())
     return tuple(i not in dense and num_experts > 0 and (i + 1) % step == 0
                  for i in range(config.num_hidden_layers))
+
+
+def refuse_quantized(config, family: str) -> None:
+    """Quantised experts (gpt-oss's MXFP4, GPTQ/AWQ MoE checkpoints) are not implemented."""
+    quant = getattr(config, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else \
+            getattr(quant, "quant_method", quant)
+        raise ConfigError(
+            f"{family}: quantization_config (quant_method {method!r}) is not supported for "
+            "mixture-of-experts models; use the bf16 (or fp16/fp32) checkpoint of this model")
 
 
 class MoEDecoderForCausalLM(DecoderForCausalLM):

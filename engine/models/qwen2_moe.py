@@ -9,7 +9,8 @@ from dataclasses import replace
 from kvserve.engine.layers.moe import MoESpec
 from kvserve.engine.models.config_keys import check_config_keys, require_value
 from kvserve.engine.models.decoder import DecoderSpec, decoder_dims
-from kvserve.engine.models.moe_decoder import MoEDecoderForCausalLM, sparse_layers
+from kvserve.engine.models.moe_decoder import (MoEDecoderForCausalLM, refuse_quantized,
+                                               sparse_layers)
 from kvserve.engine.models.windows import layer_windows
 
 # use_sliding_window / max_window_layers are read through layer_types, which HF derives from
@@ -25,6 +26,7 @@ class Qwen2MoeForCausalLM(MoEDecoderForCausalLM):
     @classmethod
     def spec_from_config(cls, config, max_model_len: int | None) -> DecoderSpec:
         check_config_keys(config, "Qwen2MoeForCausalLM", QWEN2_MOE_KEYS)
+        refuse_quantized(config, "Qwen2MoeForCausalLM")
         require_value(config, "hidden_act", ("silu",), "Qwen2MoeForCausalLM")
         dims = replace(decoder_dims(config), qkv_bias=bool(getattr(config, "qkv_bias", True)),
                        o_bias=False)

@@ -7,7 +7,8 @@ from __future__ import annotations
 from kvserve.engine.layers.moe import MoESpec
 from kvserve.engine.models.config_keys import check_config_keys, require_value
 from kvserve.engine.models.decoder import DecoderSpec, decoder_dims
-from kvserve.engine.models.moe_decoder import MoEDecoderForCausalLM, sparse_layers
+from kvserve.engine.models.moe_decoder import (MoEDecoderForCausalLM, refuse_quantized,
+                                               sparse_layers)
 from kvserve.engine.models.windows import layer_windows
 
 # HF's config drops sliding_window unless use_sliding_window, and then every layer slides
@@ -23,6 +24,7 @@ class Qwen3MoeForCausalLM(MoEDecoderForCausalLM):
     @classmethod
     def spec_from_config(cls, config, max_model_len: int | None) -> DecoderSpec:
         check_config_keys(config, "Qwen3MoeForCausalLM", QWEN3_MOE_KEYS)
+        refuse_quantized(config, "Qwen3MoeForCausalLM")
         require_value(config, "hidden_act", ("silu",), "Qwen3MoeForCausalLM")
         moe = MoESpec(num_experts=config.num_experts, top_k=config.num_experts_per_tok,
                       hidden=config.hidden_size, intermediate=config.moe_intermediate_size,
