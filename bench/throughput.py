@@ -1,4 +1,5 @@
-"""Engine throughput on the default model vs HF transformers static batching, same run.
+"""Engine throughput on the default model (or any model folder) vs HF transformers static
+batching, same run.
 
 64 chat requests sharing a ~200-token system prompt, 64 new tokens each (greedy, ignore_eos),
 in fp32 and bf16: kvserve output tok/s vs HF `generate` (batch 32, left padding), the ratio,
@@ -7,7 +8,11 @@ cache reserving max_model_len per request, and a second run with output lengths 
 16..256 where static batching waits for its longest member. llama-cpp-python joins if installed.
 
     python bench/throughput.py [--requests 64] [--dtypes float32,bfloat16] [--skip-hf]
-                               [--block-size 16]
+                               [--block-size 16] [--model NAME_OR_DIR | --tiny ARCH]
+
+--model takes a known name or an HF model folder; --tiny ARCH builds a tiny random checkpoint
+of that architecture (bench/tiny_models.py: Qwen3MoeForCausalLM, MixtralForCausalLM,
+GptOssForCausalLM) with the default model's tokenizer, once, and runs on it.
 
 Per-sequence utilisation is bounded by the half-filled last block of each sequence: about
 1 - (block_size / 2) / mean length (96.9% for block_size 16 and this workload's ~245 tokens);
@@ -23,10 +28,12 @@ from pathlib import Path
 
 import torch
 
-from workload import chat_requests, output_lengths  # bench/ is sys.path[0] when run as a script
+from tiny_models import build_tiny  # bench/ is sys.path[0] when run as a script
+from workload import chat_requests, output_lengths
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.model_loader import fetch_model
+from kvserve.engine.model_loader import fetch_model, resolve_model
+from kvserve.paths import cache_root
 
 MAX_MODEL_LEN = 2048
 
@@ -95,13 +102,20 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-varied", action="store_true")
     ap.add_argument("--block-size", type=int, default=16)
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--model", default="smollm2-135m-instruct")
+    which.add_argument("--tiny", metavar="ARCH")
     args = ap.parse_args()
 
-    model_dir = fetch_model("smollm2-135m-instruct")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if args.tiny:
+        model_dir = build_tiny(args.tiny, cache_root() / "bench-models" / f"tiny-{args.tiny}",
+                               fetch_model("smollm2-135m-instruct"))
+    else:
+        model_dir = resolve_model(args.model)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, model {model_dir}")
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
-        llm = LLM("smollm2-135m-instruct", dtype=dtype_name, device="cpu",
+        llm = LLM(str(model_dir), dtype=dtype_name, device="cpu",
                   max_model_len=MAX_MODEL_LEN, max_num_seqs=256, block_size=args.block_size)
         tok = llm.get_tokenizer()
         prompts = [tok.apply_chat_template(c, tokenize=True, add_generation_prompt=True,

@@ -117,3 +117,5 @@ def test_tensor_parallel_size_must_divide_the_expert_width(tmp_path):
 
     with pytest.raises(ConfigError, match="expert intermediate size 30"):
         load_model(folder, torch.float32, torch.device("cpu"), tp=TPGroup(0, 4))
+    with pytest.raises(ConfigError, match="moe_intermediate_size=30"):  # before any worker
+        make_llm(folder, tensor_parallel_size=4)
