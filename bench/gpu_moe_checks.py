@@ -25,7 +25,7 @@ SMOKE = "--smoke" in sys.argv
 if SMOKE:  # before anything imports triton
     os.environ["TRITON_INTERPRET"] = "1"
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests" / p) for p in ("unit/kernels", "unit/engine",
+sys.path[:0] = [str(ROOT / "tests" / p) for p in ("unit/kernels", "unit/engine/models",
                                                   "unit/engine/layers")]
 import torch  # noqa: E402
 
@@ -170,7 +170,7 @@ check("timing", timing)
 import transformers  # noqa: E402
 from test_llama import PagedSequences, hf_logits  # noqa: E402
 
-from kvserve.engine.model_loader import load_model  # noqa: E402
+from kvserve.engine.worker.model_loader import load_model  # noqa: E402
 
 
 def model_case(arch, **kw):

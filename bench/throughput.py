@@ -32,7 +32,7 @@ from tiny_models import build_tiny  # bench/ is sys.path[0] when run as a script
 from workload import chat_requests, output_lengths
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.model_loader import fetch_model, resolve_model
+from kvserve.engine.worker.model_loader import fetch_model, resolve_model
 from kvserve.paths import cache_root
 
 MAX_MODEL_LEN = 2048

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvserve.engine.errors import ConfigError, ModelNotFoundError
+from kvserve.engine.layers.linear import skip_init_linear
+from kvserve.engine.layers.mlp import GatedMLP
 from kvserve.kernels import cpu_ops as ops
 
 if TYPE_CHECKING:
@@ -129,20 +131,6 @@ def _empty(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
-class SharedExpert(nn.Module):
-    """A dense SwiGLU MLP whose output the MoE layer gates and all-reduces with the experts'."""
-
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, device=None) -> None:
-        super().__init__()
-        self.gate_up_proj = torch.nn.utils.skip_init(nn.Linear, hidden, 2 * intermediate,
-                                                     bias=False, dtype=dtype, device=device)
-        self.down_proj = torch.nn.utils.skip_init(nn.Linear, intermediate, hidden, bias=False,
-                                                  dtype=dtype, device=device)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
-
-
 class FusedMoE(nn.Module):
     """Router, stacked experts and optional gated shared expert of one decoder layer.
 
@@ -164,18 +152,17 @@ class FusedMoE(nn.Module):
         self.spec, self.tp = spec, tp
         self.local_intermediate = spec.intermediate // size
         e, h, i = spec.num_experts, spec.hidden, self.local_intermediate
-        self.gate = torch.nn.utils.skip_init(nn.Linear, h, e, bias=spec.router_bias,
-                                             dtype=dtype, device=device)
+        self.gate = skip_init_linear(h, e, spec.router_bias, dtype, device)
         self.w13 = _empty(e, 2 * i, h, dtype=dtype, device=device)
         self.w2 = _empty(e, h, i, dtype=dtype, device=device)
         self.b13 = _empty(e, 2 * i, dtype=dtype, device=device) if spec.expert_bias else None
         self.b2 = _empty(e, h, dtype=dtype, device=device) if spec.expert_bias else None
-        self.shared_expert: SharedExpert | None = None
+        self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
-        if spec.shared_intermediate:
-            self.shared_expert = SharedExpert(h, spec.shared_intermediate // size, dtype, device)
-            self.shared_expert_gate = torch.nn.utils.skip_init(
-                nn.Linear, h, 1, bias=False, dtype=dtype, device=device)
+        if spec.shared_intermediate:  # tp=None: its partial sum joins the experts' all-reduce
+            self.shared_expert = GatedMLP(h, spec.shared_intermediate // size, False, None,
+                                          dtype, device)
+            self.shared_expert_gate = skip_init_linear(h, 1, False, dtype, device)
 
     def forward(self, x: Tensor) -> Tensor:
         """x [T, hidden] -> [T, hidden], summed over the ranks."""

@@ -8,17 +8,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvserve.engine.distributed import TPGroup, TPShape
 from kvserve.engine.layers.attention import Attention, AttentionOps
 from kvserve.engine.layers.layernorm import GemmaRMSNorm, RMSNorm, norm_heads
+from kvserve.engine.layers.linear import skip_init_linear
+from kvserve.engine.layers.mlp import GatedMLP
 from kvserve.engine.layers.moe import FusedMoE, MoESpec
 from kvserve.engine.layers.rotary import RotaryEmbedding
+from kvserve.engine.layers.vocab_embedding import VocabParallelEmbedding
 from kvserve.engine.models.llama import LlamaDims, LlamaForCausalLM
-from kvserve.engine.models.parallel_layers import VocabParallelEmbedding
-from kvserve.kernels import cpu_ops as ops
 from kvserve.kernels.metadata import AttentionMetadata
 
 
@@ -70,10 +70,6 @@ def decoder_dims(config) -> LlamaDims:
         tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
 
 
-def _linear(n_in: int, n_out: int, bias: bool, dtype: torch.dtype, device) -> nn.Linear:
-    return torch.nn.utils.skip_init(nn.Linear, n_in, n_out, bias=bias, dtype=dtype, device=device)
-
-
 class DecoderAttention(nn.Module):
     def __init__(self, spec: DecoderSpec, i: int, s: TPShape, tp: TPGroup | None, dtype,
                  device=None) -> None:
@@ -82,9 +78,9 @@ class DecoderAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, d.head_dim
         self.q_size, self.kv_size = s.num_heads * d.head_dim, s.num_kv_heads * d.head_dim
         self.tp, self.rope_type = tp, spec.rope_type(i)
-        self.qkv_proj = _linear(d.hidden, self.q_size + 2 * self.kv_size, d.qkv_bias, dtype,
-                                device)
-        self.o_proj = _linear(self.q_size, d.hidden, d.o_bias, dtype, device)
+        self.qkv_proj = skip_init_linear(d.hidden, self.q_size + 2 * self.kv_size, d.qkv_bias,
+                                         dtype, device)
+        self.o_proj = skip_init_linear(self.q_size, d.hidden, d.o_bias, dtype, device)
         if spec.qk_norm:
             self.q_norm = spec.norm(d.head_dim, dtype, device)
             self.k_norm = spec.norm(d.head_dim, dtype, device)
@@ -108,28 +104,6 @@ class DecoderAttention(nn.Module):
         return out if self.tp is None else self.tp.all_reduce(out)  # row parallel
 
 
-class DecoderMLP(nn.Module):
-    """down(act(gate(x)) * up(x)), gate and up fused into one matmul (SwiGLU or GeGLU)."""
-
-    def __init__(self, spec: DecoderSpec, s: TPShape, tp: TPGroup | None, dtype,
-                 device=None) -> None:
-        super().__init__()
-        d = spec.dims
-        self.tp, self.activation = tp, spec.activation
-        self.gate_up_proj = _linear(d.hidden, 2 * s.intermediate, d.mlp_bias, dtype, device)
-        self.down_proj = _linear(s.intermediate, d.hidden, d.mlp_bias, dtype, device)
-
-    def forward(self, x: Tensor) -> Tensor:
-        h = self.gate_up_proj(x)
-        if self.activation == "silu":
-            h = ops.silu_and_mul(h)
-        else:  # gelu_tanh: HF's gelu_pytorch_tanh
-            gate, up = h.chunk(2, dim=-1)
-            h = F.gelu(gate, approximate="tanh") * up
-        out = self.down_proj(h)
-        return out if self.tp is None else self.tp.all_reduce(out)  # row parallel
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, spec: DecoderSpec, i: int, s: TPShape, tp: TPGroup | None, dtype,
                  device=None) -> None:
@@ -137,7 +111,8 @@ class DecoderLayer(nn.Module):
         hidden = spec.dims.hidden
         self.self_attn = DecoderAttention(spec, i, s, tp, dtype, device)
         self.mlp = FusedMoE(spec.moe, tp, dtype, device) if spec.is_sparse(i) else \
-            DecoderMLP(spec, s, tp, dtype, device)
+            GatedMLP(hidden, s.intermediate, spec.dims.mlp_bias, tp, dtype, device,
+                     activation=spec.activation)
         self.input_layernorm = spec.norm(hidden, dtype, device)
         self.post_attention_layernorm = spec.norm(hidden, dtype, device)
         if spec.gemma_norms:  # sandwich: norm after attention, and before and after the MLP
@@ -214,7 +189,7 @@ class DecoderForCausalLM(LlamaForCausalLM):
         self.shard = s = TPShape.of(rank, size, d.num_heads, d.num_kv_heads, d.intermediate,
                                     d.vocab)
         self.model = DecoderModel(config, spec, s, tp, dtype, device)
-        self.lm_head = _linear(d.hidden, s.vocab_per_rank, False, dtype, device)
+        self.lm_head = skip_init_linear(d.hidden, s.vocab_per_rank, False, dtype, device)
         if d.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._ops: AttentionOps | None = None
@@ -226,13 +201,6 @@ class DecoderForCausalLM(LlamaForCausalLM):
     @property
     def max_position(self) -> int:
         return min(rot.max_len for rot in self.model.rotary.values())
-
-    def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
-                attn: AttentionMetadata) -> Tensor:
-        """[T] token ids and positions -> hidden states [T, hidden] after the final norm."""
-        if self._ops is None:
-            self._ops = AttentionOps.resolve()
-        return self.model(input_ids, positions, kv_caches, attn, self._ops)
 
     def compute_logits(self, hidden: Tensor) -> Tensor | None:
         """As Llama's, then the final soft cap (Gemma 2): c * tanh(logits / c)."""

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from kvserve.engine.models.config_keys import check_config_keys, require_value
 from kvserve.engine.models.decoder import DecoderForCausalLM, DecoderSpec, decoder_dims
-from kvserve.engine.models.parallel_layers import read_slice
+from kvserve.engine.layers.linear import read_slice
 from kvserve.engine.models.windows import layer_windows
 
 # resid_pdrop / embd_pdrop: dropout, off at inference; partial_rotary_factor and

@@ -14,7 +14,7 @@ import torch
 from conftest import make_llm
 from family_checks import build_family, check_family
 from kvserve.engine.errors import ConfigError
-from kvserve.engine.model_loader import iter_weights, load_model
+from kvserve.engine.worker.model_loader import iter_weights, load_model
 
 YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
         "beta_slow": 1.0, "original_max_position_embeddings": 64, "truncate": False}

@@ -14,8 +14,8 @@ from conftest import make_llm
 from family_checks import build_family, check_family
 from kvserve.engine.errors import ConfigError, ModelNotFoundError
 from kvserve.engine.layers.moe import FusedMoE
-from kvserve.engine.model_loader import iter_weights, load_model
-from kvserve.engine.models.decoder import DecoderMLP
+from kvserve.engine.worker.model_loader import iter_weights, load_model
+from kvserve.engine.layers.mlp import GatedMLP
 
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
 
@@ -54,12 +54,12 @@ def test_mixtral_matches_hf(mixtral_dir):
 
 
 def test_qwen2_moe_matches_hf(qwen2_moe_dir):
-    assert layer_kinds(qwen2_moe_dir) == ["DecoderMLP", "FusedMoE", "FusedMoE"]
+    assert layer_kinds(qwen2_moe_dir) == ["GatedMLP", "FusedMoE", "FusedMoE"]
     check_family(qwen2_moe_dir)
 
 
 def test_qwen3_moe_matches_hf(qwen3_moe_dir):
-    assert layer_kinds(qwen3_moe_dir) == ["DecoderMLP", "FusedMoE", "DecoderMLP"]
+    assert layer_kinds(qwen3_moe_dir) == ["GatedMLP", "FusedMoE", "GatedMLP"]
     check_family(qwen3_moe_dir)
 
 
@@ -73,7 +73,7 @@ def test_experts_are_stored_stacked_from_the_per_expert_tensors(qwen2_moe_dir):
     model, _ = load_model(qwen2_moe_dir, torch.float32, torch.device("cpu"), pack_linears=False)
     weights = dict(iter_weights(qwen2_moe_dir))
     moe = model.model.layers[2].mlp
-    assert isinstance(moe, FusedMoE) and isinstance(model.model.layers[0].mlp, DecoderMLP)
+    assert isinstance(moe, FusedMoE) and isinstance(model.model.layers[0].mlp, GatedMLP)
     head = "model.layers.2.mlp."
     assert torch.equal(moe.w13[3, :32], weights[head + "experts.3.gate_proj.weight"])
     assert torch.equal(moe.w13[3, 32:], weights[head + "experts.3.up_proj.weight"])
