@@ -119,3 +119,17 @@ def test_tensor_parallel_size_must_divide_the_expert_width(tmp_path):
         load_model(folder, torch.float32, torch.device("cpu"), tp=TPGroup(0, 4))
     with pytest.raises(ConfigError, match="moe_intermediate_size=30"):  # before any worker
         make_llm(folder, tensor_parallel_size=4)
+
+
+@pytest.mark.parametrize("arch,kw", [
+    ("MixtralForCausalLM", dict(num_local_experts=4, sliding_window=11)),  # every layer slides
+    ("Qwen2MoeForCausalLM", dict(num_experts=4, shared_expert_intermediate_size=48,
+                                 moe_intermediate_size=32, use_sliding_window=True,
+                                 sliding_window=11, max_window_layers=3)),  # layers 0 and 2
+], ids=["mixtral", "qwen2_moe"])
+def test_sliding_windows_match_hf(tmp_path, arch, kw):
+    folder = build_family(tmp_path / arch, arch, num_experts_per_tok=2, **kw)
+    model, config = load_model(folder, torch.float32, torch.device("cpu"), pack_linears=False)
+    windows = [layer.self_attn.attn.sliding_window for layer in model.model.layers]
+    assert windows == ([11, 11, 11] if arch.startswith("Mixtral") else [11, None, 11])
+    check_family(folder)  # prompts of 19 and 37 tokens: well past the window
