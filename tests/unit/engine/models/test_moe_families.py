@@ -133,3 +133,24 @@ def test_sliding_windows_match_hf(tmp_path, arch, kw):
     windows = [layer.self_attn.attn.sliding_window for layer in model.model.layers]
     assert windows == ([11, 11, 11] if arch.startswith("Mixtral") else [11, None, 11])
     check_family(folder)  # prompts of 19 and 37 tokens: well past the window
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe_dir", "mixtral_dir"])
+def test_bf16_error_is_no_worse_than_hf_bf16(request, family):
+    """Against fp32 HF, our bf16 MoE errs about as much as HF's own bf16 model does (both may
+    route a near-tied token differently from fp32)."""
+    from test_llama import PagedSequences, hf_logits
+    from transformers import AutoModelForCausalLM
+
+    folder = request.getfixturevalue(family)
+    ours, config = load_model(folder, torch.bfloat16, torch.device("cpu"))
+    assert ours.model.layers[1].mlp.w13.dtype == torch.bfloat16
+    tokens = torch.randint(3, config.vocab_size, (30,),
+                           generator=torch.Generator().manual_seed(4)).tolist()
+    paged = PagedSequences(config)
+    paged.caches = [(k.bfloat16(), v.bfloat16()) for k, v in paged.caches]
+    logits = paged.step(ours, {0: tokens})[0].float()
+    ref, hf_bf16 = (hf_logits(AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval(),
+                              tokens) for dtype in (torch.float32, torch.bfloat16))
+    ours_err, hf_err = (logits - ref).abs().mean(), (hf_bf16 - ref).abs().mean()
+    assert 0 < ours_err <= 1.5 * hf_err, (ours_err, hf_err)
