@@ -63,7 +63,7 @@ def test_qwen3_moe_matches_hf(qwen3_moe_dir):
     check_family(qwen3_moe_dir)
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe_dir", "mixtral_dir"])
+@pytest.mark.parametrize("family", ["qwen2_moe_dir", "mixtral_dir", "qwen3_moe_dir"])
 def test_two_ranks_match_hf(request, family):
     """Each rank holds half of every expert (and of the shared expert); one all-reduce."""
     check_family(request.getfixturevalue(family), tensor_parallel_size=2)
