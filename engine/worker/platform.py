@@ -20,6 +20,7 @@ from kvserve.engine.worker.malloc_tuning import keep_activation_memory
 from kvserve.engine.memory import GiB, MemoryBudget, activation_peak_bytes, blocks_for_bytes, \
     bytes_per_block, default_max_num_batched_tokens, kv_heads_per_rank, plan_memory, \
     rank_weight_bytes
+from kvserve.engine.model_shape import layer_groups
 from kvserve.engine.worker.workers import CacheSpec, WorkerGroup
 from kvserve.kernels.fp8 import FP8_DTYPE
 
@@ -211,7 +212,8 @@ def _plan(config: EngineConfig, cfg: Any, model: torch.nn.Module, device: torch.
     budget = plan_memory(total_bytes=total, gpu_memory_utilization=util, weight_bytes=weights,
                          activation_peak=act, num_layers=layers, num_kv_heads=kv_heads,
                          head_dim=head_dim, kv_dtype_bytes=kv_bytes_el,
-                         block_size=config.block_size, tokens_per_request=max_len)
+                         block_size=config.block_size, tokens_per_request=max_len,
+                         layer_groups=layer_groups(cfg.to_dict()))
     if config.num_gpu_blocks_override:
         budget = plan_memory(
             total_bytes=weights + act + config.num_gpu_blocks_override * budget.bytes_per_block,
