@@ -1,0 +1,1 @@
+"""Shared model pieces: linears and their quantisation methods, norms, rotary, attention, MLP."""
