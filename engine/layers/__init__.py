@@ -1,1 +1,2 @@
-"""Shared model pieces: linears and their quantisation methods, norms, rotary, attention, MLP."""
+"""Shared model layers: norms, rotary embeddings, the attention wrapper, MLPs, parallel and packed
+linears, and the linears' quantisation methods (quantization/)."""
