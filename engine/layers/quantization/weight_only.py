@@ -4,11 +4,15 @@ packed weight and scale it inside the GEMM; the weight is repacked once at load.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvserve.engine.layers.quantization.qweight import QuantizedWeight
 
 INT4_GROUPS = (256, 128, 64, 32)  # group sizes _weight_int4pack_mm_for_cpu takes
+# Above this many rows (prefill) the int4 kernel's cost grows far faster than a dense GEMM's:
+# the weight is dequantised from its packed bytes into a temporary and multiplied densely.
+INT4_KERNEL_MAX_ROWS = 16
 
 
 def int4_kernel_group(w: QuantizedWeight) -> int | None:
@@ -66,13 +70,37 @@ class Int4WeightLinear(nn.Module):
         self.register_buffer("weight", torch._convert_weight_to_int4pack_for_cpu(unsigned, 1),
                              persistent=False)
         self.register_buffer("perm", perm, persistent=False)
+        # the packed layout is read back for prefill; only where it is the one we know
+        self.unpackable = torch.equal(unpack_int4pack(self.weight, w.in_features), unsigned)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
         sz = self.scales_and_zeros
+        if x.shape[0] > INT4_KERNEL_MAX_ROWS and self.unpackable:
+            return F.linear(x.to(sz.dtype), self.dense_weight()).to(x.dtype)
         return torch._weight_int4pack_mm_for_cpu(x.to(sz.dtype), self.weight, self.group,
                                                  sz).to(x.dtype)
+
+    def dense_weight(self) -> Tensor:
+        """The dequantised weight [out, in] in the scales' dtype, from the packed bytes."""
+        sz = self.scales_and_zeros  # [in / group, out, 2]
+        codes = unpack_int4pack(self.weight, sz.shape[0] * self.group).to(sz.dtype) - 8
+        scale = sz[:, :, 0].t().repeat_interleave(self.group, dim=1)
+        offset = sz[:, :, 1].t().repeat_interleave(self.group, dim=1)
+        return codes * scale + offset
+
+
+def unpack_int4pack(packed: Tensor, in_features: int) -> Tensor:
+    """Codes [out, in] from `_convert_weight_to_int4pack_for_cpu`'s layout (torch 2.13, x86):
+    blocks of 64 output rows; within a block, byte j of input column k holds row j in its low
+    nibble and row 32 + j in its high nibble."""
+    out = packed.shape[0]
+    if out % 64:
+        return torch.empty(0)
+    blocks = packed.view(out // 64, in_features, 32)
+    rows = torch.cat((blocks & 0xF, blocks >> 4), dim=2)  # [out / 64, in, 64]
+    return rows.transpose(1, 2).reshape(out, in_features).to(torch.int32)
 
 
 def int8_supported(w: QuantizedWeight) -> bool:

@@ -14,19 +14,20 @@ from kvserve.engine.layers.quantization.dequant import DequantLinear
 from kvserve.engine.layers.quantization.int8_w8a8 import Int8W8A8Linear
 from kvserve.engine.layers.quantization.online import quantize_fp8_per_channel
 from kvserve.engine.layers.quantization.qweight import QuantizedWeight, unpack_int32
-from kvserve.engine.layers.quantization.weight_only import Int4WeightLinear, Int8WeightLinear
+from kvserve.engine.layers.quantization.weight_only import INT4_KERNEL_MAX_ROWS, Int4WeightLinear, \
+    Int8WeightLinear
 
 OUT, IN = 96, 256
 
 
 def random_weight(bits: int, group: int, asym: bool, act_order: bool = False,
-                  seed: int = 0) -> QuantizedWeight:
+                  seed: int = 0, out: int = OUT) -> QuantizedWeight:
     g = torch.Generator().manual_seed(seed)
     lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
-    values = torch.randint(lo, hi + 1, (OUT, IN), generator=g, dtype=torch.int8)
+    values = torch.randint(lo, hi + 1, (out, IN), generator=g, dtype=torch.int8)
     groups = IN // group
-    scale = torch.rand(OUT, groups, generator=g) * 0.02 + 0.001
-    zero = torch.randint(lo, hi + 1, (OUT, groups), generator=g, dtype=torch.int8) if asym else None
+    scale = torch.rand(out, groups, generator=g) * 0.02 + 0.001
+    zero = torch.randint(lo, hi + 1, (out, groups), generator=g, dtype=torch.int8) if asym else None
     g_idx = None
     if act_order:  # GPTQ desc_act: columns assigned to groups in a shuffled order
         g_idx = (torch.randperm(IN, generator=g) // group).to(torch.int32)
@@ -57,6 +58,20 @@ def test_int4_kernel_takes_act_order_groups():
     w = random_weight(4, 64, True, act_order=True)
     assert w.g_idx is not None
     close(Int4WeightLinear(w, torch.float32)(x_batch()), reference(x_batch(), w), 1e-5)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_int4_prefill_rows_read_the_packed_bytes_back_exactly(act_order):
+    """Past INT4_KERNEL_MAX_ROWS the weight is dequantised from the int4pack bytes (whose
+    layout is known for outputs in blocks of 64; other widths keep the int4 kernel)."""
+    assert not Int4WeightLinear(random_weight(4, 64, True), torch.float32).unpackable  # 96 rows
+    w = random_weight(4, 64, True, act_order=act_order, out=192)
+    kernel = Int4WeightLinear(w, torch.float32)
+    assert kernel.unpackable
+    x = x_batch(INT4_KERNEL_MAX_ROWS + 5)
+    close(kernel(x), reference(x, w), 1e-5)
+    decode = kernel(x[:INT4_KERNEL_MAX_ROWS])  # the int4 kernel itself
+    close(decode, reference(x[:INT4_KERNEL_MAX_ROWS], w), 1e-5)
 
 
 @pytest.mark.parametrize("asym", [False, True])
