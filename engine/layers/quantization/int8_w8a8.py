@@ -31,14 +31,29 @@ class Int8W8A8Linear(nn.Module):
         self.static_input_scale = static_input_scale
         values = w.values.contiguous()
         self.register_buffer("weight_scale", w.scale[:, 0].float().contiguous(), persistent=False)
+        self.register_buffer("weight_zero", torch.zeros(self.out_features, dtype=torch.int64),
+                             persistent=False)
         self.onednn = values.device.type == "cpu" and onednn_int8_available()
         if self.onednn:
-            packed = torch.ops.onednn.qlinear_prepack(values, None)
-            self.register_buffer("weight", packed, persistent=False)
-            self.register_buffer("weight_zero", torch.zeros(self.out_features, dtype=torch.int64),
+            self.register_buffer("weight", torch.ops.onednn.qlinear_prepack(values, None),
                                  persistent=False)
-        else:  # plain int8 GEMM elsewhere (torch._int_mm takes a [K, N] column-major weight)
+            self.onednn = self._onednn_agrees(values)
+        if not self.onednn:  # plain int8 GEMM (torch._int_mm takes a [K, N] column-major weight)
             self.register_buffer("weight", values.t(), persistent=False)
+
+    def _onednn_agrees(self, values: Tensor) -> bool:
+        """oneDNN's s8 x s8 product equals the exact one on a probe (CPUs without VNNI / AMX
+        may lack the signed-activation path): else the plain GEMM is used."""
+        probe = torch.randint(-128, 128, (3, self.in_features), dtype=torch.int8,
+                              generator=torch.Generator().manual_seed(0))
+        try:
+            got = torch.ops.onednn.qlinear_pointwise(
+                probe, 1.0, 0, self.weight, self.weight_scale, self.weight_zero, None, 1.0, 0,
+                torch.float32, "none", [None], "")
+        except RuntimeError:
+            return False
+        want = (probe.double() @ values.double().t()) * self.weight_scale.double()
+        return bool(torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6 * float(want.abs().max())))
 
     def forward(self, x: Tensor) -> Tensor:
         codes, x_scale = int8_per_token(x, self.static_input_scale)

@@ -11,7 +11,7 @@ from kvserve.engine.layers.quantization.activation import ActivationScheme, fp8_
     int8_per_token
 from kvserve.engine.layers.quantization.base import LinearMethod
 from kvserve.engine.layers.quantization.dequant import DequantLinear
-from kvserve.engine.layers.quantization.int8_w8a8 import Int8W8A8Linear
+from kvserve.engine.layers.quantization.int8_w8a8 import Int8W8A8Linear, onednn_int8_available
 from kvserve.engine.layers.quantization.online import quantize_fp8_per_channel
 from kvserve.engine.layers.quantization.qweight import QuantizedWeight, unpack_int32
 from kvserve.engine.layers.quantization.weight_only import INT4_KERNEL_MAX_ROWS, Int4WeightLinear, \
@@ -86,7 +86,9 @@ def test_int8_w8a8_kernel_is_the_integer_product_of_the_rounded_input():
     codes, scale = int8_per_token(x)
     assert bool(((codes.float() * scale - x).abs() <= scale * 0.5001).all())  # rounding, no clamp
     want = (codes.double() * scale.double()) @ w.dequantize(torch.float64).t()
-    close(Int8W8A8Linear(w)(x), want, 1e-6)
+    kernel = Int8W8A8Linear(w)
+    assert kernel.onednn == onednn_int8_available()  # the probe passed wherever oneDNN has int8
+    close(kernel(x), want, 1e-6)
 
 
 def test_int8_w8a8_with_a_static_input_scale_clamps_to_it():
