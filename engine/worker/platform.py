@@ -243,15 +243,27 @@ def _weight_bytes(model: torch.nn.Module, cfg: Any, dtype: torch.dtype, tp: int)
 
 def resident_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the weights a loaded model holds: its parameters, plus the CPU's oneDNN-packed
-    linears, which are buffers (a tied lm_head packed as its own copy counts again)."""
+    linears and the quantised linears' kernels, which hold their weights as buffers (a tied
+    lm_head packed as its own copy counts again)."""
     from kvserve.engine.layers.packed_linear import PackedLinear
+    from kvserve.engine.layers.quantization import QuantLinear
 
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     for module in model.modules():
         if isinstance(module, PackedLinear):
             total += sum(b.numel() * b.element_size()
                          for b in (module.packed_weight, module.bias) if b is not None)
+        elif isinstance(module, QuantLinear) and module.kernel is not None:
+            total += sum(_tensor_bytes(b) for b in module.kernel.buffers())
     return total
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes of a buffer; oneDNN's prepacked int8 weight is opaque, counted as int8 codes."""
+    try:
+        return t.numel() * t.element_size()
+    except (RuntimeError, NotImplementedError):
+        return t.untyped_storage().nbytes()
 
 
 def _cpu_kv_budget(config: EngineConfig) -> int:

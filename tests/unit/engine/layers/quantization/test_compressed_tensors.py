@@ -73,3 +73,17 @@ def test_activation_quantised_schemes_agree_with_transformers_teacher_forced(den
     assert agree / total >= 0.9, f"{agree}/{total} greedy tokens agree"
     # the activations really are rounded: closer to the fake-quantised model than to the dense
     assert quant_err < dense_err
+
+
+def test_resident_weight_bytes_count_the_quantised_kernels(dense_dir):
+    """The engine's weight figure (startup log, `kvserve:model_weight_bytes`) counts what the
+    quantised kernels hold as buffers: at least the int4 codes, less than the dense model."""
+    from kvserve.engine.worker.platform import resident_weight_bytes
+
+    quant, _ = build(dense_dir, "W4A16")
+    model = make_llm(quant).llm_engine.runner.model
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    codes = sum(lin.in_features * lin.out_features // 2 for lin in linears)
+    dense = make_llm(dense_dir).llm_engine.runner.model
+    assert params + codes <= resident_weight_bytes(model) < resident_weight_bytes(dense)
