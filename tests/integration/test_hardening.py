@@ -162,6 +162,23 @@ def test_caps_on_n_stop_and_logprobs(server, body, param):
     assert_openai_error(resp, 400, param)
 
 
+@pytest.mark.parametrize("field, at_cap, over_cap", [
+    ("stop", ["a", "b", "c", "d"], ["a", "b", "c", "d", "e"]),
+    ("stop", "x" * 32, "x" * 33),
+    ("stop", ["x" * 32], ["x" * 33]),
+    ("stop_token_ids", [1, 2, 3, 4], [1, 2, 3, 4, 5]),
+    ("n", 4, 5),
+    ("logprobs", 5, 6),
+    ("prompt_logprobs", 5, 6),
+])
+def test_each_cap_accepts_exactly_its_limit_and_refuses_one_more(server, field, at_cap, over_cap):
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 1}
+    ok = post(server.url, "/v1/completions", {**body, field: at_cap})
+    assert ok.status_code == 200, ok.text
+    assert_openai_error(post(server.url, "/v1/completions", {**body, field: over_cap}), 400,
+                        field)
+
+
 def test_chat_top_logprobs_cap(server):
     body = {"model": "tiny", "messages": CHAT, "logprobs": True, "top_logprobs": 6}
     assert_openai_error(post(server.url, "/v1/chat/completions", body), 400, "top_logprobs")
