@@ -29,6 +29,15 @@ _OUTPUT_TOKEN = 29  # the token every simulated output is made of (its text is "
 _seq_ids = itertools.count()
 
 
+def _now() -> float:
+    """The event loop's clock (what `asyncio.sleep` and timeouts run on; time.monotonic by
+    default), so a test's fast-forwarded loop times the simulation in simulated seconds."""
+    try:
+        return asyncio.get_running_loop().time()
+    except RuntimeError:  # no loop running (a submit from synchronous code)
+        return time.monotonic()
+
+
 class CapacityError(ValueError):
     """A prompt that cannot fit in the replica's KV pool even alone."""
 
@@ -39,7 +48,7 @@ class SimRequest:
 
     seq: Sequence
     max_tokens: int
-    arrival: float = field(default_factory=time.monotonic)
+    arrival: float = field(default_factory=_now)
     target: int = 0  # tokens to prefill before the next output (prompt, + outputs if resumed)
     cached_tokens: int = -1  # prompt tokens found in the prefix cache at (first) admission
     first_token_at: float | None = None
@@ -212,7 +221,7 @@ class SimReplica:
         dt = self.timing.step_seconds(sum(n for _, n in chunks), len(decoding), context)
         await asyncio.sleep(dt)
         self.counters.busy_s += dt
-        now = time.monotonic()
+        now = _now()
         for r, n in chunks:
             r.seq.num_computed_tokens += n
             self.kv.register_computed(r.seq)
@@ -226,20 +235,20 @@ class SimReplica:
         steps = min(r.max_tokens - r.num_output_tokens for r in seqs)
         dt = self.timing.step_seconds(0, len(seqs), sum(r.seq.num_tokens for r in seqs))
         self._wake.clear()
-        t0 = time.monotonic()
+        t0 = _now()
         try:  # not asyncio.wait_for: on 3.11 it can swallow a cancel
             async with asyncio.timeout(steps * dt):
                 await self._wake.wait()
         except TimeoutError:
             pass
         else:  # an arrival: finish the step in progress, then let it in
-            done = min(max(math.ceil((time.monotonic() - t0) / dt), 1), steps) if dt else steps
-            rest = done * dt - (time.monotonic() - t0)
+            done = min(max(math.ceil((_now() - t0) / dt), 1), steps) if dt else steps
+            rest = done * dt - (_now() - t0)
             if rest > 0:
                 await asyncio.sleep(rest)
             steps = done
         self.counters.busy_s += steps * dt
-        self._advance(seqs, steps, time.monotonic())
+        self._advance(seqs, steps, _now())
 
     def _advance(self, seqs: list[SimRequest], steps: int, now: float) -> None:
         """`steps` decode steps for each of `seqs` (a sequence preempted meanwhile is skipped)."""
