@@ -282,18 +282,13 @@ def test_caps_come_from_the_config(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def router(server, tiny_model_dir, tmp_path_factory) -> Iterator[Any]:
+def router(redis_binary, server, tiny_model_dir, tmp_path_factory) -> Iterator[Any]:
     """A router (real uvicorn, in this process) with Redis up, so it tokenizes to route, in front
     of the module's server as its static replica."""
-    import shutil
-
     from conftest import RedisServer
     from test_router import RouterThread
 
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (apt install redis-server)")
-    redis = RedisServer(binary, tmp_path_factory.mktemp("redis"))
+    redis = RedisServer(redis_binary, tmp_path_factory.mktemp("redis"))
     redis.start()
     rt = RouterThread(tiny_model_dir, redis.url, (
         "--replicas", server.url, "--max-prompts-per-request", "8", "--max-json-depth", "16"))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -43,12 +42,9 @@ class Pair:
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_model_dir, tmp_path_factory) -> Iterator[Pair]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (apt install redis-server)")
+def pair(redis_binary, tiny_model_dir, tmp_path_factory) -> Iterator[Pair]:
     tmp = tmp_path_factory.mktemp("router-faults")
-    server = RedisServer(binary, tmp)
+    server = RedisServer(redis_binary, tmp)
     server.start()
     env = {REGISTRATION_TOKEN_ENV: TOKEN}
     replicas = {rid: spawn_replica(rid, tiny_model_dir, server.url, tmp, env)
