@@ -8,7 +8,7 @@ from typing import TypeVar
 
 import looptime
 import pytest
-from kvserve.engine.block_hash import block_hashes_bytes
+from kvserve.engine.core.block_hash import block_hashes_bytes
 from kvserve.service.sim.replica import CapacityError, SimReplica
 from kvserve.service.sim.timing import CALIBRATIONS, TimingModel, timing_model
 
