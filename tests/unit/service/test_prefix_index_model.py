@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from kvserve.engine.block_hash import block_hashes
+from kvserve.engine.core.block_hash import block_hashes
 from kvserve.service.prefix_index.keys import IndexKeys
 from kvserve.service.prefix_index.lookup import PrefixIndex
 from kvserve.service.prefix_index.scripts import CLEAR_SCRIPT, UPDATE_SCRIPT, write_calls

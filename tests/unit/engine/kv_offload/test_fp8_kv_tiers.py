@@ -9,7 +9,7 @@ import pytest
 from conftest import make_llm
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine import disk_block_file as fmt
+from kvserve.engine.kv_offload import disk_block_file as fmt
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 BLOCK = 16

@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from kvserve.engine.block_hash import hash_block
-from kvserve.engine.kv_cache_manager import KVCacheManager
-from kvserve.engine.sampling_params import SamplingParams
-from kvserve.engine.sequence import Sequence
+from kvserve.engine.core.block_hash import hash_block
+from kvserve.engine.core.kv_cache_manager import KVCacheManager
+from kvserve.engine.sample.sampling_params import SamplingParams
+from kvserve.engine.core.sequence import Sequence
 
 BS = 4  # tokens a block
 NUM_BLOCKS, HOST_BLOCKS, CPU_BLOCKS = 12, 3, 6
