@@ -354,8 +354,9 @@ def test_the_router_refuses_hostile_bodies_itself(router, path, text, param):
 
 
 def test_sigterm_cuts_off_requests_with_503_and_an_sse_error(tiny_model_dir, tmp_path):
-    """A real server process drained with a grace period too short for its two running requests:
-    the non-streaming one gets 503 + Retry-After, the streaming one an error event, then [DONE]."""
+    """A real server process drained with no grace period while two requests are seen running
+    (its /metrics): the non-streaming one gets 503 + Retry-After, the streaming one an error
+    event, then [DONE]. (Grace 0: the cut does not race the requests' length against a timer.)"""
     import signal
     import threading
 
@@ -368,7 +369,7 @@ def test_sigterm_cuts_off_requests_with_503_and_an_sse_error(tiny_model_dir, tmp
             "ignore_eos": True}
     whole: list[httpx.Response] = []
     with api_server_process(tiny_model_dir, log, "--max-model-len", "512",
-                            "--shutdown-grace-period", "0.2") as (proc, url):
+                            "--shutdown-grace-period", "0") as (proc, url):
         thread = threading.Thread(target=lambda: whole.append(
             httpx.post(url + "/v1/completions", json=body, timeout=120)))
         thread.start()
