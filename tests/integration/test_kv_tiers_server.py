@@ -55,10 +55,11 @@ def test_evicted_prefixes_come_back_from_host_memory_through_the_server(tiny_mod
     with api_server_process(tiny_model_dir, tmp_path / "tiered.log",
                             "--num-gpu-blocks-override", str(DEVICE_BLOCKS),
                             "--kv-offloading-size", "0.01",
-                            "--enable-prompt-tokens-details") as (_, url):
+                            "--enable-prompt-tokens-details", timeout=600) as (_, url):
         got, cached = serve_turns(url)
         stats = metrics(url)
     assert got == want
     assert cached == [0, 0, 0] + [PREFIX_BLOCKS * BLOCK] * 3  # every prefix block, from a tier
-    restored = sum(v for k, v in stats.items() if k.startswith("kvserve:offload_blocks_restored_total"))
+    restored = sum(v for k, v in stats.items()
+                   if k.startswith("kvserve:offload_blocks_restored_total"))
     assert restored == 3 * (PREFIX_BLOCKS - 1)  # each prefix's first block stayed on the device
