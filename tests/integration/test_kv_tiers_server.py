@@ -1,18 +1,20 @@
-"""The KV host tier end to end through the HTTP server: a `kvserve.service.api_server` process
-started with --kv-offloading-size serves tenants whose prefixes do not fit its device pool
-together; their second turns report every prefix block in usage's cached_tokens (restored from
-host memory) and answer token-identically to a server without the tier."""
+"""The KV host tier end to end through the HTTP server: a uvicorn server built from the
+`kvserve serve` command line with --kv-offloading-size (the CLI's own parser and config builders,
+in this process: one torch import less on 2 busy cores) serves tenants whose prefixes do not fit
+its device pool together; their second turns report every prefix block in usage's cached_tokens
+(restored from host memory) and answer token-identically to a server without the tier."""
 
 from __future__ import annotations
 
 import random
 
 import httpx
-import pytest
-from server_process import api_server_process
+from server_thread import ServerThread
 from test_api_server import metrics, start_server
 
-pytestmark = pytest.mark.slow  # a server process (torch import, model load) on 2 busy cores
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.service.cli import build_serve_parser, engine_config_from_args, server_config_from_args
+from kvserve.service.server.app import create_app
 
 BLOCK, PREFIX_BLOCKS, DEVICE_BLOCKS = 16, 5, 12
 
@@ -52,12 +54,18 @@ def test_evicted_prefixes_come_back_from_host_memory_through_the_server(tiny_mod
     finally:
         reference.stop()
     assert none_cached == [0] * 6
-    with api_server_process(tiny_model_dir, tmp_path / "tiered.log",
-                            "--num-gpu-blocks-override", str(DEVICE_BLOCKS),
-                            "--kv-offloading-size", "0.01",
-                            "--enable-prompt-tokens-details", timeout=600) as (_, url):
-        got, cached = serve_turns(url)
-        stats = metrics(url)
+    args = build_serve_parser().parse_args([
+        str(tiny_model_dir), "--served-model-name", "tiny", "--dtype", "float32",
+        "--device", "cpu", "--kv-cache-memory", "4MiB",
+        "--num-gpu-blocks-override", str(DEVICE_BLOCKS), "--kv-offloading-size", "0.01",
+        "--enable-prompt-tokens-details"])
+    tiered = ServerThread(create_app(LLMEngine.from_config(engine_config_from_args(args)),
+                                     server_config_from_args(args))).start()
+    try:
+        got, cached = serve_turns(tiered.url)
+        stats = metrics(tiered.url)
+    finally:
+        tiered.stop()
     assert got == want
     assert cached == [0, 0, 0] + [PREFIX_BLOCKS * BLOCK] * 3  # every prefix block, from a tier
     restored = sum(v for k, v in stats.items()

@@ -36,7 +36,7 @@ def cluster_fleet(tiny_model_dir, tmp_path):
                                   str(tiny_model_dir), *ROUTER_FLAGS, HEADERS_FLAG],
                        port, tmp_path)
         procs.append(router)
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 540  # three processes start on a busy machine
         for p in procs:
             wait_healthy(p, deadline)
         wait_until(lambda: len(httpx.get(router.url + "/health").json()["replicas"]) == 2,
@@ -49,6 +49,7 @@ def cluster_fleet(tiny_model_dir, tmp_path):
         topology.stop()
 
 
+@pytest.mark.timeout(1200)  # the fixture alone may wait 540 s for three processes
 def test_prefix_routing_through_a_redis_cluster(cluster_fleet):
     router, tokenizer = cluster_fleet
     body = chat_body(TENANT_PROMPTS[1], "through the cluster")
