@@ -143,8 +143,19 @@ PREFILL_TILE_ROWS = 32
 
 def cpu_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         plan: AttentionPlan, scale: float, k_scale: float = 1.0,
-                        v_scale: float = 1.0) -> torch.Tensor:
-    """Same contract as reference_paged_attention."""
+                        v_scale: float = 1.0, *, sliding_window: int | None = None,
+                        logits_soft_cap: float | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as reference_paged_attention. The decode kernel takes a sliding window
+    (it starts at the window's first block); the prefill kernel does not, so a windowed layer's
+    prefill rows, and every row of a layer with a soft cap or sinks, run the torch path (same
+    results)."""
+    if logits_soft_cap is not None or sinks is not None:
+        from kvserve.kernels.torch_attention import torch_paged_attention
+
+        return torch_paged_attention(q, k_cache, v_cache, plan, scale, k_scale, v_scale,
+                                     sliding_window=sliding_window,
+                                     logits_soft_cap=logits_soft_cap, sinks=sinks)
     parts = _parts(plan)
     if k_cache.dtype == FP8_DTYPE:
         kc, vc, table = k_cache.view(torch.uint8), v_cache.view(torch.uint8), _fp8_table()
@@ -158,8 +169,13 @@ def cpu_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if parts["seq_ids"].numel():
         torch.ops.kvserve_cpu.paged_decode(qk, kc, vc, parts["block_tables"], parts["seq_lens"],
                                            parts["seq_ids"], parts["rows"], table, qk_scale,
-                                           out_scale, out)
-    if parts["tiles"].numel():
+                                           out_scale, sliding_window or 0, out)
+    if sliding_window is not None and parts["tiles"].numel():
+        from kvserve.kernels.torch_attention import torch_paged_attention
+
+        torch_paged_attention(qk, k_cache, v_cache, plan, scale, k_scale, v_scale, out=out,
+                              decode=False, sliding_window=sliding_window)
+    elif parts["tiles"].numel():
         torch.ops.kvserve_cpu.paged_prefill(qk, kc, vc, parts["block_tables"], parts["tiles"],
                                             table, qk_scale, out_scale, out)
     return out if native else out.to(q.dtype)
