@@ -29,7 +29,8 @@ from kvserve.engine.guided_params import StructuredOutputsParams
 
 BACKENDS = ("auto", "xgrammar", "guidance")
 _PARAM = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
-          "grammar": "guided_grammar", "json_object": "response_format"}
+          "grammar": "guided_grammar", "json_object": "response_format",
+          "structural_tag": "response_format"}
 
 
 class GrammarBackend(ABC):

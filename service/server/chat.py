@@ -29,7 +29,9 @@ from kvserve.service.tool_calls import (ToolCallStream, ToolPlan, finish_reason,
 
 
 async def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
-    template = req.chat_template or getattr(ctx.tokenizer, "chat_template", None) or ""
+    req.use_tool_parser(ctx.tool_parser)
+    template = req.chat_template or ctx.chat_template \
+        or getattr(ctx.tokenizer, "chat_template", None) or ""
     messages, tools = template_messages([m.as_template_input() for m in req.messages],
                                         req.tool_plan(), template)
     kwargs = dict(req.chat_template_kwargs or {})
@@ -49,6 +51,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = ctx.max_tokens_for(len(prompt), req.requested_max_tokens, param, "messages")
         params = req.sampling_params(max_tokens, req.num_logprobs, ctx.engine.sampling_defaults)
+        plan = req.tool_plan()
+        if plan is not None and plan.mode == "auto" and plan.format.needs_special_tokens:
+            params.skip_special_tokens = False  # the parser's opener is a special token
     request_id = random_id("chatcmpl")  # from here the engine counts it as waiting
     streams = await before(deadline, start_requests(
         ctx, request_id, [prompt], [params], priority=req.priority, cache_salt=req.cache_salt))
@@ -56,7 +61,6 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         body = _stream(ctx, req, request_id, model, streams, stop_hold(params), deadline)
         return StreamingResponse(body, media_type="text/event-stream")
     (out,) = await unless_disconnected(raw, collect(streams, deadline))
-    plan = req.tool_plan()
     choices = [ChatChoice(
         index=c.index, message=_message(plan, c.text),
         finish_reason=_finish_reason(plan, c.text, c.finish_reason), stop_reason=c.stop_reason,
