@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.engine.errors import InvalidRequestError
-from kvserve.engine.guided_params import StructuredOutputsParams
+from kvserve.engine.structured_output.params import StructuredOutputsParams
 from kvserve.service.tool_parsers import (DEFAULT_TOOL_PARSER, TOOL_PARSERS, ObjectScanner,
                                           ToolParser, call_of)
 

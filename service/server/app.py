@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 import kvserve
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.errors import KVServeError
-from kvserve.engine.tokenizer import prompt_token_ids
+from kvserve.engine.sample.tokenizer import prompt_token_ids
 from kvserve.service.chat_request import ChatCompletionRequest
 from kvserve.service.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from kvserve.service.openai_errors import APIError, install_error_handlers
