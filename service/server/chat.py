@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.engine.async_engine import RequestStream
-from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.outputs import Logprob, RequestOutput
 from kvserve.service.chat_request import ChatCompletionRequest
 from kvserve.service.response_models import (ChatChoice, ChatCompletionChunk,
                                              ChatCompletionResponse, ChatLogProbs,
@@ -20,7 +20,8 @@ from kvserve.service.server.context import ServingContext
 from kvserve.service.server.engine_streams import (before, collect, engine_error_status,
                                                    merge_streams, start_requests,
                                                    unless_disconnected, until)
-from kvserve.service.server.logprobs import prompt_logprobs_json, token_text, top_logprobs
+from kvserve.service.server.logprobs import (logprob_of, prompt_logprobs_json, token_text,
+                                             top_logprobs)
 from kvserve.service.server.stream_deltas import Delta, StreamTracker, stop_hold
 from kvserve.service.server.usage import usage_of
 from kvserve.service.sse import SSE_DONE, sse, sse_error
@@ -86,7 +87,7 @@ def _finish_reason(plan: ToolPlan | None, text: str, reason: str | None) -> str 
     return reason if plan is None else finish_reason(parse_output(plan, text)[1], reason)
 
 
-def _logprobs(tokenizer: Any, token_ids: Sequence[int], entries: list[dict[int, float]] | None,
+def _logprobs(tokenizer: Any, token_ids: Sequence[int], entries: list[dict[int, Logprob]] | None,
               k: int) -> ChatLogProbs | None:
     if entries is None:
         return None
@@ -94,10 +95,14 @@ def _logprobs(tokenizer: Any, token_ids: Sequence[int], entries: list[dict[int, 
     for tid, entry in zip(token_ids, entries):
         text = token_text(tokenizer, tid)
         content.append(ChatTokenLogprob(
-            token=text, logprob=entry.get(tid, float("-inf")), bytes=list(text.encode()),
+            token=text, logprob=_or_inf(logprob_of(entry, tid)), bytes=list(text.encode()),
             top_logprobs=[TopLogprob(token=t, logprob=lp, bytes=list(t.encode()))
                           for t, lp in top_logprobs(tokenizer, entry, k)]))
     return ChatLogProbs(content=content)
+
+
+def _or_inf(value: float | None) -> float:
+    return float("-inf") if value is None else value
 
 
 async def _stream(ctx: ServingContext, req: ChatCompletionRequest, request_id: str, model: str,
