@@ -9,7 +9,6 @@ from dataclasses import MISSING, dataclass, field, fields, make_dataclass
 from typing import Any
 
 from kvserve.engine.config import EngineConfig
-from kvserve.engine.errors import ConfigError
 
 # vLLM engine arguments that change nothing here: their values are accepted and dropped.
 # (kvserve logs no periodic stats, runs no CUDA graphs, needs no custom all-reduce.)
@@ -66,8 +65,8 @@ def _fields(base: type) -> list[tuple[str, Any, Any]]:
     return out + [(k, bool, field(default=v)) for k, v in NO_EFFECT.items()]
 
 
-EngineArgs = make_dataclass("EngineArgs", _fields(EngineConfig), bases=(_EngineArgsMethods,),
-                            module=__name__)
+EngineArgs = make_dataclass("EngineArgs", _fields(EngineConfig), bases=(_EngineArgsMethods,))
+EngineArgs.__module__ = __name__
 EngineArgs.__doc__ = ("vLLM's EngineArgs: every EngineConfig field by name, mutable, plus the "
                       "vLLM arguments that have no effect here.")
 
@@ -83,6 +82,3 @@ class AsyncEngineArgs(EngineArgs):  # type: ignore[misc, valid-type]
                   if f.name != "disable_log_requests"}
         return EngineConfig.from_kwargs(**split_vllm_kwargs(values))
 
-
-def refuse(name: str, why: str) -> ConfigError:
-    return ConfigError(f"engine argument {name!r} is not supported: {why}")

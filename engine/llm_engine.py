@@ -123,6 +123,11 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
         return cls(config)
 
+    @classmethod
+    def from_engine_args(cls, engine_args: Any) -> "LLMEngine":
+        """vLLM's constructor: an `EngineArgs` (engine/arg_utils.py) -> its engine."""
+        return cls.from_config(engine_args.create_engine_config())
+
     def check_health(self) -> None:
         """WorkerDiedError when a tensor-parallel worker is gone (even while idle); safe to
         call from another thread (it only looks at the worker processes)."""
