@@ -456,7 +456,10 @@ def kvserve_names() -> dict[str, set[str]]:
         llm |= set(importlib.import_module("kvserve.engine.arg_utils").NO_EFFECT)
     sampling = set(inspect.signature(SamplingParams).parameters)
     routes = {f"{m} {p}" for p, m, _ in operations(openapi())}
-    return {"serve_flags": flags, "llm_args": llm, "sampling_params": sampling, "routes": routes}
+    python = {e["name"] for e in yaml.safe_load(COMPAT.read_text()).get("python_api", [])
+              if resolves(e["name"])}
+    return {"serve_flags": flags, "llm_args": llm, "sampling_params": sampling, "routes": routes,
+            "python_api": python}
 
 
 SECTION_TITLES = {"serve_flags": "`vllm serve` flags", "llm_args": "`LLM(...)` arguments",
