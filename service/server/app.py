@@ -72,6 +72,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics,
         prompt_tokens_details=config.enable_prompt_tokens_details,
         chat_template=config.chat_template, tool_parser=config.tool_call_parser)
     metrics.set_cache_config(engine.memory_budget.block_size, engine.memory_budget.num_blocks)
+    metrics.set_model_weight_bytes(
+        engine.memory_budget.weight_bytes * engine.config.tensor_parallel_size)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
