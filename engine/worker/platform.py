@@ -132,6 +132,11 @@ def _start_workers(config: EngineConfig, model_path: Path | str, dtype: torch.dt
     layers, kv_heads, _ = _model_shape(cfg)
     check_tensor_parallel(n, cfg.num_attention_heads, kv_heads,
                           getattr(cfg, "intermediate_size", 4 * cfg.hidden_size))
+    for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        width = getattr(cfg, key, None)  # each rank holds 1/N of every expert's width
+        if width and width % n:
+            raise ConfigError(f"tensor_parallel_size={n} does not divide {key}={width}; pick an "
+                              "N that divides every expert width")
     if device.type == "cuda" and torch.cuda.device_count() < n:
         raise ConfigError(f"tensor_parallel_size={n} needs {n} GPUs, this machine shows "
                           f"{torch.cuda.device_count()}")
