@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.engine.config import DEFAULT_MODEL, KV_CACHE_DTYPES, MODEL_DTYPES, PREEMPTION_MODES, \
-    STRUCTURED_OUTPUTS_BACKENDS, EngineConfig
+    QUANTIZATION_METHODS, STRUCTURED_OUTPUTS_BACKENDS, EngineConfig
 from kvserve.service.limits import RequestLimits
 from kvserve.service.tool_parsers import TOOL_PARSERS
 
@@ -189,6 +189,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    default=d("enable_prefix_caching"), help="reuse KV blocks of shared prefixes")
     g.add_argument("--kv-cache-dtype", default=d("kv_cache_dtype"), choices=KV_CACHE_DTYPES,
                    help="dtype of the KV cache (fp8 halves it vs bf16)")
+    g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
+                   help="int8 or fp8: quantise an unquantised checkpoint's linears per channel "
+                        "at load (int8 runs W8A8 on the CPU's int8 units); a quantised "
+                        "checkpoint is read from its own quantization_config without the flag")
     g.add_argument("--calculate-kv-scales", action="store_true",
                    help="compute fp8 KV scales from the first batch")
     g.add_argument("--attention-backend", default=d("attention_backend"),

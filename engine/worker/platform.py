@@ -141,7 +141,8 @@ def _start_workers(config: EngineConfig, model_path: Path | str, dtype: torch.dt
         raise ConfigError(f"tensor_parallel_size={n} needs {n} GPUs, this machine shows "
                           f"{torch.cuda.device_count()}")
     group, tp = WorkerGroup.start(str(model_path), config.revision, dtype, device.type, n,
-                                  max_model_len=config.max_model_len)
+                                  max_model_len=config.max_model_len,
+                                  quantization=config.quantization)
     logger.info("tensor parallel: %d ranks (%s), %d torch thread(s) per rank", n,
                 "nccl" if device.type == "cuda" else "gloo", group.spec.threads)
     return group, tp
@@ -154,6 +155,8 @@ def _set_up_rank0(config: EngineConfig, model_path: Path | str,
     extra: dict[str, Any] = {"tp": tp} if tp is not None else {}
     if config.max_model_len is not None:
         extra["max_model_len"] = config.max_model_len
+    if config.quantization is not None:
+        extra["quantization"] = config.quantization
     model, cfg = load_model(model_path, dtype, device, revision=config.revision, **extra)
     layers, kv_heads, head_dim = _model_shape(cfg)
     kv_heads = kv_heads_per_rank(kv_heads, config.tensor_parallel_size)
