@@ -39,7 +39,9 @@ test: setup
 test-fast: setup
 	$(VENV)/bin/pytest -q -m "not slow"
 
+# bench/ imports a few packages the server does not need (matplotlib, lz4...): the `bench` extra.
 bench: setup
+	$(PIP) install -q -e '.[bench]'
 	$(PY) bench/throughput.py
 
 # The docs site (mkdocs + Material) into site/; the reference pages are generated from the code.

@@ -122,3 +122,45 @@ def test_every_python_folder_of_a_component_is_a_listed_package() -> None:
     folders = {path.parent for c in COMPONENTS for path in (ROOT / c).rglob("*.py")}
     names = {".".join(("kvserve", *f.relative_to(ROOT).parts)) for f in folders}
     assert not sorted(names - listed)
+
+
+# Import names whose distribution is spelled differently on PyPI.
+DISTRIBUTION_OF = {"yaml": "pyyaml", "lz4": "lz4", "compressed_tensors": "compressed-tensors"}
+# Imported only to report "not installed": llama-cpp-python compiles llama.cpp at install time.
+OPTIONAL_BENCH_IMPORTS = {"llama_cpp"}
+
+
+def bench_imports() -> set[str]:
+    """Top-level module names every bench/*.py imports, at any depth (plots import lazily)."""
+    import ast
+
+    local = {p.stem for p in (ROOT / "bench").glob("*.py")}
+    local |= {p.stem for p in (ROOT / "tests").rglob("*.py")} | {"kvserve"}
+    names: set[str] = set()
+    for path in (ROOT / "bench").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+    return names - local - set(sys.stdlib_module_names) - OPTIONAL_BENCH_IMPORTS
+
+
+def requirement_names(specs: list[str]) -> set[str]:
+    import re
+
+    return {re.split(r"[<>=\[; ]", s, maxsplit=1)[0].lower().replace("_", "-") for s in specs}
+
+
+def test_every_bench_import_is_a_declared_requirement_that_make_bench_installs() -> None:
+    """`bench/fleet.py` ended in a traceback because matplotlib was nobody's requirement."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = requirement_names(project["dependencies"])
+    declared |= requirement_names(project["optional-dependencies"]["bench"])
+    wanted = {DISTRIBUTION_OF.get(n, n).lower().replace("_", "-") for n in bench_imports()}
+    assert "matplotlib" in wanted  # the scan sees imports inside functions
+    assert wanted - declared == set()
+    recipe = (ROOT / "Makefile").read_text().split("\nbench:", 1)[1].split("\n\n", 1)[0]
+    assert ".[bench]" in recipe
