@@ -56,8 +56,18 @@ class EngineConfig:
     # None: the checkpoint's own quantization_config (or dense); "int8" | "fp8": quantise a dense
     # checkpoint's linears per channel at load (engine/layers/quantization/).
     quantization: str | None = None
+    # vLLM's hf_overrides: a dict merged into the HF config (a JSON object string from the CLI),
+    # or a callable taking and returning it; applied before the model is built, on every rank.
+    hf_overrides: Any = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.hf_overrides, str):
+            object.__setattr__(self, "hf_overrides", parse_hf_overrides(self.hf_overrides))
+        if self.hf_overrides is not None and not (isinstance(self.hf_overrides, dict)
+                                                  or callable(self.hf_overrides)):
+            raise ConfigError("hf_overrides must be a dict (merged into the HF config) or a "
+                              f"callable taking and returning the config, got "
+                              f"{type(self.hf_overrides).__name__}")
         # Whether N splits the model (heads, KV heads, MLP) is checked where the model's config
         # is known, before any worker starts (engine/worker/platform.py).
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
@@ -150,3 +160,32 @@ def structured_outputs_backend(config: Any, old: str | None = None) -> str | Non
                               "disagree; give one of them")
         backend = old
     return backend
+
+
+def parse_hf_overrides(text: str) -> dict[str, Any]:
+    """`--hf-overrides '{"rope_theta": 1e6}'`: a JSON object."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"hf_overrides must be a JSON object, got {text!r}: {exc}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"hf_overrides must be a JSON object, got {text!r}")
+    return value
+
+
+def apply_hf_overrides(config: Any, overrides: Any) -> Any:
+    """The HF config with vLLM's hf_overrides applied (dict: set each key; callable: its result;
+    a nested dict merges into a sub-config such as text_config)."""
+    if overrides is None:
+        return config
+    if callable(overrides):
+        return overrides(config)
+    for key, value in overrides.items():
+        current = getattr(config, key, None)
+        if isinstance(value, dict) and hasattr(current, "to_dict"):
+            apply_hf_overrides(current, value)
+        else:
+            setattr(config, key, value)
+    return config

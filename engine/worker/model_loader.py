@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -203,24 +203,29 @@ def _looks_like_hub_id(model: str) -> bool:
 
 
 def load_config(model_path: Path | str, revision: str | None = None,
-                trust_remote_code: bool = False):
-    """The HF config, with a typed error when the path or hub id cannot be read."""
+                trust_remote_code: bool = False, hf_overrides: Any = None):
+    """The HF config (with vLLM's `hf_overrides` applied), with a typed error when the path or
+    hub id cannot be read."""
     from transformers import AutoConfig
 
+    from kvserve.engine.config import apply_hf_overrides
+
     try:
-        return AutoConfig.from_pretrained(str(model_path), revision=revision,
-                                          trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(str(model_path), revision=revision,
+                                            trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         raise ModelNotFoundError(
             f"cannot load the model config from {model_path!r}: {exc}. Pass a known model name, "
             "a local HF folder with config.json, or a reachable hub id.") from exc
+    return apply_hf_overrides(config, hf_overrides)
 
 
 def load_model(model_path: Path | str, dtype: torch.dtype, device: torch.device,
                revision: str | None = None, pack_linears: bool = True,
                tp: "TPGroup | None" = None,
                max_model_len: int | None = None,
-               quantization: str | None = None) -> tuple[nn.Module, object]:
+               quantization: str | None = None,
+               hf_overrides: Any = None) -> tuple[nn.Module, object]:
     """Our model class for the config's architecture, with the HF weights streamed into it (on
     CPU with its linears prepacked for oneDNN unless `pack_linears=False`). With `tp`, this
     rank's shard only: each rank reads just its slices of the checkpoint. `max_model_len` (None:
@@ -231,7 +236,7 @@ def load_model(model_path: Path | str, dtype: torch.dtype, device: torch.device,
         quantize_linears
     from kvserve.engine.models import model_class_for
 
-    config = load_config(model_path, revision)
+    config = load_config(model_path, revision, hf_overrides=hf_overrides)
     model_cls = model_class_for(config)
     extra = {"tp": tp} if tp is not None else {}
     if max_model_len is not None:

@@ -129,7 +129,7 @@ def _start_workers(config: EngineConfig, model_path: Path | str, dtype: torch.dt
     from kvserve.engine.worker.model_loader import load_config
 
     n = config.tensor_parallel_size
-    cfg = load_config(model_path, config.revision, config.trust_remote_code)
+    cfg = load_config(model_path, config.revision, config.trust_remote_code, config.hf_overrides)
     layers, kv_heads, _ = _model_shape(cfg)
     check_tensor_parallel(n, cfg.num_attention_heads, kv_heads,
                           getattr(cfg, "intermediate_size", 4 * cfg.hidden_size))
@@ -143,7 +143,8 @@ def _start_workers(config: EngineConfig, model_path: Path | str, dtype: torch.dt
                           f"{torch.cuda.device_count()}")
     group, tp = WorkerGroup.start(str(model_path), config.revision, dtype, device.type, n,
                                   max_model_len=config.max_model_len,
-                                  quantization=config.quantization)
+                                  quantization=config.quantization,
+                                  hf_overrides=config.hf_overrides)
     logger.info("tensor parallel: %d ranks (%s), %d torch thread(s) per rank", n,
                 "nccl" if device.type == "cuda" else "gloo", group.spec.threads)
     return group, tp
@@ -158,6 +159,8 @@ def _set_up_rank0(config: EngineConfig, model_path: Path | str,
         extra["max_model_len"] = config.max_model_len
     if config.quantization is not None:
         extra["quantization"] = config.quantization
+    if config.hf_overrides is not None:
+        extra["hf_overrides"] = config.hf_overrides
     model, cfg = load_model(model_path, dtype, device, revision=config.revision, **extra)
     layers, kv_heads, head_dim = _model_shape(cfg)
     kv_heads = kv_heads_per_rank(kv_heads, config.tensor_parallel_size)

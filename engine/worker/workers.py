@@ -51,6 +51,7 @@ class WorkerSpec:
     threads: int  # torch intra-op threads per rank on the CPU
     max_model_len: int | None = None  # the engine's, when the user set one
     quantization: str | None = None  # online quantisation of a dense checkpoint (int8 | fp8)
+    hf_overrides: Any = None  # vLLM's: a dict or callable over the HF config (every rank)
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,8 @@ def worker_main(rank: int, spec: WorkerSpec, conn: Connection) -> None:
 
         model, _ = load_model(spec.model_path, spec.dtype, rank_device(rank, spec.device_type),
                               revision=spec.revision, tp=tp, max_model_len=spec.max_model_len,
-                              quantization=spec.quantization)
+                              quantization=spec.quantization,
+                              hf_overrides=spec.hf_overrides)
         conn.send(("ready", None))
         _serve(rank, model, spec, conn)
     except BaseException:  # noqa: BLE001 - tell the driver why, then die
@@ -189,7 +191,8 @@ class WorkerGroup:
     def start(cls, model_path: str, revision: str | None, dtype: torch.dtype,
               device_type: str, size: int,
               max_model_len: int | None = None,
-              quantization: str | None = None) -> tuple["WorkerGroup", TPGroup]:
+              quantization: str | None = None,
+              hf_overrides: Any = None) -> tuple["WorkerGroup", TPGroup]:
         """Spawn the workers and join the group as rank 0 (returns once all ranks joined)."""
         if torch.distributed.is_initialized():
             raise WorkerDiedError(
@@ -198,7 +201,8 @@ class WorkerGroup:
         store = os.path.join(tempfile.mkdtemp(prefix="kvserve-tp-"), "rendezvous")
         threads = max(1, (os.cpu_count() or 1) // size)
         spec = WorkerSpec(str(model_path), revision, dtype, device_type, size,
-                          f"file://{store}", threads, max_model_len, quantization)
+                          f"file://{store}", threads, max_model_len, quantization,
+                          hf_overrides)
         group = cls(spec)
         try:
             try:

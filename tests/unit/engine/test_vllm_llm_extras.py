@@ -1,0 +1,50 @@
+"""vLLM's LLM extras on the tiny random Llama: hf_overrides (dict or callable over the HF config,
+applied before the model is built) and start_profile / stop_profile (torch profiler traces)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import make_llm
+from kvserve import SamplingParams
+from kvserve.engine.errors import ConfigError
+
+PROMPT = "The quick brown fox"
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def hf_greedy(model_dir, **overrides) -> list[int]:
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                              **overrides).eval()
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+    gen = hf.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    return gen[0, ids.shape[1]:].tolist()
+
+
+def test_hf_overrides_dict_changes_the_model_as_hf_does(llm, tiny_model_dir):
+    eps = make_llm(tiny_model_dir, hf_overrides={"rms_norm_eps": 10.0})
+    assert eps.llm_engine.hf_config.rms_norm_eps == 10.0
+    got = eps.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    plain = llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == hf_greedy(tiny_model_dir, rms_norm_eps=10.0)
+    assert got != plain
+    eps.shutdown()
+
+
+def test_hf_overrides_callable_and_bad_values(tiny_model_dir):
+    def big_eps(cfg):
+        cfg.rms_norm_eps = 3.0
+        return cfg
+
+    llm = make_llm(tiny_model_dir, hf_overrides=big_eps)
+    assert llm.llm_engine.hf_config.rms_norm_eps == 3.0
+    got = llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == hf_greedy(tiny_model_dir, rms_norm_eps=3.0)
+    llm.shutdown()
+    with pytest.raises(ConfigError, match="hf_overrides"):
+        make_llm(tiny_model_dir, hf_overrides=["num_hidden_layers", 1])
+    with pytest.raises(ConfigError, match="JSON object"):
+        make_llm(tiny_model_dir, hf_overrides="{not json")
