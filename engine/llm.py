@@ -14,6 +14,7 @@ from kvserve.engine.errors import InvalidRequestError, RequestFailedError
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.metrics_reader import Metric, metrics_of
 from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.profiler import TorchProfiler
 from kvserve.engine.sample.sampling_params import SamplingParams
 from kvserve.engine.sample.tokenizer import chat_token_ids
 
@@ -43,6 +44,7 @@ class LLM:
             kv_cache_dtype=kv_cache_dtype, **kwargs)
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()
+        self._profiler = TorchProfiler()
 
     def shutdown(self) -> None:
         """Stop the engine's tensor-parallel worker processes, and with a KV disk tier write the
@@ -60,6 +62,14 @@ class LLM:
         """Forget every cached prefix block (device, host and disk tiers); False while running
         requests still hold blocks (as vLLM)."""
         return self.llm_engine.reset_prefix_cache()
+
+    def start_profile(self) -> None:
+        """Start the torch profiler (vLLM's); the trace goes to $KVSERVE_TORCH_PROFILER_DIR or
+        $VLLM_TORCH_PROFILER_DIR at stop_profile(). ConfigError when neither is set."""
+        self._profiler.start()
+
+    def stop_profile(self) -> None:
+        self._profiler.stop()
 
     def get_metrics(self) -> list[Metric]:
         """The engine's figures as vLLM's metric objects (`.name`, `.value`, `.labels`)."""

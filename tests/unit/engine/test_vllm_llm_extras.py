@@ -48,3 +48,23 @@ def test_hf_overrides_callable_and_bad_values(tiny_model_dir):
         make_llm(tiny_model_dir, hf_overrides=["num_hidden_layers", 1])
     with pytest.raises(ConfigError, match="JSON object"):
         make_llm(tiny_model_dir, hf_overrides="{not json")
+
+
+@pytest.mark.parametrize("env", ["KVSERVE_TORCH_PROFILER_DIR", "VLLM_TORCH_PROFILER_DIR"])
+def test_start_stop_profile_writes_a_trace_of_the_model_ops(llm, tmp_path, monkeypatch, env):
+    import json
+
+    for name in ("KVSERVE_TORCH_PROFILER_DIR", "VLLM_TORCH_PROFILER_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ConfigError, match="KVSERVE_TORCH_PROFILER_DIR"):
+        llm.start_profile()
+    monkeypatch.setenv(env, str(tmp_path / "traces"))
+    llm.start_profile()
+    llm.generate(PROMPT, GREEDY, use_tqdm=False)
+    llm.stop_profile()
+    traces = list((tmp_path / "traces").glob("*.pt.trace.json"))
+    assert len(traces) == 1
+    names = {e.get("name") for e in json.loads(traces[0].read_text())["traceEvents"]}
+    assert {"aten::embedding", "aten::_softmax"} <= names  # the embedding, the sampler
+    with pytest.raises(ConfigError, match="without start_profile"):
+        llm.stop_profile()
