@@ -9,7 +9,8 @@ from typing import Any
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "StructuredOutputsParams", "GuidedDecodingParams", "__version__"]
+           "StructuredOutputsParams", "GuidedDecodingParams", "AsyncLLMEngine", "EngineArgs",
+           "AsyncEngineArgs", "RequestOutputKind", "__version__"]
 
 _LAZY = {
     "LLM": "kvserve.engine.llm",
@@ -19,6 +20,10 @@ _LAZY = {
     "Logprob": "kvserve.engine.outputs",
     "StructuredOutputsParams": "kvserve.engine.structured_output.params",
     "GuidedDecodingParams": "kvserve.engine.structured_output.params",
+    "AsyncLLMEngine": "kvserve.engine.async_llm",
+    "EngineArgs": "kvserve.engine.arg_utils",
+    "AsyncEngineArgs": "kvserve.engine.arg_utils",
+    "RequestOutputKind": "kvserve.engine.sample.sampling_params",
 }
 
 

@@ -209,6 +209,14 @@ class AsyncEngine:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
         return aborted
 
+    def stop(self) -> None:
+        """Synchronous shutdown with no grace period (AsyncLLM.shutdown): abort what runs and
+        join the engine thread."""
+        self.draining = True
+        self._inbox.put(_Stop())
+        if self._thread is not None:
+            self._thread.join()
+
     def _idle_event(self) -> asyncio.Event:
         if self._state.idle is None:
             self._state.idle = asyncio.Event()

@@ -6,6 +6,7 @@ import math
 import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 
 from kvserve.engine.errors import InvalidRequestError
 from kvserve.engine.structured_output.params import StructuredOutputsParams
@@ -22,6 +23,15 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
            "repetition_penalty")
 _INTS = ("n", "best_of", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "seed")
+
+
+class RequestOutputKind(Enum):
+    """What each streamed output holds (vLLM's; AsyncLLM.generate): everything so far, only what
+    is new since the last one, or nothing until the request finishes."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -49,6 +59,7 @@ class SamplingParams:
     # What the output must match (structured_output/params.py): vLLM's current and older spellings.
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # AsyncLLM.generate's streams
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:

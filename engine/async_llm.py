@@ -1,0 +1,115 @@
+"""vLLM's AsyncLLM (`vllm.v1.engine.async_llm.AsyncLLM`, also `vllm.AsyncLLMEngine`) over the
+AsyncEngine thread: `generate` as an async iterator with vLLM's RequestOutputKind, `abort`,
+`shutdown`."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.outputs import CompletionOutput, RequestOutput
+from kvserve.engine.sample.sampling_params import RequestOutputKind, SamplingParams
+
+
+class AsyncLLM:
+    """An engine for asyncio callers, as vLLM's v1 AsyncLLM.
+
+    >>> engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model="smollm2-135m-instruct"))
+    >>> async for out in engine.generate("Hello", SamplingParams(max_tokens=8), "req-0"): ...
+    """
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self._streams: dict[str, Any] = {}  # request id -> its RequestStream, while it runs
+        engine.start()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: Any) -> AsyncLLM:
+        return cls(AsyncEngine.from_config(engine_args.create_engine_config()))
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any) -> AsyncLLM:
+        """From an EngineConfig (kvserve's counterpart of vLLM's VllmConfig)."""
+        return cls(AsyncEngine.from_config(vllm_config))
+
+    async def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    async def generate(self, prompt: str | list[int] | dict[str, Any],
+                       sampling_params: SamplingParams, request_id: str,
+                       *, priority: int = 0, **_: Any) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as they come, shaped by `sampling_params.output_kind`:
+        CUMULATIVE (everything so far), DELTA (only the new tokens and text), FINAL_ONLY (one
+        output, when it finishes). Leaving the loop early aborts the request."""
+        if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
+            prompt = prompt.get("prompt_token_ids") or prompt["prompt"]
+        stream = await self.engine.add_request(request_id, prompt, sampling_params,
+                                               priority=priority)
+        kind = sampling_params.output_kind
+        sent: dict[int, tuple[int, int, int]] = {}  # index -> tokens, chars, logprobs sent
+        last: RequestOutput | None = None
+        self._streams[request_id] = stream
+        try:
+            async for out in stream:
+                last = out
+                if kind is RequestOutputKind.FINAL_ONLY and not out.finished:
+                    continue
+                yield _delta(out, sent) if kind is RequestOutputKind.DELTA else out
+        except _Aborted:  # abort(): one last output that says so, as vLLM's
+            if last is not None:
+                final = _aborted(last)
+                yield _delta(final, sent) if kind is RequestOutputKind.DELTA else final
+        finally:
+            self._streams.pop(request_id, None)
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        """Stop requests; each one's generate() yields a last output, finish_reason "abort"."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self.engine.abort(ids)
+        for rid in ids:
+            if rid in self._streams:
+                self._streams[rid].put(_Aborted(rid))
+
+    def shutdown(self) -> None:
+        """Abort what runs and stop the engine thread (and its tensor-parallel workers)."""
+        self.engine.stop()
+        self.engine.engine.shutdown()
+
+    @property
+    def is_running(self) -> bool:
+        return self.engine.is_running
+
+
+AsyncLLMEngine = AsyncLLM  # vLLM v1's `from vllm import AsyncLLMEngine` is AsyncLLM
+
+
+class _Aborted(Exception):
+    """Handed to a request's stream by abort()."""
+
+
+def _aborted(out: RequestOutput) -> RequestOutput:
+    final = copy.copy(out)
+    final.finished = True
+    final.outputs = [dataclasses.replace(o, finish_reason=o.finish_reason or "abort")
+                     for o in out.outputs]
+    return final
+
+
+def _delta(out: RequestOutput, sent: dict[int, tuple[int, int, int]]) -> RequestOutput:
+    """`out` (cumulative) cut to what the reader has not seen yet (vLLM's DELTA)."""
+    delta = copy.copy(out)
+    delta.outputs = []
+    if sent:
+        delta.prompt_logprobs = None  # only with the first output, as vLLM
+    for o in out.outputs:
+        tokens, chars, logprobs = sent.get(o.index, (0, 0, 0))
+        delta.outputs.append(CompletionOutput(
+            o.index, o.text[chars:], o.token_ids[tokens:], o.cumulative_logprob,
+            None if o.logprobs is None else o.logprobs[logprobs:], o.finish_reason,
+            o.stop_reason))
+        sent[o.index] = (len(o.token_ids), len(o.text),
+                         len(o.logprobs) if o.logprobs is not None else 0)
+    return delta
