@@ -162,13 +162,25 @@ def _exit_with_parent(parent: int) -> None:
 
 # ---------------------------------------------------------------------------- driver side
 
+METHOD_ENV = ("KVSERVE_WORKER_MULTIPROC_METHOD", "VLLM_WORKER_MULTIPROC_METHOD")
+
+
+def start_method() -> str:
+    """How workers start, as vLLM's multiprocessing executor: fork while this process has no
+    CUDA context (a script needs no `__main__` guard), spawn once it has one (a forked child
+    cannot use it); $KVSERVE_WORKER_MULTIPROC_METHOD (or vLLM's name) decides when set."""
+    for name in METHOD_ENV:
+        if os.environ.get(name) in ("fork", "spawn", "forkserver"):
+            return os.environ[name]
+    return "spawn" if torch.cuda.is_initialized() else "fork"
+
 
 class WorkerGroup:
     """The driver's handle on ranks 1..N-1: start them, broadcast to them, stop them."""
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
-        ctx = torch.multiprocessing.get_context("spawn")
+        ctx = torch.multiprocessing.get_context(start_method())
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
         self.failure: str | None = None
@@ -208,9 +220,12 @@ class WorkerGroup:
             try:
                 group.wait_for("joining")
             except WorkerDiedError as exc:  # before any of our code ran in the worker
+                if start_method() == "fork":
+                    raise
                 raise WorkerDiedError(
-                    f"{exc}\nWorkers are spawned: a script that starts tensor_parallel_size > 1 "
-                    "needs an `if __name__ == \"__main__\":` guard around its code") from None
+                    f"{exc}\nWorkers are spawned (this process holds a CUDA context): a script "
+                    "that starts tensor_parallel_size > 1 then needs an `if __name__ == "
+                    "\"__main__\":` guard around its code") from None
             tp = init_group(0, spec)
         except BaseException:
             group.close()
