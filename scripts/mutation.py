@@ -187,6 +187,11 @@ def filter_session(session: Path) -> None:
 
 
 def run_cosmic_ray(t: Target, env: dict[str, str]) -> None:
+    """Baseline first: if the tests fail unmutated, every mutant would count as killed."""
+    base = subprocess.run(shlex.split(test_command(t)), cwd=TREE, env=env, capture_output=True,
+                          text=True)
+    if base.returncode != 0:
+        sys.exit(f"{t.name}: the tests fail without any mutant:\n{base.stdout[-3000:]}")
     cfg, session = write_config(t), WORK / f"{t.name}.sqlite"
     session.unlink(missing_ok=True)
     cr = [sys.executable, "-m", "cosmic_ray.cli"]
