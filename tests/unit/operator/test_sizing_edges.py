@@ -83,3 +83,19 @@ def test_the_refusal_quotes_the_per_gpu_budget() -> None:
                   "3 x 4096 tokens need 768 blocks",
                   f"({768 * b.bytes_per_block / GiB:.2f} GiB)"):
         assert words in msg
+
+
+def test_a_budget_of_exactly_the_blocks_needed_fits() -> None:
+    def cpu_spec(limit: int):
+        return spec_of(model={"name": "smollm2-135m"}, device="cpu",
+                       resources={"limits": {"memory": str(limit)}},
+                       engine={"maxModelLen": 2048, "maxNumSeqs": 2})
+    need = 2 * 2048 // 16
+    lo, hi = 1 << 20, 64 * GiB  # the smallest pod limit whose budget holds `need` blocks
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if budget_per_gpu(cpu_spec(mid), 1).num_blocks >= need else (mid + 1, hi)
+    assert budget_per_gpu(cpu_spec(lo), 1).num_blocks == need
+    assert plan(cpu_spec(lo)).num_blocks == need
+    with pytest.raises(InsufficientGPUMemoryError):
+        plan(cpu_spec(lo - 1))
