@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 PORT   ?= 8000
 MODEL  ?= smollm2-135m-instruct
 
-.PHONY: setup run run-offline run-cluster test test-fast bench mutation clean
+.PHONY: setup run run-offline run-cluster test test-fast bench mutation docs docs-serve clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -51,5 +51,13 @@ $(VENV)/.mutation: $(STAMP)
 mutation: $(VENV)/.mutation
 	nice -n 10 $(PY) scripts/mutation.py $(MODULE)
 
+# The docs site (mkdocs + Material) into site/; the reference pages are generated from the code.
+DOCS_PORT ?= 8001
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+docs-serve: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:$(DOCS_PORT)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis site

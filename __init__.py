@@ -13,12 +13,12 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logpro
 
 _LAZY = {
     "LLM": "kvserve.engine.llm",
-    "SamplingParams": "kvserve.engine.sampling_params",
+    "SamplingParams": "kvserve.engine.sample.sampling_params",
     "RequestOutput": "kvserve.engine.outputs",
     "CompletionOutput": "kvserve.engine.outputs",
     "Logprob": "kvserve.engine.outputs",
-    "StructuredOutputsParams": "kvserve.engine.guided_params",
-    "GuidedDecodingParams": "kvserve.engine.guided_params",
+    "StructuredOutputsParams": "kvserve.engine.structured_output.params",
+    "GuidedDecodingParams": "kvserve.engine.structured_output.params",
 }
 
 

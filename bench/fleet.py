@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
-from kvserve.engine.block_hash import block_hashes_bytes
+from kvserve.engine.core.block_hash import block_hashes_bytes
 from kvserve.service.routing_policy import Candidate, decide
 from kvserve.service.sim.fleet import SimFleet
 from kvserve.service.sim.replica import SimReplica
@@ -391,7 +391,7 @@ async def lookup_probe(res: RunResult, probe: RedisProbe, prompts: list[list[int
     per-request call (`PrefixIndex.match_counts`) for the run's last prompts, back to back.
     Redis's time per lookup from INFO commandstats (the routers' once-a-second scans fall in the
     window too: a few calls among hundreds), round trips from the client."""
-    from kvserve.engine.block_hash import block_hashes
+    from kvserve.engine.core.block_hash import block_hashes
     from kvserve.service.prefix_index.lookup import PrefixIndex
 
     index = PrefixIndex.from_url(probe.url, SERVICE, timeout=5.0)
@@ -621,7 +621,7 @@ def main() -> None:
         raise SystemExit(f"--policies: unknown {bad}; choose from {ALL_POLICIES}")
     workload = Workload(args.tenants, args.system_tokens, args.users_per_tenant, args.turns,
                         args.user_tokens, args.max_tokens)
-    from kvserve.engine.model_loader import resolve_model
+    from kvserve.engine.worker.model_loader import resolve_model
 
     tokenizer = str(resolve_model("smollm2-135m-instruct"))
     base = timing_model(args.timing)

@@ -37,8 +37,8 @@ import torch
 from workload import SYSTEM_PROMPT, TOPICS  # bench/ is sys.path[0] when run as a script
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.model_loader import fetch_model
-from kvserve.engine.tokenizer import chat_token_ids
+from kvserve.engine.sample.tokenizer import chat_token_ids
+from kvserve.engine.worker.model_loader import fetch_model
 from kvserve.kernels.fp8 import FP8_DTYPE
 
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

@@ -90,7 +90,7 @@ def free_port() -> int:
 def build_model(kind: str, workdir: Path) -> Path:
     """'small': a random 4-layer Llama of the test family (fast on CPU); 'default': SmolLM2."""
     if kind == "default":
-        from kvserve.engine.model_loader import fetch_model
+        from kvserve.engine.worker.model_loader import fetch_model
 
         return fetch_model("smollm2-135m-instruct")
     sys.path.insert(0, str(ROOT / "tests"))
@@ -275,7 +275,7 @@ async def decision_latency(redis_url: str, model: Path | str, prompts: list[str]
     router = Router(RouterConfig(redis_url=redis_url, service_name="bench",
                                  tokenizer=str(model)))
     await router.start()
-    from kvserve.engine.block_hash import block_hashes
+    from kvserve.engine.core.block_hash import block_hashes
     from kvserve.service.router.prompt_tokens import prompt_tokens_for
 
     rng = random.Random(w.seed + 2)
@@ -317,8 +317,8 @@ async def latency_only(args: argparse.Namespace) -> None:
     (what a prefix-routed cluster converges to)."""
     import redis as redis_sync
 
-    from kvserve.engine.block_hash import block_hashes
-    from kvserve.engine.tokenizer import load_tokenizer
+    from kvserve.engine.core.block_hash import block_hashes
+    from kvserve.engine.sample.tokenizer import load_tokenizer
     from kvserve.service.prefix_index.keys import IndexKeys
     from kvserve.service.prefix_index.scripts import add_blocks
     from kvserve.service.router.prompt_tokens import prompt_tokens_for
@@ -470,7 +470,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 async def bench(args: argparse.Namespace, workdir: Path) -> None:
-    from kvserve.engine.tokenizer import load_tokenizer
+    from kvserve.engine.sample.tokenizer import load_tokenizer
 
     model = build_model(args.model, workdir)
     cluster = start_cluster(model, args, workdir)

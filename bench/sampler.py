@@ -10,8 +10,8 @@ import time
 
 import torch
 
-from kvserve.engine.sampler import Sampler, SamplingMetadata, make_generator
-from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.sample.sampler import Sampler, SamplingMetadata, make_generator
+from kvserve.engine.sample.sampling_params import SamplingParams
 
 
 def time_one(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata,

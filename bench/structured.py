@@ -89,7 +89,7 @@ def validity(llm: LLM, n: int, max_tokens: int, backend: str) -> dict:
 
 def mask_cost(llm: LLM, rows: int, backend: str, reps: int = 20) -> dict:
     """ms per step for `rows` constrained rows: bitmask fill, then apply to [rows, vocab]."""
-    from kvserve.engine.grammar import apply_token_bitmask
+    from kvserve.engine.structured_output.grammar import apply_token_bitmask
 
     engine = llm.llm_engine
     compiled = engine.grammars.compile(constraint(backend))

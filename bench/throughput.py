@@ -26,7 +26,7 @@ import torch
 from workload import chat_requests, output_lengths  # bench/ is sys.path[0] when run as a script
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.model_loader import fetch_model
+from kvserve.engine.worker.model_loader import fetch_model
 
 MAX_MODEL_LEN = 2048
 

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kvserve.engine.errors import KVServeError
 from kvserve.engine.outputs import RequestOutput
-from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.sample.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # for annotations only: llm_engine pulls in torch and the model code
     from kvserve.engine.config import EngineConfig
-    from kvserve.engine.kv_events import KVEvent
+    from kvserve.engine.core.kv_events import KVEvent
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.engine.memory import MemoryBudget
     from kvserve.engine.stats import EngineStats

@@ -43,10 +43,10 @@ class EngineConfig:
     trust_remote_code: bool = False
     revision: str | None = None
     # Default sampling: "auto" = the model's generation_config.json, "vllm" = OpenAI's defaults,
-    # or a folder holding a generation_config.json (engine/generation_config.py).
+    # or a folder holding a generation_config.json (engine/sample/generation_config.py).
     generation_config: str = "auto"
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (lower value first)
-    # Structured outputs (engine/grammar.py): "auto" (xgrammar, guidance for what it refuses),
+    # Structured outputs (structured_output/): "auto" (xgrammar, guidance for what it refuses),
     # "xgrammar" or "guidance". LLM(...) also takes vLLM's structured_outputs_config={"backend":
     # ...} and the older guided_decoding_backend=...; the server
     # --structured-outputs-config.backend.
@@ -54,7 +54,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         # Whether N splits the model (heads, KV heads, MLP) is checked where the model's config
-        # is known, before any worker starts (engine/platform.py).
+        # is known, before any worker starts (engine/worker/platform.py).
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ConfigError(
                 f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")

@@ -12,8 +12,8 @@ from kvserve.engine.config import DEFAULT_MODEL, EngineConfig, structured_output
 from kvserve.engine.errors import InvalidRequestError, RequestFailedError
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.outputs import RequestOutput
-from kvserve.engine.sampling_params import SamplingParams
-from kvserve.engine.tokenizer import chat_token_ids
+from kvserve.engine.sample.sampling_params import SamplingParams
+from kvserve.engine.sample.tokenizer import chat_token_ids
 
 PromptType = str | list[int] | dict[str, Any]
 

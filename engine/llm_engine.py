@@ -12,29 +12,29 @@ from typing import Any
 
 import torch
 
-from kvserve.engine.best_of import BestOf, expand, select
 from kvserve.engine.config import EngineConfig
-from kvserve.engine.detokenizer import IncrementalDetokenizer
-from kvserve.engine.disk_block_file import describe_layout
-from kvserve.engine.disk_tier import DiskTier
+from kvserve.engine.core.kv_cache_manager import KVCacheManager
+from kvserve.engine.core.kv_events import KVEvent
+from kvserve.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvserve.engine.core.sequence import Sequence
 from kvserve.engine.errors import InvalidRequestError
-from kvserve.engine.generation_config import sampling_defaults
-from kvserve.engine.grammar import GrammarCompiler, GrammarState
-from kvserve.engine.kv_cache_manager import KVCacheManager
-from kvserve.engine.kv_events import KVEvent
-from kvserve.engine.model_loader import load_model, resolve_model
-from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.kv_offload.disk_block_file import describe_layout
+from kvserve.engine.kv_offload.disk_tier import DiskTier
+from kvserve.engine.kv_offload.swap_cost import SwapCostModel
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvserve.engine.platform import EngineSetup, set_up
-from kvserve.engine.prompt_logprobs import append_entries
-from kvserve.engine.prompt_logprobs import plan as plan_prompt_logprobs
-from kvserve.engine.sampler import SamplerOutput, SamplingMetadata, make_generator
-from kvserve.engine.sampling_params import SamplingParams
-from kvserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from kvserve.engine.sequence import Sequence
+from kvserve.engine.sample.best_of import BestOf, expand, select
+from kvserve.engine.sample.detokenizer import IncrementalDetokenizer
+from kvserve.engine.sample.generation_config import sampling_defaults
+from kvserve.engine.sample.prompt_logprobs import append_entries
+from kvserve.engine.sample.prompt_logprobs import plan as plan_prompt_logprobs
+from kvserve.engine.sample.sampler import SamplerOutput, SamplingMetadata, make_generator
+from kvserve.engine.sample.sampling_params import SamplingParams
+from kvserve.engine.sample.tokenizer import load_tokenizer, prompt_token_ids
 from kvserve.engine.stats import EngineStats, TierFigures
-from kvserve.engine.swap_cost import SwapCostModel
-from kvserve.engine.tokenizer import load_tokenizer, prompt_token_ids
+from kvserve.engine.structured_output.grammar import GrammarCompiler, GrammarState
+from kvserve.engine.worker.model_loader import load_model, resolve_model
+from kvserve.engine.worker.model_runner import ModelRunner
+from kvserve.engine.worker.platform import EngineSetup, set_up
 from kvserve.kernels.fp8 import FP8_DTYPE
 
 logger = logging.getLogger("kvserve.engine")
@@ -534,7 +534,7 @@ def _disk_tier(config: EngineConfig, setup: EngineSetup, model_path: str) -> Dis
 
 
 def _chat_ids(tokenizer: Any, text: str) -> list[int]:
-    from kvserve.engine.tokenizer import chat_token_ids
+    from kvserve.engine.sample.tokenizer import chat_token_ids
 
     return chat_token_ids(tokenizer, [{"role": "user", "content": text}])
 

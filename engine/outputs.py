@@ -48,6 +48,6 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
     # prompt_logprobs=k: None for the first prompt token, then per token {token_id: Logprob} for
-    # the actual token and the k most likely (engine/prompt_logprobs.py).
+    # the actual token and the k most likely (engine/sample/prompt_logprobs.py).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     extra: dict = field(default_factory=dict)

@@ -80,7 +80,7 @@ def _cache() -> Schema:
                                   default="100Gi", pattern=r"^[0-9]+(\.[0-9]+)?([KMGTPE]i?)?$"),
                    "accessMode": _typed("string", "ReadWriteMany: one claim serves every "
                                         "replica on any node. ReadWriteOnce: replicas share it "
-                                        "only on one node (see docs/operations.md).",
+                                        "only on one node (see docs/guides/deploying.md).",
                                         enum=["ReadWriteMany", "ReadWriteOnce"],
                                         default="ReadWriteMany"),
                })

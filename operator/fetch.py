@@ -100,14 +100,18 @@ def ensure(location: ModelURI, cache: Path,
     return True
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kvserve.operator.fetch",
                                      description="Fill a weights cache once (init container).")
     parser.add_argument("--uri", required=True, help="hf://ORG/NAME[:REV], ORG/NAME or a name "
                         "`kvserve fetch-model` knows")
     parser.add_argument("--revision", default=None, help="hub revision (default main)")
     parser.add_argument("--cache", required=True, type=Path, help="the mounted cache claim")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         ensure(parse_model_uri(args.uri, args.revision), args.cache)

@@ -142,7 +142,7 @@ def _multi_node(spec: ServiceSpec, gpus: int) -> str:
     return (f"{spec.model.key} needs {gpus} GPUs per replica, more than one node's "
             f"{GPUS_PER_NODE}: multi-node tensor parallelism (one replica over several machines) "
             "is not supported. Lower maxModelLen/maxNumSeqs, use kvCacheDtype fp8 or a bigger "
-            "GPU type, or set spec.gpu.maxPerReplica <= 8 (docs/operations.md: how it would map "
+            "GPU type, or set spec.gpu.maxPerReplica <= 8 (docs/guides/deploying.md: how it would map "
             "onto a LeaderWorkerSet)")
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from kvserve.engine.errors import InvalidRequestError
-from kvserve.engine.guided_params import StructuredOutputsParams
+from kvserve.engine.structured_output.params import StructuredOutputsParams
 from kvserve.service.limits import DEFAULT_LIMITS, RequestLimits
 from kvserve.service.request_models import (Int64, OpenAIModel, SamplingFields, check_logprobs,
                                             check_max_tokens)

@@ -105,7 +105,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def run_fetch_model(args: argparse.Namespace) -> int:
     setup_logging("info")
-    from kvserve.engine.model_loader import fetch_model
+    from kvserve.engine.worker.model_loader import fetch_model
 
     print(fetch_model(args.name))
     return 0

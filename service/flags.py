@@ -90,7 +90,7 @@ def logprobs_cap(text: str) -> int:
 
 
 def add_limit_args(parser: argparse.ArgumentParser) -> None:
-    """Caps on one request (docs/operations.md, "Request limits"); the server and router share
+    """Caps on one request (docs/guides/operations.md, "Request limits"); the server and router share
     them, so a body the router accepts is one the replicas accept."""
     d = RequestLimits()
     g = parser.add_argument_group("request limits (over a cap: 400 naming the field)")
@@ -135,9 +135,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--revision", default=None, help="hub revision of the model")
     g.add_argument("--dtype", default=d("dtype"), choices=MODEL_DTYPES,
                    help="weights/activations dtype; auto = float32 on CPU, bfloat16 on CUDA")
-    g.add_argument("--device", default=d("device"), choices=("auto", "cpu", "cuda"))
+    g.add_argument("--device", default=d("device"), choices=("auto", "cpu", "cuda"),
+                   help="where the model runs; auto = cuda when a GPU is visible, else cpu")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d("tensor_parallel_size"),
-                   help="GPUs per replica (only 1 is supported; scale out with replicas)")
+                   help="GPUs per replica: one process per GPU, each holding 1/N of the weights "
+                        "and of the KV heads (scale out with replicas)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length (prompt + output); default: the model's")
     g.add_argument("--max-num-seqs", type=int, default=d("max_num_seqs"),
@@ -175,7 +177,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--calculate-kv-scales", action="store_true",
                    help="compute fp8 KV scales from the first batch")
     g.add_argument("--attention-backend", default=d("attention_backend"),
-                   choices=("auto", "cpu", "torch", "triton", "reference"))
+                   choices=("auto", "cpu", "torch", "triton", "reference"),
+                   help="paged attention: triton on CUDA, cpu (C++ kernels, built on first use) "
+                        "or torch on CPU; auto picks; reference is the slow, exact one for tests")
     g.add_argument("--seed", type=int, default=d("seed"), help="random seed of the engine")
     g.add_argument("--scheduling-policy", default=d("scheduling_policy"),
                    choices=("fcfs", "priority"),
@@ -224,7 +228,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="CORS origins (comma-separated or JSON list); CORS is off when empty")
     g.add_argument("--shutdown-grace-period", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM")
-    g.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    g.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                   help="log level of kvserve and uvicorn")
     add_limit_args(parser)
     r = parser.add_argument_group("prefix index (Redis, read by the router)")
     r.add_argument("--redis-url", default=None,

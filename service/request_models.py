@@ -7,8 +7,8 @@ from typing import Annotated, Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvserve.engine.errors import InvalidRequestError
-from kvserve.engine.guided_params import StructuredOutputsParams
-from kvserve.engine.sampling_params import MAX_TOKEN_ID, SEED_MAX, SEED_MIN, SamplingParams
+from kvserve.engine.sample.sampling_params import MAX_TOKEN_ID, SEED_MAX, SEED_MIN, SamplingParams
+from kvserve.engine.structured_output.params import StructuredOutputsParams
 from kvserve.service.limits import DEFAULT_LIMITS, RequestLimits
 from kvserve.service.structured_outputs import constraint_of
 from kvserve.service.unsupported_fields import (SAMPLING_UNSUPPORTED, Harmless, asks_nothing,

@@ -8,7 +8,7 @@ import dataclasses
 from typing import Any
 
 from kvserve.engine.errors import InvalidRequestError
-from kvserve.engine.guided_params import StructuredOutputsParams
+from kvserve.engine.structured_output.params import StructuredOutputsParams
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.engine.errors import InvalidRequestError
-from kvserve.engine.guided_params import StructuredOutputsParams
+from kvserve.engine.structured_output.params import StructuredOutputsParams
 
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _OPEN = "<tool_call>"

@@ -147,7 +147,7 @@ def client(server):
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The real SmolLM2-135M-Instruct, fetched once into the kvserve cache."""
-    from kvserve.engine.model_loader import fetch_model
+    from kvserve.engine.worker.model_loader import fetch_model
 
     return fetch_model("smollm2-135m-instruct")
 

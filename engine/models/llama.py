@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) in plain PyTorch over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache: which layers (engine/layers/)
+in which order, and the HF weight names.
 
 One forward takes a flattened batch of prefill and decode tokens ([T] ids and positions, no
 padding); each layer writes its new K/V through the slot mapping and attends through the block
@@ -11,15 +12,20 @@ without one the model is the plain unsharded one, with no collective.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from kvserve.engine.distributed import TPGroup, TPShape
 from kvserve.engine.errors import ConfigError, ModelNotFoundError
-from kvserve.engine.models.parallel_layers import VocabParallelEmbedding, rank_slice, read_slice
+from kvserve.engine.layers.attention import Attention, AttentionOps
+from kvserve.engine.layers.layernorm import RMSNorm
+from kvserve.engine.layers.linear import rank_slice, read_slice, skip_init_linear
+from kvserve.engine.layers.mlp import GatedMLP
+from kvserve.engine.layers.rotary import RotaryEmbedding
+from kvserve.engine.layers.vocab_embedding import VocabParallelEmbedding
 from kvserve.kernels import cpu_ops as ops
 from kvserve.kernels.metadata import AttentionMetadata
 
@@ -62,114 +68,16 @@ class LlamaDims:
             tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
 
 
-def _linear(n_in: int, n_out: int, bias: bool, dtype: torch.dtype, device) -> nn.Linear:
-    # skip_init: no random init of weights that load_weights overwrites anyway
-    return torch.nn.utils.skip_init(nn.Linear, n_in, n_out, bias=bias, dtype=dtype, device=device)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device=None) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
-
-    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
-        """norm(x); with `residual`: (norm(x + residual), x + residual), the add fused in."""
-        if residual is None:
-            return ops.rms_norm(x, self.weight, self.eps)
-        return ops.add_rms_norm(x, residual, self.weight, self.eps)
-
-
-class RotaryEmbedding(nn.Module):
-    """A precomputed cos/sin table over every position, indexed by each token's position."""
-
-    def __init__(self, config, head_dim: int, dtype: torch.dtype, device=None) -> None:
-        super().__init__()
-        inv_freq, scaling, max_len = rope_inv_freq(config, head_dim)
-        t = torch.arange(max_len, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # [max_len, head_dim / 2]
-        self.max_len = max_len
-        self.register_buffer("cos", (freqs.cos() * scaling).to(dtype=dtype, device=device),
-                             persistent=False)
-        self.register_buffer("sin", (freqs.sin() * scaling).to(dtype=dtype, device=device),
-                             persistent=False)
-
-    def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos, sin [T, D/2] of each token, gathered once per step for all layers."""
-        return self.cos[positions], self.sin[positions]
-
-
-def rope_inv_freq(config, head_dim: int) -> tuple[Tensor, float, int]:
-    """(inv_freq, cos/sin scaling, table length) for the config's rope type.
-
-    Uses transformers' own init functions (default, linear, llama3, yarn, dynamic, ...). Dynamic
-    NTK is fixed at the longest supported length, as vLLM does: a paged cache stores rotated keys,
-    so frequencies cannot change while a sequence grows.
-    """
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    max_len = int(config.max_position_embeddings)
-    if rope_type == "default":
-        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-        return inv, 1.0, max_len
-    if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise ConfigError(f"rope_type {rope_type!r} is not supported; supported: "
-                          f"{sorted(ROPE_INIT_FUNCTIONS)}")
-    if rope_type == "dynamic":
-        max_len = int(max_len * params["factor"])
-        inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", seq_len=max_len)
-    else:
-        inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-    return inv.float().cpu(), float(scaling), max_len
-
-
-@dataclass(frozen=True)
-class AttentionOps:
-    """The kernels' entry points, looked up on their modules once per model, at its first forward
-    (so a test or benchmark that swaps `write_kv` on its module sees what the model writes)."""
-
-    write_kv: Callable
-    paged_attention: Callable
-    plan_attention: Callable
-
-    @classmethod
-    def resolve(cls) -> "AttentionOps":
-        from kvserve.kernels import attention, plan, write_kv
-
-        return cls(write_kv.write_kv, attention.paged_attention, plan.plan_attention)
-
-    def prepare(self, attn: AttentionMetadata, block_size: int) -> AttentionMetadata:
-        """attn with a plan shared by every layer (the runner usually supplies one already)."""
-        if attn.plan is not None:
-            return attn
-        plan = self.plan_attention(attn.block_tables, attn.seq_lens, attn.query_start_loc,
-                                   block_size)
-        return replace(attn, plan=plan)
-
-    def write(self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-              attn: AttentionMetadata) -> None:
-        self.write_kv(k, v, k_cache, v_cache, attn.slot_mapping, attn.k_scale, attn.v_scale,
-                      backend=attn.backend)
-
-    def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, attn: AttentionMetadata,
-               scale: float) -> Tensor:
-        return self.paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens,
-                                    attn.query_start_loc, scale, attn.k_scale, attn.v_scale,
-                                    backend=attn.backend, plan=attn.plan)
-
-
 class LlamaAttention(nn.Module):
     def __init__(self, d: LlamaDims, s: TPShape, tp: TPGroup | None, dtype, device=None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, d.head_dim
         self.q_size, self.kv_size = s.num_heads * d.head_dim, s.num_kv_heads * d.head_dim
-        self.scale = d.head_dim ** -0.5
         self.tp = tp
-        self.qkv_proj = _linear(d.hidden, self.q_size + 2 * self.kv_size, d.qkv_bias, dtype, device)
-        self.o_proj = _linear(self.q_size, d.hidden, d.o_bias, dtype, device)
+        self.qkv_proj = skip_init_linear(d.hidden, self.q_size + 2 * self.kv_size, d.qkv_bias,
+                                         dtype, device)
+        self.o_proj = skip_init_linear(self.q_size, d.hidden, d.o_bias, dtype, device)
+        self.attn = Attention(s.num_heads, s.num_kv_heads, d.head_dim, d.head_dim ** -0.5)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], kv_cache: tuple[Tensor, Tensor],
                 attn: AttentionMetadata, attn_ops: AttentionOps) -> Tensor:
@@ -179,22 +87,7 @@ class LlamaAttention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = ops.rotary_embedding(q, k, *rope)
-        k_cache, v_cache = kv_cache
-        attn_ops.write(k, v, k_cache, v_cache, attn)
-        out = attn_ops.attend(q, k_cache, v_cache, attn, self.scale)
-        out = self.o_proj(out.reshape(t, self.q_size))
-        return out if self.tp is None else self.tp.all_reduce(out)  # row parallel
-
-
-class LlamaMLP(nn.Module):
-    def __init__(self, d: LlamaDims, s: TPShape, tp: TPGroup | None, dtype, device=None) -> None:
-        super().__init__()
-        self.tp = tp
-        self.gate_up_proj = _linear(d.hidden, 2 * s.intermediate, d.mlp_bias, dtype, device)
-        self.down_proj = _linear(s.intermediate, d.hidden, d.mlp_bias, dtype, device)
-
-    def forward(self, x: Tensor) -> Tensor:
-        out = self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        out = self.o_proj(self.attn(q, k, v, kv_cache, attn, attn_ops))
         return out if self.tp is None else self.tp.all_reduce(out)  # row parallel
 
 
@@ -202,7 +95,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, d: LlamaDims, s: TPShape, tp: TPGroup | None, dtype, device=None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(d, s, tp, dtype, device)
-        self.mlp = LlamaMLP(d, s, tp, dtype, device)
+        self.mlp = GatedMLP(d.hidden, s.intermediate, d.mlp_bias, tp, dtype, device)
         self.input_layernorm = RMSNorm(d.hidden, d.eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(d.hidden, d.eps, dtype, device)
 
@@ -269,7 +162,7 @@ class LlamaForCausalLM(nn.Module):
             logger.warning("sliding_window=%s is not implemented: attention is full, so keep "
                            "max_model_len <= %s to match the reference model", window, window)
         self.model = LlamaModel(config, d, s, tp, dtype, device)
-        self.lm_head = _linear(d.hidden, s.vocab_per_rank, False, dtype, device)
+        self.lm_head = skip_init_linear(d.hidden, s.vocab_per_rank, False, dtype, device)
         if d.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._ops: AttentionOps | None = None

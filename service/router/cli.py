@@ -51,7 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "fraction of a device block (0..1): a device hit ranks above a host hit")
     p.add_argument("--overload-factor", type=float, default=pc.overload_factor,
                    help="skip replicas with load > factor * mean + slack")
-    p.add_argument("--overload-slack", type=int, default=pc.overload_slack)
+    p.add_argument("--overload-slack", type=int, default=pc.overload_slack,
+                   help="requests added to factor * mean load before a replica counts as "
+                        "overloaded (small loads never do)")
     p.add_argument("--shared-load-interval", type=float, default=d.shared_load_interval,
                    help="seconds between exchanges of in-flight counts with the service's other "
                         "routers through Redis (several routers must not herd on stale loads); "
@@ -75,7 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "may be off from this router's clock (older: a replay, left out)")
     p.add_argument("--shutdown-grace-period", type=float, default=d.shutdown_grace_period,
                    help="seconds requests in flight get to finish after SIGTERM")
-    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                   help="log level of the router and uvicorn")
     add_limit_args(p)
 
 

@@ -17,7 +17,7 @@ def prompt_tokens_for(tokenizer: Any, path: str, body: dict[str, Any],
                       chat_encoder: Any = None) -> list[int] | None:
     """Token ids of a chat or completion request body, via the engine's own tokenizer helpers
     (`chat_encoder`: an engine.tokenizer.ChatEncoder over the same tokenizer, for speed)."""
-    from kvserve.engine.tokenizer import chat_token_ids, prompt_token_ids
+    from kvserve.engine.sample.tokenizer import chat_token_ids, prompt_token_ids
 
     if path.endswith("/chat/completions"):
         if body.get("chat_template") is not None or body.get("chat_template_kwargs"):

@@ -63,7 +63,7 @@ class Router:
         tokens = self.prompts.prompt_tokens(path, body) if use_index else None
         hashes: list[str] = []
         if tokens:
-            from kvserve.engine.block_hash import block_hashes
+            from kvserve.engine.core.block_hash import block_hashes
 
             hashes = block_hashes(tokens, block_size, body.get("cache_salt"))
         # Only prefix routing needs Redis per request; the others use the set refreshed each second.

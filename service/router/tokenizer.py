@@ -35,7 +35,7 @@ class RouterTokenizer:
 
     async def _try_load(self) -> bool:
         """Load the tokenizer (off the event loop); False when no name is known or it failed."""
-        from kvserve.engine.tokenizer import load_tokenizer
+        from kvserve.engine.sample.tokenizer import load_tokenizer
 
         name = self.name or self.replicas.announced_model()
         if not name:
@@ -62,7 +62,7 @@ class RouterTokenizer:
             return None
         try:
             if self._chat_encoder is None or self._chat_encoder.tokenizer is not self.tokenizer:
-                from kvserve.engine.tokenizer import ChatEncoder
+                from kvserve.engine.sample.tokenizer import ChatEncoder
 
                 self._chat_encoder = ChatEncoder(self.tokenizer)
             return prompt_tokens_for(self.tokenizer, path, body, self._chat_encoder)
@@ -72,6 +72,6 @@ class RouterTokenizer:
 
 
 def _load_tokenizer(name: str, loader: Any) -> Any:
-    from kvserve.engine.model_loader import resolve_model
+    from kvserve.engine.worker.model_loader import resolve_model
 
     return loader(resolve_model(name))

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 import kvserve
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.errors import KVServeError
-from kvserve.engine.tokenizer import prompt_token_ids
+from kvserve.engine.sample.tokenizer import prompt_token_ids
 from kvserve.service.chat_request import ChatCompletionRequest
 from kvserve.service.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from kvserve.service.openai_errors import APIError, install_error_handlers
@@ -36,6 +36,11 @@ from kvserve.service.server.publishing import PublisherObserver, stop_advertisin
 from kvserve.service.tokenize_request import DetokenizeRequest, TokenizeRequest
 
 logger = logging.getLogger("kvserve.service.api_server")
+
+# The JSON body each POST route reads (the handlers parse it themselves; see openapi.py).
+REQUEST_BODIES: dict[str, Any] = {
+    "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+    "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 
 
 def create_app(llm_engine: Any, config: ServerConfig, publisher: Any = None) -> FastAPI:
@@ -89,9 +94,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics,
     app.state.drain_hooks = [] if publisher is None else [lambda: stop_advertising(publisher)]
     install_error_handlers(app)
     _add_routes(app, ctx, metrics)
-    install_openapi(app, {"/v1/completions": CompletionRequest,
-                          "/v1/chat/completions": ChatCompletionRequest,
-                          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})
+    install_openapi(app, REQUEST_BODIES)
     app.add_middleware(BodyLimitMiddleware, limit=config.max_body_bytes)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key,
@@ -100,6 +103,15 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics,
         app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins,
                            allow_methods=["*"], allow_headers=["*"])
     return app
+
+
+def openapi_document() -> dict[str, Any]:
+    """The server's OpenAPI document from its routes alone, without a model or an engine (the
+    docs site's HTTP reference; a live server serves the same at /openapi.json)."""
+    app = FastAPI(title="kvserve", version=kvserve.__version__, docs_url=None, redoc_url=None)
+    _add_routes(app, None, None)  # type: ignore[arg-type]  # handlers run only in a real app
+    install_openapi(app, REQUEST_BODIES)
+    return app.openapi()
 
 
 def _add_routes(app: FastAPI, ctx: ServingContext, metrics: ServerMetrics) -> None:

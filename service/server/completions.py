@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.engine.async_engine import RequestStream
 from kvserve.engine.outputs import RequestOutput
-from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.sample.sampling_params import SamplingParams
 from kvserve.service.request_models import CompletionRequest
 from kvserve.service.response_models import (CompletionChoice, CompletionLogProbs,
                                              CompletionResponse, random_id)

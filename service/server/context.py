@@ -12,7 +12,7 @@ from fastapi import Request
 
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError
 from kvserve.engine.errors import InvalidRequestError
-from kvserve.engine.tokenizer import prompt_token_ids, render_chat
+from kvserve.engine.sample.tokenizer import prompt_token_ids, render_chat
 from kvserve.service.limits import DEFAULT_LIMITS, RequestLimits, check_prompt_tokens
 from kvserve.service.openai_errors import APIError
 from kvserve.service.server.time_limit import run_with_time_limit

@@ -15,7 +15,7 @@ from kvserve.engine.async_engine import (EngineDeadError, EngineDrainingError, R
                                          RequestStream)
 from kvserve.engine.errors import KVServeError
 from kvserve.engine.outputs import RequestOutput
-from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.sample.sampling_params import SamplingParams
 from kvserve.service.openai_errors import APIError
 from kvserve.service.server.context import ServingContext, unavailable
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvserve.engine.outputs import CompletionOutput
-from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.sample.sampling_params import SamplingParams
 
 
 @dataclass

@@ -82,7 +82,7 @@ class SimFleetApp:
             return [int(t) for t in prompt]
         if self.tokenizer is None:
             raise ValueError("this simulated fleet has no tokenizer: send `prompt` as token ids")
-        from kvserve.engine.tokenizer import ChatEncoder
+        from kvserve.engine.sample.tokenizer import ChatEncoder
         from kvserve.service.router.prompt_tokens import prompt_tokens_for
 
         if self._chat_encoder is None:

@@ -94,7 +94,7 @@ class SimFleet:
         return all(not r.running and not r.waiting for r in self.replicas)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m kvserve.service.sim.fleet",
                                  description="serve N simulated replicas that publish to Redis")
     ap.add_argument("--replicas", type=int, default=16)
@@ -108,7 +108,11 @@ def main(argv: list[str] | None = None) -> None:
                     help="model announced (the router loads its tokenizer)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=9000)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     timing = timing_model(args.timing).scaled(args.time_scale, args.num_blocks)
 

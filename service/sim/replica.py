@@ -20,9 +20,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.engine.kv_cache_manager import KVCacheManager
-from kvserve.engine.sampling_params import SamplingParams
-from kvserve.engine.sequence import Sequence
+from kvserve.engine.core.kv_cache_manager import KVCacheManager
+from kvserve.engine.core.sequence import Sequence
+from kvserve.engine.sample.sampling_params import SamplingParams
 from kvserve.service.sim.timing import TimingModel
 
 _OUTPUT_TOKEN = 29  # the token every simulated output is made of (its text is " x")

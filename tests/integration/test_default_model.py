@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.engine.model_loader import fetch_model, load_model, resolve_model
+from kvserve.engine.worker.model_loader import fetch_model, load_model, resolve_model
 from kvserve.kernels.metadata import AttentionMetadata
 
 pytestmark = pytest.mark.slow

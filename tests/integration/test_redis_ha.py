@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import pytest
 from redis_topology import RedisClusterSet, SentinelSet
 
-from kvserve.engine.block_hash import block_hashes
-from kvserve.engine.kv_events import KVEvent
+from kvserve.engine.core.block_hash import block_hashes
+from kvserve.engine.core.kv_events import KVEvent
 from kvserve.service.prefix_index.keys import IndexKeys
 from kvserve.service.prefix_index.lookup import PrefixIndex
 from kvserve.service.prefix_index.publisher import PrefixIndexPublisher

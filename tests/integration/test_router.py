@@ -22,8 +22,8 @@ import openai
 import pytest
 from conftest import RedisServer, free_port
 
-from kvserve.engine.block_hash import block_hashes
-from kvserve.engine.tokenizer import load_tokenizer
+from kvserve.engine.core.block_hash import block_hashes
+from kvserve.engine.sample.tokenizer import load_tokenizer
 from kvserve.service.prefix_index.lookup import PrefixIndex
 from kvserve.service.router.prompt_tokens import prompt_tokens_for
 

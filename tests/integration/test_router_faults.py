@@ -23,8 +23,8 @@ from conftest import RedisServer
 from test_router import (SERVICE, Proc, RouterThread, chat_body, index_matches, spawn,
                          spawn_replica, wait_healthy, wait_until)
 
-from kvserve.engine.block_hash import block_hashes
-from kvserve.engine.tokenizer import load_tokenizer
+from kvserve.engine.core.block_hash import block_hashes
+from kvserve.engine.sample.tokenizer import load_tokenizer
 from kvserve.service.prefix_index.keys import IndexKeys
 from kvserve.service.prefix_index.replica_info import REGISTRATION_TOKEN_ENV
 from kvserve.service.router.prompt_tokens import prompt_tokens_for

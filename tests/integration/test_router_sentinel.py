@@ -16,8 +16,8 @@ from redis_topology import SentinelSet
 from test_router import (HEADERS_FLAG, ROUTER_FLAGS, TENANT_PROMPTS, chat, chat_body, spawn,
                          spawn_replica, wait_healthy, wait_until)
 
-from kvserve.engine.block_hash import block_hashes
-from kvserve.engine.tokenizer import load_tokenizer
+from kvserve.engine.core.block_hash import block_hashes
+from kvserve.engine.sample.tokenizer import load_tokenizer
 from kvserve.service.prefix_index.redis_client import REDIS_PASSWORD_ENV
 from kvserve.service.router.prompt_tokens import prompt_tokens_for
 

@@ -8,8 +8,8 @@ import redis
 from conftest import wait_for
 from server_thread import ServerThread
 
-from kvserve.engine.block_hash import block_hashes
 from kvserve.engine.config import EngineConfig
+from kvserve.engine.core.block_hash import block_hashes
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.service.server.app import create_app
 from kvserve.service.server.config import ServerConfig

@@ -30,7 +30,7 @@ def test_python_dash_m_from_the_repo_root_keeps_the_stdlib_operator() -> None:
 def test_the_kernels_folder_does_not_shadow_hf_kernels_from_the_repo_root() -> None:
     """transformers >= 5.25 imports the `kernels` package (HF's hub kernels) when it is installed,
     whenever a model config is built; from the repository root our kernels/ folder came first."""
-    out = run("-c", "import kvserve.engine.model_loader, importlib.util, transformers;"
+    out = run("-c", "import kvserve.engine.worker.model_loader, importlib.util, transformers;"
               "transformers.AutoConfig.for_model('llama');"
               "spec = importlib.util.find_spec('kernels');"
               "print(spec.origin if spec else 'absent')")

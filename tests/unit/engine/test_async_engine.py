@@ -14,7 +14,7 @@ from kvserve.engine.async_engine import (AsyncEngine, EngineDeadError, EngineDra
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.errors import InvalidRequestError
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.sample.sampling_params import SamplingParams
 
 
 def make_engine(model_dir: Any, cls: type = LLMEngine, **kw: Any) -> LLMEngine:

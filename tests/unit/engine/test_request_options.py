@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import pytest
 from conftest import make_llm
-from test_structured_output import PLAIN, PROMPTS
 
 from kvserve import SamplingParams
 from kvserve.engine.errors import InvalidRequestError
+
+PROMPTS = ["Hello world", "The quick brown fox", "What is the capital of France?",
+           "0123456789 abcdefghijklmnopqrstuvwxyz"]
+PLAIN = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
 def test_logit_bias_bans_and_forces_tokens(llm):
@@ -65,8 +68,8 @@ def test_priority_policy_serves_lower_values_first(tiny_model_dir, llm):
 def test_priority_preempts_the_least_urgent(tiny_model_dir):
     from collections import deque
 
-    from kvserve.engine.scheduling_policy import add_waiting, victim
-    from kvserve.engine.sequence import Sequence
+    from kvserve.engine.core.scheduling_policy import add_waiting, victim
+    from kvserve.engine.core.sequence import Sequence
 
     seqs = [Sequence(i, str(i), 0, [1], PLAIN, arrival_time=float(i), priority=p)
             for i, p in enumerate([2, 0, 2, 1])]

@@ -51,8 +51,8 @@ def test_engine_started_with_the_operator_flags_for_n_gpus_has_the_planned_block
     import torch
 
     from kvserve.engine.llm_engine import LLMEngine
-    from kvserve.engine.model_loader import load_config
     from kvserve.engine.models import model_class_for
+    from kvserve.engine.worker.model_loader import load_config
     from kvserve.service.cli import build_parser, engine_config_from_args
 
     hf = load_config(tiny_model_dir)

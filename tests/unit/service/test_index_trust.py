@@ -11,7 +11,7 @@ import time
 
 import pytest
 import redis
-from kvserve.engine.block_hash import block_hashes
+from kvserve.engine.core.block_hash import block_hashes
 from kvserve.service.prefix_index.keys import IndexKeys
 from kvserve.service.prefix_index.lookup import PrefixIndex
 from kvserve.service.prefix_index.publisher import PrefixIndexPublisher

@@ -7,13 +7,13 @@ from pydantic import ValidationError
 
 from kvserve.engine.errors import InvalidRequestError
 from kvserve.engine.outputs import CompletionOutput
-from kvserve.engine.sampling_params import SamplingParams
-from kvserve.service.openai_errors import error_body, validation_error
+from kvserve.engine.sample.sampling_params import SamplingParams
 from kvserve.service.chat_request import ChatCompletionRequest
+from kvserve.service.openai_errors import error_body, validation_error
 from kvserve.service.request_models import CompletionRequest
-from kvserve.service.tokenize_request import TokenizeRequest
 from kvserve.service.response_models import UsageInfo
 from kvserve.service.server.stream_deltas import StreamTracker, stop_hold
+from kvserve.service.tokenize_request import TokenizeRequest
 
 
 def test_completion_prompt_shapes():

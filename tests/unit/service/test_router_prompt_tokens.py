@@ -1,6 +1,6 @@
 """The router's prompt tokens: the engine's own helpers, and never a request's own template."""
 
-from kvserve.engine.tokenizer import chat_token_ids, load_tokenizer
+from kvserve.engine.sample.tokenizer import chat_token_ids, load_tokenizer
 from kvserve.service.router.prompt_tokens import prompt_tokens_for
 
 MESSAGES = [{"role": "user", "content": "Where is the KV cache kept?"}]

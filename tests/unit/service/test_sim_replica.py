@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from kvserve.engine.block_hash import block_hashes_bytes
+from kvserve.engine.core.block_hash import block_hashes_bytes
 from kvserve.service.sim.replica import CapacityError, SimReplica
 from kvserve.service.sim.timing import CALIBRATIONS, TimingModel, timing_model
 

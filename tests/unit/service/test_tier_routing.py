@@ -9,8 +9,8 @@ import random
 import pytest
 import redis
 from kvserve import LLM, SamplingParams
-from kvserve.engine.block_hash import block_hashes
-from kvserve.engine.kv_events import KVEvent
+from kvserve.engine.core.block_hash import block_hashes
+from kvserve.engine.core.kv_events import KVEvent
 from kvserve.service.prefix_index.keys import IndexKeys
 from kvserve.service.prefix_index.lookup import PrefixIndex
 from kvserve.service.prefix_index.scripts import add_blocks

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvserve.engine.errors import InvalidRequestError
-from kvserve.engine.tokenizer import render_chat
+from kvserve.engine.sample.tokenizer import render_chat
 from kvserve.service.chat_request import ChatCompletionRequest
 from kvserve.service.request_models import CompletionRequest
 from kvserve.service.tool_calls import (ToolCallStream, finish_reason, parse_output,

@@ -1,0 +1,377 @@
+"""KVCacheManager: block tables of the running sequences on top of the BlockPool — lazy slot
+allocation, prefix-cache lookup and registration, fork with copy-on-write, swap to a CPU pool,
+and the host tier: evicted prefix blocks demoted to host memory (and from there to an optional
+disk tier), promoted back on a prefix hit."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvserve.engine.core.block_hash import hash_block
+from kvserve.engine.core.block_pool import Block, BlockPool
+from kvserve.engine.core.sequence import Sequence
+from kvserve.engine.kv_offload.disk_tier import DiskTier
+from kvserve.engine.kv_offload.host_tier import HostTier, TierCounters
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of which found in the cache (any tier)
+    host_hits: int = 0  # of the hits, those restored from the host tier
+    disk_hits: int = 0  # of the hits, those loaded from the disk tier
+
+
+@dataclass(frozen=True)
+class HostHit:
+    """A prefix block found in the host tier, not on the device: allocating it takes a new
+    device block and queues the host -> device copy."""
+
+    block_hash: bytes
+
+
+@dataclass(frozen=True, eq=False)
+class DiskHit:
+    """A prefix block found (and already read and verified) in the disk tier: allocating it
+    takes a new device block and queues the load of `payload` into it."""
+
+    block_hash: bytes
+    payload: bytearray
+
+
+PrefixHit = Block | HostHit | DiskHit
+# A block for the disk tier: ("host", host slot, hash), or ("device", device block, hash) when the
+# host tier could not take it (every slot busy this step).
+Spill = tuple[str, int, bytes]
+
+
+@dataclass(frozen=True)
+class KVCacheStats:
+    """The block manager's figures at one moment (`KVCacheManager.make_stats()`)."""
+
+    usage: float  # fraction of device blocks referenced by live sequences, 0..1
+    num_total_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int  # blocks holding a hash in the prefix cache (in use or free)
+    num_shared_blocks: int  # blocks referenced by more than one sequence
+    num_evictions: int  # cumulative cached blocks evicted
+    num_cpu_blocks: int
+    num_free_cpu_blocks: int
+    prefix_cache_queries: int  # cumulative prompt tokens looked up
+    prefix_cache_hits: int  # cumulative prompt tokens found cached (any tier)
+    allocated_slots: int  # token slots in blocks held by sequences (shared blocks counted once)
+    prefix_cache_host_hits: int = 0  # of prefix_cache_hits, tokens restored from the host tier
+    num_host_blocks: int = 0  # host tier capacity
+    num_host_cached_blocks: int = 0  # host tier blocks holding a prefix block
+    host: TierCounters = field(default_factory=TierCounters)  # cumulative host tier moves
+    prefix_cache_disk_hits: int = 0  # of prefix_cache_hits, tokens loaded from the disk tier
+    num_disk_blocks: int = 0  # disk tier capacity
+    num_disk_cached_blocks: int = 0
+    disk: TierCounters = field(default_factory=TierCounters)  # cumulative disk tier moves
+    disk_blocks_dropped: int = 0  # not written: the disk writer was behind
+    disk_bad_files: int = 0  # reads that found a missing or damaged file (misses)
+    disk_bytes_written: int = 0
+    disk_bytes_read: int = 0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 num_cpu_blocks: int = 0, num_host_blocks: int = 0,
+                 disk: DiskTier | None = None) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.tables: dict[int, list[Block]] = {}
+        self.hashes: dict[int, list[bytes]] = {}  # chained hashes of each seq's full blocks
+        self.num_registered: dict[int, int] = {}  # leading blocks already in the prefix cache
+        self.prefix_stats = PrefixCacheStats()
+        self.num_cpu_blocks = num_cpu_blocks
+        self.cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
+        self.swapped: dict[int, list[int]] = {}  # seq -> its blocks in the CPU pool
+        self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the runner
+        self.alloc_seconds: deque[float] = deque(maxlen=4096)
+        self.host = HostTier(num_host_blocks) if num_host_blocks and enable_caching else None
+        self.pending_offloads: list[tuple[int, int]] = []  # (device block, host slot)
+        self.pending_restores: list[tuple[int, int]] = []  # (host slot, device block)
+        self.disk = disk if self.host is not None else None
+        self.pending_spills: list[Spill] = []  # blocks for the disk tier
+        self.pending_loads: list[tuple[bytearray, int]] = []  # (disk payload, device block)
+
+    # ---- prefix cache -------------------------------------------------------------------------
+    def _seq_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The seq's chained block hashes, extended lazily up to `num_blocks` full blocks."""
+        hs = self.hashes.setdefault(seq.seq_id, [])
+        bs = self.block_size
+        while len(hs) < num_blocks:
+            i = len(hs)
+            toks = seq.token_range(i * bs, (i + 1) * bs)
+            hs.append(hash_block(hs[-1] if hs else None, toks, seq.extra_keys))
+        return hs
+
+    def lookup_prefix(self, seq: Sequence) -> list[PrefixHit]:
+        """Cached blocks holding the longest prefix of the seq's tokens: device blocks,
+        `HostHit`s for blocks only the host tier holds, `DiskHit`s for blocks only the disk tier
+        holds (read and verified here, in one batch: a bad file ends the prefix). Changes
+        nothing but the tiers' LRU order (and drops a bad disk file).
+
+        At least one token is always left to compute, since its logits are needed.
+        """
+        if not self.enable_caching:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hits: list[PrefixHit] = []
+        on_disk: list[int] = []  # positions in `hits` to fill from the disk tier
+        for h in self._seq_hashes(seq, max_blocks)[:max_blocks]:
+            b = self.pool.get_cached_block(h)
+            if b is not None:
+                hits.append(b)
+            elif self.host is not None and h in self.host:
+                hits.append(HostHit(h))
+            elif self.disk is not None and h in self.disk:
+                on_disk.append(len(hits))
+                hits.append(HostHit(h))  # placeholder until read
+            else:
+                break
+        if on_disk:
+            payloads = self.disk.read([hits[i].block_hash for i in on_disk])  # type: ignore
+            for i, payload in zip(on_disk, payloads):
+                hits[i] = DiskHit(hits[i].block_hash, payload)  # type: ignore[union-attr]
+            if len(payloads) < len(on_disk):
+                del hits[on_disk[len(payloads)]:]
+        return hits
+
+    def full_block_hashes(self, seq: Sequence, start_block: int, end_block: int) -> list[bytes]:
+        """Hashes of the seq's full blocks in [start_block, end_block) (clipped to full ones)."""
+        if not self.enable_caching:
+            return []
+        end = min(end_block, seq.num_tokens // self.block_size)
+        return self._seq_hashes(seq, end)[start_block:end] if end > start_block else []
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int,
+                      num_host_hit_tokens: int = 0, num_disk_hit_tokens: int = 0) -> None:
+        """Count one admitted request's prefix lookup in the hit-rate figures (the hits of any
+        tier, and of those the host tier's and the disk tier's)."""
+        if self.enable_caching:
+            self.prefix_stats.queries += num_tokens
+            self.prefix_stats.hits += num_hit_tokens
+            self.prefix_stats.host_hits += num_host_hit_tokens
+            self.prefix_stats.disk_hits += num_disk_hit_tokens
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Put the seq's newly full and computed blocks into the prefix cache."""
+        if not self.enable_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        done = self.num_registered.get(seq.seq_id, 0)
+        if num_full <= done:
+            return
+        table = self.tables[seq.seq_id]
+        hs = self._seq_hashes(seq, num_full)
+        for i in range(done, num_full):
+            self.pool.cache_block(table[i], hs[i])
+        self.num_registered[seq.seq_id] = num_full
+
+    # ---- allocation ---------------------------------------------------------------------------
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int,
+                       computed: list[PrefixHit] | None = None) -> bool:
+        """Make room for `num_new_tokens` after the seq's computed ones (and its cache hits;
+        host hits take a new device block each and queue their restore).
+
+        Returns False, changing nothing, when the pool cannot supply the blocks.
+        """
+        t0 = time.perf_counter()
+        computed = computed or []
+        table = self.tables.get(seq.seq_id, [])
+        start = seq.num_computed_tokens + len(computed) * self.block_size
+        needed_total = -(-(start + num_new_tokens) // self.block_size)
+        num_new_blocks = max(needed_total - len(table) - len(computed), 0)
+        cow = bool(table) and start % self.block_size != 0 and table[-1].ref_cnt > 1
+        on_device = [b for b in computed if isinstance(b, Block)]
+        num_restores = len(computed) - len(on_device)
+        free_hits = sum(1 for b in on_device if b.ref_cnt == 0)
+        if num_new_blocks + num_restores + int(cow) > self.pool.num_free_blocks - free_hits:
+            return False
+        if computed:
+            self.pool.touch(on_device)
+            table = table + self._restore(computed) if num_restores else table + on_device
+            self.num_registered[seq.seq_id] = len(table)
+        if cow:
+            self._copy_on_write(table)
+        if num_new_blocks:
+            table = table + self._new_blocks(num_new_blocks)
+        self.tables[seq.seq_id] = table
+        self.alloc_seconds.append(time.perf_counter() - t0)
+        return True
+
+    # ---- host tier ----------------------------------------------------------------------------
+    def _new_blocks(self, n: int) -> list[Block]:
+        """Fresh device blocks; cached content they held goes to the host tier first, and what
+        that evicts from the host tier to the disk tier (read before the slot is reused)."""
+        blocks = self.pool.get_new_blocks(n)
+        evicted = self.pool.take_evicted()
+        if self.host is not None:
+            for block_id, h in evicted:
+                slot, victim = self.host.store(h)
+                if slot is not None:
+                    self.pending_offloads.append((block_id, slot))
+                elif h not in self.host:  # every host slot busy this step: straight to disk
+                    self._spill("device", block_id, h)
+                if victim is not None:
+                    self._spill("host", victim[1], victim[0])
+        return blocks
+
+    def _spill(self, medium: str, index: int, block_hash: bytes) -> None:
+        if self.disk is None:
+            return
+        if block_hash in self.disk:
+            self.disk.touch(block_hash)  # already written once: no copy
+        else:
+            self.pending_spills.append((medium, index, block_hash))
+
+    def _restore(self, hits: list[PrefixHit]) -> list[Block]:
+        """Device blocks for `hits` in order: device hits as they are, host and disk hits in
+        new blocks registered under their hash, with the copies into them queued."""
+        assert self.host is not None
+        host_hits = [h for h in hits if isinstance(h, HostHit)]
+        slots = [self.host.restore(h.block_hash) for h in host_hits]  # pinned first: the
+        num_new = sum(1 for h in hits if not isinstance(h, Block))  # allocation may evict
+        fresh = iter(self._new_blocks(num_new))
+        out: list[Block] = []
+        for hit in hits:
+            if isinstance(hit, Block):
+                out.append(hit)
+                continue
+            b = next(fresh)
+            self.pool.cache_block(b, hit.block_hash)
+            out.append(b)
+            if isinstance(hit, DiskHit):
+                self.pending_loads.append((hit.payload, b.block_id))
+                self.disk.counters.restored += 1  # type: ignore[union-attr]
+        restored = [b for b, hit in zip(out, hits) if isinstance(hit, HostHit)]
+        self.pending_restores += [(s, b.block_id) for s, b in zip(slots, restored)]
+        return out
+
+    def take_tier_moves(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """This step's (device, host) offloads and (host, device) restores; the runner applies
+        the offloads before anything writes the device blocks. Unpins the host slots."""
+        out = (self.pending_offloads, self.pending_restores)
+        self.pending_offloads, self.pending_restores = [], []
+        if self.host is not None:
+            self.host.unpin_all()
+        return out
+
+    def take_disk_moves(self) -> tuple[list[Spill], list[tuple[bytearray, int]]]:
+        """This step's spills to the disk tier, which the runner reads before the step's copies
+        reuse those host slots or device blocks, and (payload, device block) loads."""
+        out = (self.pending_spills, self.pending_loads)
+        self.pending_spills, self.pending_loads = [], []
+        return out
+
+    def _copy_on_write(self, table: list[Block]) -> None:
+        """The last (partial) block is shared with a sibling: write into a private copy."""
+        old = table[-1]
+        new = self._new_blocks(1)[0]
+        self.pending_copies.append((old.block_id, new.block_id))
+        table[-1] = new
+        self.pool.free_blocks([old])
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        out, self.pending_copies = self.pending_copies, []
+        return out
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Share every block of `parent` with `child` (ref counts +1); writes copy on demand."""
+        table = self.tables[parent.seq_id]
+        self.pool.touch(table)
+        self.tables[child.seq_id] = list(table)
+        self.hashes[child.seq_id] = list(self.hashes.get(parent.seq_id, []))
+        self.num_registered[child.seq_id] = self.num_registered.get(parent.seq_id, 0)
+
+    def free(self, seq: Sequence) -> None:
+        """Release the seq's blocks (tail first, so its last blocks are evicted first)."""
+        table = self.tables.pop(seq.seq_id, [])
+        self.pool.free_blocks(list(reversed(table)))
+        self.hashes.pop(seq.seq_id, None)
+        self.num_registered.pop(seq.seq_id, None)
+        cpu = self.swapped.pop(seq.seq_id, None)
+        if cpu:
+            self.cpu_free.extend(cpu)
+
+    def block_ids(self, seq: Sequence) -> list[int]:
+        return [b.block_id for b in self.tables.get(seq.seq_id, ())]
+
+    # ---- swap ---------------------------------------------------------------------------------
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return len(self.tables.get(seq.seq_id, ())) <= len(self.cpu_free)
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Move the seq's blocks to the CPU pool: (device block, cpu block) pairs to copy."""
+        table = self.tables.pop(seq.seq_id)
+        cpu = [self.cpu_free.pop() for _ in table]
+        self.swapped[seq.seq_id] = cpu
+        self.pool.free_blocks(list(reversed(table)))
+        self.num_registered[seq.seq_id] = 0
+        return [(b.block_id, c) for b, c in zip(table, cpu)]
+
+    def can_swap_in(self, seq: Sequence, num_new_tokens: int = 0) -> bool:
+        """Whether the seq's blocks, and the slots of its next `num_new_tokens`, fit on device."""
+        num_blocks = len(self.swapped.get(seq.seq_id, ()))
+        if num_new_tokens:
+            total = seq.num_computed_tokens + num_new_tokens
+            num_blocks = max(num_blocks, -(-total // self.block_size))
+        return num_blocks <= self.pool.num_free_blocks
+
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Bring the seq's blocks back: (cpu block, device block) pairs to copy."""
+        cpu = self.swapped.pop(seq.seq_id)
+        table = self._new_blocks(len(cpu))
+        self.tables[seq.seq_id] = table
+        self.cpu_free.extend(cpu)
+        return [(c, b.block_id) for c, b in zip(cpu, table)]
+
+    # ---- figures ------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def num_blocks_of(self, seq: Sequence) -> int:
+        """Device blocks in the seq's block table."""
+        return len(self.tables.get(seq.seq_id, ()))
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def allocated_slots(self) -> int:
+        """Token slots in blocks held by running sequences (shared blocks counted once)."""
+        return (self.pool.num_blocks - self.pool.num_free_blocks) * self.block_size
+
+    def make_stats(self) -> KVCacheStats:
+        """A snapshot of the figures; reading it changes nothing (see take_alloc_seconds)."""
+        pool, host, disk = self.pool, self.host, self.disk
+        return KVCacheStats(
+            usage=pool.usage(), num_total_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_free_blocks, num_cached_blocks=len(pool.cached),
+            num_shared_blocks=pool.num_shared_blocks(), num_evictions=pool.num_evictions,
+            num_cpu_blocks=self.num_cpu_blocks, num_free_cpu_blocks=len(self.cpu_free),
+            prefix_cache_queries=self.prefix_stats.queries,
+            prefix_cache_hits=self.prefix_stats.hits, allocated_slots=self.allocated_slots(),
+            prefix_cache_host_hits=self.prefix_stats.host_hits,
+            num_host_blocks=host.num_blocks if host else 0,
+            num_host_cached_blocks=len(host) if host else 0,
+            host=TierCounters(**vars(host.counters)) if host else TierCounters(),
+            prefix_cache_disk_hits=self.prefix_stats.disk_hits,
+            num_disk_blocks=disk.num_blocks if disk else 0,
+            num_disk_cached_blocks=len(disk) if disk else 0,
+            disk=TierCounters(**vars(disk.counters)) if disk else TierCounters(),
+            disk_blocks_dropped=disk.num_dropped if disk else 0,
+            disk_bad_files=disk.num_bad_files if disk else 0,
+            disk_bytes_written=disk.bytes_written if disk else 0,
+            disk_bytes_read=disk.bytes_read if disk else 0)
+
+    def take_alloc_seconds(self) -> list[float]:
+        """Durations of the allocate_slots calls since the last take (the newest 4,096 kept)."""
+        out = list(self.alloc_seconds)
+        self.alloc_seconds.clear()
+        return out

@@ -1,0 +1,226 @@
+"""Scheduler: continuous batching. Each step it keeps the running sequences going (decode or the
+next chunk of a long prompt), admits waiting ones FCFS within the token budget, and preempts the
+newest running sequence (recompute or swap; "auto" asks the swap cost model) when the KV cache
+runs out of blocks."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvserve.engine.core.kv_cache_manager import DiskHit, HostHit, KVCacheManager, Spill
+from kvserve.engine.core.scheduling_policy import add_waiting, order_key, victim
+from kvserve.engine.core.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[Sequence] = field(default_factory=list)  # in batch order
+    num_tokens: list[int] = field(default_factory=list)  # new tokens per seq this step
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
+    blocks_to_offload: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    blocks_to_restore: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    blocks_to_spill: list[Spill] = field(default_factory=list)  # -> disk tier
+    blocks_to_load: list[tuple[bytearray, int]] = field(default_factory=list)  # (disk, device)
+    num_preempted: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"  # "recompute" | "swap" | "auto"
+    policy: str = "fcfs"  # engine/core/scheduling_policy.py
+
+
+class SwapAdvisor(Protocol):
+    def prefer_swap(self, num_blocks: int, num_tokens: int) -> bool: ...
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 swap_advisor: SwapAdvisor | None = None) -> None:
+        self.config = config
+        self.kv = kv
+        self.swap_advisor = swap_advisor  # "auto" preemption: swap only where it is cheaper
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        add_waiting(self.waiting, seq, self.config.policy)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if out.num_preempted == 0:
+            budget = self._schedule_swapped(out, budget)
+            if not self.swapped:
+                self._schedule_waiting(out, budget)
+        out.blocks_to_copy = self.kv.take_pending_copies()
+        out.blocks_to_offload, out.blocks_to_restore = self.kv.take_tier_moves()
+        out.blocks_to_spill, out.blocks_to_load = self.kv.take_disk_moves()
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        if self.config.policy != "fcfs":
+            self.running.sort(key=order_key)  # the most urgent get the token budget first
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(seq, n):
+                evicted = victim(self.running, self.config.policy)
+                if self.running.index(evicted) < i:  # already scheduled: the loop shifts back
+                    i -= 1
+                self._preempt(evicted, out)
+                if evicted is seq:
+                    break
+            else:
+                out.seqs.append(seq)
+                out.num_tokens.append(n)
+                budget -= n
+                i += 1
+        return budget
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Evict the newest running seq: swap its blocks out, or free them to recompute later."""
+        self.running.remove(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        out.num_preempted += 1
+        if seq in out.seqs:  # it had been scheduled earlier this step: undo that
+            k = out.seqs.index(seq)
+            del out.seqs[k], out.num_tokens[k]
+        if self._should_swap(seq):
+            out.blocks_to_swap_out += self.kv.swap_out(seq)
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.appendleft(seq)
+            return
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        add_waiting(self.waiting, seq, self.config.policy, front=True)
+
+    def _should_swap(self, seq: Sequence) -> bool:
+        """swap: whenever the CPU pool has room; auto: when it has room and the cost model
+        says copying the seq's blocks out and back beats recomputing its tokens."""
+        mode = self.config.preemption_mode
+        if mode == "recompute" or not self.kv.can_swap_out(seq):
+            return False
+        if mode == "swap" or self.swap_advisor is None:
+            return True
+        return self.swap_advisor.prefer_swap(self.kv.num_blocks_of(seq), seq.num_computed_tokens)
+
+    def _pending_hashes(self, out: SchedulerOutput) -> set[bytes]:
+        """Hashes of the full blocks the already scheduled sequences compute this step."""
+        bs = self.kv.block_size
+        pending: set[bytes] = set()
+        for seq, n in zip(out.seqs, out.num_tokens):
+            if n > 1:  # prefill chunks only; a decode token fills at most one block
+                start = seq.num_computed_tokens // bs
+                pending.update(self.kv.full_block_hashes(seq, start,
+                                                         (seq.num_computed_tokens + n) // bs))
+        return pending
+
+    def _has_seq_room(self, seq: Sequence) -> bool:
+        """Whether `seq` and the siblings it will fork after its prefill (n > 1) fit within
+        max_num_seqs next to the running seqs and the forks those still owe."""
+        taken = len(self.running) + sum(s.pending_forks for s in self.running)
+        return taken + 1 + seq.pending_forks <= self.config.max_num_seqs
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        while self.swapped and budget > 0 and self._has_seq_room(self.swapped[0]):
+            seq = self.swapped[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            # Room for its next tokens too: swapped in without it, it would be swapped out again.
+            if not self.kv.can_swap_in(seq, n):
+                break
+            out.blocks_to_swap_in += self.kv.swap_in(seq)
+            self.swapped.popleft()
+            if not self.kv.allocate_slots(seq, n):  # resumes next step with its blocks back
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                break
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.seqs.append(seq)
+            out.num_tokens.append(n)
+            budget -= n
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        # Block hashes that sequences scheduled this step are about to compute. A waiting seq
+        # whose next uncached block is among them sits out this one step (keeping its place at
+        # the head of the queue) and then hits the cache instead of computing the same prefix
+        # again: a shared system prompt is computed once, not once per request of the step.
+        pending = self._pending_hashes(out)
+        deferred: list[Sequence] = []
+        while self.waiting and budget > 0 and self._has_seq_room(self.waiting[0]):
+            seq = self.waiting[0]
+            # A seq still owed prompt logprobs computes its whole prompt: a cached block has
+            # no hidden states (engine/sample/prompt_logprobs.py), so waiting for one gains nothing.
+            owed = seq.wants_prompt_logprobs
+            hits = [] if owed else self.kv.lookup_prefix(seq)
+            nxt = [] if owed else self.kv.full_block_hashes(seq, len(hits), len(hits) + 1)
+            if nxt and nxt[0] in pending:
+                deferred.append(self.waiting.popleft())
+                continue
+            cached = len(hits) * self.kv.block_size
+            n = seq.num_tokens - cached
+            if n > budget and not self.config.enable_chunked_prefill:
+                break
+            n = min(n, budget)
+            if not self.kv.allocate_slots(seq, n, hits):
+                break
+            self.waiting.popleft()
+            from_host = sum(1 for h in hits if isinstance(h, HostHit)) * self.kv.block_size
+            from_disk = sum(1 for h in hits if isinstance(h, DiskHit)) * self.kv.block_size
+            if not owed:
+                self.kv.record_lookup(seq.num_tokens, cached, from_host, from_disk)
+            if seq.num_cached_tokens < 0:  # first admission: what the request got from the cache
+                seq.num_cached_tokens = cached
+            seq.num_computed_tokens = cached
+            seq.status = SequenceStatus.RUNNING
+            pending.update(self.kv.full_block_hashes(
+                seq, len(hits), (cached + n) // self.kv.block_size))
+            self.running.append(seq)
+            out.seqs.append(seq)
+            out.num_tokens.append(n)
+            budget -= n
+        self.waiting.extendleft(reversed(deferred))
+
+    def finish(self, seq: Sequence) -> None:
+        """Retire a finished or aborted seq from whichever queue holds it; free its blocks."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status == SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+        self.kv.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def add_running(self, seq: Sequence) -> None:
+        """A forked sibling joins the running set directly (its blocks are shared)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)

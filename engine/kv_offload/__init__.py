@@ -1,0 +1,1 @@
+"""KV tiers below the device: host (CPU) and disk blocks, and the cost model for swapping."""

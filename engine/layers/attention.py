@@ -1,0 +1,64 @@
+"""Paged attention as a layer: the kernels' entry points (write K/V through the slot mapping,
+attend through the block tables) behind one module per attention layer. Per-layer attention
+variants (sliding window, logit softcap, sinks) belong on `Attention`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from torch import Tensor, nn
+
+from kvserve.kernels.metadata import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class AttentionOps:
+    """The kernels' entry points, looked up on their modules once per model, at its first forward
+    (so a test or benchmark that swaps `write_kv` on its module sees what the model writes)."""
+
+    write_kv: Callable
+    paged_attention: Callable
+    plan_attention: Callable
+
+    @classmethod
+    def resolve(cls) -> "AttentionOps":
+        from kvserve.kernels import attention, plan, write_kv
+
+        return cls(write_kv.write_kv, attention.paged_attention, plan.plan_attention)
+
+    def prepare(self, attn: AttentionMetadata, block_size: int) -> AttentionMetadata:
+        """attn with a plan shared by every layer (the runner usually supplies one already)."""
+        if attn.plan is not None:
+            return attn
+        plan = self.plan_attention(attn.block_tables, attn.seq_lens, attn.query_start_loc,
+                                   block_size)
+        return replace(attn, plan=plan)
+
+    def write(self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+              attn: AttentionMetadata) -> None:
+        self.write_kv(k, v, k_cache, v_cache, attn.slot_mapping, attn.k_scale, attn.v_scale,
+                      backend=attn.backend)
+
+    def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, attn: AttentionMetadata,
+               scale: float) -> Tensor:
+        return self.paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens,
+                                    attn.query_start_loc, scale, attn.k_scale, attn.v_scale,
+                                    backend=attn.backend, plan=attn.plan)
+
+
+class Attention(nn.Module):
+    """One layer's attention over the paged cache: q [T, heads, D], k/v [T, kv_heads, D] (already
+    rotated) are written to the cache, attended, and returned as [T, heads * D]."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, Tensor],
+                attn: AttentionMetadata, attn_ops: AttentionOps) -> Tensor:
+        k_cache, v_cache = kv_cache
+        attn_ops.write(k, v, k_cache, v_cache, attn)
+        out = attn_ops.attend(q, k_cache, v_cache, attn, self.scale)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)

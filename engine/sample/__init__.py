@@ -1,0 +1,2 @@
+"""Token in, token out: tokenizer and detokenizer, sampling params, the sampler, logprobs, best_of,
+generation config."""

@@ -1,0 +1,2 @@
+"""Structured outputs: grammar backends (xgrammar, guidance) behind one interface, and the per-step
+bitmask."""

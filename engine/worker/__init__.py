@@ -1,0 +1,2 @@
+"""Execution: the model runner, tensor-parallel workers, the platform (memory budget, device),
+model loading."""

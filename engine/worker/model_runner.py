@@ -1,0 +1,292 @@
+"""ModelRunner: owns the model and the KV-cache tensors; turns a SchedulerOutput into one
+flattened forward pass (prefill and decode tokens together, no padding) and samples the rows
+the engine asks for. It makes no scheduling decisions.
+
+With tensor parallelism the driver's runner builds each step's inputs once (a StepInput of CPU
+tensors), hands them to the worker processes, and every rank runs the same `run_step` against its
+own shard and KV cache; only the driver samples."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from kvserve.engine.core.kv_cache_manager import KVCacheManager
+from kvserve.engine.core.scheduler import SchedulerOutput
+from kvserve.engine.kv_offload.host_blocks import CopyTiming, HostBlocks
+from kvserve.engine.sample.prompt_logprobs import PromptLogprobsPlan, PromptLogprobsResult
+from kvserve.engine.sample.prompt_logprobs import compute as compute_prompt_logprobs
+from kvserve.engine.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
+from kvserve.kernels.backend import resolve_backend
+from kvserve.kernels.fp8 import compute_kv_scale
+from kvserve.kernels.metadata import AttentionMetadata
+from kvserve.kernels.plan import plan_attention
+
+if TYPE_CHECKING:
+    from kvserve.engine.kv_offload.disk_tier import DiskTier
+
+BlockPairs = list[tuple[int, int]]
+
+
+class Peers(Protocol):
+    """The other tensor-parallel ranks as the driver's runner sees them (workers.WorkerGroup,
+    which imports this module: the runner names only what it calls)."""
+
+    def broadcast(self, cmd: str, arg: object) -> None: ...
+
+    def failed(self, exc: BaseException) -> Exception: ...
+
+
+@dataclass
+class BlockMoves:
+    """One step's (src, dst) block pairs, applied in this order: spills (host tier -> disk tier)
+    first, since the host slots they read are about to be reused by offloads (device -> host
+    tier), which come next since the blocks they read were evicted and are about to be reused;
+    swap-outs; then restores (host tier -> device), loads (disk tier -> device), swap-ins and
+    copy-on-write."""
+
+    swap_out: BlockPairs = field(default_factory=list)
+    swap_in: BlockPairs = field(default_factory=list)
+    copy: BlockPairs = field(default_factory=list)
+    offload: BlockPairs = field(default_factory=list)
+    restore: BlockPairs = field(default_factory=list)
+    spill: list[tuple[str, int, bytes]] = field(default_factory=list)  # (medium, index, hash)
+    load: list[tuple[bytearray, int]] = field(default_factory=list)  # (payload, device block)
+
+    def __bool__(self) -> bool:
+        return bool(self.swap_out or self.swap_in or self.copy or self.offload or self.restore
+                    or self.spill or self.load)
+
+
+@dataclass
+class StepInput:
+    """One step's flattened batch as CPU tensors: what the driver broadcasts to every rank."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [B, W] int32
+    seq_lens: torch.Tensor  # [B] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    max_query_len: int
+    max_seq_len: int
+    sample_rows: list[int]  # batch index per sampled row (may repeat: n > 1)
+    moves: BlockMoves
+    # prompt logprobs (sample/prompt_logprobs.py): flattened rows, the token each predicts, top-k
+    prompt_rows: list[int] = field(default_factory=list)
+    prompt_targets: list[int] = field(default_factory=list)
+    prompt_k: int = 0
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, *, num_layers: int, num_kv_heads: int,
+                 head_dim: int, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+                 device: torch.device, num_cpu_blocks: int = 0, attention_backend: str = "auto",
+                 k_scale: float = 1.0, v_scale: float = 1.0,
+                 workers: "Peers | None" = None, num_host_blocks: int = 0,
+                 disk: "DiskTier | None" = None) -> None:
+        self.model = model
+        self.workers = workers  # the other ranks (tensor parallel, driver only)
+        self.device = device
+        self.block_size = block_size
+        # Resolved once here: on the CPU, "auto" builds the fused decode kernel now (once per
+        # machine), not in the middle of the first step.
+        self.backend = resolve_backend(attention_backend, device)
+        self.k_scale, self.v_scale = k_scale, v_scale
+        shape = (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        # Zeroed, not empty: padded attention reads of unused slots must never see NaN garbage.
+        self.kv = torch.zeros(shape, dtype=kv_dtype, device=device)
+        self.kv_caches = [(self.kv[0, i], self.kv[1, i]) for i in range(num_layers)]
+        self.cpu_kv: torch.Tensor | None = None
+        if num_cpu_blocks:
+            cpu_shape = (2, num_layers, num_cpu_blocks, block_size, num_kv_heads, head_dim)
+            self.cpu_kv = torch.zeros(cpu_shape, dtype=kv_dtype,
+                                      pin_memory=device.type == "cuda")
+        self.host = HostBlocks(self.kv, num_host_blocks) if num_host_blocks else None
+        self.disk = disk  # where spilled host blocks go (one rank: the config refuses more)
+        self.timings: deque[CopyTiming] = deque(maxlen=4096)
+        self.sampler = Sampler()
+
+    @property
+    def bytes_per_block(self) -> int:
+        """KV bytes of one block on this rank (every layer, K and V)."""
+        return self.kv[:, :, 0].numel() * self.kv.element_size()
+
+    def take_copy_timings(self) -> list[CopyTiming]:
+        """The batched copies since the last call (the newest 4,096 kept)."""
+        if self.host is not None:
+            self.timings.extend(self.host.take_timings())
+        out = list(self.timings)
+        self.timings.clear()
+        return out
+
+    def move_blocks(self, sched: SchedulerOutput) -> None:
+        """Swap-out, swap-in and copy-on-write copies, before this step writes any slot (on every
+        rank: a step with nothing to compute may still move blocks)."""
+        moves = _moves(sched)
+        if moves and self.workers is not None:
+            self.workers.broadcast("move", moves)
+        self.apply_moves(moves)
+
+    def apply_moves(self, m: BlockMoves) -> None:
+        for medium, index, block_hash in m.spill:  # a copy of each block for the disk writer
+            data = self.host.read_block(index, from_device=medium == "device")  # type: ignore
+            self.disk.put(block_hash, bytearray(data.numpy()))  # type: ignore[union-attr]
+        if m.offload:
+            self.host.offload(m.offload)  # type: ignore[union-attr]
+        if m.swap_out:
+            t0 = self._clock()
+            src, dst = zip(*m.swap_out)
+            self.cpu_kv[:, :, list(dst)] = self.kv[:, :, list(src)].to("cpu")  # type: ignore[index]
+            self._timed("swap_out", len(src), t0)
+        if m.restore:
+            self.host.restore(m.restore)  # type: ignore[union-attr]
+        if m.load:
+            self.host.load(m.load)  # type: ignore[union-attr]
+        if m.swap_in:
+            t0 = self._clock()
+            src, dst = zip(*m.swap_in)
+            self.kv[:, :, list(dst)] = self.cpu_kv[:, :, list(src)].to(self.device)  # type: ignore[index]
+            self._timed("swap_in", len(src), t0)
+        if m.copy:
+            src, dst = zip(*m.copy)
+            self.kv[:, :, list(dst)] = self.kv[:, :, list(src)]
+
+    def _clock(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return time.perf_counter()
+
+    def _timed(self, kind: str, num_blocks: int, t0: float) -> None:
+        self.timings.append(CopyTiming(kind, num_blocks * self.bytes_per_block,
+                                       self._clock() - t0))
+
+    def build_step(self, sched: SchedulerOutput, kv: KVCacheManager,
+                   sample_rows: list[int]) -> StepInput:
+        """Token ids, positions, slot mapping and block tables of the flattened batch."""
+        input_ids: list[int] = []
+        starts: list[int] = []
+        tables: list[list[int]] = []
+        for seq, n in zip(sched.seqs, sched.num_tokens):
+            s = seq.num_computed_tokens
+            input_ids += seq.token_range(s, s + n)
+            starts.append(s)
+            tables.append(kv.block_ids(seq))
+        width = max(len(t) for t in tables)
+        bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        q_lens = torch.tensor(sched.num_tokens, dtype=torch.int64)
+        start_t = torch.tensor(starts, dtype=torch.int64)
+        qsl = torch.zeros(len(tables) + 1, dtype=torch.int32)
+        torch.cumsum(q_lens, 0, out=qsl[1:])
+        seq_idx = torch.repeat_interleave(torch.arange(len(tables)), q_lens)
+        positions = torch.arange(int(qsl[-1])) - qsl[:-1].long()[seq_idx] + start_t[seq_idx]
+        slots = (bt[seq_idx, positions // self.block_size].long() * self.block_size
+                 + positions % self.block_size)
+        seq_lens = (start_t + q_lens).to(torch.int32)
+        return StepInput(torch.tensor(input_ids, dtype=torch.int64), positions, slots, bt,
+                         seq_lens, qsl, int(q_lens.max()), int(seq_lens.max()), sample_rows,
+                         _moves(sched))
+
+    def prepare(self, sched: SchedulerOutput, kv: KVCacheManager) -> tuple[torch.Tensor,
+                                                                           torch.Tensor,
+                                                                           AttentionMetadata]:
+        """Token ids, positions and attention metadata of the flattened batch, on the device."""
+        return self.to_device(self.build_step(sched, kv, []))
+
+    def to_device(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor,
+                                                  AttentionMetadata]:
+        dev = self.device
+        bt, seq_lens = step.block_tables.to(dev), step.seq_lens.to(dev)
+        qsl = step.query_start_loc.to(dev)
+        max_q, max_s = step.max_query_len, step.max_seq_len
+        plan = plan_attention(bt, seq_lens, qsl, self.block_size, max_q, max_s)
+        meta = AttentionMetadata(slot_mapping=step.slot_mapping.to(dev), block_tables=bt,
+                                 seq_lens=seq_lens, query_start_loc=qsl, max_query_len=max_q,
+                                 max_seq_len=max_s, k_scale=self.k_scale, v_scale=self.v_scale,
+                                 backend=self.backend, plan=plan)
+        return step.input_ids.to(dev), step.positions.to(dev), meta
+
+    @torch.inference_mode()
+    def calibrate_kv_scales(self, token_ids: list[int], act_dtype: torch.dtype) -> None:
+        """FP8 cache: set k/v scales from the K/V of one calibration batch (max over layers).
+
+        The batch runs against a temporary cache in the model's dtype, so nothing is rounded
+        before the scales are known.
+        """
+        if self.workers is not None:
+            self.workers.broadcast("calibrate", (token_ids, act_dtype))
+        bs = self.block_size
+        n_blocks = -(-len(token_ids) // bs)
+        tmp = torch.zeros((2, len(self.kv_caches), n_blocks, *self.kv.shape[3:]),
+                          dtype=act_dtype, device=self.device)
+        caches = [(tmp[0, i], tmp[1, i]) for i in range(len(self.kv_caches))]
+        n = len(token_ids)
+        bt = torch.arange(n_blocks, dtype=torch.int32, device=self.device)[None]
+        seq_lens = torch.tensor([n], dtype=torch.int32, device=self.device)
+        qsl = torch.tensor([0, n], dtype=torch.int32, device=self.device)
+        positions = torch.arange(n, device=self.device)
+        meta = AttentionMetadata(slot_mapping=positions.clone(), block_tables=bt,
+                                 seq_lens=seq_lens, query_start_loc=qsl, max_query_len=n,
+                                 max_seq_len=n, backend=self.backend,
+                                 plan=plan_attention(bt, seq_lens, qsl, bs, n, n))
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+        self.model(ids, positions, caches, meta)
+        self.k_scale = compute_kv_scale(tmp[0])
+        self.v_scale = compute_kv_scale(tmp[1])
+        tp = getattr(self.model, "tp", None)
+        if tp is not None:  # every rank the scales of the whole model, as with one rank
+            self.k_scale, self.v_scale = tp.all_reduce_max([self.k_scale, self.v_scale])
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, kv: KVCacheManager, sample_rows: list[int],
+                sampling: SamplingMetadata | None, prompt: PromptLogprobsPlan | None = None
+                ) -> tuple[SamplerOutput | None, PromptLogprobsResult | None]:
+        """Run one step. `sample_rows[i]` is the batch index of the seq whose last scheduled
+        token's logits feed sampler row i (an index may repeat: n > 1 forks); `prompt` names
+        the rows whose prompt logprobs are computed too."""
+        step = self.build_step(sched, kv, sample_rows if sampling is not None else [])
+        if prompt is not None:
+            step.prompt_rows, step.prompt_targets, step.prompt_k = \
+                prompt.rows, prompt.targets, prompt.k
+        if self.workers is None:
+            logits, prompt_result = self.run_step(step)
+        else:
+            self.workers.broadcast("step", step)
+            try:
+                logits, prompt_result = self.run_step(step)
+            except RuntimeError as exc:  # a collective whose peer died, most likely
+                raise self.workers.failed(exc) from exc
+        if logits is None or sampling is None:
+            return None, prompt_result
+        return self.sampler(logits, sampling), prompt_result
+
+    @torch.inference_mode()
+    def run_step(self, step: StepInput) -> tuple[torch.Tensor | None,
+                                                 PromptLogprobsResult | None]:
+        """Every rank: move blocks, run the forward, and (rank 0) return the sampled rows'
+        logits and the prompt logprobs asked; the other ranks only take part in the
+        collectives."""
+        self.apply_moves(step.moves)
+        ids, positions, meta = self.to_device(step)
+        hidden = self.model(ids, positions, self.kv_caches, meta)
+        logits = None
+        if step.sample_rows:
+            last = meta.query_start_loc[1:].long() - 1
+            rows = last[torch.tensor(step.sample_rows, device=self.device)]
+            logits = self.model.compute_logits(hidden[rows])
+        prompt = None
+        if step.prompt_rows:
+            prompt = compute_prompt_logprobs(self.model, hidden, step.prompt_rows,
+                                             step.prompt_targets, step.prompt_k)
+        return logits, prompt
+
+
+def _moves(sched: SchedulerOutput) -> BlockMoves:
+    return BlockMoves(list(sched.blocks_to_swap_out), list(sched.blocks_to_swap_in),
+                      list(sched.blocks_to_copy), list(sched.blocks_to_offload),
+                      list(sched.blocks_to_restore), list(sched.blocks_to_spill),
+                      list(sched.blocks_to_load))

@@ -1,0 +1,245 @@
+"""Engine start-up: pick device and dtypes, load the model, and size the KV cache with the
+memory budget (CUDA: profiled; CPU: an explicit or safe byte budget). With tensor_parallel_size
+N > 1 it first checks that N splits the model, starts the N - 1 workers, and sizes one rank."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.distributed import TPGroup, check_tensor_parallel
+from kvserve.engine.errors import ConfigError, OutOfKVCacheError
+from kvserve.engine.worker.malloc_tuning import keep_activation_memory
+from kvserve.engine.memory import GiB, MemoryBudget, activation_peak_bytes, blocks_for_bytes, \
+    bytes_per_block, default_max_num_batched_tokens, kv_heads_per_rank, plan_memory, \
+    rank_weight_bytes
+from kvserve.engine.worker.workers import CacheSpec, WorkerGroup
+from kvserve.kernels.fp8 import FP8_DTYPE
+
+logger = logging.getLogger("kvserve.engine")
+
+CPU_KV_DEFAULT_CAP = 4 * GiB  # the default CPU KV budget: min(25% of free RAM, this)
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class EngineSetup:
+    device: torch.device
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    model: torch.nn.Module
+    hf_config: Any
+    max_model_len: int
+    max_num_batched_tokens: int
+    budget: MemoryBudget
+    num_cpu_blocks: int
+    num_host_blocks: int  # the KV host tier (kv_offloading_size), per rank
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    workers: WorkerGroup | None = None  # ranks 1..N-1 (tensor parallel)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' was asked for but no CUDA device is visible; use "
+                          "device='cpu' (or 'auto')")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto': bfloat16 on CUDA, and on CPUs with native bf16 (AMX/AVX512-BF16); else float32."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16
+    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+
+
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    if name == "auto":
+        return model_dtype
+    if name in ("fp8", "fp8_e4m3"):
+        return FP8_DTYPE
+    return _DTYPES[name]
+
+
+def _model_shape(cfg: Any) -> tuple[int, int, int]:
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or heads, head_dim
+
+
+def _eos_ids(cfg: Any, model_path: Path | str) -> list[int]:
+    ids: list[int] = []
+    try:
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig.from_pretrained(str(model_path))
+        ids += [gen.eos_token_id] if isinstance(gen.eos_token_id, int) else (gen.eos_token_id or [])
+    except Exception:  # noqa: BLE001 - no generation_config.json: fall back to the model config
+        pass
+    eos = getattr(cfg, "eos_token_id", None)
+    ids += [eos] if isinstance(eos, int) else (eos or [])
+    return list(dict.fromkeys(ids))
+
+
+def set_up(config: EngineConfig, model_path: Path | str,
+           load_model: Callable[..., tuple[torch.nn.Module, Any]]) -> EngineSetup:
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        keep_activation_memory()
+    workers, tp = None, None
+    if config.tensor_parallel_size > 1:
+        workers, tp = _start_workers(config, model_path, dtype, device)
+    try:
+        setup = _set_up_rank0(config, model_path, load_model, device, dtype, tp)
+        if workers is not None:
+            workers.wait_for("ready")
+            workers.init_cache(CacheSpec(
+                setup.num_layers, setup.num_kv_heads, setup.head_dim, setup.budget.num_blocks,
+                config.block_size, setup.kv_dtype, setup.num_cpu_blocks,
+                config.attention_backend, setup.num_host_blocks))
+    except BaseException:
+        if workers is not None:
+            workers.close()
+        raise
+    setup.workers = workers
+    return setup
+
+
+def _start_workers(config: EngineConfig, model_path: Path | str, dtype: torch.dtype,
+                   device: torch.device) -> tuple[WorkerGroup, TPGroup]:
+    """Refuse an N that cannot split this model (before any process starts), then start them."""
+    from kvserve.engine.worker.model_loader import load_config
+
+    n = config.tensor_parallel_size
+    cfg = load_config(model_path, config.revision, config.trust_remote_code)
+    layers, kv_heads, _ = _model_shape(cfg)
+    check_tensor_parallel(n, cfg.num_attention_heads, kv_heads,
+                          getattr(cfg, "intermediate_size", 4 * cfg.hidden_size))
+    if device.type == "cuda" and torch.cuda.device_count() < n:
+        raise ConfigError(f"tensor_parallel_size={n} needs {n} GPUs, this machine shows "
+                          f"{torch.cuda.device_count()}")
+    group, tp = WorkerGroup.start(str(model_path), config.revision, dtype, device.type, n)
+    logger.info("tensor parallel: %d ranks (%s), %d torch thread(s) per rank", n,
+                "nccl" if device.type == "cuda" else "gloo", group.spec.threads)
+    return group, tp
+
+
+def _set_up_rank0(config: EngineConfig, model_path: Path | str,
+                  load_model: Callable[..., tuple[torch.nn.Module, Any]], device: torch.device,
+                  dtype: torch.dtype, tp: TPGroup | None) -> EngineSetup:
+    kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype)
+    extra = {"tp": tp} if tp is not None else {}
+    model, cfg = load_model(model_path, dtype, device, revision=config.revision, **extra)
+    layers, kv_heads, head_dim = _model_shape(cfg)
+    kv_heads = kv_heads_per_rank(kv_heads, config.tensor_parallel_size)
+    model_max = getattr(cfg, "max_position_embeddings", None) or 2048
+    max_len = config.max_model_len or model_max
+    if max_len > model_max:
+        raise ConfigError(f"max_model_len {max_len} exceeds the model's context of {model_max} "
+                          "tokens; lower max_model_len")
+    batched = config.max_num_batched_tokens or default_max_num_batched_tokens(
+        max_len, config.enable_chunked_prefill)
+    budget = _plan(config, cfg, model, device, dtype, kv_dtype, batched, max_len,
+                   (layers, kv_heads, head_dim))
+    cpu_blocks, host_blocks = _host_pools(config, budget)
+    return EngineSetup(device, dtype, kv_dtype, model, cfg, max_len, batched, budget, cpu_blocks,
+                       host_blocks, layers, kv_heads, head_dim, cfg.vocab_size,
+                       _eos_ids(cfg, model_path))
+
+
+def _host_pools(config: EngineConfig, budget: MemoryBudget) -> tuple[int, int]:
+    """Blocks of the swap pool (swap_space, never more than the device holds: a swapped
+    sequence came from there) and of the host tier (kv_offloading_size, all ranks together)."""
+    per_block = budget.bytes_per_block  # this rank's
+    cpu_blocks = 0
+    if config.preemption_mode != "recompute":
+        cpu_blocks = min(blocks_for_bytes(int(config.swap_space * GiB), per_block),
+                         budget.num_blocks)
+    host_bytes = int(config.kv_offloading_size * GiB) // config.tensor_parallel_size
+    host_blocks = blocks_for_bytes(host_bytes, per_block) if host_bytes else 0
+    if config.kv_offloading_size and host_blocks < 1:
+        raise ConfigError(f"kv_offloading_size {config.kv_offloading_size} GiB holds no KV "
+                          f"block of {per_block} bytes per rank; raise it")
+    return cpu_blocks, host_blocks
+
+
+def _plan(config: EngineConfig, cfg: Any, model: torch.nn.Module, device: torch.device,
+          dtype: torch.dtype, kv_dtype: torch.dtype, batched: int, max_len: int,
+          shape: tuple[int, int, int]) -> MemoryBudget:
+    layers, kv_heads, head_dim = shape  # kv_heads: this rank's
+    tp = config.tensor_parallel_size
+    kv_bytes_el = torch.finfo(kv_dtype).bits // 8
+    weights = _weight_bytes(model, cfg, dtype, tp)
+    act = activation_peak_bytes(cfg.hidden_size, getattr(cfg, "intermediate_size", 4 * cfg.hidden_size),
+                                cfg.vocab_size, cfg.num_attention_heads, head_dim, batched,
+                                config.max_num_seqs, torch.finfo(dtype).bits // 8,
+                                tensor_parallel_size=tp)
+    device_memory = os.environ.get("KVSERVE_DEVICE_MEMORY")
+    if device.type == "cuda":
+        _, total = torch.cuda.mem_get_info(device)
+        util = config.gpu_memory_utilization
+    elif device_memory:  # a CPU dry run of a GPU plan: each rank as a device of this size
+        total, util = int(float(device_memory)), config.gpu_memory_utilization
+    else:
+        total = _cpu_kv_budget(config) + weights + act
+        util = 1.0
+    budget = plan_memory(total_bytes=total, gpu_memory_utilization=util, weight_bytes=weights,
+                         activation_peak=act, num_layers=layers, num_kv_heads=kv_heads,
+                         head_dim=head_dim, kv_dtype_bytes=kv_bytes_el,
+                         block_size=config.block_size, tokens_per_request=max_len)
+    if config.num_gpu_blocks_override:
+        budget = plan_memory(
+            total_bytes=weights + act + config.num_gpu_blocks_override * budget.bytes_per_block,
+            gpu_memory_utilization=1.0, weight_bytes=weights, activation_peak=act,
+            num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
+            kv_dtype_bytes=kv_bytes_el, block_size=config.block_size, tokens_per_request=max_len)
+    if budget.num_blocks < 1:
+        raise OutOfKVCacheError(
+            f"no memory left for the KV cache: {budget.describe()}; weights take "
+            f"{weights / GiB:.2f} GiB. Raise gpu_memory_utilization / kv_cache_memory or use a "
+            "smaller model")
+    return budget
+
+
+def _weight_bytes(model: torch.nn.Module, cfg: Any, dtype: torch.dtype, tp: int) -> int:
+    """Weight bytes one rank is charged: the loaded model's, or with N ranks the whole model's
+    / N (rounded up), the same convention as the operator's sizing. The unsharded model is
+    built on the meta device to count it, so no rank ever holds it."""
+    if tp == 1:
+        return sum(p.numel() * p.element_size() for p in model.parameters())
+    whole = type(model)(cfg, dtype=dtype, device=torch.device("meta"))
+    return rank_weight_bytes(sum(p.numel() * p.element_size() for p in whole.parameters()), tp)
+
+
+def _cpu_kv_budget(config: EngineConfig) -> int:
+    if config.kv_cache_memory is not None:
+        return int(config.kv_cache_memory)
+    env = os.environ.get("KVSERVE_KV_CACHE_MEMORY")
+    if env:
+        return int(float(env))
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        avail = 4 * CPU_KV_DEFAULT_CAP
+    return min(avail // 4, CPU_KV_DEFAULT_CAP)
+
+
+__all__ = ["EngineSetup", "set_up", "resolve_device", "resolve_dtype", "resolve_kv_dtype",
+           "bytes_per_block"]
