@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-WORK = ROOT / "build" / "mutation"
+# KVSERVE_MUTATION_DIR: another scratch folder, so two runs (two module lists) can go side by side.
+WORK = Path(os.environ.get("KVSERVE_MUTATION_DIR", ROOT / "build" / "mutation")).resolve()
 TREE = WORK / "tree"
 SHIM = WORK / "path"  # holds `kvserve` -> tree, first on PYTHONPATH, ahead of the editable install
 
@@ -39,6 +40,7 @@ _INDEX_TESTS = ("tests/unit/service/test_prefix_index.py", "tests/unit/service/t
                 "tests/unit/service/test_index_trust.py")
 _NO_ENGINE = "not real_engine_events and not never_logs_the_redis_password"
 _OPERATOR = "tests/unit/operator/"
+_CORE, _OFFLOAD = "tests/unit/engine/core/", "tests/unit/engine/kv_offload/"
 
 TARGETS = [
     Target("prefix_index_scripts", "service/prefix_index/scripts.py", _INDEX_TESTS, _NO_ENGINE,
@@ -54,6 +56,15 @@ TARGETS = [
            tuple(_OPERATOR + f for f in ("test_resources.py", "test_resources_edges.py",
                                          "test_day_two.py", "test_offload.py", "test_spec.py",
                                          "test_trust.py"))),
+    Target("block_pool", "engine/core/block_pool.py", (_CORE + "test_block_pool.py",)),
+    Target("kv_cache_manager", "engine/core/kv_cache_manager.py",
+           (_CORE + "test_kv_cache_manager.py", _CORE + "test_block_pool.py")),
+    Target("scheduler", "engine/core/scheduler.py", (_CORE + "test_scheduler.py",)),
+    Target("sampler", "engine/sample/sampler.py", ("tests/unit/engine/sample/test_sampler.py",),
+           timeout=120.0),
+    Target("host_tier", "engine/kv_offload/host_tier.py",
+           (_CORE + "test_host_tier.py", _OFFLOAD + "test_kv_offloading.py"), timeout=120.0),
+    Target("disk_tier", "engine/kv_offload/disk_tier.py", (_OFFLOAD + "test_disk_tier.py",)),
     Target("reconcile", "operator/reconcile.py",
            tuple(_OPERATOR + f for f in ("test_reconcile.py", "test_apply_prune.py",
                                          "test_trust.py")), plugins=("kmock._internal.pytest",)),
