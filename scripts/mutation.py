@@ -302,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("modules", nargs="*", help="target names (default: all)")
     ap.add_argument("--list", action="store_true", help="print the targets and their tests")
     ap.add_argument("--report", action="store_true", help="summarise the last run, run nothing")
+    ap.add_argument("--no-lua", action="store_true", help="skip the Lua mutants (slow)")
     args = ap.parse_args(argv)
     by_name = {t.name: t for t in TARGETS}
     if args.list:
@@ -318,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         env = test_env()
         for t in targets:
             run_cosmic_ray(t, env)
-            if t.lua:
+            if t.lua and not args.no_lua:
                 run_lua(t, env)
     print(f"{'module':24} {'killed':>7} {'total':>6} {'score':>6}  (skipped)")
     for t in targets:
