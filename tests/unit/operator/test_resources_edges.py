@@ -66,3 +66,40 @@ def test_autoscaling_adds_and_removes_replicas_one_at_a_time() -> None:
     # Down is slower than up: a replica takes minutes to load, so removing one is the costly step.
     assert (behavior["scaleDown"]["stabilizationWindowSeconds"]
             > behavior["scaleUp"]["stabilizationWindowSeconds"])
+
+
+def cr(**spec: object) -> dict:
+    return {"apiVersion": "kvserve.io/v1alpha1", "kind": "KVInferenceService",
+            "metadata": {"name": "chat", "namespace": "ml", "uid": "uid-9"},
+            "spec": {"model": {"name": "llama-3-8b"}, "gpu": {"type": "L40S"}, **spec}}
+
+
+def built(body: dict) -> dict[str, dict]:
+    return {f"{o['kind']}/{o['metadata']['name']}": o for o in build_children(body).objects}
+
+
+def test_the_redis_auth_file_goes_to_a_memory_volume_only_with_a_password() -> None:
+    from kvserve.operator.resources import REDIS_AUTH_SCRIPT
+
+    with_pw = pods(built(cr(redis={"passwordSecretRef": {"name": "auth", "key": "pw"}})))
+    pod = with_pw["Deployment/chat-redis"]
+    (auth,) = [v for v in pod["volumes"] if v["name"] == "auth"]
+    assert auth["emptyDir"]["medium"] == "Memory"  # the password never touches a disk
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "auth"]
+    assert f"> {mount['mountPath']}/auth.conf" in REDIS_AUTH_SCRIPT  # the read-only root FS
+    plain = pods(built(cr()))["Deployment/chat-redis"]
+    assert [v["name"] for v in plain["volumes"]] == ["data"]
+
+
+def test_the_index_redis_is_a_single_instance_replaced_not_rolled() -> None:
+    redis = built(cr())["Deployment/chat-redis"]["spec"]
+    assert redis["replicas"] == 1  # two would each hold half the index
+    assert redis["strategy"] == {"type": "Recreate"}
+
+
+def test_the_weights_init_container_gets_a_writable_tmp() -> None:
+    pod = pods(built(cr(model={"name": "llama-3-8b", "cache": {"pvc": {"size": "60Gi"}}})))[
+        "Deployment/chat-engine"]
+    (init,) = pod["initContainers"]
+    assert init["securityContext"]["readOnlyRootFilesystem"] is True
+    assert {"name": "tmp", "mountPath": "/tmp"} in init["volumeMounts"]
