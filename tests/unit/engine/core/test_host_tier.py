@@ -247,3 +247,18 @@ def test_a_failed_allocation_with_host_hits_changes_nothing():
     assert not kv.allocate_slots(c, 1, hits)
     assert (kv.host.lru_hashes(), dict(kv.host.slots), kv.num_free_blocks) == before
     assert kv.take_tier_moves() == ([], [])
+
+
+def test_a_cleared_tier_hands_out_every_slot_once_again():
+    """Found by the mutation run (docs/mutation.md): the free list rebuilt by clear()."""
+    tier = HostTier(3)
+    for i in range(3):
+        tier.store(h(i))
+    tier.unpin_all()
+    tier.clear()
+    stored = [tier.store(h(10 + i)) for i in range(3)]
+    assert sorted(slot for slot, _ in stored) == [0, 1, 2]
+    assert [victim for _, victim in stored] == [None, None, None]  # room without evicting
+    assert tier.drain_events() == [KVEvent("cleared", medium="host"),
+                                   KVEvent("stored", tuple(h(10 + i).hex() for i in range(3)),
+                                           "host")]
