@@ -262,3 +262,10 @@ def test_a_cleared_tier_hands_out_every_slot_once_again():
     assert tier.drain_events() == [KVEvent("cleared", medium="host"),
                                    KVEvent("stored", tuple(h(10 + i).hex() for i in range(3)),
                                            "host")]
+
+
+def test_a_one_block_tier_is_allowed():
+    tier = HostTier(1)
+    assert tier.store(h(1)) == (0, None)
+    tier.unpin_all()
+    assert tier.store(h(2)) == (0, (h(1), 0))  # the one slot, reused for the newer block
