@@ -259,9 +259,15 @@ def test_a_cleared_tier_hands_out_every_slot_once_again():
     stored = [tier.store(h(10 + i)) for i in range(3)]
     assert sorted(slot for slot, _ in stored) == [0, 1, 2]
     assert [victim for _, victim in stored] == [None, None, None]  # room without evicting
-    assert tier.drain_events() == [KVEvent("cleared", medium="host"),
-                                   KVEvent("stored", tuple(h(10 + i).hex() for i in range(3)),
-                                           "host")]
+    assert tier.usage() == 1.0
+    assert tier.drain_events() == [
+        KVEvent("cleared", medium="host"),
+        KVEvent("stored", tuple(h(10 + i).hex() for i in range(3)), "host")]
+    tier.unpin_all()
+    assert tier.store(h(20))[1] is not None  # and no slot beyond the three: the fourth evicts
+    tier.clear()
+    tier.store(h(30))
+    assert tier.usage() == 1 / 3
 
 
 def test_a_one_block_tier_is_allowed():
