@@ -38,7 +38,9 @@ def test_a_tensor_parallel_replica_totals_its_gpus_shares() -> None:
     assert s.gpus_per_replica == 2
     assert (s.kv_bytes, s.bytes_per_block) == (2 * rank.kv_bytes, 2 * rank.bytes_per_block)
     # The host tier holds whole blocks (every rank's share of one): as many as 4 GiB hold.
-    assert s.as_status()["kvOffloading"]["hostBlocks"] == 4 * GiB // (2 * rank.bytes_per_block)
+    host_blocks = 4 * GiB // (2 * rank.bytes_per_block)
+    assert s.as_status()["kvOffloading"]["hostBlocks"] == host_blocks
+    assert f"host tier 4 GiB = {host_blocks} blocks" in s.explanation
     assert "tensor parallel over 2 GPUs" in s.explanation and "4 of 8 KV heads" in s.explanation
     one = plan(spec_of(model={"name": "llama-2-7b"}, gpu={"type": "A100-80GB"},
                        engine={"maxModelLen": 4096}))
@@ -99,3 +101,8 @@ def test_a_budget_of_exactly_the_blocks_needed_fits() -> None:
     assert plan(cpu_spec(lo)).num_blocks == need
     with pytest.raises(InsufficientGPUMemoryError):
         plan(cpu_spec(lo - 1))
+
+
+def test_the_refusal_counts_one_request_when_max_num_seqs_is_unset() -> None:
+    with pytest.raises(InsufficientGPUMemoryError, match="1 x 8192 tokens need 512 blocks"):
+        plan(spec_of(model={"name": "llama-3-70b"}, gpu={"type": "L4", "maxPerReplica": 2}))
