@@ -21,7 +21,7 @@ from kvserve.engine.errors import InvalidRequestError
 from kvserve.engine.kv_offload.disk_block_file import describe_layout
 from kvserve.engine.kv_offload.disk_tier import DiskTier
 from kvserve.engine.kv_offload.swap_cost import SwapCostModel
-from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvserve.engine.sample.best_of import BestOf, expand, select
 from kvserve.engine.sample.detokenizer import IncrementalDetokenizer
 from kvserve.engine.sample.generation_config import sampling_defaults
@@ -126,6 +126,11 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
         return cls(config)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: Any) -> "LLMEngine":
+        """vLLM's constructor: an `EngineArgs` (engine/arg_utils.py) -> its engine."""
+        return cls.from_config(engine_args.create_engine_config())
 
     def check_health(self) -> None:
         """WorkerDiedError when a tensor-parallel worker is gone (even while idle); safe to
@@ -350,6 +355,8 @@ class LLMEngine:
         tokens = result.sampled_token_ids.tolist()
         lps = result.logprobs.tolist() if result.logprobs is not None else None
         lp_ids = result.logprob_token_ids.tolist() if result.logprob_token_ids is not None else None
+        ranks = result.sampled_token_ranks.tolist() \
+            if result.sampled_token_ranks is not None else None
         # Forks first: a parent that finishes on this very token must still lend its blocks.
         targets: list[Sequence] = []
         for r, i in enumerate(rows):
@@ -360,7 +367,8 @@ class LLMEngine:
             state = self.requests[seq.request_id]
             try:  # detokenizing and stop checks are this request's own business
                 self._append_token(state, seq, tok, lps[r] if lps else None,
-                                   lp_ids[r] if lp_ids else None, now)
+                                   lp_ids[r] if lp_ids else None, now,
+                                   ranks[r] if ranks else None)
             except Exception as exc:  # noqa: BLE001 - handed to that request's caller
                 self._fail_request(seq.request_id, exc)
             touched[state.request_id] = state
@@ -382,7 +390,8 @@ class LLMEngine:
         return child
 
     def _append_token(self, state: RequestState, seq: Sequence, tok: int,
-                      lp: list[float] | None, lp_ids: list[int] | None, now: float) -> None:
+                      lp: list[float] | None, lp_ids: list[int] | None, now: float,
+                      rank: int | None = None) -> None:
         seq.output_token_ids.append(tok)
         self._generation_tokens += 1
         if state.metrics.first_token_time is None:
@@ -393,8 +402,11 @@ class LLMEngine:
             seq.cumulative_logprob += lp[0]
             if seq.logprobs is None:
                 seq.logprobs = []
-            entry = {lp_ids[0]: lp[0]}  # type: ignore[index]
-            entry.update(zip(lp_ids[1 : k + 1], lp[1 : k + 1]))  # type: ignore[index]
+            # vLLM's {token_id: Logprob}: the top-k ranked 1..k, then the sampled token (whose
+            # rank the sampler counted over the whole vocabulary) wins its own key
+            entry = {t: Logprob(v, i + 1) for i, (t, v) in enumerate(
+                zip(lp_ids[1 : k + 1], lp[1 : k + 1]))}  # type: ignore[index]
+            entry[lp_ids[0]] = Logprob(lp[0], rank)  # type: ignore[index]
             seq.logprobs.append(entry)
         grammar = self._grammar_state(seq)  # advanced; a forbidden token fails the request
         stop_str = state.detoks[seq.index].update(seq.output_token_ids)

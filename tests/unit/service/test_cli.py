@@ -42,8 +42,10 @@ def test_engine_flags_with_vllm_spelling():
                   "--preemption-mode", "swap", "--no-enable-prefix-caching",
                   "--kv-cache-dtype", "fp8", "--calculate-kv-scales", "--seed", "3",
                   "--kv-cache-memory", "1.5GiB", "--dtype", "bfloat16", "--device", "cpu",
-                  "--trust-remote-code", "--served-model-name", "alias", "other")
+                  "--trust-remote-code", "--served-model-name", "alias", "other",
+                  "--quantization", "int8")
     cfg = cli.engine_config_from_args(args)
+    assert cfg.quantization == "int8"
     assert (cfg.model, cfg.block_size, cfg.max_model_len, cfg.max_num_batched_tokens) == \
         ("my-model", 32, 1024, 512)
     assert (cfg.swap_space, cfg.preemption_mode, cfg.enable_prefix_caching) == (2.0, "swap", False)
@@ -199,3 +201,33 @@ def test_kv_offloading_and_preemption_flags():
     with pytest.raises(ConfigError, match="kv_offloading_size"):
         cli.engine_config_from_args(_serve("--kv-offloading-disk-path", "/var/cache/kv",
                                            "--kv-offloading-disk-size", "100"))
+
+
+def test_vllm_tool_calling_launch_line_and_chat_template(tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    args = _serve("m", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json",
+                  "--chat-template", str(template), "--served-model-name", "a", "b")
+    cfg = cli.server_config_from_args(args)
+    assert (cfg.enable_auto_tool_choice, cfg.tool_call_parser) == (True, "llama3_json")
+    assert cfg.chat_template == template.read_text() and cfg.served_model_names == ["a", "b"]
+    inline = "{{ messages[0].content }}"
+    assert cli.server_config_from_args(_serve("--chat-template", inline)).chat_template == inline
+    assert cli.server_config_from_args(_serve()).tool_call_parser == "hermes"
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--enable-auto-tool-choice"], "--tool-call-parser"),
+    (["--enable-prompt-embeds"], "--enable-prompt-embeds"),
+])
+def test_vllm_flags_we_refuse_say_which(argv, names):
+    with pytest.raises(ConfigError, match=names):
+        cli.server_config_from_args(_serve(*argv))
+
+
+@pytest.mark.parametrize("argv", [["--tool-call-parser", "pythonic"],
+                                  ["--chat-template", "/no/such/file"]])
+def test_bad_tool_flags_are_argparse_errors(argv, capsys):
+    with pytest.raises(SystemExit):
+        _serve(*argv)
+    assert argv[0] in capsys.readouterr().err
