@@ -1,0 +1,116 @@
+"""Triton elementwise kernels for the GPU step: add + RMSNorm (Llama's and Gemma's (1 + w)),
+SiLU/GeLU(tanh)-and-mul and in-place RoPE, each one launch where torch runs several."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_GELU_C = 0.7978845608028654  # sqrt(2 / pi)
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, eps,
+                         N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
+                         GEMMA: tl.constexpr):
+    """Program t: s = x[t] (+ res[t], rounded to x's dtype and stored back into res[t]);
+    out[t] = norm(s) * w rounded after (Gemma: * (1 + w) in fp32) or before (Llama) the scale."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + t * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(res_ptr + t * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(res_ptr + t * stride_r + cols, x, mask=mask)
+    x32 = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / N + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    if GEMMA:
+        y = x32 * rstd * (1.0 + w.to(tl.float32))
+    else:  # HF rounds the normalised x to its dtype before the weight multiplies it
+        y = (x32 * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * w.to(tl.float32)
+    tl.store(out_ptr + t * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float, gemma: bool = False) -> torch.Tensor:
+    """RMSNorm of x [T, N] (of x + residual, written into `residual` in place, when given)."""
+    t, n = x.shape
+    out = torch.empty_like(x)
+    res = residual if residual is not None else x
+    if t:
+        _add_rms_norm_kernel[(t,)](x, res, weight, out, x.stride(0), res.stride(0),
+                                   out.stride(0), eps, N=n, BLOCK=triton.next_power_of_2(n),
+                                   HAS_RES=residual is not None, GEMMA=gemma)
+    return out
+
+
+@triton.jit
+def _act_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N: tl.constexpr,
+                        BLOCK: tl.constexpr, GELU: tl.constexpr):
+    """Program (t, b): out[t, cols] = act(gate[t, cols]) * up[t, cols], in fp32, rounded once."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    gate = tl.load(x_ptr + t * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + t * stride_x + N + cols, mask=mask, other=0.0).to(tl.float32)
+    if GELU:  # tanh(z) = 2 * sigmoid(2z) - 1 (tl has no tanh on every backend)
+        z = _GELU_C * (gate + 0.044715 * gate * gate * gate)
+        act = gate * tl.sigmoid(2.0 * z)  # = 0.5 * gate * (1 + tanh(z))
+    else:
+        act = gate * tl.sigmoid(gate)
+    tl.store(out_ptr + t * stride_o + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def act_and_mul(x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """[T, 2I] (gate | up) -> act(gate) * up [T, I]; activation "silu" or "gelu_tanh"."""
+    if activation not in ("silu", "gelu_tanh"):
+        raise ValueError(f"activation {activation!r}: expected 'silu' or 'gelu_tanh'")
+    t, n2 = x.shape
+    n = n2 // 2
+    out = torch.empty((t, n), dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(max(n, 1)))
+    if t and n:
+        _act_and_mul_kernel[(t, triton.cdiv(n, block))](
+            x, out, x.stride(0), out.stride(0), N=n, BLOCK=block, GELU=activation != "silu")
+    return out
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, stride_t, stride_h, stride_c, HEADS: tl.constexpr,
+                 HEADS_P2: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr):
+    """Program t: rotate every head of x[t] in place (rotate-half layout) by cos/sin[t]."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, HEADS_P2)[:, None]
+    d = tl.arange(0, HALF_P2)[None, :]
+    mask = (h < HEADS) & (d < HALF)
+    cos = tl.load(cos_ptr + t * stride_c + d, mask=d < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + t * stride_c + d, mask=d < HALF, other=0.0).to(tl.float32)
+    p1 = x_ptr + t * stride_t + h * stride_h + d
+    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(p1, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(p1 + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def _rope_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    t, heads, dim = x.shape
+    if t:
+        _rope_kernel[(t,)](x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), HEADS=heads,
+                           HEADS_P2=triton.next_power_of_2(heads), HALF=dim // 2,
+                           HALF_P2=triton.next_power_of_2(dim // 2))
+
+
+def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, Hq, D] and k [T, Hk, D] in place (views with unit last stride are fine)
+    by cos, sin [T, D/2]; returns q and k themselves."""
+    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    for x in (q, k):
+        if x.stride(-1) != 1:
+            raise ValueError("rotary_embedding needs q and k with a unit last stride")
+        _rope_inplace(x, cos, sin)
+    return q, k
