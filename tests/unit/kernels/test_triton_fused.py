@@ -101,3 +101,41 @@ def test_empty_batches(fused):
     x = torch.empty(0, 64)
     assert fused.add_rms_norm(x, None, torch.ones(64), 1e-6).shape == (0, 64)
     assert fused.act_and_mul(torch.empty(0, 32)).shape == (0, 16)
+
+
+@pytest.fixture
+def triton_path(fused, monkeypatch):
+    """The layers' CUDA branch, taken on CPU tensors: use_triton says yes, the C++ ops no."""
+    from kvserve.kernels import cpu_ops
+
+    monkeypatch.setattr(cpu_ops, "use_triton", lambda x: True)
+    monkeypatch.setattr(cpu_ops, "_fused", lambda x: False)
+    calls = []
+    for name in ("add_rms_norm", "act_and_mul"):  # count the launches: the branch is taken
+        real = getattr(fused, name)
+        monkeypatch.setattr(fused, name, lambda *a, _real=real, _n=name, **k:
+                            calls.append(_n) or _real(*a, **k))
+    monkeypatch.setattr(cpu_ops, "calls", calls, raising=False)
+    return cpu_ops
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_layers_take_the_triton_kernels_behind_the_device_check(triton_path, activation):
+    from kvserve.engine.layers.layernorm import RMSNorm
+    from kvserve.engine.layers.mlp import GatedMLP
+
+    torch.manual_seed(0)
+    mlp = GatedMLP(32, 48, False, None, torch.float32, "cpu", activation=activation)
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    norm, gemma = RMSNorm(32, 1e-6, torch.float32), GemmaRMSNorm(32, 1e-6, torch.float32)
+    torch.nn.init.normal_(norm.weight)
+    torch.nn.init.normal_(gemma.weight)
+    x, res = _x((5, 32), torch.float32, 11), _x((5, 32), torch.float32, 12)
+    with torch.no_grad():
+        got = [mlp(x), norm(x), *norm(x, res.clone()), gemma(x), *gemma(x, res.clone())]
+        assert triton_path.calls == ["act_and_mul"] + ["add_rms_norm"] * 4
+        triton_path.use_triton = lambda x: False  # monkeypatch restores it afterwards
+        want = [mlp(x), norm(x), *norm(x, res.clone()), gemma(x), *gemma(x, res.clone())]
+    for i, (g, w) in enumerate(zip(got, want)):
+        torch.testing.assert_close(g, w, **TOL[torch.float32], msg=lambda m: f'{i}: {m}')
