@@ -93,7 +93,9 @@ class LLMEngine:
         self.tiers = TierFigures()
         if config.calculate_kv_scales and setup.kv_dtype == FP8_DTYPE:
             self._calibrate_kv_scales()
-        if self.device.type == "cuda" and not config.enforce_eager and setup.workers is None:
+        # Captured batches are planned once, with no host look at their lengths: Triton only.
+        if self.device.type == "cuda" and not config.enforce_eager and setup.workers is None \
+                and self.runner.backend == "triton":
             self._capture_decode_graphs()
         # Sampling values a request leaves out (the server and LLM read them; the engine does not).
         self.sampling_defaults = sampling_defaults(model_path, config.generation_config)

@@ -127,6 +127,8 @@ class DecodeGraphs:
         assert size is not None, "can_run() must admit the batch first"
         fill_staging(self.staging, size, input_ids, positions, slot_mapping, block_tables,
                      seq_lens)
+        # Reusing the staging buffers next step is safe: the step's outputs are read on the host
+        # (the sampler's tokens) before the next step is staged.
         for dst, src in zip(self.static.fields(), self.staging.fields()):
             dst[:size].copy_(src[:size], non_blocking=True)
         return self.graphs[size]()[:n]

@@ -168,5 +168,6 @@ def test_enforce_eager_flag_reaches_the_engine_config():
 
     parser = build_parser()
     assert EngineConfig().enforce_eager is False
-    assert engine_config_from_args(parser.parse_args(["serve", "m", "--enforce-eager"])).enforce_eager is True
+    eager = parser.parse_args(["serve", "m", "--enforce-eager"])
+    assert engine_config_from_args(eager).enforce_eager is True
     assert engine_config_from_args(parser.parse_args(["serve", "m"])).enforce_eager is False
