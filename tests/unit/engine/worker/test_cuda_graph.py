@@ -2,6 +2,9 @@
 stand-in capture (a plain call in place of CUDAGraph replay) over the real Triton decode kernel
 in the interpreter, against the eager forward of the unpadded batch."""
 
+import importlib
+import os
+
 import pytest
 import torch
 
@@ -13,6 +16,26 @@ from kvserve.kernels.plan import plan_attention
 from kvserve.kernels.write_kv import write_kv
 
 BS, WIDTH, HEADS, KV_HEADS, D, VOCAB = 4, 4, 4, 2, 16, 50
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter():
+    """The Triton kernels interpreted on CPU tensors, on a machine with a GPU too (as in
+    tests/unit/kernels/test_triton.py): set for this module, the modules reloaded around it."""
+    import kvserve.kernels.triton_attention as attention
+    import kvserve.kernels.triton_cache as cache
+
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    for module in (attention, cache):
+        importlib.reload(module)
+    yield
+    if old is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = old
+    for module in (attention, cache):
+        importlib.reload(module)
 
 
 def test_capture_ladder():
