@@ -114,3 +114,50 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
             raise ValueError("rotary_embedding needs q and k with a unit last stride")
         _rope_inplace(x, cos, sin)
     return q, k
+
+
+@triton.jit
+def _rope_write_kv_kernel(k_ptr, v_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                          stride_kt, stride_kh, stride_vt, stride_vh, stride_c,
+                          KV_HEADS: tl.constexpr, HEADS_P2: tl.constexpr, HALF: tl.constexpr,
+                          HALF_P2: tl.constexpr):
+    """Program t: cache[slot[t]] = (rope(k[t]), v[t]); a negative slot writes nothing."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        h = tl.arange(0, HEADS_P2)[:, None]
+        d = tl.arange(0, HALF_P2)[None, :]
+        mask = (h < KV_HEADS) & (d < HALF)
+        cos = tl.load(cos_ptr + t * stride_c + d, mask=d < HALF, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + t * stride_c + d, mask=d < HALF, other=0.0).to(tl.float32)
+        src = k_ptr + t * stride_kt + h * stride_kh + d
+        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+        dst = slot * (KV_HEADS * 2 * HALF) + h * (2 * HALF) + d
+        ty = k_cache_ptr.dtype.element_ty
+        tl.store(k_cache_ptr + dst, (x1 * cos - x2 * sin).to(ty), mask=mask)
+        tl.store(k_cache_ptr + dst + HALF, (x2 * cos + x1 * sin).to(ty), mask=mask)
+        vsrc = v_ptr + t * stride_vt + h * stride_vh + d
+        tl.store(v_cache_ptr + dst, tl.load(vsrc, mask=mask), mask=mask)
+        tl.store(v_cache_ptr + dst + HALF, tl.load(vsrc + HALF, mask=mask), mask=mask)
+
+
+def rope_write_kv(key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """RoPE applied in the KV write: the rotated key [T, Hk, D] and the value go straight into
+    their cache slots (contiguous caches of the rows' dtype), with no rotated copy of k kept.
+    Not wired into the layers yet: their attention still rotates k before write_kv."""
+    t, kv_heads, dim = key.shape
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()
+            and k_cache.dtype == v_cache.dtype == value.dtype
+            and key.stride(-1) == 1 and value.stride(-1) == 1):
+        raise ValueError("rope_write_kv needs contiguous caches of the value's dtype and "
+                         "key/value rows with a unit last stride")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    if t:
+        _rope_write_kv_kernel[(t,)](
+            key, value, cos, sin, k_cache, v_cache, slot_mapping, key.stride(0), key.stride(1),
+            value.stride(0), value.stride(1), cos.stride(0), KV_HEADS=kv_heads,
+            HEADS_P2=triton.next_power_of_2(kv_heads), HALF=dim // 2,
+            HALF_P2=triton.next_power_of_2(dim // 2))

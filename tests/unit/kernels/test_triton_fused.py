@@ -139,3 +139,23 @@ def test_layers_take_the_triton_kernels_behind_the_device_check(triton_path, act
         want = [mlp(x), norm(x), *norm(x, res.clone()), gemma(x), *gemma(x, res.clone())]
     for i, (g, w) in enumerate(zip(got, want)):
         torch.testing.assert_close(g, w, **TOL[torch.float32], msg=lambda m: f'{i}: {m}')
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_in_the_kv_write(fused, dtype):
+    """rope_write_kv stores rope(k) and v where write_kv would store them; slot -1 skips."""
+    from kvserve.kernels.write_kv import write_kv
+
+    t, hk, d, blocks, bs = 5, 2, 32, 4, 4
+    k, v = _x((t, hk, d), dtype, 13), _x((t, hk, d), dtype, 14)
+    angles = _x((t, d // 2), torch.float32, 15)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    slots = torch.tensor([3, 9, -1, 0, 14])
+    got_k, got_v = torch.zeros(blocks, bs, hk, d, dtype=dtype), torch.zeros(blocks, bs, hk, d,
+                                                                            dtype=dtype)
+    want_k, want_v = got_k.clone(), got_v.clone()
+    fused.rope_write_kv(k, v, cos, sin, got_k, got_v, slots)
+    write_kv(torch_rope(k, cos, sin), v, want_k, want_v, slots, backend="torch")
+    torch.testing.assert_close(got_k, want_k, **TOL[dtype])
+    assert torch.equal(got_v, want_v)  # copied, not rounded
+    assert got_k.flatten(0, 1)[[1, 2, 4, 5]].abs().sum() == 0  # untouched slots stay zero
