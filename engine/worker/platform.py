@@ -20,6 +20,7 @@ from kvserve.engine.worker.malloc_tuning import keep_activation_memory
 from kvserve.engine.memory import GiB, MemoryBudget, activation_peak_bytes, blocks_for_bytes, \
     bytes_per_block, default_max_num_batched_tokens, kv_heads_per_rank, plan_memory, \
     rank_weight_bytes
+from kvserve.engine.model_shape import layer_groups
 from kvserve.engine.worker.workers import CacheSpec, WorkerGroup
 from kvserve.kernels.fp8 import FP8_DTYPE
 
@@ -141,7 +142,8 @@ def _start_workers(config: EngineConfig, model_path: Path | str, dtype: torch.dt
         raise ConfigError(f"tensor_parallel_size={n} needs {n} GPUs, this machine shows "
                           f"{torch.cuda.device_count()}")
     group, tp = WorkerGroup.start(str(model_path), config.revision, dtype, device.type, n,
-                                  max_model_len=config.max_model_len)
+                                  max_model_len=config.max_model_len,
+                                  quantization=config.quantization)
     logger.info("tensor parallel: %d ranks (%s), %d torch thread(s) per rank", n,
                 "nccl" if device.type == "cuda" else "gloo", group.spec.threads)
     return group, tp
@@ -154,6 +156,8 @@ def _set_up_rank0(config: EngineConfig, model_path: Path | str,
     extra: dict[str, Any] = {"tp": tp} if tp is not None else {}
     if config.max_model_len is not None:
         extra["max_model_len"] = config.max_model_len
+    if config.quantization is not None:
+        extra["quantization"] = config.quantization
     model, cfg = load_model(model_path, dtype, device, revision=config.revision, **extra)
     layers, kv_heads, head_dim = _model_shape(cfg)
     kv_heads = kv_heads_per_rank(kv_heads, config.tensor_parallel_size)
@@ -211,7 +215,8 @@ def _plan(config: EngineConfig, cfg: Any, model: torch.nn.Module, device: torch.
     budget = plan_memory(total_bytes=total, gpu_memory_utilization=util, weight_bytes=weights,
                          activation_peak=act, num_layers=layers, num_kv_heads=kv_heads,
                          head_dim=head_dim, kv_dtype_bytes=kv_bytes_el,
-                         block_size=config.block_size, tokens_per_request=max_len)
+                         block_size=config.block_size, tokens_per_request=max_len,
+                         layer_groups=layer_groups(cfg.to_dict()))
     if config.num_gpu_blocks_override:
         budget = plan_memory(
             total_bytes=weights + act + config.num_gpu_blocks_override * budget.bytes_per_block,
