@@ -93,6 +93,10 @@ class LLMEngine:
         self.tiers = TierFigures()
         if config.calculate_kv_scales and setup.kv_dtype == FP8_DTYPE:
             self._calibrate_kv_scales()
+        # Captured batches are planned once, with no host look at their lengths: Triton only.
+        if self.device.type == "cuda" and not config.enforce_eager and setup.workers is None \
+                and self.runner.backend == "triton":
+            self._capture_decode_graphs()
         # Sampling values a request leaves out (the server and LLM read them; the engine does not).
         self.sampling_defaults = sampling_defaults(model_path, config.generation_config)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
@@ -110,6 +114,16 @@ class LLMEngine:
         self.model_weight_bytes = setup.budget.weight_bytes * config.tensor_parallel_size
         logger.info("%s", weights_log_line(self.model_weight_bytes, model_path,
                                            torch.finfo(self.dtype).bits // 8))
+
+    def _capture_decode_graphs(self) -> None:
+        """CUDA graphs for decode (engine/worker/cuda_graph.py). A capture that fails (an op
+        of this model that syncs with the host) leaves every step eager, said once in the log."""
+        try:
+            self.runner.capture_decode_graphs(self.config.max_num_seqs, self.max_model_len)
+        except RuntimeError as exc:
+            self.runner.graphs = None
+            logger.warning("CUDA graph capture failed (%s); decode runs eagerly "
+                           "(--enforce-eager skips the attempt)", exc)
 
     def _calibrate_kv_scales(self) -> None:
         """`calculate_kv_scales=True`: FP8 scales from a representative first batch."""

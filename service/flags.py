@@ -199,6 +199,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    choices=("auto", "cpu", "torch", "triton", "reference"),
                    help="paged attention: triton on CUDA, cpu (C++ kernels, built on first use) "
                         "or torch on CPU; auto picks; reference is the slow, exact one for tests")
+    g.add_argument("--enforce-eager", action="store_true", default=d("enforce_eager"),
+                   help="never capture CUDA graphs: every decode step runs eagerly")
     g.add_argument("--seed", type=int, default=d("seed"), help="random seed of the engine")
     g.add_argument("--scheduling-policy", default=d("scheduling_policy"),
                    choices=("fcfs", "priority"),
