@@ -182,7 +182,7 @@ def test_engine_decode_through_graphs_matches_eager(tiny_model_dir):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         for lg, lw in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
             tok = next(iter(lw))
-            assert abs(lg[tok] - lw[tok]) < 1e-4
+            assert abs(lg[tok].logprob - lw[tok].logprob) < 1e-4
 
 
 def test_enforce_eager_flag_reaches_the_engine_config():
