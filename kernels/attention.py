@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.kernels.backend import resolve_backend
-from kvserve.kernels.checks import check_attention
+from kvserve.kernels.checks import check_attention, check_layer_options
 from kvserve.kernels.plan import AttentionPlan, plan_attention
 from kvserve.kernels.reference import reference_paged_attention
 
@@ -14,29 +14,40 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float, k_scale: float = 1.0,
                     v_scale: float = 1.0, backend: str = "auto", *,
-                    plan: AttentionPlan | None = None) -> torch.Tensor:
+                    plan: AttentionPlan | None = None, sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None) -> torch.Tensor:
     """[num_tokens, num_heads, head_dim] attention output in q's dtype.
 
     Pass `plan` (from plan_attention over the same block_tables/seq_lens/query_start_loc) to skip
     the per-call validation and precomputation: the engine plans once per step for all layers.
+
+    Per-layer options (every backend honours them; None = off):
+    - `sliding_window` W: the token at position p attends to keys p - W + 1 .. p (W keys), as
+      HF's sliding-window masks (Mistral, Gemma 2/3 sliding layers, gpt-oss). The cache still
+      holds every block; keys before the window are masked, not freed.
+    - `logits_soft_cap` c: each score s = scale * q.k becomes c * tanh(s / c) before the causal
+      mask and the softmax (Gemma 2's attn_logit_softcapping).
     """
     check_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                     k_scale, v_scale, backend)
+    if sliding_window is not None or logits_soft_cap is not None:
+        check_layer_options(sliding_window, logits_soft_cap)
     if plan is None:
         plan = plan_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
     plan.check_against(q, k_cache)
     chosen = resolve_backend(backend, k_cache.device)
+    opts = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
     if chosen == "triton":
         from kvserve.kernels.triton_attention import triton_paged_attention
 
-        return triton_paged_attention(q, k_cache, v_cache, plan, scale, k_scale, v_scale)
+        return triton_paged_attention(q, k_cache, v_cache, plan, scale, k_scale, v_scale, **opts)
     if chosen == "cpu":
         from kvserve.kernels.cpu_attention import cpu_paged_attention
 
-        return cpu_paged_attention(q, k_cache, v_cache, plan, scale, k_scale, v_scale)
+        return cpu_paged_attention(q, k_cache, v_cache, plan, scale, k_scale, v_scale, **opts)
     if chosen == "torch":
         from kvserve.kernels.torch_attention import torch_paged_attention
 
-        return torch_paged_attention(q, k_cache, v_cache, plan, scale, k_scale, v_scale)
+        return torch_paged_attention(q, k_cache, v_cache, plan, scale, k_scale, v_scale, **opts)
     return reference_paged_attention(q, k_cache, v_cache, block_tables, seq_lens,
-                                     query_start_loc, scale, k_scale, v_scale)
+                                     query_start_loc, scale, k_scale, v_scale, **opts)

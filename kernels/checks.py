@@ -104,6 +104,16 @@ def _check_slot_range(slot_mapping: torch.Tensor, k_cache: torch.Tensor) -> None
         require(top < num_slots, "slot_mapping", f"slot {top} is past the pool's {num_slots} slots")
 
 
+def check_layer_options(sliding_window: int | None, logits_soft_cap: float | None) -> None:
+    """The per-layer attention options: a window of at least one key, a finite positive cap."""
+    if sliding_window is not None:
+        require(isinstance(sliding_window, int) and not isinstance(sliding_window, bool)
+                and sliding_window >= 1, "sliding_window",
+                f"must be None or an int >= 1, got {sliding_window!r}")
+    if logits_soft_cap is not None:
+        check_scale(logits_soft_cap, "logits_soft_cap")
+
+
 def check_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float, k_scale: float,

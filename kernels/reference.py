@@ -37,8 +37,15 @@ def reference_write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
 def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               block_tables: torch.Tensor, seq_lens: torch.Tensor,
                               query_start_loc: torch.Tensor, scale: float,
-                              k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its whole (cached + new) history."""
+                              k_scale: float = 1.0, v_scale: float = 1.0, *,
+                              sliding_window: int | None = None,
+                              logits_soft_cap: float | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole (cached + new) history.
+
+    `sliding_window` W: a token at position p sees keys at positions p - W + 1 .. p only (W keys,
+    as HF's Mistral/Gemma masks). `logits_soft_cap` c: scores become c * tanh(scores / c) before
+    the mask and softmax (Gemma 2).
+    """
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     block_size = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -56,10 +63,15 @@ def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         v = v.repeat_interleave(group, dim=1)
         qs = q[start:end].to(torch.float32)  # [q_len, num_heads, head_dim]
         scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
+        if logits_soft_cap is not None:
+            scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
         context = seq_len - (end - start)
         q_pos = context + torch.arange(end - start, device=q.device)[:, None]
         k_pos = torch.arange(seq_len, device=q.device)[None, :]
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        hidden = k_pos > q_pos
+        if sliding_window is not None:
+            hidden = hidden | (k_pos <= q_pos - sliding_window)
+        scores = scores.masked_fill(hidden, float("-inf"))
         probs = scores.softmax(dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out

@@ -12,6 +12,8 @@ fp8 caches are gathered as bytes and widened with fp8_cpu's bit trick; scales fo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -27,9 +29,11 @@ PREFILL_TILE_BYTES = 8 << 20  # fp32 scores of one prefill tile (all heads)
 def torch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           plan: AttentionPlan, scale: float, k_scale: float = 1.0,
                           v_scale: float = 1.0, *, out: torch.Tensor | None = None,
-                          decode: bool = True) -> torch.Tensor:
+                          decode: bool = True, sliding_window: int | None = None,
+                          logits_soft_cap: float | None = None) -> torch.Tensor:
     """Same contract as reference_paged_attention. With `decode=False` the decode rows are left
-    to the caller (the CPU backend's kernel has written them into `out`)."""
+    to the caller (the CPU backend's kernel has written them into `out`). A sliding window is
+    one more mask term; a soft cap goes through the explicit-softmax paths (not SDPA)."""
     if k_cache.dtype == FP8_DTYPE:  # gathered values come out divided by 256
         k_scale, v_scale = k_scale * FP8_TO_FP16_FACTOR, v_scale * FP8_TO_FP16_FACTOR
     else:  # scales describe fp8 storage only
@@ -40,11 +44,28 @@ def torch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     gather = _Gather(k_cache, v_cache, q.dtype, ws)
+    layer = _Layer(scale * k_scale, v_scale, sliding_window, logits_soft_cap)
     for chunk in parts.decode:
-        out.index_copy_(0, chunk.tokens, _decode(q, gather, chunk, scale * k_scale, v_scale))
+        out.index_copy_(0, chunk.tokens, _decode(q, gather, chunk, layer))
     for seq in parts.prefill:
-        out[seq.start:seq.end] = _prefill(q, gather, seq, scale * k_scale, v_scale)
+        out[seq.start:seq.end] = _prefill(q, gather, seq, layer)
     return out
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One call's score scale, output scale and per-layer options."""
+
+    qk_scale: float
+    v_scale: float
+    window: int | None
+    soft_cap: float | None
+
+    def cap(self, scores: torch.Tensor) -> torch.Tensor:
+        """Scaled scores, soft-capped in place when the layer has a cap (before the mask)."""
+        if self.soft_cap is not None:
+            scores.div_(self.soft_cap).tanh_().mul_(self.soft_cap)
+        return scores
 
 
 class _Gather:
@@ -72,43 +93,47 @@ class _Gather:
         return self.ws.get(name + "c", shape, self.dtype).copy_(raw)
 
 
-def _decode(q: torch.Tensor, gather: _Gather, chunk: DecodeChunk, qk_scale: float,
-            v_scale: float) -> torch.Tensor:
+def _decode(q: torch.Tensor, gather: _Gather, chunk: DecodeChunk, layer: _Layer) -> torch.Tensor:
     """[n, num_heads, head_dim] for one decode chunk."""
     n, heads, head_dim = chunk.tokens.shape[0], q.shape[1], q.shape[2]
     k = gather("k", chunk.blocks).view(n, chunk.key_len, -1)
     v = gather("v", chunk.blocks).view(n, chunk.key_len, -1)
     kv_heads = k.shape[2] // head_dim
     qs = q.index_select(0, chunk.tokens).view(n, kv_heads, heads // kv_heads, head_dim)
-    if q.dtype == torch.float32:
-        res = _decode_bmm(qs, k, v, chunk.additive_mask(q.dtype), qk_scale)
+    if q.dtype == torch.float32 or layer.soft_cap is not None:
+        res = _decode_bmm(qs, k, v, chunk.additive_mask(torch.float32, layer.window), layer)
     else:
         res = F.scaled_dot_product_attention(
             qs, k.view(n, -1, kv_heads, head_dim).transpose(1, 2),
             v.view(n, -1, kv_heads, head_dim).transpose(1, 2),
-            attn_mask=chunk.additive_mask(q.dtype).unsqueeze(1), scale=qk_scale)
+            attn_mask=chunk.additive_mask(q.dtype, layer.window).unsqueeze(1),
+            scale=layer.qk_scale)
     res = res.reshape(n, heads, head_dim)
-    return res.mul_(v_scale) if v_scale != 1.0 else res
+    return res.mul_(layer.v_scale) if layer.v_scale != 1.0 else res
 
 
 def _decode_bmm(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                qk_scale: float) -> torch.Tensor:
+                layer: _Layer) -> torch.Tensor:
     """qs [n, kv_heads, group, d] against k/v [n, key_len, kv_heads * d] -> [n, kv, group, d].
 
     The query is made block-diagonal ([n, heads, kv_heads * d], head h non-zero only on its KV
     head's slice), so each bmm reads the gathered rows as they lie: no transpose, no repeat.
+    Scores and softmax are fp32 (`mask` is fp32); a bf16 query only comes here with a soft cap.
     """
     n, kv_heads, group, head_dim = qs.shape
     eye = torch.eye(kv_heads, dtype=qs.dtype, device=qs.device).view(1, kv_heads, 1, kv_heads, 1)
     q_big = (qs.unsqueeze(3) * eye).view(n, kv_heads * group, kv_heads * head_dim)
-    scores = torch.baddbmm(mask, q_big, k.transpose(1, 2), alpha=qk_scale)
-    probs = torch.softmax(scores, dim=-1)
+    if layer.soft_cap is None:
+        scores = torch.baddbmm(mask, q_big, k.transpose(1, 2), alpha=layer.qk_scale)
+    else:
+        scores = torch.bmm(q_big, k.transpose(1, 2)).float().mul_(layer.qk_scale)
+        scores = layer.cap(scores).add_(mask)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
     full = torch.bmm(probs, v).view(n, kv_heads, group, kv_heads, head_dim)
     return torch.diagonal(full, dim1=1, dim2=3).permute(0, 3, 1, 2)
 
 
-def _prefill(q: torch.Tensor, gather: _Gather, seq: PrefillSeq, qk_scale: float,
-             v_scale: float) -> torch.Tensor:
+def _prefill(q: torch.Tensor, gather: _Gather, seq: PrefillSeq, layer: _Layer) -> torch.Tensor:
     """[end - start, num_heads, head_dim] for one sequence with several new tokens.
 
     Each KV head's query group is stacked into one matrix ([kv_heads, n * group, d]), so two
@@ -123,7 +148,7 @@ def _prefill(q: torch.Tensor, gather: _Gather, seq: PrefillSeq, qk_scale: float,
     kv_shape = (-1, kv_heads, head_dim)
     k = gather("k", seq.blocks).view(kv_shape)[: seq.seq_len].permute(1, 2, 0)  # [kvh, d, L]
     v = gather("v", seq.blocks).view(kv_shape)[: seq.seq_len].transpose(0, 1)  # [kvh, L, d]
-    mask = seq.additive_mask()
+    mask = seq.additive_mask(layer.window)
     qs = q[seq.start:seq.end].view(n, kv_heads, group, head_dim).transpose(0, 1)
     out = torch.empty(n, heads, head_dim, dtype=q.dtype, device=q.device)
     tile = max(1, PREFILL_TILE_BYTES // (4 * kv_heads * group * seq.seq_len))
@@ -132,8 +157,8 @@ def _prefill(q: torch.Tensor, gather: _Gather, seq: PrefillSeq, qk_scale: float,
         rows = (r1 - r0) * group
         qt = qs[:, r0:r1].reshape(kv_heads, rows, head_dim)
         scores = torch.bmm(qt, k).float().view(kv_heads, r1 - r0, group, seq.seq_len)
-        scores.mul_(qk_scale).add_(mask[None, r0:r1, None, :])
+        layer.cap(scores.mul_(layer.qk_scale)).add_(mask[None, r0:r1, None, :])
         probs = torch.softmax(scores, dim=-1).to(q.dtype).view(kv_heads, rows, seq.seq_len)
         res = torch.bmm(probs, v).view(kv_heads, r1 - r0, group, head_dim)
         out[r0:r1] = res.transpose(0, 1).reshape(r1 - r0, heads, head_dim)
-    return out.mul_(v_scale) if v_scale != 1.0 else out
+    return out.mul_(layer.v_scale) if layer.v_scale != 1.0 else out

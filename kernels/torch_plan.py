@@ -22,14 +22,21 @@ class DecodeChunk:
     blocks: torch.Tensor  # int64 [n * blocks_per_seq]: physical blocks, padded with a valid id
     key_len: int
     pad: torch.Tensor  # bool [n, 1, key_len]: True where the key is past the sequence
-    masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    lens: torch.Tensor  # int64 [n]: each sequence's length (its token sits at lens - 1)
+    masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
-    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
-        """0 / -inf [n, 1, key_len] in `dtype`, made once per dtype."""
-        if dtype not in self.masks:
+    def additive_mask(self, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+        """0 / -inf [n, 1, key_len] in `dtype`, made once per (dtype, window): keys past the
+        sequence and, with a sliding window W, keys before position lens - W are hidden."""
+        key = (dtype, window)
+        if key not in self.masks:
+            hidden = self.pad
+            if window is not None:
+                keys = torch.arange(self.key_len, device=self.pad.device)[None, None, :]
+                hidden = hidden | (keys < (self.lens - window)[:, None, None])
             zeros = torch.zeros(self.pad.shape, dtype=dtype, device=self.pad.device)
-            self.masks[dtype] = zeros.masked_fill_(self.pad, float("-inf"))
-        return self.masks[dtype]
+            self.masks[key] = zeros.masked_fill_(hidden, float("-inf"))
+        return self.masks[key]
 
 
 @dataclass
@@ -40,18 +47,21 @@ class PrefillSeq:
     end: int
     seq_len: int
     blocks: torch.Tensor  # int64 [ceil(seq_len / block_size)]
-    mask: torch.Tensor | None  # bool [end - start, seq_len], True = attend; None = plain causal
-    additive: torch.Tensor | None = None  # fp32 0 / -inf [end - start, seq_len], made on first use
+    additive: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
-    def additive_mask(self) -> torch.Tensor:
-        """The causal mask (shifted by any cached context) as 0 / -inf, once per step."""
-        if self.additive is None:
+    def additive_mask(self, window: int | None = None) -> torch.Tensor:
+        """fp32 0 / -inf [end - start, seq_len]: causal (shifted by any cached context) and,
+        with a sliding window W, nothing older than W - 1 positions back; once per window."""
+        if window not in self.additive:
             n, device = self.end - self.start, self.blocks.device
             rows = torch.arange(n, device=device)[:, None] + (self.seq_len - n)
             keys = torch.arange(self.seq_len, device=device)[None, :]
-            self.additive = torch.zeros(n, self.seq_len, device=device).masked_fill_(
-                keys > rows, float("-inf"))
-        return self.additive
+            hidden = keys > rows
+            if window is not None:
+                hidden = hidden | (keys <= rows - window)
+            self.additive[window] = torch.zeros(n, self.seq_len, device=device).masked_fill_(
+                hidden, float("-inf"))
+        return self.additive[window]
 
 
 @dataclass
@@ -102,15 +112,10 @@ def _decode_chunk(plan: AttentionPlan, tables: torch.Tensor, members: list[int],
     gather = torch.where(used, tables[idx, :blocks], tables[idx, :1])
     pad = torch.arange(key_len, device=device)[None, None, :] >= lens[:, None, None]
     tokens = torch.tensor([starts[s] for s in members], dtype=torch.long, device=device)
-    return DecodeChunk(tokens, gather.reshape(-1), key_len, pad)
+    return DecodeChunk(tokens, gather.reshape(-1), key_len, pad, lens)
 
 
 def _prefill_seq(plan: AttentionPlan, tables: torch.Tensor, s: int, start: int) -> PrefillSeq:
     n, seq_len = plan.query_lens[s], plan.seq_lens[s]
     blocks = tables[s, : -(-seq_len // plan.block_size)]
-    mask = None
-    if seq_len > n:  # chunked prefill over a cached context: causal shifted by the context length
-        device = tables.device
-        rows = torch.arange(n, device=device)[:, None] + (seq_len - n)
-        mask = torch.arange(seq_len, device=device)[None, :] <= rows
-    return PrefillSeq(start, start + n, seq_len, blocks, mask)
+    return PrefillSeq(start, start + n, seq_len, blocks)

@@ -1,6 +1,13 @@
 """Triton paged attention: one varlen kernel for prefill, decode and chunked prefill, walking block
 tables with an online softmax, GQA heads packed in the tile, fp8 dequantised in the kernel; with
-NUM_SPLITS > 1 it is the split-KV (flash-decoding) variant, merged by a small reduce kernel."""
+NUM_SPLITS > 1 it is the split-KV (flash-decoding) variant, merged by a small reduce kernel.
+
+Per-layer options, each a runtime value behind a constexpr switch (so a layer without them
+compiles to the plain kernel): `sliding_window` (USE_WINDOW) hides keys more than W - 1
+positions behind the query and skips the key blocks wholly before every row's window;
+`soft_cap_log2` (USE_SOFT_CAP) is the soft cap c times log2(e), the unit the scores are in
+here, so s becomes c * tanh(s / c) before the mask.
+"""
 
 from __future__ import annotations
 
@@ -18,11 +25,19 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from exp (the interpreter and every GPU have exp): saturates to +-1, no NaN."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
 def _attend_range(q, k_ptr, v_ptr, bt_row_ptr, kv_head, q_pos, lo, hi, qk_scale,
+                  sliding_window, soft_cap_log2,
                   stride_kb, stride_ks, stride_kh, d, d_ok,
                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                   HEAD_DIM_P2: tl.constexpr, IS_FP8: tl.constexpr, DOT_FP32: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                  PRECISION: tl.constexpr, USE_WINDOW: tl.constexpr,
+                  USE_SOFT_CAP: tl.constexpr):
     """Online softmax of q's rows over keys [lo, hi): returns (running max, sum, weighted V)."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -39,7 +54,12 @@ def _attend_range(q, k_ptr, v_ptr, bt_row_ptr, kv_head, q_pos, lo, hi, qk_scale,
             k = k.to(tl.float32).to(q.dtype)
             v = v.to(tl.float32).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where((j[None, :] <= q_pos[:, None]) & j_ok[None, :], s, float("-inf"))
+        if USE_SOFT_CAP:
+            s = soft_cap_log2 * _tanh(s / soft_cap_log2)
+        visible = (j[None, :] <= q_pos[:, None]) & j_ok[None, :]
+        if USE_WINDOW:
+            visible = visible & (j[None, :] > q_pos[:, None] - sliding_window)
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
@@ -54,12 +74,12 @@ def _attend_range(q, k_ptr, v_ptr, bt_row_ptr, kv_head, q_pos, lo, hi, qk_scale,
 def _paged_attention_kernel(
         out_ptr, ws_acc_ptr, ws_lse_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
         qk_scale, v_scale, split_len, stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_kb, stride_ks, stride_kh, stride_bt,
+        stride_kb, stride_ks, stride_kh, stride_bt, sliding_window, soft_cap_log2,
         GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IS_FP8: tl.constexpr,
         NUM_HEADS: tl.constexpr, DOT_FP32: tl.constexpr,
-        PRECISION: tl.constexpr):
+        PRECISION: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr):
     """Program (sequence, query tile, kv head x split): BLOCK_Q tokens x GROUP heads as rows."""
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -85,10 +105,13 @@ def _paged_attention_kernel(
         kv_end = tl.minimum(seq_len, seq_len - q_len + (q_tile + 1) * BLOCK_Q)
         lo = split * split_len
         hi = tl.minimum(kv_end, lo + split_len)
+        if USE_WINDOW:  # no row of this tile sees a key before its first row's window
+            lo = tl.maximum(lo, seq_len - q_len + q_tile * BLOCK_Q - sliding_window + 1)
         m_i, l_i, acc = _attend_range(
             q, k_ptr, v_ptr, bt_ptr + seq.to(tl.int64) * stride_bt, kv_head, q_pos, lo, hi,
-            qk_scale, stride_kb, stride_ks, stride_kh, d, d_ok, BLOCK_SIZE, BLOCK_N,
-            BLOCK_Q * GROUP_P2, HEAD_DIM_P2, IS_FP8, DOT_FP32, PRECISION)
+            qk_scale, sliding_window, soft_cap_log2, stride_kb, stride_ks, stride_kh, d, d_ok,
+            BLOCK_SIZE, BLOCK_N, BLOCK_Q * GROUP_P2, HEAD_DIM_P2, IS_FP8, DOT_FP32, PRECISION,
+            USE_WINDOW, USE_SOFT_CAP)
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         res = acc / l_safe[:, None]
         store_mask = row_ok[:, None] & d_ok[None, :]
@@ -159,8 +182,11 @@ def triton_config(plan: AttentionPlan, group: int, num_kv_heads: int,
 
 def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            plan: AttentionPlan, scale: float, k_scale: float = 1.0,
-                           v_scale: float = 1.0, num_splits: int | None = None) -> torch.Tensor:
-    """Launch the varlen kernel (and the merge when the KV is split); `num_splits` overrides."""
+                           v_scale: float = 1.0, num_splits: int | None = None, *,
+                           sliding_window: int | None = None,
+                           logits_soft_cap: float | None = None) -> torch.Tensor:
+    """Launch the varlen kernel (and the merge when the KV is split); `num_splits` overrides.
+    `sliding_window` / `logits_soft_cap`: as paged_attention's (None = off)."""
     is_fp8 = k_cache.dtype == FP8_DTYPE
     if q.stride(-1) != 1:  # the kernel assumes a unit stride along head_dim
         q = q.contiguous()
@@ -175,11 +201,28 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         split_len = triton.cdiv(triton.cdiv(max(plan.max_seq_len, 1), num_splits), cfg.block_n)
         cfg = TritonConfig(cfg.block_q, cfg.block_n, num_splits, split_len * cfg.block_n,
                            cfg.q_tiles)
-    return _launch(q, k_cache, v_cache, plan, cfg, scale * k_scale * LOG2E, v_scale, is_fp8)
+    layer = LayerOptions(sliding_window, logits_soft_cap)
+    return _launch(q, k_cache, v_cache, plan, cfg, scale * k_scale * LOG2E, v_scale, is_fp8,
+                   layer)
+
+
+@dataclass(frozen=True)
+class LayerOptions:
+    """A layer's attention options in the kernel's units (0 where off: never read then)."""
+
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+
+    def kernel_args(self) -> dict:
+        return {"sliding_window": self.sliding_window or 0,
+                "soft_cap_log2": (self.logits_soft_cap or 0.0) * LOG2E,
+                "USE_WINDOW": self.sliding_window is not None,
+                "USE_SOFT_CAP": self.logits_soft_cap is not None}
 
 
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan,
-            cfg: TritonConfig, qk_scale: float, v_scale: float, is_fp8: bool) -> torch.Tensor:
+            cfg: TritonConfig, qk_scale: float, v_scale: float, is_fp8: bool,
+            layer: LayerOptions = LayerOptions()) -> torch.Tensor:
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if plan.num_tokens == 0:
         return out
@@ -202,7 +245,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan:
         # The interpreter's tl.dot is wrong for bf16 operands: on the CPU the dots run in fp32.
         DOT_FP32=q.device.type != "cuda",
         # tl.dot rounds fp32 operands to TF32 by default; an fp32 model asks for fp32 accuracy.
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **layer.kernel_args())
     if cfg.num_splits > 1:
         _merge_splits_kernel[(plan.num_tokens, heads)](
             out, ws_acc, ws_lse, v_scale, out.stride(0), out.stride(1), NUM_HEADS=heads,

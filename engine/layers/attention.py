@@ -1,6 +1,6 @@
 """Paged attention as a layer: the kernels' entry points (write K/V through the slot mapping,
-attend through the block tables) behind one module per attention layer. Per-layer attention
-variants (sliding window, logit softcap, sinks) belong on `Attention`."""
+attend through the block tables) behind one module per attention layer, which carries the
+layer's own options: its sliding window and its attention-logit soft cap."""
 
 from __future__ import annotations
 
@@ -41,24 +41,39 @@ class AttentionOps:
                       backend=attn.backend)
 
     def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, attn: AttentionMetadata,
-               scale: float) -> Tensor:
+               scale: float, **layer_options) -> Tensor:
+        """`layer_options`: paged_attention's per-layer keywords (sliding_window, ...), passed
+        only when set so a plain layer calls the kernels exactly as before."""
         return self.paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens,
                                     attn.query_start_loc, scale, attn.k_scale, attn.v_scale,
-                                    backend=attn.backend, plan=attn.plan)
+                                    backend=attn.backend, plan=attn.plan, **layer_options)
 
 
 class Attention(nn.Module):
     """One layer's attention over the paged cache: q [T, heads, D], k/v [T, kv_heads, D] (already
-    rotated) are written to the cache, attended, and returned as [T, heads * D]."""
+    rotated) are written to the cache, attended, and returned as [T, heads * D].
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    `sliding_window` W: this layer sees the last W positions only (None: all of them; the cache
+    keeps every block either way). `logits_soft_cap` c: scores become c * tanh(score / c)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *,
+                 sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
+        self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
+        self.options = {k: v for k, v in (("sliding_window", sliding_window),
+                                          ("logits_soft_cap", logits_soft_cap)) if v is not None}
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, Tensor],
                 attn: AttentionMetadata, attn_ops: AttentionOps) -> Tensor:
         k_cache, v_cache = kv_cache
         attn_ops.write(k, v, k_cache, v_cache, attn)
-        out = attn_ops.attend(q, k_cache, v_cache, attn, self.scale)
+        out = attn_ops.attend(q, k_cache, v_cache, attn, self.scale, **self.options)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"scale={self.scale:.4g}, sliding_window={self.sliding_window}, "
+                f"logits_soft_cap={self.logits_soft_cap}")

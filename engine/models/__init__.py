@@ -5,12 +5,19 @@ from __future__ import annotations
 from torch import nn
 
 from kvserve.engine.errors import ConfigError
+from kvserve.engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from kvserve.engine.models.llama import LlamaForCausalLM
+from kvserve.engine.models.phi3 import Phi3ForCausalLM
+from kvserve.engine.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 
@@ -26,7 +33,9 @@ def get_model_class(architecture: str) -> type[nn.Module]:
 
 # config.model_type -> architecture, for configs saved without `architectures`.
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                  "qwen2": "Qwen2ForCausalLM"}
+                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                  "phi3": "Phi3ForCausalLM"}
 
 
 def model_class_for(config) -> type[nn.Module]:

@@ -115,14 +115,15 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config, d: LlamaDims, s: TPShape, tp: TPGroup | None, dtype,
-                 device=None) -> None:
+                 device=None, max_model_len: int | None = None) -> None:
         super().__init__()
         if tp is None:
             self.embed_tokens = torch.nn.utils.skip_init(
                 nn.Embedding, d.vocab, d.hidden, dtype=dtype, device=device)
         else:
             self.embed_tokens = VocabParallelEmbedding(s, d.hidden, tp, dtype, device)
-        self.rotary_emb = RotaryEmbedding(config, d.head_dim, dtype, device)
+        self.rotary_emb = RotaryEmbedding(config, d.head_dim, dtype, device,
+                                          max_model_len=max_model_len)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(d, s, tp, dtype, device) for _ in range(d.num_layers))
         self.norm = RMSNorm(d.hidden, d.eps, dtype, device)
@@ -150,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
     """Llama / Mistral / Qwen2 causal LM over a paged KV cache (interface used by ModelRunner)."""
 
     def __init__(self, config, dtype: torch.dtype, device: torch.device | None = None,
-                 tp: TPGroup | None = None) -> None:
+                 tp: TPGroup | None = None, max_model_len: int | None = None) -> None:
         super().__init__()
         self.config, self.dtype, self.tp = config, dtype, tp
         self.dims = d = LlamaDims.from_config(config)
@@ -161,7 +162,7 @@ class LlamaForCausalLM(nn.Module):
         if window and getattr(config, "use_sliding_window", True):
             logger.warning("sliding_window=%s is not implemented: attention is full, so keep "
                            "max_model_len <= %s to match the reference model", window, window)
-        self.model = LlamaModel(config, d, s, tp, dtype, device)
+        self.model = LlamaModel(config, d, s, tp, dtype, device, max_model_len)
         self.lm_head = skip_init_linear(d.hidden, s.vocab_per_rank, False, dtype, device)
         if d.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

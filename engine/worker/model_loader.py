@@ -218,15 +218,19 @@ def load_config(model_path: Path | str, revision: str | None = None,
 
 def load_model(model_path: Path | str, dtype: torch.dtype, device: torch.device,
                revision: str | None = None, pack_linears: bool = True,
-               tp: "TPGroup | None" = None) -> tuple[nn.Module, object]:
+               tp: "TPGroup | None" = None,
+               max_model_len: int | None = None) -> tuple[nn.Module, object]:
     """Our model class for the config's architecture, with the HF weights streamed into it (on
     CPU with its linears prepacked for oneDNN unless `pack_linears=False`). With `tp`, this
-    rank's shard only: each rank reads just its slices of the checkpoint."""
+    rank's shard only: each rank reads just its slices of the checkpoint. `max_model_len` (None:
+    the model's own context) fixes what depends on it at build time (LongRoPE's factor set)."""
     from kvserve.engine.models import model_class_for
 
     config = load_config(model_path, revision)
     model_cls = model_class_for(config)
     extra = {"tp": tp} if tp is not None else {}
+    if max_model_len is not None:
+        extra["max_model_len"] = max_model_len
     model = model_cls(config, dtype=dtype, device=device, **extra)
     folder = _local_folder(model_path, revision)
     model.load_weights(iter_weights(folder, lazy=tp is not None))

@@ -135,7 +135,8 @@ def _start_workers(config: EngineConfig, model_path: Path | str, dtype: torch.dt
     if device.type == "cuda" and torch.cuda.device_count() < n:
         raise ConfigError(f"tensor_parallel_size={n} needs {n} GPUs, this machine shows "
                           f"{torch.cuda.device_count()}")
-    group, tp = WorkerGroup.start(str(model_path), config.revision, dtype, device.type, n)
+    group, tp = WorkerGroup.start(str(model_path), config.revision, dtype, device.type, n,
+                                  max_model_len=config.max_model_len)
     logger.info("tensor parallel: %d ranks (%s), %d torch thread(s) per rank", n,
                 "nccl" if device.type == "cuda" else "gloo", group.spec.threads)
     return group, tp
@@ -145,7 +146,9 @@ def _set_up_rank0(config: EngineConfig, model_path: Path | str,
                   load_model: Callable[..., tuple[torch.nn.Module, Any]], device: torch.device,
                   dtype: torch.dtype, tp: TPGroup | None) -> EngineSetup:
     kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype)
-    extra = {"tp": tp} if tp is not None else {}
+    extra: dict[str, Any] = {"tp": tp} if tp is not None else {}
+    if config.max_model_len is not None:
+        extra["max_model_len"] = config.max_model_len
     model, cfg = load_model(model_path, dtype, device, revision=config.revision, **extra)
     layers, kv_heads, head_dim = _model_shape(cfg)
     kv_heads = kv_heads_per_rank(kv_heads, config.tensor_parallel_size)

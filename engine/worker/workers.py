@@ -49,6 +49,7 @@ class WorkerSpec:
     size: int
     init_method: str
     threads: int  # torch intra-op threads per rank on the CPU
+    max_model_len: int | None = None  # the engine's, when the user set one
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ def worker_main(rank: int, spec: WorkerSpec, conn: Connection) -> None:
         from kvserve.engine.worker.model_loader import load_model
 
         model, _ = load_model(spec.model_path, spec.dtype, rank_device(rank, spec.device_type),
-                              revision=spec.revision, tp=tp)
+                              revision=spec.revision, tp=tp, max_model_len=spec.max_model_len)
         conn.send(("ready", None))
         _serve(rank, model, spec, conn)
     except BaseException:  # noqa: BLE001 - tell the driver why, then die
@@ -184,7 +185,8 @@ class WorkerGroup:
 
     @classmethod
     def start(cls, model_path: str, revision: str | None, dtype: torch.dtype,
-              device_type: str, size: int) -> tuple["WorkerGroup", TPGroup]:
+              device_type: str, size: int,
+              max_model_len: int | None = None) -> tuple["WorkerGroup", TPGroup]:
         """Spawn the workers and join the group as rank 0 (returns once all ranks joined)."""
         if torch.distributed.is_initialized():
             raise WorkerDiedError(
@@ -193,7 +195,7 @@ class WorkerGroup:
         store = os.path.join(tempfile.mkdtemp(prefix="kvserve-tp-"), "rendezvous")
         threads = max(1, (os.cpu_count() or 1) // size)
         spec = WorkerSpec(str(model_path), revision, dtype, device_type, size,
-                          f"file://{store}", threads)
+                          f"file://{store}", threads, max_model_len)
         group = cls(spec)
         try:
             try:

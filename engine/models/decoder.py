@@ -1,0 +1,202 @@
+"""The decoder stack that Qwen3, Gemma 2/3 and Phi-3 share, configured by a DecoderSpec (which
+norms, which activation, q/k norms, per-layer windows and rope tables, soft caps); each family's
+file only reads its config into a spec. Weight names, fusing and tensor-parallel slicing are the
+Llama family's (LlamaForCausalLM.load_weights)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from kvserve.engine.distributed import TPGroup, TPShape
+from kvserve.engine.layers.attention import Attention, AttentionOps
+from kvserve.engine.layers.layernorm import GemmaRMSNorm, RMSNorm, norm_heads
+from kvserve.engine.layers.linear import skip_init_linear
+from kvserve.engine.layers.mlp import GatedMLP
+from kvserve.engine.layers.rotary import RotaryEmbedding
+from kvserve.engine.layers.vocab_embedding import VocabParallelEmbedding
+from kvserve.engine.models.llama import LlamaDims, LlamaForCausalLM
+from kvserve.kernels.metadata import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """The layer choices of one family, read from its config."""
+
+    dims: LlamaDims
+    gemma_norms: bool = False  # norms scale by 1 + w; extra norms after attention and MLP
+    qk_norm: bool = False  # a per-head norm on q and k before RoPE
+    activation: str = "silu"  # gate activation of the gated MLP: "silu" | "gelu_tanh"
+    embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden))
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_soft_cap: float | None = None
+    final_soft_cap: float | None = None
+    windows: tuple[int | None, ...] = ()  # per layer; () = no layer is windowed
+    rope_types: tuple[str | None, ...] = ()  # per layer: whose rope table; () = one table
+    max_model_len: int | None = None  # picks LongRoPE's factor set
+
+    def window(self, i: int) -> int | None:
+        return self.windows[i] if self.windows else None
+
+    def rope_type(self, i: int) -> str | None:
+        return self.rope_types[i] if self.rope_types else None
+
+    def norm(self, dim: int, dtype, device) -> nn.Module:
+        cls = GemmaRMSNorm if self.gemma_norms else RMSNorm
+        return cls(dim, self.dims.eps, dtype, device)
+
+
+def decoder_dims(config) -> LlamaDims:
+    """The shapes, read as Llama's are (the activation is the spec's business): q/k/v/o biases
+    with attention_bias, MLP biases with mlp_bias."""
+    heads = config.num_attention_heads
+    bias = bool(getattr(config, "attention_bias", False))
+    return LlamaDims(
+        hidden=config.hidden_size, intermediate=config.intermediate_size,
+        num_layers=config.num_hidden_layers, num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        vocab=config.vocab_size, eps=config.rms_norm_eps, qkv_bias=bias, o_bias=bias,
+        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, spec: DecoderSpec, i: int, s: TPShape, tp: TPGroup | None, dtype,
+                 device=None) -> None:
+        super().__init__()
+        d = spec.dims
+        self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, d.head_dim
+        self.q_size, self.kv_size = s.num_heads * d.head_dim, s.num_kv_heads * d.head_dim
+        self.tp, self.rope_type = tp, spec.rope_type(i)
+        self.qkv_proj = skip_init_linear(d.hidden, self.q_size + 2 * self.kv_size, d.qkv_bias,
+                                         dtype, device)
+        self.o_proj = skip_init_linear(self.q_size, d.hidden, d.o_bias, dtype, device)
+        if spec.qk_norm:
+            self.q_norm = spec.norm(d.head_dim, dtype, device)
+            self.k_norm = spec.norm(d.head_dim, dtype, device)
+        self.attn = Attention(s.num_heads, s.num_kv_heads, d.head_dim,
+                              spec.attn_scale or d.head_dim ** -0.5,
+                              sliding_window=spec.window(i), logits_soft_cap=spec.attn_soft_cap)
+
+    def forward(self, x: Tensor, rotary: RotaryEmbedding, rope: tuple[Tensor, Tensor],
+                kv_cache: tuple[Tensor, Tensor], attn: AttentionMetadata,
+                attn_ops: AttentionOps) -> Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = norm_heads(self.q_norm, q), norm_heads(self.k_norm, k)
+        q, k = rotary.rotate(q, k, rope)
+        out = self.o_proj(self.attn(q, k, v, kv_cache, attn, attn_ops))
+        return out if self.tp is None else self.tp.all_reduce(out)  # row parallel
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: DecoderSpec, i: int, s: TPShape, tp: TPGroup | None, dtype,
+                 device=None) -> None:
+        super().__init__()
+        hidden = spec.dims.hidden
+        self.self_attn = DecoderAttention(spec, i, s, tp, dtype, device)
+        self.mlp = GatedMLP(hidden, s.intermediate, spec.dims.mlp_bias, tp, dtype, device,
+                            activation=spec.activation)
+        self.input_layernorm = spec.norm(hidden, dtype, device)
+        self.post_attention_layernorm = spec.norm(hidden, dtype, device)
+        if spec.gemma_norms:  # sandwich: norm after attention, and before and after the MLP
+            self.pre_feedforward_layernorm = spec.norm(hidden, dtype, device)
+            self.post_feedforward_layernorm = spec.norm(hidden, dtype, device)
+
+    def forward(self, x: Tensor, residual: Tensor | None, rotary: RotaryEmbedding,
+                rope: tuple[Tensor, Tensor], kv_cache: tuple[Tensor, Tensor],
+                attn: AttentionMetadata, attn_ops: AttentionOps) -> tuple[Tensor, Tensor]:
+        """(this layer's output, the residual stream before it): the next layer, or the final
+        norm, adds the two in its fused add + norm."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, rotary, rope, kv_cache, attn, attn_ops)
+        if hasattr(self, "pre_feedforward_layernorm"):
+            h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h),
+                                                         residual)
+            return self.post_feedforward_layernorm(self.mlp(h)), residual
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config, spec: DecoderSpec, s: TPShape, tp: TPGroup | None, dtype,
+                 device=None) -> None:
+        super().__init__()
+        d = spec.dims
+        if tp is None:
+            self.embed_tokens = torch.nn.utils.skip_init(
+                nn.Embedding, d.vocab, d.hidden, dtype=dtype, device=device)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(s, d.hidden, tp, dtype, device)
+        # HF multiplies by the scale rounded to the model dtype (Gemma's normalizer).
+        self.embed_scale = None if spec.embed_scale is None else \
+            torch.tensor(spec.embed_scale, dtype=dtype).item()
+        kinds = sorted({spec.rope_type(i) or "" for i in range(d.num_layers)})
+        self.rotary = nn.ModuleDict({k or "all": RotaryEmbedding(
+            config, d.head_dim, dtype, device, layer_type=k or None,
+            max_model_len=spec.max_model_len) for k in kinds})
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, s, tp, dtype, device)
+                                    for i in range(d.num_layers))
+        self.norm = spec.norm(d.hidden, dtype, device)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
+                attn: AttentionMetadata, attn_ops: AttentionOps) -> Tensor:
+        if kv_caches:
+            attn = attn_ops.prepare(attn, kv_caches[0][0].shape[1])
+        x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        ropes = {k: rot(positions) for k, rot in self.rotary.items()}  # once per step
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            kind = layer.self_attn.rope_type or "all"
+            x, residual = layer(x, residual, self.rotary[kind], ropes[kind], kv_cache, attn,
+                                attn_ops)
+        if residual is None:  # no layers
+            return self.norm(x)
+        return self.norm(x, residual)[0]
+
+
+class DecoderForCausalLM(LlamaForCausalLM):
+    """A family's causal LM: `spec_from_config` (in the family's file) says which layers."""
+
+    def __init__(self, config, dtype: torch.dtype, device: torch.device | None = None,
+                 tp: TPGroup | None = None, max_model_len: int | None = None) -> None:
+        nn.Module.__init__(self)
+        self.config, self.dtype, self.tp = config, dtype, tp
+        self.spec = spec = self.spec_from_config(config, max_model_len)
+        self.dims = d = spec.dims
+        rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
+        self.shard = s = TPShape.of(rank, size, d.num_heads, d.num_kv_heads, d.intermediate,
+                                    d.vocab)
+        self.model = DecoderModel(config, spec, s, tp, dtype, device)
+        self.lm_head = skip_init_linear(d.hidden, s.vocab_per_rank, False, dtype, device)
+        if d.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self._ops: AttentionOps | None = None
+
+    @classmethod
+    def spec_from_config(cls, config, max_model_len: int | None) -> DecoderSpec:
+        raise NotImplementedError
+
+    @property
+    def max_position(self) -> int:
+        return min(rot.max_len for rot in self.model.rotary.values())
+
+    def compute_logits(self, hidden: Tensor) -> Tensor | None:
+        """As Llama's, then the final soft cap (Gemma 2): c * tanh(logits / c)."""
+        logits = super().compute_logits(hidden)
+        cap = self.spec.final_soft_cap
+        if logits is None or cap is None:
+            return logits
+        return torch.tanh(logits / cap) * cap
