@@ -98,13 +98,16 @@ class KVCacheManager:
         # Layer groups, each with its own block table per seq (kv_cache_groups.py); one
         # full-attention group behaves exactly as a manager without groups.
         self.groups = groups or KVCacheGroups.single(1)
-        self.tables: dict[int, list[Table]] = {}  # seq -> one table per group
+        self.tables: dict[int, Table] = {}  # seq -> its block table in group 0
+        self.group_tables: dict[int, list[Table]] = {}  # seq -> its tables in groups 1..
         self.hashes: dict[int, list[bytes]] = {}  # chained hashes of each seq's full blocks
         self.num_registered: dict[int, int] = {}  # leading blocks already in the prefix cache
         self.prefix_stats = PrefixCacheStats()
         self.num_cpu_blocks = num_cpu_blocks
         self.cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
-        self.swapped: dict[int, list[list[int | None]]] = {}  # seq -> CPU blocks per group
+        self.swapped: dict[int, list[int]] = {}  # seq -> its blocks in the CPU pool
+        # seq -> which slots of each group's table held a block when swapped out (in order)
+        self.swapped_layout: dict[int, list[list[bool]]] = {}
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the runner
         self.alloc_seconds: deque[float] = deque(maxlen=4096)
         self.host = HostTier(num_host_blocks) if num_host_blocks and enable_caching else None
@@ -233,7 +236,7 @@ class KVCacheManager:
         if num_full <= done:
             return
         hs = self._seq_hashes(seq, num_full)
-        for g, table in enumerate(self.tables[seq.seq_id]):
+        for g, table in enumerate(self._tables(seq.seq_id)):
             for i in range(done, num_full):
                 b = table[i]
                 if b is not None:  # None: released by a sliding window before it was full
@@ -253,7 +256,7 @@ class KVCacheManager:
         hits = self._group_hits(computed or [])
         num_hit = len(hits[0])
         start = seq.num_computed_tokens + num_hit * self.block_size
-        tables = self.tables.get(seq.seq_id) or [[] for _ in self.groups.groups]
+        tables = self._tables(seq.seq_id) or [[] for _ in self.groups.groups]
         self._release_skipped(tables, start)
         needed_total = -(-(start + num_new_tokens) // self.block_size)
         num_new = [max(needed_total - len(t) - num_hit, 0) for t in tables]
@@ -276,9 +279,26 @@ class KVCacheManager:
                 self._copy_on_write(t)
             if n:
                 t.extend(self._new_blocks(n))
-        self.tables[seq.seq_id] = tables
+        self._set_tables(seq.seq_id, tables)
         self.alloc_seconds.append(time.perf_counter() - t0)
         return True
+
+    def _tables(self, seq_id: int) -> list[Table]:
+        """The seq's table in every group ([] when it holds none)."""
+        if seq_id not in self.tables:
+            return []
+        return [self.tables[seq_id]] + self.group_tables.get(seq_id, [])
+
+    def _set_tables(self, seq_id: int, tables: list[Table]) -> None:
+        self.tables[seq_id] = tables[0]
+        if len(tables) > 1:
+            self.group_tables[seq_id] = tables[1:]
+
+    def _pop_tables(self, seq_id: int) -> list[Table]:
+        tables = self._tables(seq_id)
+        self.tables.pop(seq_id, None)
+        self.group_tables.pop(seq_id, None)
+        return tables
 
     def _group_hits(self, computed: list[PrefixHit]) -> list[list[PrefixHit | None]]:
         """Each group's hits: a PrefixMatch's, or a plain list for the one group."""
@@ -380,33 +400,34 @@ class KVCacheManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Share every block of `parent` with `child` (ref counts +1); writes copy on demand."""
-        tables = self.tables[parent.seq_id]
+        tables = self._tables(parent.seq_id)
         self.pool.touch([b for t in tables for b in t if b is not None])
-        self.tables[child.seq_id] = [list(t) for t in tables]
+        self._set_tables(child.seq_id, [list(t) for t in tables])
         self.hashes[child.seq_id] = list(self.hashes.get(parent.seq_id, []))
         self.num_registered[child.seq_id] = self.num_registered.get(parent.seq_id, 0)
 
     def free(self, seq: Sequence) -> None:
         """Release the seq's blocks (tail first, so its last blocks are evicted first)."""
-        tables = self.tables.pop(seq.seq_id, [])
+        tables = self._pop_tables(seq.seq_id)
         self.pool.free_blocks([b for t in tables for b in reversed(t) if b is not None])
         self.hashes.pop(seq.seq_id, None)
         self.num_registered.pop(seq.seq_id, None)
+        self.swapped_layout.pop(seq.seq_id, None)
         cpu = self.swapped.pop(seq.seq_id, None)
         if cpu:
-            self.cpu_free.extend(c for t in cpu for c in t if c is not None)
+            self.cpu_free.extend(cpu)
 
     def block_ids(self, seq: Sequence, group: int = 0) -> list[int]:
         """The seq's block table in `group`; a block a sliding window released reads as 0, a
         slot the kernels never read for that group's layers (they skip or mask it)."""
-        tables = self.tables.get(seq.seq_id)
+        tables = self._tables(seq.seq_id)
         if not tables:
             return []
         return [0 if b is None else b.block_id for b in tables[group]]
 
     # ---- swap ---------------------------------------------------------------------------------
     def _held(self, seq: Sequence) -> list[Block]:
-        return [b for t in self.tables.get(seq.seq_id, ()) for b in t if b is not None]
+        return [b for t in self._tables(seq.seq_id) for b in t if b is not None]
 
     def can_swap_out(self, seq: Sequence) -> bool:
         return len(self._held(seq)) <= len(self.cpu_free)
@@ -414,30 +435,31 @@ class KVCacheManager:
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
         """Move the seq's blocks to the CPU pool: (device block, cpu block) pairs to copy."""
         held = self._held(seq)
-        tables = self.tables.pop(seq.seq_id)
-        cpu_of = {id(b): self.cpu_free.pop() for b in held}
-        self.swapped[seq.seq_id] = [[None if b is None else cpu_of[id(b)] for b in t]
-                                    for t in tables]
+        tables = self._pop_tables(seq.seq_id)
+        cpu = [self.cpu_free.pop() for _ in held]
+        self.swapped[seq.seq_id] = cpu
+        self.swapped_layout[seq.seq_id] = [[b is not None for b in t] for t in tables]
         self.pool.free_blocks(list(reversed(held)))
         self.num_registered[seq.seq_id] = 0
-        return [(b.block_id, cpu_of[id(b)]) for b in held]
+        return [(b.block_id, c) for b, c in zip(held, cpu)]
 
     def can_swap_in(self, seq: Sequence, num_new_tokens: int = 0) -> bool:
         """Whether the seq's blocks, and the slots of its next `num_new_tokens`, fit on device."""
-        cpu = self.swapped.get(seq.seq_id, [])
+        layout = self.swapped_layout.get(seq.seq_id, [])
         needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
-        num_blocks = sum(sum(c is not None for c in t) + max(needed - len(t), 0) for t in cpu)
+        num_blocks = sum(sum(t) + (max(needed - len(t), 0) if num_new_tokens else 0)
+                         for t in layout)
         return num_blocks <= self.pool.num_free_blocks
 
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
         """Bring the seq's blocks back: (cpu block, device block) pairs to copy."""
         cpu = self.swapped.pop(seq.seq_id)
-        ids = [c for t in cpu for c in t if c is not None]
-        fresh = iter(self._new_blocks(len(ids)))
-        self.tables[seq.seq_id] = [[None if c is None else next(fresh) for c in t] for t in cpu]
-        self.cpu_free.extend(ids)
-        held = self._held(seq)
-        return list(zip(ids, (b.block_id for b in held)))
+        fresh = self._new_blocks(len(cpu))
+        it = iter(fresh)
+        self._set_tables(seq.seq_id, [[next(it) if held else None for held in t]
+                                      for t in self.swapped_layout.pop(seq.seq_id)])
+        self.cpu_free.extend(cpu)
+        return [(c, b.block_id) for c, b in zip(cpu, fresh)]
 
     # ---- figures ------------------------------------------------------------------------------
     @property
