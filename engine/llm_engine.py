@@ -443,7 +443,9 @@ class LLMEngine:
     # ---- figures ------------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
         cache, sch = self.kv.make_stats(), self.scheduler
-        seq_slots = sum(self.kv.num_blocks_of(s) for s in sch.running) * self.block_size
+        # Group 0's table: one slot per token position, as with one group (other groups' pages
+        # hold other layers of the same positions, or none where a window released them).
+        seq_slots = sum(len(self.kv.block_ids(s)) for s in sch.running) * self.block_size
         seq_tokens = sum(s.num_computed_tokens for s in sch.running)
         waste = seq_slots - seq_tokens
         return EngineStats(
