@@ -213,6 +213,14 @@ class LLMEngine:
                 f"this request needs up to {len(ids) + params.max_tokens} KV slots but the whole "
                 f"KV cache holds {total} tokens; lower max_tokens or give the engine more KV "
                 "memory (kv_cache_memory / gpu_memory_utilization)", "max_tokens")
+        need = self.kv.groups.blocks_for(len(ids) + params.max_tokens, self.block_size,
+                                         self.scheduler.config.max_num_batched_tokens)
+        if need > self.memory_budget.num_blocks:  # several groups: pages, not token slots
+            raise InvalidRequestError(
+                f"this request needs up to {need} KV blocks (pages of "
+                f"{self.kv.groups.page_layers} layers) but the whole KV cache holds "
+                f"{self.memory_budget.num_blocks}; lower max_tokens or give the engine more KV "
+                "memory (kv_cache_memory / gpu_memory_utilization)", "max_tokens")
         return params
 
     def _new_seq(self, request_id: str, index: int, ids: list[int], params: SamplingParams,

@@ -60,6 +60,14 @@ class KVCacheGroups:
                        for w in kinds for i in range(0, len(by_type[w]), size))
         return cls(groups, size)
 
+    def blocks_for(self, num_tokens: int, block_size: int, chunk: int) -> int:
+        """The most blocks one request of `num_tokens` holds at once, prefilled `chunk` tokens
+        a step: every block in a full group, the window and one chunk in a sliding one."""
+        full = -(-num_tokens // block_size)
+        return sum(full if g.sliding_window is None else
+                   min(full, -(-(g.sliding_window - 1 + chunk) // block_size) + 1)
+                   for g in self.groups)
+
     @property
     def is_hybrid(self) -> bool:
         return len(self.groups) > 1

@@ -68,6 +68,7 @@ def test_sliding_groups_release_blocks_out_of_the_window():
     # The full group keeps its 18; each sliding group keeps the window (6 tokens back from the
     # next one) plus the block being written: at most 3 blocks of 4.
     assert with_window == 18 + 5 * 3
+    assert groups.blocks_for(72, BS, chunk=12) == 18 + 5 * 6 >= with_window  # the engine's check
     assert released == [True] * 16 + [False] * 2  # the last token, 71, sees 65..71
 
 
