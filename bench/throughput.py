@@ -7,7 +7,11 @@ cache reserving max_model_len per request, and a second run with output lengths 
 16..256 where static batching waits for its longest member. llama-cpp-python joins if installed.
 
     python bench/throughput.py [--requests 64] [--dtypes float32,bfloat16] [--skip-hf]
-                               [--block-size 16]
+                               [--block-size 16] [--model default|gemma3-tiny]
+
+--model gemma3-tiny runs the same workload on a random-weight Gemma 3 built here from
+transformers' Gemma3TextConfig with the default model's tokenizer (6 layers, 5 sliding over 128
+tokens : 1 full, GeGLU, q/k norms): the families' layers against HF on one config.
 
 Per-sequence utilisation is bounded by the half-filled last block of each sequence: about
 1 - (block_size / 2) / mean length (96.9% for block_size 16 and this workload's ~245 tokens);
@@ -29,6 +33,26 @@ from kvserve import LLM, SamplingParams
 from kvserve.engine.worker.model_loader import fetch_model
 
 MAX_MODEL_LEN = 2048
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def build_gemma3_tiny(folder: Path) -> Path:
+    """A random Gemma 3 (text) with the default model's tokenizer and chat template, built once."""
+    if (folder / "config.json").exists():
+        return folder
+    from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
+
+    tok = AutoTokenizer.from_pretrained(fetch_model(DEFAULT_MODEL))
+    config = Gemma3TextConfig(
+        vocab_size=len(tok), hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=64, sliding_window=128,
+        max_position_embeddings=MAX_MODEL_LEN, query_pre_attn_scalar=64,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id or 0, architectures=["Gemma3ForCausalLM"])
+    torch.manual_seed(0)
+    Gemma3ForCausalLM(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
 
 
 def run_kvserve(llm: LLM, prompts: list[list[int]], lengths: list[int]) -> dict:
@@ -95,13 +119,20 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-varied", action="store_true")
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--model", choices=("default", "gemma3-tiny"), default="default")
     args = ap.parse_args()
 
-    model_dir = fetch_model("smollm2-135m-instruct")
+    if args.model == "gemma3-tiny":
+        from kvserve.paths import cache_root
+
+        model_dir = build_gemma3_tiny(cache_root() / "bench" / "gemma3-tiny")
+        model = str(model_dir)
+    else:
+        model_dir, model = fetch_model(DEFAULT_MODEL), DEFAULT_MODEL
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
-        llm = LLM("smollm2-135m-instruct", dtype=dtype_name, device="cpu",
+        llm = LLM(model, dtype=dtype_name, device="cpu",
                   max_model_len=MAX_MODEL_LEN, max_num_seqs=256, block_size=args.block_size)
         tok = llm.get_tokenizer()
         prompts = [tok.apply_chat_template(c, tokenize=True, add_generation_prompt=True,

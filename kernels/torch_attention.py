@@ -39,7 +39,7 @@ def torch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     else:  # scales describe fp8 storage only
         k_scale = v_scale = 1.0
     token_bytes = 2 * k_cache.shape[2] * k_cache.shape[3] * q.element_size()
-    parts = torch_plan(plan, token_bytes, with_decode=decode)
+    parts = torch_plan(plan, token_bytes, with_decode=decode, window=sliding_window)
     ws = plan.parts.setdefault("workspace", Workspace(q.device))
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

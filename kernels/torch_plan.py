@@ -22,7 +22,7 @@ class DecodeChunk:
     blocks: torch.Tensor  # int64 [n * blocks_per_seq]: physical blocks, padded with a valid id
     key_len: int
     pad: torch.Tensor  # bool [n, 1, key_len]: True where the key is past the sequence
-    lens: torch.Tensor  # int64 [n]: each sequence's length (its token sits at lens - 1)
+    lens: torch.Tensor  # int64 [n]: keys of each sequence from its first gathered block
     masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
     def additive_mask(self, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
@@ -71,45 +71,62 @@ class TorchPlan:
 
 
 def torch_plan(plan: AttentionPlan, bytes_per_token: int,
-               chunk_bytes: int = CHUNK_BYTES, with_decode: bool = True) -> TorchPlan:
+               chunk_bytes: int = CHUNK_BYTES, with_decode: bool = True,
+               window: int | None = None) -> TorchPlan:
     """Split the batch into decode chunks and prefill sequences (cached in plan.parts).
-    `with_decode=False`: prefill only (the CPU backend's kernel serves the decode rows)."""
-    key = ("torch", bytes_per_token, chunk_bytes, with_decode)
+    `with_decode=False`: prefill only (the CPU backend's kernel serves the decode rows).
+    `window`: decode chunks gather only the blocks that hold a key of the window."""
+    key = ("torch", bytes_per_token, chunk_bytes, with_decode, window)
     if key not in plan.parts:
         tables = plan.block_tables.long()
         decode = [s for s in range(plan.num_seqs) if plan.query_lens[s] == 1 and with_decode]
         prefill = [s for s in range(plan.num_seqs) if plan.query_lens[s] > 1]
         starts = plan.query_start_loc.tolist()
         plan.parts[key] = TorchPlan(
-            _decode_chunks(plan, tables, decode, starts, bytes_per_token, chunk_bytes),
+            _decode_chunks(plan, tables, decode, starts, bytes_per_token, chunk_bytes, window),
             [_prefill_seq(plan, tables, s, starts[s]) for s in prefill])
     return plan.parts[key]
 
 
+def _first_block(plan: AttentionPlan, s: int, window: int | None) -> int:
+    """The first block holding a key that sequence s's decode token sees."""
+    if window is None:
+        return 0
+    return max(0, plan.seq_lens[s] - window) // plan.block_size
+
+
 def _decode_chunks(plan: AttentionPlan, tables: torch.Tensor, seqs: list[int], starts: list[int],
-                   bytes_per_token: int, chunk_bytes: int) -> list[DecodeChunk]:
-    """Longest first, so each chunk pads its sequences to a near-equal number of blocks."""
+                   bytes_per_token: int, chunk_bytes: int,
+                   window: int | None) -> list[DecodeChunk]:
+    """Most blocks first, so each chunk pads its sequences to a near-equal number of blocks."""
     bs = plan.block_size
-    order = sorted(seqs, key=lambda s: -plan.seq_lens[s])
+    first = {s: _first_block(plan, s, window) for s in seqs}
+    count = {s: -(-plan.seq_lens[s] // bs) - first[s] for s in seqs}
+    order = sorted(seqs, key=lambda s: -count[s])
     chunks, i = [], 0
     while i < len(order):
-        blocks = -(-plan.seq_lens[order[i]] // bs)
+        blocks = count[order[i]]
         n = max(1, chunk_bytes // max(1, blocks * bs * bytes_per_token))
         members = order[i:i + n]
-        chunks.append(_decode_chunk(plan, tables, members, starts, blocks))
+        chunks.append(_decode_chunk(plan, tables, members, starts, blocks,
+                                    [first[s] for s in members]))
         i += n
     return chunks
 
 
 def _decode_chunk(plan: AttentionPlan, tables: torch.Tensor, members: list[int],
-                  starts: list[int], blocks: int) -> DecodeChunk:
+                  starts: list[int], blocks: int, first: list[int]) -> DecodeChunk:
+    """Each member's blocks from its `first` on; lengths and masks count keys from there."""
     device = tables.device
     idx = torch.tensor(members, dtype=torch.long, device=device)
-    lens = plan.seq_lens_t.long()[idx]
+    offset = torch.tensor(first, dtype=torch.long, device=device)
+    lens = plan.seq_lens_t.long()[idx] - offset * plan.block_size
     key_len = blocks * plan.block_size
+    cols = offset[:, None] + torch.arange(blocks, device=device)[None, :]
     used = torch.arange(blocks, device=device)[None, :] * plan.block_size < lens[:, None]
     # Padding entries point at a block the sequence does own (its first) so the gather stays valid.
-    gather = torch.where(used, tables[idx, :blocks], tables[idx, :1])
+    own = tables[idx].gather(1, cols.clamp(max=tables.shape[1] - 1))
+    gather = torch.where(used, own, tables[idx, :1])
     pad = torch.arange(key_len, device=device)[None, None, :] >= lens[:, None, None]
     tokens = torch.tensor([starts[s] for s in members], dtype=torch.long, device=device)
     return DecodeChunk(tokens, gather.reshape(-1), key_len, pad, lens)

@@ -26,6 +26,7 @@ from kvserve.engine.layers.linear import rank_slice, read_slice, skip_init_linea
 from kvserve.engine.layers.mlp import GatedMLP
 from kvserve.engine.layers.rotary import RotaryEmbedding
 from kvserve.engine.layers.vocab_embedding import VocabParallelEmbedding
+from kvserve.engine.models.windows import layer_windows
 from kvserve.kernels import cpu_ops as ops
 from kvserve.kernels.metadata import AttentionMetadata
 
@@ -69,7 +70,8 @@ class LlamaDims:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, d: LlamaDims, s: TPShape, tp: TPGroup | None, dtype, device=None) -> None:
+    def __init__(self, d: LlamaDims, s: TPShape, tp: TPGroup | None, dtype, device=None,
+                 window: int | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, d.head_dim
         self.q_size, self.kv_size = s.num_heads * d.head_dim, s.num_kv_heads * d.head_dim
@@ -77,7 +79,8 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = skip_init_linear(d.hidden, self.q_size + 2 * self.kv_size, d.qkv_bias,
                                          dtype, device)
         self.o_proj = skip_init_linear(self.q_size, d.hidden, d.o_bias, dtype, device)
-        self.attn = Attention(s.num_heads, s.num_kv_heads, d.head_dim, d.head_dim ** -0.5)
+        self.attn = Attention(s.num_heads, s.num_kv_heads, d.head_dim, d.head_dim ** -0.5,
+                              sliding_window=window)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], kv_cache: tuple[Tensor, Tensor],
                 attn: AttentionMetadata, attn_ops: AttentionOps) -> Tensor:
@@ -92,9 +95,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, d: LlamaDims, s: TPShape, tp: TPGroup | None, dtype, device=None) -> None:
+    def __init__(self, d: LlamaDims, s: TPShape, tp: TPGroup | None, dtype, device=None,
+                 window: int | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(d, s, tp, dtype, device)
+        self.self_attn = LlamaAttention(d, s, tp, dtype, device, window)
         self.mlp = GatedMLP(d.hidden, s.intermediate, d.mlp_bias, tp, dtype, device)
         self.input_layernorm = RMSNorm(d.hidden, d.eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(d.hidden, d.eps, dtype, device)
@@ -124,8 +128,11 @@ class LlamaModel(nn.Module):
             self.embed_tokens = VocabParallelEmbedding(s, d.hidden, tp, dtype, device)
         self.rotary_emb = RotaryEmbedding(config, d.head_dim, dtype, device,
                                           max_model_len=max_model_len)
+        # Mistral slides on every layer; Qwen2 on those layer_types names (use_sliding_window).
+        windows = layer_windows(config, all_layers_slide=config.model_type == "mistral")
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(d, s, tp, dtype, device) for _ in range(d.num_layers))
+            LlamaDecoderLayer(d, s, tp, dtype, device, windows[i] if windows else None)
+            for i in range(d.num_layers))
         self.norm = RMSNorm(d.hidden, d.eps, dtype, device)
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
@@ -158,10 +165,6 @@ class LlamaForCausalLM(nn.Module):
         rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
         self.shard = s = TPShape.of(rank, size, d.num_heads, d.num_kv_heads, d.intermediate,
                                     d.vocab)
-        window = getattr(config, "sliding_window", None)
-        if window and getattr(config, "use_sliding_window", True):
-            logger.warning("sliding_window=%s is not implemented: attention is full, so keep "
-                           "max_model_len <= %s to match the reference model", window, window)
         self.model = LlamaModel(config, d, s, tp, dtype, device, max_model_len)
         self.lm_head = skip_init_linear(d.hidden, s.vocab_per_rank, False, dtype, device)
         if d.tie_embeddings:

@@ -14,9 +14,15 @@ from kvserve.engine.layers.linear import read_slice
 from kvserve.engine.models.windows import layer_windows
 
 # resid_pdrop / embd_pdrop: dropout, off at inference; partial_rotary_factor and
-# original_max_position_embeddings are read through rope_parameters.
+# original_max_position_embeddings are read through rope_parameters. Phi-4-mini's config also
+# carries the fields of NEUTRAL, which HF's Phi3 ignores: accepted at those values only.
 PHI3_KEYS = frozenset({"hidden_act", "sliding_window", "resid_pdrop", "embd_pdrop",
-                       "original_max_position_embeddings", "partial_rotary_factor"})
+                       "original_max_position_embeddings", "partial_rotary_factor",
+                       "attention_bias", "mlp_bias", "lm_head_bias", "full_attn_mod",
+                       "interpolate_factor"})
+NEUTRAL = {"attention_bias": (None, False), "mlp_bias": (None, False),
+           "lm_head_bias": (None, False), "full_attn_mod": (None, 1),
+           "interpolate_factor": (None, 1)}
 
 
 class Phi3ForCausalLM(DecoderForCausalLM):
@@ -24,6 +30,8 @@ class Phi3ForCausalLM(DecoderForCausalLM):
     def spec_from_config(cls, config, max_model_len: int | None) -> DecoderSpec:
         check_config_keys(config, "Phi3ForCausalLM", PHI3_KEYS)
         require_value(config, "hidden_act", ("silu",), "Phi3ForCausalLM")
+        for key, allowed in NEUTRAL.items():
+            require_value(config, key, allowed, "Phi3ForCausalLM")
         return DecoderSpec(decoder_dims(config),
                            windows=layer_windows(config, all_layers_slide=True),
                            max_model_len=max_model_len)

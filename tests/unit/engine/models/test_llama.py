@@ -258,3 +258,16 @@ def test_incomplete_or_mismatched_weights_are_typed_errors(tiny_model_dir):
         model.load_weights(weights.items())
     with pytest.raises(ModelNotFoundError, match="no place"):
         model.load_weights([("model.layers.9.self_attn.q_proj.weight", torch.zeros(1))])
+
+
+@pytest.mark.parametrize("arch,kw", [
+    ("MistralForCausalLM", {"sliding_window": 11}),
+    ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 11,
+                          "max_window_layers": 1}),
+], ids=["mistral-every-layer", "qwen2-layer-types"])
+def test_sliding_windows_match_hf(tmp_path, arch, kw):
+    """Mistral slides on every layer, Qwen2 from max_window_layers on: windows of 11 tokens under
+    prompts of up to 37, chunked prefill in 16-token steps, prefix cache cold and warm."""
+    from family_checks import build_family, check_family
+
+    check_family(build_family(tmp_path, arch, **kw))

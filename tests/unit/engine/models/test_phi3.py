@@ -42,3 +42,22 @@ def test_phi3_longrope_short_factors_match_hf(longrope_dir):
     check_family(longrope_dir, lens=(9, 12, 5), max_tokens=4, max_model_len=16)
     check_family(longrope_dir, lens=(9, 12, 5), max_tokens=4, max_model_len=16,
                  tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("key,value,ok", [("full_attn_mod", 1, True), ("full_attn_mod", 2, False),
+                                          ("attention_bias", True, False),
+                                          ("dense_attention_every_n_layers", 2, False)])
+def test_phi3_config_fields_are_read_or_refused_by_name(key, value, ok):
+    """Phi-4-mini's extra fields pass at their neutral values; anything else names the key."""
+    import transformers
+
+    from kvserve.engine.errors import ConfigError
+    from kvserve.engine.models.phi3 import Phi3ForCausalLM
+
+    config = transformers.Phi3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, vocab_size=64, **{key: value})
+    if ok:
+        assert Phi3ForCausalLM.spec_from_config(config, None).dims.hidden == 32
+    else:
+        with pytest.raises(ConfigError, match=key):
+            Phi3ForCausalLM.spec_from_config(config, None)
