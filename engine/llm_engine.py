@@ -108,6 +108,12 @@ class LLMEngine:
         logger.info("%s; device %s, dtype %s, kv dtype %s, attention backend %s",
                     self.memory_budget.describe(), self.device, self.dtype, setup.kv_dtype,
                     self.runner.backend)
+        if self.kv.groups.is_hybrid or self.kv.groups.slides:
+            logger.info("KV-cache groups: %s; a block is a page of %d layers, sliding groups "
+                        "free blocks that left their window",
+                        ", ".join(f"{len(g.layers)} layers "
+                                  f"{'W=' + str(g.sliding_window) if g.sliding_window else 'full'}"
+                                  for g in self.kv.groups.groups), self.kv.groups.page_layers)
 
     def _calibrate_kv_scales(self) -> None:
         """`calculate_kv_scales=True`: FP8 scales from a representative first batch."""
