@@ -1,4 +1,5 @@
-"""Engine throughput on the default model vs HF transformers static batching, same run.
+"""Engine throughput on the default model (or any model folder) vs HF transformers static
+batching, same run.
 
 64 chat requests sharing a ~200-token system prompt, 64 new tokens each (greedy, ignore_eos),
 in fp32 and bf16: kvserve output tok/s vs HF `generate` (batch 32, left padding), the ratio,
@@ -7,11 +8,14 @@ cache reserving max_model_len per request, and a second run with output lengths 
 16..256 where static batching waits for its longest member. llama-cpp-python joins if installed.
 
     python bench/throughput.py [--requests 64] [--dtypes float32,bfloat16] [--skip-hf]
-                               [--block-size 16] [--model default|gemma3-tiny]
+                               [--block-size 16] [--model default|gemma3-tiny|DIR | --tiny ARCH]
 
 --model gemma3-tiny runs the same workload on a random-weight Gemma 3 built here from
 transformers' Gemma3TextConfig with the default model's tokenizer (6 layers, 5 sliding over 128
-tokens : 1 full, GeGLU, q/k norms): the families' layers against HF on one config.
+tokens : 1 full, GeGLU, q/k norms): the families' layers against HF on one config. --model DIR
+takes any HF model folder (or known name). --tiny ARCH builds a tiny random checkpoint of that
+architecture (bench/tiny_models.py: Qwen3MoeForCausalLM, MixtralForCausalLM, GptOssForCausalLM)
+with the default model's tokenizer, once, and runs on it.
 
 Per-sequence utilisation is bounded by the half-filled last block of each sequence: about
 1 - (block_size / 2) / mean length (96.9% for block_size 16 and this workload's ~245 tokens);
@@ -27,10 +31,12 @@ from pathlib import Path
 
 import torch
 
-from workload import chat_requests, output_lengths  # bench/ is sys.path[0] when run as a script
+from tiny_models import build_tiny  # bench/ is sys.path[0] when run as a script
+from workload import chat_requests, output_lengths
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.worker.model_loader import fetch_model
+from kvserve.engine.worker.model_loader import fetch_model, resolve_model
+from kvserve.paths import cache_root
 
 MAX_MODEL_LEN = 2048
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -119,17 +125,23 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-varied", action="store_true")
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--model", choices=("default", "gemma3-tiny"), default="default")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--model", default="default")
+    which.add_argument("--tiny", metavar="ARCH")
     args = ap.parse_args()
 
-    if args.model == "gemma3-tiny":
-        from kvserve.paths import cache_root
-
+    model_dir, model = fetch_model(DEFAULT_MODEL), DEFAULT_MODEL
+    if args.tiny:
+        model_dir = build_tiny(args.tiny, cache_root() / "bench-models" / f"tiny-{args.tiny}",
+                               model_dir)
+        model = str(model_dir)
+    elif args.model == "gemma3-tiny":
         model_dir = build_gemma3_tiny(cache_root() / "bench" / "gemma3-tiny")
         model = str(model_dir)
-    else:
-        model_dir, model = fetch_model(DEFAULT_MODEL), DEFAULT_MODEL
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    elif args.model not in ("default", DEFAULT_MODEL):
+        model_dir = resolve_model(args.model)
+        model = str(model_dir)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, model {model}")
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         llm = LLM(model, dtype=dtype_name, device="cpu",

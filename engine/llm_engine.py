@@ -33,6 +33,7 @@ from kvserve.engine.sample.sampling_params import SamplingParams
 from kvserve.engine.sample.tokenizer import load_tokenizer, prompt_token_ids
 from kvserve.engine.stats import EngineStats, TierFigures
 from kvserve.engine.structured_output.grammar import GrammarCompiler, GrammarState
+from kvserve.engine.weights_size import weights_log_line
 from kvserve.engine.worker.model_loader import load_model, resolve_model
 from kvserve.engine.worker.model_runner import ModelRunner
 from kvserve.engine.worker.platform import EngineSetup, set_up
@@ -108,6 +109,9 @@ class LLMEngine:
         logger.info("%s; device %s, dtype %s, kv dtype %s, attention backend %s",
                     self.memory_budget.describe(), self.device, self.dtype, setup.kv_dtype,
                     self.runner.backend)
+        self.model_weight_bytes = setup.budget.weight_bytes * config.tensor_parallel_size
+        logger.info("%s", weights_log_line(self.model_weight_bytes, model_path,
+                                           torch.finfo(self.dtype).bits // 8))
         if self.kv.groups.is_hybrid or self.kv.groups.slides:
             logger.info("KV-cache groups: %s; a block is a page of %d layers, sliding groups "
                         "free blocks that left their window",

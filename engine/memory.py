@@ -9,6 +9,11 @@ With tensor parallelism over N devices every term is one rank's: weight_bytes = 
 kv_heads = the rank's KV heads (max(kv_heads / N, 1): replicated when N > kv_heads), and the
 activation peak of a rank's slice of the MLP and heads (plus the full logits on the driver). Every
 rank gets the same number of blocks, each holding its heads' share of every block.
+
+Sliding-window layers (Gemma 2/3, gpt-oss, Mistral) never need more than their window: per layer
+group, a request of T tokens holds `min(ceil(T / block_size), ceil((W - 1) / block_size) + 1)`
+blocks of a W-token window layer (the window, plus the block the oldest token straddles), so
+`max_concurrency_windowed` counts KV bytes per layer group; `max_concurrency` is without capping.
 """
 
 from __future__ import annotations
@@ -69,6 +74,33 @@ def activation_peak_bytes(hidden_size: int, intermediate_size: int, vocab_size: 
 
 
 @dataclass(frozen=True)
+class LayerGroup:
+    """Layers that cache alike: `window` None for full attention, else the sliding window."""
+
+    num_layers: int
+    window: int | None = None
+
+
+def group_blocks(tokens: int, block_size: int, window: int | None) -> int:
+    """Blocks one layer of a group holds for a request of `tokens` tokens."""
+    full = -(-tokens // block_size)
+    if window is None:
+        return full
+    return min(full, -(-(window - 1) // block_size) + 1)
+
+
+def request_kv_bytes(groups: tuple[LayerGroup, ...], tokens: int, block_size: int,
+                     num_kv_heads: int, head_dim: int, kv_dtype_bytes: int,
+                     windowed: bool = True) -> int:
+    """KV bytes one request of `tokens` tokens holds over every layer group (one rank's heads);
+    windowed=False: as if every layer kept all its tokens."""
+    per_layer_block = 2 * num_kv_heads * head_dim * kv_dtype_bytes * block_size
+    return sum(g.num_layers * per_layer_block
+               * group_blocks(tokens, block_size, g.window if windowed else None)
+               for g in groups)
+
+
+@dataclass(frozen=True)
 class MemoryBudget:
     total_bytes: int
     gpu_memory_utilization: float
@@ -80,6 +112,7 @@ class MemoryBudget:
     num_blocks: int
     tokens_per_request: int
     max_concurrency: int
+    max_concurrency_windowed: int = 0  # with sliding layers capped at their window
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -88,22 +121,32 @@ class MemoryBudget:
         return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens "
                 f"({self.bytes_per_block / 1024:.1f} KiB/block, {self.kv_bytes / GiB:.2f} GiB); "
                 f"max concurrency {self.max_concurrency} requests of {self.tokens_per_request} "
-                f"tokens")
+                f"tokens" + (f" ({self.max_concurrency_windowed} with sliding layers capped "
+                             "at their window)"
+                             if self.max_concurrency_windowed > self.max_concurrency else ""))
 
 
 def plan_memory(*, total_bytes: int, gpu_memory_utilization: float, weight_bytes: int,
                 activation_peak: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                kv_dtype_bytes: int, block_size: int, tokens_per_request: int) -> MemoryBudget:
-    """Apply the budget formula; a negative KV budget yields 0 blocks (the caller decides)."""
+                kv_dtype_bytes: int, block_size: int, tokens_per_request: int,
+                layer_groups: tuple[LayerGroup, ...] | None = None) -> MemoryBudget:
+    """Apply the budget formula; a negative KV budget yields 0 blocks (the caller decides).
+    `layer_groups` (default: every layer full attention) adds the window-capped concurrency."""
     kv = kv_cache_bytes(total_bytes, gpu_memory_utilization, weight_bytes, activation_peak)
     per_block = bytes_per_block(num_layers, num_kv_heads, head_dim, kv_dtype_bytes, block_size)
     num_blocks = max(kv, 0) // per_block
+    tokens = max(tokens_per_request, 1)
+    concurrency = num_blocks * block_size // tokens
+    windowed = concurrency
+    if layer_groups and any(g.window is not None for g in layer_groups):
+        windowed = max(kv, 0) // request_kv_bytes(layer_groups, tokens, block_size,
+                                                  num_kv_heads, head_dim, kv_dtype_bytes)
     return MemoryBudget(
         total_bytes=total_bytes, gpu_memory_utilization=gpu_memory_utilization,
         weight_bytes=weight_bytes, activation_peak_bytes=activation_peak, kv_bytes=kv,
         bytes_per_block=per_block, block_size=block_size, num_blocks=num_blocks,
         tokens_per_request=tokens_per_request,
-        max_concurrency=num_blocks * block_size // max(tokens_per_request, 1),
+        max_concurrency=concurrency, max_concurrency_windowed=windowed,
     )
 
 

@@ -15,7 +15,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     query_start_loc: torch.Tensor, scale: float, k_scale: float = 1.0,
                     v_scale: float = 1.0, backend: str = "auto", *,
                     plan: AttentionPlan | None = None, sliding_window: int | None = None,
-                    logits_soft_cap: float | None = None) -> torch.Tensor:
+                    logits_soft_cap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """[num_tokens, num_heads, head_dim] attention output in q's dtype.
 
     Pass `plan` (from plan_attention over the same block_tables/seq_lens/query_start_loc) to skip
@@ -27,16 +28,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
       holds every block; keys before the window are masked, not freed.
     - `logits_soft_cap` c: each score s = scale * q.k becomes c * tanh(s / c) before the causal
       mask and the softmax (Gemma 2's attn_logit_softcapping).
+    - `sinks` [num_heads]: a learned logit per head that joins each row's softmax denominator
+      and attends to nothing (gpt-oss): the weights over the keys sum to less than 1.
     """
     check_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                     k_scale, v_scale, backend)
-    if sliding_window is not None or logits_soft_cap is not None:
-        check_layer_options(sliding_window, logits_soft_cap)
+    if sliding_window is not None or logits_soft_cap is not None or sinks is not None:
+        check_layer_options(sliding_window, logits_soft_cap, sinks, q)
     if plan is None:
         plan = plan_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
     plan.check_against(q, k_cache)
     chosen = resolve_backend(backend, k_cache.device)
-    opts = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
+    opts = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap,
+            "sinks": sinks}
     if chosen == "triton":
         from kvserve.kernels.triton_attention import triton_paged_attention
 

@@ -104,14 +104,22 @@ def _check_slot_range(slot_mapping: torch.Tensor, k_cache: torch.Tensor) -> None
         require(top < num_slots, "slot_mapping", f"slot {top} is past the pool's {num_slots} slots")
 
 
-def check_layer_options(sliding_window: int | None, logits_soft_cap: float | None) -> None:
-    """The per-layer attention options: a window of at least one key, a finite positive cap."""
+def check_layer_options(sliding_window: int | None, logits_soft_cap: float | None,
+                        sinks: torch.Tensor | None = None, q: torch.Tensor | None = None) -> None:
+    """The per-layer attention options: a window of at least one key, a finite positive cap,
+    one finite float sink logit per query head on q's device."""
     if sliding_window is not None:
         require(isinstance(sliding_window, int) and not isinstance(sliding_window, bool)
                 and sliding_window >= 1, "sliding_window",
                 f"must be None or an int >= 1, got {sliding_window!r}")
     if logits_soft_cap is not None:
         check_scale(logits_soft_cap, "logits_soft_cap")
+    if sinks is not None:
+        require(isinstance(sinks, torch.Tensor) and sinks.dim() == 1 and sinks.is_floating_point()
+                and (q is None or (sinks.shape[0] == q.shape[1] and sinks.device == q.device)),
+                "sinks", "expected a float tensor [num_heads] on the query's device, got "
+                f"{getattr(sinks, 'shape', sinks)!r}")
+        require(bool(torch.isfinite(sinks).all()), "sinks", "must be finite")
 
 
 def check_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -144,15 +144,16 @@ PREFILL_TILE_ROWS = 32
 def cpu_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         plan: AttentionPlan, scale: float, k_scale: float = 1.0,
                         v_scale: float = 1.0, *, sliding_window: int | None = None,
-                        logits_soft_cap: float | None = None) -> torch.Tensor:
-    """Same contract as reference_paged_attention. The C++ kernels know neither a sliding
-    window nor a soft cap: a layer with either runs the torch path (same results)."""
-    if sliding_window is not None or logits_soft_cap is not None:
+                        logits_soft_cap: float | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as reference_paged_attention. The C++ kernels know no sliding window,
+    soft cap or sinks: a layer with any runs the torch path (same results)."""
+    if sliding_window is not None or logits_soft_cap is not None or sinks is not None:
         from kvserve.kernels.torch_attention import torch_paged_attention
 
         return torch_paged_attention(q, k_cache, v_cache, plan, scale, k_scale, v_scale,
                                      sliding_window=sliding_window,
-                                     logits_soft_cap=logits_soft_cap)
+                                     logits_soft_cap=logits_soft_cap, sinks=sinks)
     parts = _parts(plan)
     if k_cache.dtype == FP8_DTYPE:
         kc, vc, table = k_cache.view(torch.uint8), v_cache.view(torch.uint8), _fp8_table()

@@ -39,12 +39,14 @@ def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                               query_start_loc: torch.Tensor, scale: float,
                               k_scale: float = 1.0, v_scale: float = 1.0, *,
                               sliding_window: int | None = None,
-                              logits_soft_cap: float | None = None) -> torch.Tensor:
+                              logits_soft_cap: float | None = None,
+                              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole (cached + new) history.
 
     `sliding_window` W: a token at position p sees keys at positions p - W + 1 .. p only (W keys,
     as HF's Mistral/Gemma masks). `logits_soft_cap` c: scores become c * tanh(scores / c) before
-    the mask and softmax (Gemma 2).
+    the mask and softmax (Gemma 2). `sinks` [num_heads]: one more logit per head in every
+    softmax whose weight is dropped (gpt-oss's attention sinks, as HF's eager attention).
     """
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     block_size = k_cache.shape[1]
@@ -72,6 +74,10 @@ def reference_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         if sliding_window is not None:
             hidden = hidden | (k_pos <= q_pos - sliding_window)
         scores = scores.masked_fill(hidden, float("-inf"))
-        probs = scores.softmax(dim=-1)
+        if sinks is not None:
+            sink = sinks.float()[:, None, None].expand(-1, end - start, 1)
+            probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
+        else:
+            probs = scores.softmax(dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out

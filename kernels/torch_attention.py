@@ -30,10 +30,12 @@ def torch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           plan: AttentionPlan, scale: float, k_scale: float = 1.0,
                           v_scale: float = 1.0, *, out: torch.Tensor | None = None,
                           decode: bool = True, sliding_window: int | None = None,
-                          logits_soft_cap: float | None = None) -> torch.Tensor:
+                          logits_soft_cap: float | None = None,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as reference_paged_attention. With `decode=False` the decode rows are left
     to the caller (the CPU backend's kernel has written them into `out`). A sliding window is
-    one more mask term; a soft cap goes through the explicit-softmax paths (not SDPA)."""
+    one more mask term; a soft cap or sinks go through the explicit-softmax paths (not SDPA):
+    a sink scales each row's weights by Z / (Z + e^sink) = sigmoid(logsumexp(scores) - sink)."""
     if k_cache.dtype == FP8_DTYPE:  # gathered values come out divided by 256
         k_scale, v_scale = k_scale * FP8_TO_FP16_FACTOR, v_scale * FP8_TO_FP16_FACTOR
     else:  # scales describe fp8 storage only
@@ -44,7 +46,8 @@ def torch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     gather = _Gather(k_cache, v_cache, q.dtype, ws)
-    layer = _Layer(scale * k_scale, v_scale, sliding_window, logits_soft_cap)
+    layer = _Layer(scale * k_scale, v_scale, sliding_window, logits_soft_cap,
+                   None if sinks is None else sinks.float())
     for chunk in parts.decode:
         out.index_copy_(0, chunk.tokens, _decode(q, gather, chunk, layer))
     for seq in parts.prefill:
@@ -60,6 +63,19 @@ class _Layer:
     v_scale: float
     window: int | None
     soft_cap: float | None
+    sinks: torch.Tensor | None = None  # fp32 [num_heads]
+
+    @property
+    def explicit(self) -> bool:
+        """Whether the scores must be materialised in fp32 (no SDPA, no fused baddbmm)."""
+        return self.soft_cap is not None or self.sinks is not None
+
+    def sink(self, probs: torch.Tensor, scores: torch.Tensor, shape: tuple) -> torch.Tensor:
+        """probs with each head's sink in the denominator (`shape` views sinks like scores)."""
+        if self.sinks is None:
+            return probs
+        lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+        return probs.mul_(torch.sigmoid(lse - self.sinks.view(shape)))
 
     def cap(self, scores: torch.Tensor) -> torch.Tensor:
         """Scaled scores, soft-capped in place when the layer has a cap (before the mask)."""
@@ -100,7 +116,7 @@ def _decode(q: torch.Tensor, gather: _Gather, chunk: DecodeChunk, layer: _Layer)
     v = gather("v", chunk.blocks).view(n, chunk.key_len, -1)
     kv_heads = k.shape[2] // head_dim
     qs = q.index_select(0, chunk.tokens).view(n, kv_heads, heads // kv_heads, head_dim)
-    if q.dtype == torch.float32 or layer.soft_cap is not None:
+    if q.dtype == torch.float32 or layer.explicit:
         res = _decode_bmm(qs, k, v, chunk.additive_mask(torch.float32, layer.window), layer)
     else:
         res = F.scaled_dot_product_attention(
@@ -118,17 +134,17 @@ def _decode_bmm(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
 
     The query is made block-diagonal ([n, heads, kv_heads * d], head h non-zero only on its KV
     head's slice), so each bmm reads the gathered rows as they lie: no transpose, no repeat.
-    Scores and softmax are fp32 (`mask` is fp32); a bf16 query only comes here with a soft cap.
+    Scores and softmax are fp32 (`mask` is fp32); a bf16 query comes here with a cap or sinks.
     """
     n, kv_heads, group, head_dim = qs.shape
     eye = torch.eye(kv_heads, dtype=qs.dtype, device=qs.device).view(1, kv_heads, 1, kv_heads, 1)
     q_big = (qs.unsqueeze(3) * eye).view(n, kv_heads * group, kv_heads * head_dim)
-    if layer.soft_cap is None:
+    if layer.soft_cap is None and qs.dtype == torch.float32:
         scores = torch.baddbmm(mask, q_big, k.transpose(1, 2), alpha=layer.qk_scale)
     else:
         scores = torch.bmm(q_big, k.transpose(1, 2)).float().mul_(layer.qk_scale)
         scores = layer.cap(scores).add_(mask)
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    probs = layer.sink(torch.softmax(scores, dim=-1), scores, (1, -1, 1)).to(v.dtype)
     full = torch.bmm(probs, v).view(n, kv_heads, group, kv_heads, head_dim)
     return torch.diagonal(full, dim1=1, dim2=3).permute(0, 3, 1, 2)
 
@@ -158,7 +174,8 @@ def _prefill(q: torch.Tensor, gather: _Gather, seq: PrefillSeq, layer: _Layer) -
         qt = qs[:, r0:r1].reshape(kv_heads, rows, head_dim)
         scores = torch.bmm(qt, k).float().view(kv_heads, r1 - r0, group, seq.seq_len)
         layer.cap(scores.mul_(layer.qk_scale)).add_(mask[None, r0:r1, None, :])
-        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(kv_heads, rows, seq.seq_len)
+        probs = layer.sink(torch.softmax(scores, dim=-1), scores, (kv_heads, 1, group, 1))
+        probs = probs.to(q.dtype).view(kv_heads, rows, seq.seq_len)
         res = torch.bmm(probs, v).view(kv_heads, r1 - r0, group, head_dim)
         out[r0:r1] = res.transpose(0, 1).reshape(r1 - r0, heads, head_dim)
     return out.mul_(layer.v_scale) if layer.v_scale != 1.0 else out

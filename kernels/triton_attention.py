@@ -6,7 +6,9 @@ Per-layer options, each a runtime value behind a constexpr switch (so a layer wi
 compiles to the plain kernel): `sliding_window` (USE_WINDOW) hides keys more than W - 1
 positions behind the query and skips the key blocks wholly before every row's window;
 `soft_cap_log2` (USE_SOFT_CAP) is the soft cap c times log2(e), the unit the scores are in
-here, so s becomes c * tanh(s / c) before the mask.
+here, so s becomes c * tanh(s / c) before the mask; `sinks` (HAS_SINKS, per head, times
+log2(e) on the host) join the running max and sum of split 0 only, so the merge of the splits
+counts each once.
 """
 
 from __future__ import annotations
@@ -74,12 +76,13 @@ def _attend_range(q, k_ptr, v_ptr, bt_row_ptr, kv_head, q_pos, lo, hi, qk_scale,
 def _paged_attention_kernel(
         out_ptr, ws_acc_ptr, ws_lse_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
         qk_scale, v_scale, split_len, stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_kb, stride_ks, stride_kh, stride_bt, sliding_window, soft_cap_log2,
+        stride_kb, stride_ks, stride_kh, stride_bt, sliding_window, soft_cap_log2, sinks_ptr,
         GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IS_FP8: tl.constexpr,
         NUM_HEADS: tl.constexpr, DOT_FP32: tl.constexpr,
-        PRECISION: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr):
+        PRECISION: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+        HAS_SINKS: tl.constexpr):
     """Program (sequence, query tile, kv head x split): BLOCK_Q tokens x GROUP heads as rows."""
     seq = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -112,6 +115,15 @@ def _paged_attention_kernel(
             qk_scale, sliding_window, soft_cap_log2, stride_kb, stride_ks, stride_kh, d, d_ok,
             BLOCK_SIZE, BLOCK_N, BLOCK_Q * GROUP_P2, HEAD_DIM_P2, IS_FP8, DOT_FP32, PRECISION,
             USE_WINDOW, USE_SOFT_CAP)
+        if HAS_SINKS:  # one more logit in the denominator, with no value: in split 0 only
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0)
+            sink = tl.where(split == 0, sink, float("-inf"))
+            m_new = tl.maximum(m_i, sink)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.exp2(sink - m_safe)
+            acc = acc * alpha[:, None]
+            m_i = m_new
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         res = acc / l_safe[:, None]
         store_mask = row_ok[:, None] & d_ok[None, :]
@@ -184,9 +196,10 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            plan: AttentionPlan, scale: float, k_scale: float = 1.0,
                            v_scale: float = 1.0, num_splits: int | None = None, *,
                            sliding_window: int | None = None,
-                           logits_soft_cap: float | None = None) -> torch.Tensor:
+                           logits_soft_cap: float | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the varlen kernel (and the merge when the KV is split); `num_splits` overrides.
-    `sliding_window` / `logits_soft_cap`: as paged_attention's (None = off)."""
+    `sliding_window` / `logits_soft_cap` / `sinks`: as paged_attention's (None = off)."""
     is_fp8 = k_cache.dtype == FP8_DTYPE
     if q.stride(-1) != 1:  # the kernel assumes a unit stride along head_dim
         q = q.contiguous()
@@ -201,7 +214,8 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         split_len = triton.cdiv(triton.cdiv(max(plan.max_seq_len, 1), num_splits), cfg.block_n)
         cfg = TritonConfig(cfg.block_q, cfg.block_n, num_splits, split_len * cfg.block_n,
                            cfg.q_tiles)
-    layer = LayerOptions(sliding_window, logits_soft_cap)
+    sinks_log2 = None if sinks is None else sinks.float().mul(LOG2E).contiguous()
+    layer = LayerOptions(sliding_window, logits_soft_cap, sinks_log2)
     return _launch(q, k_cache, v_cache, plan, cfg, scale * k_scale * LOG2E, v_scale, is_fp8,
                    layer)
 
@@ -212,12 +226,16 @@ class LayerOptions:
 
     sliding_window: int | None = None
     logits_soft_cap: float | None = None
+    sinks_log2: torch.Tensor | None = None  # fp32 [num_heads], in log2 units
 
-    def kernel_args(self) -> dict:
+    def kernel_args(self, unused: torch.Tensor) -> dict:
+        """`unused`: any tensor on the device, passed for sinks_ptr when there are none."""
         return {"sliding_window": self.sliding_window or 0,
                 "soft_cap_log2": (self.logits_soft_cap or 0.0) * LOG2E,
+                "sinks_ptr": unused if self.sinks_log2 is None else self.sinks_log2,
                 "USE_WINDOW": self.sliding_window is not None,
-                "USE_SOFT_CAP": self.logits_soft_cap is not None}
+                "USE_SOFT_CAP": self.logits_soft_cap is not None,
+                "HAS_SINKS": self.sinks_log2 is not None}
 
 
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan,
@@ -245,7 +263,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan:
         # The interpreter's tl.dot is wrong for bf16 operands: on the CPU the dots run in fp32.
         DOT_FP32=q.device.type != "cuda",
         # tl.dot rounds fp32 operands to TF32 by default; an fp32 model asks for fp32 accuracy.
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **layer.kernel_args())
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **layer.kernel_args(out))
     if cfg.num_splits > 1:
         _merge_splits_kernel[(plan.num_tokens, heads)](
             out, ws_acc, ws_lse, v_scale, out.stride(0), out.stride(1), NUM_HEADS=heads,

@@ -9,6 +9,7 @@ from typing import Any
 
 import kopf
 
+from kvserve.operator.model_files import ModelReader
 from kvserve.operator.resources import desired_objects, registration_secret
 from kvserve.operator.sizing import Sizing, plan
 from kvserve.operator.spec import ServiceSpec, parse_spec
@@ -25,10 +26,11 @@ class Children:
     create_once: list[dict[str, Any]]
 
 
-def build_children(body: Mapping[str, Any]) -> Children:
-    """Parse, size and build; InvalidSpecError says what to fix. Owner references (kopf.adopt)
-    need the uid the API server assigned, so a CR read from a file gets none."""
-    spec = parse_spec(dict(body))
+def build_children(body: Mapping[str, Any], reader: ModelReader | None = None) -> Children:
+    """Parse, size and build; InvalidSpecError says what to fix. With a reader, a model outside
+    the catalog is sized from its own files. Owner references (kopf.adopt) need the uid the API
+    server assigned, so a CR read from a file gets none."""
+    spec = parse_spec(dict(body), reader)
     sizing = plan(spec)
     objects = desired_objects(spec, sizing)
     create_once = [registration_secret(spec, new_token())]

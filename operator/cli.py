@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from kvserve.operator.catalog import GPUS, MODELS
@@ -22,7 +23,10 @@ def _add_plan(subparsers: Any) -> None:
         description="GPUs per replica, KV blocks and max concurrency from the engine's memory "
                     "budget; the JSON keys match a KVInferenceService's status.sizing.")
     p.add_argument("--model", required=True,
-                   help=f"catalog name ({', '.join(sorted(MODELS))}) or any name with --layers ...")
+                   help=f"a local model folder, a hub id ORG/NAME (read through HF_ENDPOINT with "
+                        f"HF_TOKEN: config.json and safetensors headers only), a catalog name "
+                        f"({', '.join(sorted(MODELS))}) or any name with --layers ...")
+    p.add_argument("--revision", help="hub revision of --model (default main)")
     p.add_argument("--gpu", choices=sorted(GPUS), help="GPU type")
     p.add_argument("--gpu-memory-gib", type=float, help="memory per GPU for other GPU types")
     p.add_argument("--max-gpus-per-replica", type=int, default=8)
@@ -73,6 +77,10 @@ def register(subparsers: Any) -> None:
 def plan_body(args: argparse.Namespace) -> dict:
     """A KVInferenceService object equivalent to the plan flags."""
     model: dict = {"name": args.model}
+    if Path(args.model).expanduser().is_dir():  # a local checkpoint: sized from its files
+        model = {"name": Path(args.model).name, "uri": str(Path(args.model).expanduser().resolve())}
+    if args.revision:
+        model["revision"] = args.revision
     if args.layers is not None:
         model["architecture"] = {key: getattr(args, flag) for flag, key in ARCH_FLAGS.items()
                                  if getattr(args, flag) is not None}
@@ -113,10 +121,11 @@ def format_table(status: dict) -> str:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    from kvserve.operator.model_files import ModelReader
     from kvserve.operator.sizing import plan
 
     try:
-        status = plan(parse_spec(plan_body(args))).as_status()
+        status = plan(parse_spec(plan_body(args), ModelReader(use_hf_cache=True))).as_status()
     except InvalidSpecError as exc:
         print(f"error ({exc.reason}): {exc}", file=sys.stderr)
         return 2

@@ -51,9 +51,12 @@ def _model() -> Schema:
         "vocabSize": _typed("integer", "vocab_size (default 32000).", minimum=1),
         "maxModelLen": _typed("integer", "The model's context length (default 4096).", minimum=1),
     }, required=["layers", "kvHeads", "headDim", "parameters"])
-    return _obj("The model to serve: a catalog `name` or a `uri` the engine can load.", {
-        "name": _typed("string", "Catalog name (llama-2-7b, llama-3-70b, mistral-7b, qwen2.5-7b, "
-                       "smollm2-135m, ...) or any name when `architecture` is given.",
+    return _obj("The model to serve: a catalog `name` or a `uri` the engine can load. A model "
+                "outside the catalog is sized from its own config.json and safetensors headers "
+                "(read from HF_ENDPOINT at reconcile time).", {
+        "name": _typed("string", "Catalog name (llama-3.1-8b, qwen3-32b, gpt-oss-120b, "
+                       "gemma-3-27b, smollm2-135m, ...), a hub id ORG/NAME, or any name when "
+                       "`uri` or `architecture` is given.",
                        minLength=1),
         "uri": _typed("string", "Where the weights come from, spelled as KServe's storageUri: "
                       "hf://ORG/NAME[:REVISION] (the Hugging Face hub), pvc://CLAIM/PATH (an "
@@ -67,6 +70,13 @@ def _model() -> Schema:
         "servedModelName": _typed("string", "Name clients use in requests (default: name, "
                                   "else the resource's name).", minLength=1),
         "architecture": arch,
+        "tokenSecretRef": _obj(
+            "A Secret key (in the service's namespace) holding a Hugging Face token, for gated "
+            "or private models: the operator reads it to size the model from its files, and "
+            "the engine, router and fetch pods get it as env HF_TOKEN.", {
+                "name": _typed("string", "Secret name.", minLength=1),
+                "key": _typed("string", "Key in the Secret.", default="token", minLength=1),
+            }, required=["name"]),
     }, **{"x-kubernetes-validations": [
         {"rule": "has(self.name) || has(self.uri)", "message": "set model.name or model.uri"}]})
 
@@ -293,12 +303,20 @@ def spec_schema() -> Schema:
 def status_schema() -> Schema:
     sizing = _obj("What the memory budget chose (as `kvserve plan --output json`).", {
         "gpusPerReplica": _typed("integer", "GPUs per replica."),
-        "weightBytes": _typed("integer", "Weight bytes per replica.", format="int64"),
+        "weightBytes": _typed("integer", "Weight bytes per replica: from the checkpoint's "
+                              "safetensors headers when the operator read them (quantised "
+                              "tensors at their stored bytes), else parameters x dtype bytes.",
+                              format="int64"),
         "kvBytes": _typed("integer", "KV-cache bytes per replica.", format="int64"),
         "bytesPerBlock": _typed("integer", "Bytes per KV block per replica.", format="int64"),
         "numBlocks": _typed("integer", "KV blocks per replica.", format="int64"),
         "maxConcurrency": _typed("integer", "Full-length requests one replica holds at once.",
                                  format="int64"),
+        "maxConcurrencyWindowed": _typed(
+            "integer", "The same with sliding-window layers (Gemma, gpt-oss, Mistral) holding "
+            "only their window.", format="int64"),
+        "modelSource": _typed("string", "Where the model's figures came from: catalog, "
+                              "spec.model.architecture, or the files read."),
         "explanation": _typed("string", "The arithmetic, in words."),
     }, **{"x-kubernetes-preserve-unknown-fields": True})
     condition = _obj("A status condition.", {

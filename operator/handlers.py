@@ -17,12 +17,14 @@ from kvserve.operator.conditions import (
 )
 from kvserve.operator.crd import GROUP, PLURAL, VERSION
 from kvserve.operator.kube import FIELD_MANAGER, KubeClient, KubeError, KubeTransientError
+from kvserve.operator.model_files import ModelReader, ModelReadError
 from kvserve.operator.reconcile import ApplyResult, apply_objects, create_missing, prune
 from kvserve.operator.resources import engine_replicas, names, selector_string
 from kvserve.operator.spec import InvalidSpecError, ServiceSpec
 
 STATUS_INTERVAL = 30.0
 RETRY_DELAY = 15.0
+MODEL_RETRY_DELAY = 60.0  # a hub that cannot be reached: retry, but never in a hot loop
 
 
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
@@ -31,6 +33,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.persistence.finalizer = "kvserve.io/operator"
     if getattr(memo, "kube", None) is None:
         memo.kube = KubeClient.from_environment()
+    if getattr(memo, "models", None) is None:
+        memo.models = ModelReader(kube=memo.kube)
 
 
 def close_client(memo: kopf.Memo, **_: Any) -> None:
@@ -78,7 +82,12 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: kopf.
               **_: Any) -> None:
     """create/update/resume: make the cluster match the spec, or refuse it with a reason."""
     try:
-        built = build_children(body)
+        built = build_children(body, getattr(memo, "models", None))
+    except ModelReadError as exc:  # never a guessed size: say why, retry slowly or not at all
+        _refuse(body, patch, exc)
+        if exc.transient:
+            raise kopf.TemporaryError(f"{exc.reason}: {exc}", delay=MODEL_RETRY_DELAY) from exc
+        raise kopf.PermanentError(f"{exc.reason}: {exc}") from exc
     except InvalidSpecError as exc:
         _refuse(body, patch, exc)
         raise kopf.PermanentError(f"{exc.reason}: {exc}") from exc
@@ -138,10 +147,11 @@ def resync(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: kopf.Log
            **_: Any) -> None:
     """Timer: repair drift (a deleted or edited child object) and refresh readiness in status.
 
-    Refused specs are skipped: the create/update handler already said why.
+    Refused specs are skipped: the create/update handler already said why. Model files are
+    read through the memo's cache, so a resync does not re-read the hub each time.
     """
     try:
-        built = build_children(body)
+        built = build_children(body, getattr(memo, "models", None))
     except InvalidSpecError:
         return
     try:

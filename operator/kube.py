@@ -32,8 +32,8 @@ PLURALS: dict[tuple[str, str], str] = {
     ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
 }
-# Kinds the operator only creates (RBAC: create, nothing else): it never reads a Secret, so it
-# holds no right to read anyone's.
+# Kinds the operator creates and reads one by one, never lists (RBAC: create, get): the
+# registration Secret, and the hub token Secret a service names in spec.model.tokenSecretRef.
 CREATE_ONLY: dict[tuple[str, str], str] = {("v1", "Secret"): "secrets"}
 MERGE_PATCH = "application/merge-patch+json"
 APPLY_PATCH = "application/apply-patch+yaml"  # JSON is YAML: the body is sent as JSON

@@ -47,10 +47,11 @@ def load_services(text: str, namespace: str | None) -> list[dict]:
 def render(text: str, namespace: str | None = None) -> str:
     """The YAML stream; InvalidSpecError (with the operator's own message) for a bad spec."""
     from kvserve.operator.children import build_children
+    from kvserve.operator.model_files import ModelReader
 
     out = []
     for body in load_services(text, namespace):
-        built = build_children(body)
+        built = build_children(body, ModelReader())
         s = built.sizing.as_status()
         docs = [yaml.safe_dump(obj, sort_keys=False, width=100) for obj in built.objects]
         once = ", ".join(f"{o['kind']} {o['metadata']['name']}" for o in built.create_once)

@@ -128,11 +128,18 @@ def engine_env(spec: ServiceSpec) -> list[Obj]:
 
 
 def secret_env(spec: ServiceSpec) -> list[Obj]:
-    """The shared registration token and the Redis password, from Secrets (never as flags)."""
+    """The shared registration token, the Redis password and the hub token, from Secrets
+    (never as flags)."""
     env = [trust.secret_env(trust.REGISTRATION_TOKEN_ENV, trust.registration_ref(spec.name))]
     if spec.redis_password is not None:
         env.append(trust.secret_env(trust.REDIS_PASSWORD_ENV, spec.redis_password))
-    return env
+    return env + hub_token_env(spec)
+
+
+def hub_token_env(spec: ServiceSpec) -> list[Obj]:
+    """HF_TOKEN from spec.model.tokenSecretRef: gated models download (and tokenize) with it."""
+    ref = spec.model.token_secret
+    return [] if ref is None else [trust.secret_env("HF_TOKEN", ref)]
 
 
 def engine_volumes(spec: ServiceSpec, sizing: Sizing) -> tuple[list[Obj], list[Obj]]:

@@ -17,6 +17,7 @@ from kvserve.engine.memory import (
     rank_weight_bytes,
 )
 from kvserve.operator import offload
+from kvserve.operator.catalog import ModelArch
 from kvserve.operator.spec import InvalidSpecError, ServiceSpec
 
 DEFAULT_MAX_NUM_SEQS = 256  # the engine's own default (EngineConfig.max_num_seqs)
@@ -43,6 +44,7 @@ class Sizing:
     bytes_per_block: int  # per replica (all its GPUs' shares of one block)
     num_blocks: int
     max_concurrency: int  # full-length (maxModelLen) requests one replica holds at once
+    max_concurrency_windowed: int  # the same with sliding-window layers capped at their window
     max_num_seqs: int  # what the engine is started with
     activation_peak_bytes: int  # per GPU
     device_memory_bytes: int  # per GPU (or per pod on cpu)
@@ -50,6 +52,7 @@ class Sizing:
     kv_cache_dtype: str
     explanation: str
     kv_offloading: dict = field(default_factory=dict)  # offload.status: the tiers' sizes
+    model_source: str = "catalog"  # catalog, spec.model.architecture, or the files read
 
 
     def as_status(self) -> dict:
@@ -58,9 +61,10 @@ class Sizing:
             "gpusPerReplica": self.gpus_per_replica, "weightBytes": self.weight_bytes,
             "kvBytes": self.kv_bytes, "bytesPerBlock": self.bytes_per_block,
             "numBlocks": self.num_blocks, "maxConcurrency": self.max_concurrency,
+            "maxConcurrencyWindowed": self.max_concurrency_windowed,
             "maxNumSeqs": self.max_num_seqs, "activationPeakBytes": self.activation_peak_bytes,
             "deviceMemoryBytes": self.device_memory_bytes, "weightDtype": self.weight_dtype,
-            "kvCacheDtype": self.kv_cache_dtype,
+            "kvCacheDtype": self.kv_cache_dtype, "modelSource": self.model_source,
             **({"kvOffloading": self.kv_offloading} if self.kv_offloading else {}),
             "explanation": self.explanation,
         }
@@ -107,13 +111,14 @@ def activation_bytes(spec: ServiceSpec, gpus: int = 1) -> int:
 def budget_per_gpu(spec: ServiceSpec, gpus: int) -> MemoryBudget:
     """The engine's budget on each of `gpus` GPUs holding 1/gpus of the weights and KV heads."""
     arch, eng = spec.model.arch, spec.engine
-    weights = arch.parameters * dtype_bytes(weight_dtype(spec))
+    weights = arch.weight_bytes(dtype_bytes(weight_dtype(spec)))
     return plan_memory(
         total_bytes=spec.gpu_memory_bytes, gpu_memory_utilization=eng.gpu_memory_utilization,
         weight_bytes=rank_weight_bytes(weights, gpus), activation_peak=activation_bytes(spec, gpus),
         num_layers=arch.layers, num_kv_heads=kv_heads_per_rank(arch.kv_heads, gpus),
         head_dim=arch.head_dim, kv_dtype_bytes=dtype_bytes(kv_dtype(spec)),
-        block_size=eng.block_size, tokens_per_request=eng.max_model_len)
+        block_size=eng.block_size, tokens_per_request=eng.max_model_len,
+        layer_groups=arch.layer_groups or None)
 
 
 def blocks_needed(spec: ServiceSpec) -> int:
@@ -156,17 +161,19 @@ def _device_words(spec: ServiceSpec, gpus: int) -> str:
 def _sizing(spec: ServiceSpec, gpus: int, b: MemoryBudget) -> Sizing:
     eng, arch = spec.engine, spec.model.arch
     wdt, kdt = weight_dtype(spec), kv_dtype(spec)
-    weights = arch.parameters * dtype_bytes(wdt)
+    weights = arch.weight_bytes(dtype_bytes(wdt))
     explanation = (
         f"{_device_words(spec, gpus)} x {eng.gpu_memory_utilization:.2f} utilisation; "
         f"{'per pod' if spec.device == 'cpu' else 'per GPU'}: "
         f"{b.total_bytes * b.gpu_memory_utilization / GiB:.2f} GiB - weights "
-        f"{b.weight_bytes / GiB:.2f} GiB ({arch.parameters / 1e9:.2f}B params x "
-        f"{dtype_bytes(wdt)} B {wdt} / {gpus}) - activations "
+        f"{b.weight_bytes / GiB:.2f} GiB ({_weight_words(arch, wdt)} / {gpus}) - activations "
         f"{b.activation_peak_bytes / GiB:.2f} GiB = KV {b.kv_bytes / GiB:.2f} GiB; "
         f"{b.bytes_per_block / 1024:.0f} KiB per block of {eng.block_size} tokens ({kdt}) -> "
         f"{b.num_blocks} blocks = {b.num_blocks * eng.block_size} tokens -> max concurrency "
         f"{b.max_concurrency} requests of {eng.max_model_len} tokens")
+    if b.max_concurrency_windowed != b.max_concurrency:
+        explanation += (f" ({b.max_concurrency_windowed} with {_window_words(arch)} capped at "
+                        "their window)")
     if gpus > 1 and spec.device != "cpu":
         explanation += (f"; tensor parallel over {gpus} GPUs of one node "
                         f"(--tensor-parallel-size {gpus}, NCCL, memory-backed /dev/shm), each "
@@ -180,10 +187,24 @@ def _sizing(spec: ServiceSpec, gpus: int, b: MemoryBudget) -> Sizing:
         gpus_per_replica=0 if spec.device == "cpu" else gpus, weight_bytes=weights,
         kv_bytes=b.kv_bytes * share, bytes_per_block=b.bytes_per_block * share,
         num_blocks=b.num_blocks, max_concurrency=b.max_concurrency,
+        max_concurrency_windowed=b.max_concurrency_windowed,
         max_num_seqs=eng.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
         activation_peak_bytes=b.activation_peak_bytes, device_memory_bytes=spec.gpu_memory_bytes,
         weight_dtype=wdt, kv_cache_dtype=kdt, explanation=explanation,
-        kv_offloading=offload.status(kv, b.bytes_per_block * share))
+        kv_offloading=offload.status(kv, b.bytes_per_block * share), model_source=arch.origin)
+
+
+def _weight_words(arch: ModelArch, wdt: str) -> str:
+    if arch.weights is None:
+        return f"{arch.parameters / 1e9:.2f}B params x {dtype_bytes(wdt)} B {wdt}"
+    stored = ", ".join(sorted(arch.weights.bytes_by_dtype))
+    return (f"{arch.parameters / 1e9:.2f}B params from the safetensors headers ({stored}; "
+            f"floating tensors as {wdt})")
+
+
+def _window_words(arch: ModelArch) -> str:
+    return ", ".join(f"{g.num_layers} layers of window {g.window}" for g in arch.layer_groups
+                     if g.window is not None)
 
 
 def _refusal(spec: ServiceSpec, gpus: int, b: MemoryBudget) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvserve.operator.catalog import GPUS, MODELS, ModelArch, lookup_model
 from kvserve.operator.crd import DEFAULT_IMAGE, spec_schema
@@ -15,6 +15,9 @@ from kvserve.operator.offload import KVOffloading
 from kvserve.operator.offload import parse as parse_offloading
 from kvserve.operator.trust import SecretRef, password_in_url
 from kvserve.service.prefix_index.redis_client import parse_redis_url
+
+if TYPE_CHECKING:
+    from kvserve.operator.model_files import ModelReader
 
 GiB = 1 << 30
 _QUANTITY = re.compile(r"^([0-9.]+)([KMGTPE]i?|m|k)?$")
@@ -119,6 +122,7 @@ class ModelRef:
     arch: ModelArch
     location: ModelURI = field(default_factory=lambda: ModelURI("name", ""))
     cache: CacheSpec | None = None
+    token_secret: SecretRef | None = None  # the hub token (gated models): sizing and pods
 
 
 @dataclass(frozen=True)
@@ -211,7 +215,8 @@ def _arch_from_spec(a: dict, source: str) -> ModelArch:
         layers=a["layers"], heads=heads, kv_heads=a["kvHeads"], head_dim=a["headDim"],
         hidden=hidden, intermediate=a.get("intermediateSize", 4 * hidden),
         vocab=a.get("vocabSize", 32000), parameters=a["parameters"],
-        dtype=a.get("dtype", "bfloat16"), max_model_len=a.get("maxModelLen", 4096), source=source)
+        dtype=a.get("dtype", "bfloat16"), max_model_len=a.get("maxModelLen", 4096), source=source,
+        origin="spec.model.architecture")
 
 
 def cache_spec(cache: dict | None, location: ModelURI, cr_name: str) -> CacheSpec | None:
@@ -232,8 +237,38 @@ def cache_spec(cache: dict | None, location: ModelURI, cr_name: str) -> CacheSpe
                      access_mode=pvc["accessMode"], storage_class=pvc.get("storageClassName"))
 
 
-def model_ref(model: dict, cr_name: str) -> ModelRef:
-    """Resolve spec.model against the catalog, or read its explicit architecture."""
+def _catalog_or_files(model: dict, location: ModelURI | None, reader: ModelReader | None,
+                      namespace: str, env: list) -> tuple[str, ModelArch]:
+    """The catalog entry of the uri (what is served) or of the name; else, with a reader, the
+    model's own files. A uri outside the catalog is never sized by its name's entry: a
+    quantised or fine-tuned checkpoint is not the base model."""
+    name = model.get("name")
+    if location is None and name and reader is not None and lookup_model(name) is None:
+        location = parse_model_uri(name, model.get("revision"))  # a hub id given as name
+    if location is not None:
+        found = lookup_model(location.path)
+        if found is None and location.scheme == "pvc" and name:
+            found = lookup_model(name)  # weights on a claim: the name says which model
+        if found is not None:
+            return found
+        if reader is not None and location.scheme in ("hf", "path", "pvc"):
+            ref = model.get("tokenSecretRef")
+            token = SecretRef(ref["name"], ref["key"]) if ref else None
+            return name or location.path, reader.arch(location, namespace, token, env)
+    found = lookup_model(name) if name else None
+    if found is None:
+        raise InvalidSpecError(
+            f"model {name or model.get('uri')!r} is not in the catalog "
+            f"({', '.join(sorted(MODELS))}) and has no files the operator can read: give a hub "
+            "id (hf://ORG/NAME) or describe it with spec.model.architecture {layers, kvHeads, "
+            "headDim, parameters}", reason="UnknownModel")
+    return found
+
+
+def model_ref(model: dict, cr_name: str, reader: ModelReader | None = None,
+              namespace: str = "", env: list | None = None) -> ModelRef:
+    """Resolve spec.model against the catalog or the model's own files (with a reader), or read
+    its explicit architecture."""
     name, uri = model.get("name"), model.get("uri")
     if not name and not uri:
         raise InvalidSpecError("spec.model needs a name (from the catalog) or a uri")
@@ -244,20 +279,15 @@ def model_ref(model: dict, cr_name: str) -> ModelRef:
         arch = _arch_from_spec(model["architecture"], uri or name)
         key = name or uri
     else:
-        found = lookup_model(name) if name else None
-        found = found or (lookup_model(uri) if uri else None)
-        if found is None:
-            raise InvalidSpecError(
-                f"model {name or uri!r} is not in the catalog ({', '.join(sorted(MODELS))}); "
-                "describe it with spec.model.architecture {layers, kvHeads, headDim, parameters}",
-                reason="UnknownModel")
-        key, arch = found
+        key, arch = _catalog_or_files(model, location, reader, namespace, env or [])
     served = model.get("servedModelName") or name or cr_name
     source = uri or arch.source or key
     if location is None:
         location = parse_model_uri(source, model.get("revision"))
+    ref = model.get("tokenSecretRef")
     return ModelRef(key=key, source=source, served_name=served, arch=arch, location=location,
-                    cache=cache_spec(model.get("cache"), location, cr_name))
+                    cache=cache_spec(model.get("cache"), location, cr_name),
+                    token_secret=SecretRef(ref["name"], ref["key"]) if ref else None)
 
 
 def engine_spec(e: dict, arch: ModelArch, max_replicas: int = 1) -> EngineSpec:
@@ -336,15 +366,18 @@ def _network_policy(n: dict) -> NetworkPolicySpec:
     return NetworkPolicySpec(n["enabled"], n.get("clients", []), n["prometheus"])
 
 
-def parse_spec(body: dict) -> ServiceSpec:
-    """Default, check and read a KVInferenceService object; InvalidSpecError says what to fix."""
+def parse_spec(body: dict, reader: ModelReader | None = None) -> ServiceSpec:
+    """Default, check and read a KVInferenceService object; InvalidSpecError says what to fix.
+    With a reader, a model outside the catalog is sized from its own files."""
     meta = body.get("metadata", {})
     schema = spec_schema()
     spec = apply_defaults(schema, body.get("spec") or {})
     errors = schema_errors(schema, spec)
     if errors:
         raise InvalidSpecError("; ".join(errors))
-    model = model_ref(spec["model"], meta.get("name", ""))
+    namespace = meta.get("namespace", "default")
+    model = model_ref(spec["model"], meta.get("name", ""), reader, namespace,
+                      spec.get("env", []))
     gpu_type, memory = device_memory(spec)
     router = spec["router"]
     redis_url, redis_deploy, redis_password = _redis(spec["redis"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvserve.operator import trust
 from kvserve.operator.spec import ServiceSpec
 
 WEIGHTS_DIR = "/var/lib/kvserve/weights"
@@ -70,8 +71,10 @@ def init_container(spec: ServiceSpec, security: Obj, scratch: list[Obj]) -> Obj 
     """Fills the cache claim once; a current marker file makes it exit at once."""
     if spec.model.cache is None:
         return None
+    ref = spec.model.token_secret
+    token = [] if ref is None else [trust.secret_env("HF_TOKEN", ref)]
     env = [{"name": "HF_HOME", "value": "/tmp/hf"}, {"name": "XDG_CACHE_HOME", "value": "/tmp"},
-           *spec.env]
+           *token, *spec.env]
     return {"name": "fetch-weights", "image": spec.image, "command": fetch_command(spec),
             "env": env, "securityContext": security,
             "resources": {"requests": {"cpu": "500m", "memory": "1Gi"},

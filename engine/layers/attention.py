@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import torch
 from torch import Tensor, nn
 
 from kvserve.kernels.metadata import AttentionMetadata
@@ -54,23 +55,34 @@ class Attention(nn.Module):
     rotated) are written to the cache, attended, and returned as [T, heads * D].
 
     `sliding_window` W: this layer sees the last W positions only (None: all of them; the cache
-    keeps every block either way). `logits_soft_cap` c: scores become c * tanh(score / c)."""
+    keeps every block either way). `logits_soft_cap` c: scores become c * tanh(score / c).
+    `sinks`: a learned logit per head in every softmax's denominator (gpt-oss), loaded with
+    load_sinks."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *,
                  sliding_window: int | None = None,
-                 logits_soft_cap: float | None = None) -> None:
+                 logits_soft_cap: float | None = None, sinks: bool = False,
+                 dtype: torch.dtype = torch.float32, device=None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
         self.options = {k: v for k, v in (("sliding_window", sliding_window),
                                           ("logits_soft_cap", logits_soft_cap)) if v is not None}
+        self.sinks = None if not sinks else nn.Parameter(
+            torch.zeros(num_heads, dtype=dtype, device=device), requires_grad=False)
+
+    def load_sinks(self, source: Tensor) -> None:
+        """This layer's (this rank's heads') sink logits."""
+        with torch.no_grad():
+            self.sinks.copy_(source)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, Tensor],
                 attn: AttentionMetadata, attn_ops: AttentionOps) -> Tensor:
         k_cache, v_cache = kv_cache
         attn_ops.write(k, v, k_cache, v_cache, attn)
-        out = attn_ops.attend(q, k_cache, v_cache, attn, self.scale, **self.options)
+        options = self.options if self.sinks is None else {**self.options, "sinks": self.sinks}
+        out = attn_ops.attend(q, k_cache, v_cache, attn, self.scale, **options)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:

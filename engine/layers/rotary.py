@@ -136,8 +136,3 @@ class RotaryEmbedding(nn.Module):
         k = torch.cat((ops.torch_rope(k[..., :r], *rope), k[..., r:]), dim=-1)
         return q, k
 
-
-def rope_inv_freq(config, head_dim: int) -> tuple[Tensor, float, int]:
-    """(inv_freq, cos/sin scaling, table length): the one-table form older callers use."""
-    table = rope_table(config, head_dim)
-    return table.inv_freq, table.attention_scaling, table.length

@@ -6,9 +6,13 @@ from torch import nn
 
 from kvserve.engine.errors import ConfigError
 from kvserve.engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from kvserve.engine.models.gpt_oss import GptOssForCausalLM
 from kvserve.engine.models.llama import LlamaForCausalLM
+from kvserve.engine.models.mixtral import MixtralForCausalLM
 from kvserve.engine.models.phi3 import Phi3ForCausalLM
+from kvserve.engine.models.qwen2_moe import Qwen2MoeForCausalLM
 from kvserve.engine.models.qwen3 import Qwen3ForCausalLM
+from kvserve.engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -18,6 +22,10 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 
@@ -35,7 +43,9 @@ def get_model_class(architecture: str) -> type[nn.Module]:
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                  "phi3": "Phi3ForCausalLM"}
+                  "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                  "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                  "gpt_oss": "GptOssForCausalLM"}
 
 
 def model_class_for(config) -> type[nn.Module]:

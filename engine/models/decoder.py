@@ -15,6 +15,7 @@ from kvserve.engine.layers.attention import Attention, AttentionOps
 from kvserve.engine.layers.layernorm import GemmaRMSNorm, RMSNorm, norm_heads
 from kvserve.engine.layers.linear import skip_init_linear
 from kvserve.engine.layers.mlp import GatedMLP
+from kvserve.engine.layers.moe import FusedMoE, MoESpec
 from kvserve.engine.layers.rotary import RotaryEmbedding
 from kvserve.engine.layers.vocab_embedding import VocabParallelEmbedding
 from kvserve.engine.models.llama import LlamaDims, LlamaForCausalLM
@@ -36,12 +37,18 @@ class DecoderSpec:
     windows: tuple[int | None, ...] = ()  # per layer; () = no layer is windowed
     rope_types: tuple[str | None, ...] = ()  # per layer: whose rope table; () = one table
     max_model_len: int | None = None  # picks LongRoPE's factor set
+    moe: MoESpec | None = None  # the experts of the sparse layers
+    sparse: tuple[bool, ...] = ()  # per layer: MoE (True) or the dense MLP; () = all dense
+    attn_sinks: bool = False  # a learned per-head logit in each softmax's denominator (gpt-oss)
 
     def window(self, i: int) -> int | None:
         return self.windows[i] if self.windows else None
 
     def rope_type(self, i: int) -> str | None:
         return self.rope_types[i] if self.rope_types else None
+
+    def is_sparse(self, i: int) -> bool:
+        return bool(self.sparse) and self.sparse[i]
 
     def norm(self, dim: int, dtype, device) -> nn.Module:
         cls = GemmaRMSNorm if self.gemma_norms else RMSNorm
@@ -79,7 +86,8 @@ class DecoderAttention(nn.Module):
             self.k_norm = spec.norm(d.head_dim, dtype, device)
         self.attn = Attention(s.num_heads, s.num_kv_heads, d.head_dim,
                               spec.attn_scale or d.head_dim ** -0.5,
-                              sliding_window=spec.window(i), logits_soft_cap=spec.attn_soft_cap)
+                              sliding_window=spec.window(i), logits_soft_cap=spec.attn_soft_cap,
+                              sinks=spec.attn_sinks, dtype=dtype, device=device)
 
     def forward(self, x: Tensor, rotary: RotaryEmbedding, rope: tuple[Tensor, Tensor],
                 kv_cache: tuple[Tensor, Tensor], attn: AttentionMetadata,
@@ -102,8 +110,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         hidden = spec.dims.hidden
         self.self_attn = DecoderAttention(spec, i, s, tp, dtype, device)
-        self.mlp = GatedMLP(hidden, s.intermediate, spec.dims.mlp_bias, tp, dtype, device,
-                            activation=spec.activation)
+        self.mlp = FusedMoE(spec.moe, tp, dtype, device) if spec.is_sparse(i) else \
+            GatedMLP(hidden, s.intermediate, spec.dims.mlp_bias, tp, dtype, device,
+                     activation=spec.activation)
         self.input_layernorm = spec.norm(hidden, dtype, device)
         self.post_attention_layernorm = spec.norm(hidden, dtype, device)
         if spec.gemma_norms:  # sandwich: norm after attention, and before and after the MLP

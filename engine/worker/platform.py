@@ -134,6 +134,11 @@ def _start_workers(config: EngineConfig, model_path: Path | str, dtype: torch.dt
     layers, kv_heads, _ = _model_shape(cfg)
     check_tensor_parallel(n, cfg.num_attention_heads, kv_heads,
                           getattr(cfg, "intermediate_size", 4 * cfg.hidden_size))
+    for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        width = getattr(cfg, key, None)  # each rank holds 1/N of every expert's width
+        if width and width % n:
+            raise ConfigError(f"tensor_parallel_size={n} does not divide {key}={width}; pick an "
+                              "N that divides every expert width")
     if device.type == "cuda" and torch.cuda.device_count() < n:
         raise ConfigError(f"tensor_parallel_size={n} needs {n} GPUs, this machine shows "
                           f"{torch.cuda.device_count()}")
@@ -255,9 +260,22 @@ def _weight_bytes(model: torch.nn.Module, cfg: Any, dtype: torch.dtype, tp: int)
     / N (rounded up), the same convention as the operator's sizing. The unsharded model is
     built on the meta device to count it, so no rank ever holds it."""
     if tp == 1:
-        return sum(p.numel() * p.element_size() for p in model.parameters())
+        return resident_weight_bytes(model)
     whole = type(model)(cfg, dtype=dtype, device=torch.device("meta"))
     return rank_weight_bytes(sum(p.numel() * p.element_size() for p in whole.parameters()), tp)
+
+
+def resident_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights a loaded model holds: its parameters, plus the CPU's oneDNN-packed
+    linears, which are buffers (a tied lm_head packed as its own copy counts again)."""
+    from kvserve.engine.layers.packed_linear import PackedLinear
+
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            total += sum(b.numel() * b.element_size()
+                         for b in (module.packed_weight, module.bias) if b is not None)
+    return total
 
 
 def _cpu_kv_budget(config: EngineConfig) -> int:

@@ -68,6 +68,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics,
         chat_template_time_limit=config.chat_template_time_limit,
         prompt_tokens_details=config.enable_prompt_tokens_details)
     metrics.set_cache_config(engine.memory_budget.block_size, engine.memory_budget.num_blocks)
+    metrics.set_model_weight_bytes(
+        engine.memory_budget.weight_bytes * engine.config.tensor_parallel_size)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -92,6 +92,9 @@ class ServerMetrics:
         self.shared_blocks = g("kvserve:shared_blocks",
                                "KV blocks held by more than one request.").labels(m)
         self.total_blocks = g("kvserve:total_blocks", "KV blocks in the pool.").labels(m)
+        self.model_weight_bytes = g(
+            "kvserve:model_weight_bytes",
+            "Bytes of model weights the engine holds (all ranks).").labels(m)
         self.block_alloc = self._histogram(
             "kvserve:block_allocation_seconds", "Time to allocate KV blocks for one request step.",
             ALLOC_BUCKETS).labels(m)
@@ -172,6 +175,11 @@ class ServerMetrics:
     # ---- engine side (engine thread) ---------------------------------------------------------
     def set_cache_config(self, block_size: int, num_gpu_blocks: int) -> None:
         self.cache_config.labels(self.model_name, str(block_size), str(num_gpu_blocks)).set(1)
+
+    def set_model_weight_bytes(self, weight_bytes: int) -> None:
+        """The weight bytes the engine holds (all ranks): the figure status.sizing.weightBytes
+        and `kvserve plan` take from the checkpoint's headers."""
+        self.model_weight_bytes.set(weight_bytes)
 
     def observe_stats(self, stats: Any) -> None:
         """Gauges from one EngineStats; cumulative engine counters become counter increments."""

@@ -165,12 +165,12 @@ def test_operator_rbac_covers_every_kind_it_writes(helm: Path) -> None:
         assert any(group in r["apiGroups"] and plural in r["resources"]
                    and {"get", "list", "create", "patch", "delete"} <= set(r["verbs"])
                    for r in rules), (group, plural)
-    # Secrets: create only; the operator can read nobody's.
+    # Secrets: create, and get (the hub token a spec names); never list or watch them all.
     for (api_version, _), plural in CREATE_ONLY.items():
         group = api_version.rpartition("/")[0]
         granted = {v for r in rules if group in r["apiGroups"] and plural in r["resources"]
                    for v in r["verbs"]}
-        assert granted == {"create"}, (plural, granted)
+        assert granted == {"create", "get"}, (plural, granted)
 
 
 def test_chart_crd_is_the_manifest_crd() -> None:

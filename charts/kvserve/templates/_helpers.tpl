@@ -76,7 +76,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [""]
   resources: [secrets]
-  verbs: [create]
+  verbs: [create, get]
 - apiGroups: ["", events.k8s.io]
   resources: [events]
   verbs: [create, patch]

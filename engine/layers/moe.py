@@ -1,0 +1,241 @@
+"""The fused mixture-of-experts layer: top-k routing, then every expert's tokens as one
+contiguous segment through two grouped matmuls over experts stored stacked ([E, ...] tensors),
+plus the optional shared expert with its sigmoid gate (Qwen2-MoE).
+
+The batch is never walked per token: the T x k (token, expert) pairs are sorted by expert id
+(one argsort), so each expert's rows are one contiguous segment, and `F.grouped_mm` multiplies
+all segments in one call (one mm per non-empty segment where grouped_mm does not serve the
+device/dtype). Under tensor parallelism each rank holds its slice of every expert's intermediate
+dimension (gate/up by output rows, down by input columns, as the dense MLP), so the layer's
+output is a partial sum: one all-reduce after the routed and shared experts together.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kvserve.engine.errors import ConfigError, ModelNotFoundError
+from kvserve.engine.layers.linear import skip_init_linear
+from kvserve.engine.layers.mlp import GatedMLP
+from kvserve.kernels import cpu_ops as ops
+
+if TYPE_CHECKING:
+    from kvserve.engine.distributed import TPGroup
+
+ACTIVATIONS = ("silu", "swiglu_clamped")
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """One MoE layer's shape and arithmetic, read from the HF config by the model family."""
+
+    num_experts: int
+    top_k: int
+    hidden: int
+    intermediate: int  # per expert, whole (every rank holds intermediate / tp_size of it)
+    renormalize: bool  # weights of the top k sum to 1 (norm_topk_prob; gpt-oss always)
+    router_bias: bool = False
+    expert_bias: bool = False
+    activation: str = "silu"  # "silu": silu(gate) * up; "swiglu_clamped": gpt-oss's
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    shared_intermediate: int = 0  # 0: no shared expert
+
+
+def route(logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    """(weights float32 [T, k], expert ids int64 [T, k]) from router logits [T, E].
+
+    The k largest logits are the k largest softmax probabilities, so top-k runs on the logits;
+    a weight is softmax(all)[id], or softmax over the chosen k when renormalised (the same
+    as HF's softmax -> topk -> divide by the sum, and as gpt-oss's topk -> softmax).
+    """
+    logits = logits.float()
+    top, ids = logits.topk(top_k, dim=-1)
+    if renormalize:
+        return top.softmax(dim=-1), ids
+    return (top - logits.logsumexp(dim=-1, keepdim=True)).exp(), ids
+
+
+@functools.cache
+def _grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether this torch's F.grouped_mm serves (device, dtype): probed once on a tiny case."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    try:
+        a = torch.ones(3, 16, dtype=dtype, device=device_type)
+        b = torch.ones(2, 16, 16, dtype=dtype, device=device_type)
+        out = F.grouped_mm(a, b, offs=torch.tensor([1, 3], dtype=torch.int32, device=device_type))
+        return bool(torch.all(out == 16))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def segment_mm(a: Tensor, b: Tensor, ends: Tensor) -> Tensor:
+    """Rows ends[e-1]:ends[e] of a [M, K] times b[e] [K, N], for every expert e -> [M, N]."""
+    if _grouped_mm_works(a.device.type, a.dtype):
+        return F.grouped_mm(a, b, offs=ends)
+    out = a.new_empty(a.shape[0], b.shape[-1])
+    start = 0
+    for e, end in enumerate(ends.tolist()):  # one mm per expert, not per token
+        if end > start:
+            torch.mm(a[start:end], b[e], out=out[start:end])
+        start = end
+    return out
+
+
+def swiglu_clamped(h: Tensor, alpha: float, limit: float) -> Tensor:
+    """gpt-oss's activation on [M, 2I] (gate | up): (clamp(up) + 1) * g * sigmoid(alpha * g),
+    g = min(gate, limit)."""
+    gate, up = h.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def fused_experts(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, ids: Tensor,
+                  spec: MoESpec, b13: Tensor | None = None,
+                  b2: Tensor | None = None) -> Tensor:
+    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for x [T, H] -> [T, H] in x's dtype.
+
+    w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], b13 [E, 2I], b2 [E, H]: the stacked
+    layout of nn.Linear weights, transposed (a view) for the grouped matmuls.
+    """
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    order = flat.argsort(stable=True)  # pairs grouped by expert, tokens in order inside
+    experts = flat.index_select(0, order)
+    ends = torch.bincount(flat, minlength=w13.shape[0]).cumsum(0).to(torch.int32)
+    h = segment_mm(x.index_select(0, order // k), w13.transpose(1, 2), ends)
+    if b13 is not None:
+        h += b13.index_select(0, experts)
+    if spec.activation == "silu":
+        h = ops.silu_and_mul(h)
+    else:
+        h = swiglu_clamped(h, spec.swiglu_alpha, spec.swiglu_limit)
+    y = segment_mm(h, w2.transpose(1, 2), ends)
+    if b2 is not None:
+        y += b2.index_select(0, experts)
+    y *= weights.reshape(-1).index_select(0, order).to(y.dtype).unsqueeze(1)
+    unsorted = torch.empty_like(y).index_copy_(0, order, y)
+    return unsorted.view(t, k, -1).sum(dim=1)
+
+
+def _empty(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
+    # no init: load_weights overwrites every entry (a bias a rank does not own is zeroed there)
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class FusedMoE(nn.Module):
+    """Router, stacked experts and optional gated shared expert of one decoder layer.
+
+    Parameters hold this rank's slice: w13 [E, 2 * I/n, H] (gate rows, then up rows),
+    w2 [E, H, I/n]; the router (`gate`) and the shared expert's gate are whole on every rank.
+    """
+
+    def __init__(self, spec: MoESpec, tp: "TPGroup | None", dtype: torch.dtype,
+                 device=None) -> None:
+        super().__init__()
+        if spec.activation not in ACTIVATIONS:
+            raise ValueError(f"activation {spec.activation!r}: expected one of {ACTIVATIONS}")
+        size = tp.size if tp is not None else 1
+        for what, n in (("expert intermediate size", spec.intermediate),
+                        ("shared expert intermediate size", spec.shared_intermediate)):
+            if n % size:
+                raise ConfigError(f"tensor_parallel_size={size} does not divide the {what} {n}")
+        device = device if device is not None else "cpu"  # skip_init's None would mean "meta"
+        self.spec, self.tp = spec, tp
+        self.local_intermediate = spec.intermediate // size
+        e, h, i = spec.num_experts, spec.hidden, self.local_intermediate
+        self.gate = skip_init_linear(h, e, spec.router_bias, dtype, device)
+        self.w13 = _empty(e, 2 * i, h, dtype=dtype, device=device)
+        self.w2 = _empty(e, h, i, dtype=dtype, device=device)
+        self.b13 = _empty(e, 2 * i, dtype=dtype, device=device) if spec.expert_bias else None
+        self.b2 = _empty(e, h, dtype=dtype, device=device) if spec.expert_bias else None
+        self.shared_expert: GatedMLP | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if spec.shared_intermediate:  # tp=None: its partial sum joins the experts' all-reduce
+            self.shared_expert = GatedMLP(h, spec.shared_intermediate // size, False, None,
+                                          dtype, device)
+            self.shared_expert_gate = skip_init_linear(h, 1, False, dtype, device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [T, hidden] -> [T, hidden], summed over the ranks."""
+        weights, ids = route(self.gate(x), self.spec.top_k, self.spec.renormalize)
+        out = fused_experts(x, self.w13, self.w2, weights, ids, self.spec, self.b13, self.b2)
+        if self.shared_expert is not None:
+            gate = torch.sigmoid(self.shared_expert_gate(x))
+            out += gate * self.shared_expert(x)
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+    # ---- loading: HF tensors (or lazy safetensors slices) into this rank's stacked slices ----
+    def _rank_cols(self) -> tuple[int, int]:
+        """(start, length) of this rank's slice of the intermediate dimension."""
+        rank = self.tp.rank if self.tp is not None else 0
+        return rank * self.local_intermediate, self.local_intermediate
+
+    def load_expert(self, expert: int, proj: str, source, name: str) -> None:
+        """One expert's nn.Linear weight as HF stores it per expert: proj "gate" or "up"
+        [I, H], "down" [H, I] (Mixtral's w1 / w3 / w2)."""
+        spec, (start, n) = self.spec, self._rank_cols()
+        if not 0 <= expert < spec.num_experts:
+            raise ModelNotFoundError(f"checkpoint tensor {name!r}: expert {expert} is past the "
+                                     f"config's {spec.num_experts} experts")
+        full = (spec.hidden, spec.intermediate) if proj == "down" else (spec.intermediate,
+                                                                        spec.hidden)
+        _check_shape(name, source, full)
+        with torch.no_grad():
+            if proj == "down":
+                self.w2[expert].copy_(source.narrow(1, start, n))
+            else:
+                rows = self.w13[expert].narrow(0, 0 if proj == "gate" else n, n)
+                rows.copy_(source.narrow(0, start, n))
+
+    def load_shared(self, proj: str, source, name: str) -> None:
+        """The shared expert's HF weight: proj "gate" or "up" [Is, H], "down" [H, Is]."""
+        spec, size = self.spec, self.tp.size if self.tp is not None else 1
+        n = spec.shared_intermediate // size
+        start = (self.tp.rank if self.tp is not None else 0) * n
+        full = (spec.hidden, spec.shared_intermediate) if proj == "down" else \
+            (spec.shared_intermediate, spec.hidden)
+        _check_shape(name, source, full)
+        with torch.no_grad():
+            if proj == "down":
+                self.shared_expert.down_proj.weight.copy_(source.narrow(1, start, n))
+            else:
+                gate_up = self.shared_expert.gate_up_proj.weight
+                gate_up.narrow(0, 0 if proj == "gate" else n, n).copy_(source.narrow(0, start, n))
+
+    def load_stacked(self, leaf: str, source, name: str) -> None:
+        """gpt-oss's stacked expert tensors: gate_up_proj [E, H, 2I] (gate and up columns
+        interleaved), gate_up_proj_bias [E, 2I], down_proj [E, I, H], down_proj_bias [E, H]."""
+        spec, (start, n) = self.spec, self._rank_cols()
+        e, h, i = spec.num_experts, spec.hidden, spec.intermediate
+        full = {"gate_up_proj": (e, h, 2 * i), "gate_up_proj_bias": (e, 2 * i),
+                "down_proj": (e, i, h), "down_proj_bias": (e, h)}[leaf]
+        _check_shape(name, source, full)
+        with torch.no_grad():
+            if leaf == "down_proj":
+                self.w2.copy_(source.narrow(1, start, n).transpose(1, 2))
+            elif leaf == "down_proj_bias":  # added once, by rank 0, to the partial sums
+                if start == 0:
+                    self.b2.copy_(source.narrow(0, 0, e))
+                else:
+                    self.b2.zero_()
+            else:  # columns 2j (gate j) and 2j + 1 (up j): this rank's j lie in one range
+                part = source.narrow(2 if leaf == "gate_up_proj" else 1, 2 * start, 2 * n)
+                part = torch.cat((part[..., 0::2], part[..., 1::2]), dim=-1)
+                target = self.w13 if leaf == "gate_up_proj" else self.b13
+                target.copy_(part.transpose(1, 2) if leaf == "gate_up_proj" else part)
+
+
+def _check_shape(name: str, source, expected: tuple[int, ...]) -> None:
+    if tuple(source.shape) != tuple(expected):
+        raise ModelNotFoundError(
+            f"checkpoint tensor {name!r} has shape {tuple(source.shape)}, the model expects "
+            f"{tuple(expected)}: config.json does not match the weights")
