@@ -169,7 +169,8 @@ def _set_up_rank0(config: EngineConfig, model_path: Path | str,
     groups = kv_cache_groups(model, layers, config.disable_hybrid_kv_cache_manager)
     budget = _plan(config, cfg, model, device, dtype, kv_dtype, batched, max_len,
                    (layers, kv_heads, head_dim))
-    budget = page_budget(budget, groups, layers, config.num_gpu_blocks_override)
+    budget = page_budget(budget, groups, layers, config.num_gpu_blocks_override,
+                         (max_len, 1))  # decoding: sliding layers hold their window only
     cpu_blocks, host_blocks = _host_pools(config, budget)
     return EngineSetup(device, dtype, kv_dtype, model, cfg, max_len, batched, budget, cpu_blocks,
                        host_blocks, layers, groups, kv_heads, head_dim, cfg.vocab_size,
@@ -189,16 +190,21 @@ def kv_cache_groups(model: torch.nn.Module, num_layers: int,
 
 
 def page_budget(budget: MemoryBudget, groups: KVCacheGroups, num_layers: int,
-                override: int | None = None) -> MemoryBudget:
+                override: int | None = None,
+                request: tuple[int, int] | None = None) -> MemoryBudget:
     """The budget in pages: with several groups a block holds `page_layers` layers, not all,
     so the same KV bytes make num_layers / page_layers times as many blocks
-    (num_gpu_blocks_override counts pages, as vLLM's)."""
-    if groups.page_layers == num_layers:
-        return budget
-    per_page = budget.bytes_per_block * groups.page_layers // num_layers
-    pages = override or blocks_for_bytes(budget.kv_bytes, per_page)
-    return replace(budget, bytes_per_block=per_page, num_blocks=pages,
-                   kv_bytes=max(budget.kv_bytes, pages * per_page))
+    (num_gpu_blocks_override counts pages, as vLLM's). `request` (tokens per request, tokens a
+    step) sets the window-capped concurrency from the blocks the manager spends (pages padded)."""
+    if groups.page_layers != num_layers:
+        per_page = budget.bytes_per_block * groups.page_layers // num_layers
+        pages = override or blocks_for_bytes(budget.kv_bytes, per_page)
+        budget = replace(budget, bytes_per_block=per_page, num_blocks=pages,
+                         kv_bytes=max(budget.kv_bytes, pages * per_page))
+    if groups.slides and request is not None:
+        need = groups.blocks_for(request[0], budget.block_size, request[1])
+        budget = replace(budget, max_concurrency_windowed=budget.num_blocks // need)
+    return budget
 
 
 def _host_pools(config: EngineConfig, budget: MemoryBudget) -> tuple[int, int]:
