@@ -265,3 +265,19 @@ def test_randomized_groups_keep_the_pool_consistent_and_the_contents_right():
         for seq in running + swapped:
             kv.free(seq)
         assert kv.num_free_blocks == kv.pool.num_blocks and sorted(kv.cpu_free) == list(range(40))
+
+
+def test_the_budget_counts_pages_of_page_layers():
+    from kvserve.engine.memory import plan_memory
+    from kvserve.engine.worker.platform import page_budget
+
+    groups = KVCacheGroups.from_windows(GEMMA3 * 2)  # 12 layers in pages of 2
+    whole = plan_memory(total_bytes=10 << 20, gpu_memory_utilization=1.0, weight_bytes=0,
+                        activation_peak=0, num_layers=12, num_kv_heads=2, head_dim=16,
+                        kv_dtype_bytes=2, block_size=16, tokens_per_request=64)
+    paged = page_budget(whole, groups, 12, None, (64, 1))
+    assert paged.bytes_per_block == whole.bytes_per_block // 6 == 2 * 2 * 2 * 16 * 2 * 16
+    assert paged.num_blocks == whole.kv_bytes // paged.bytes_per_block >= 6 * whole.num_blocks
+    # 64 tokens: 4 blocks in each of the 1 full group, and (W 7) 2 in each of the 5 sliding.
+    assert paged.max_concurrency_windowed == paged.num_blocks // (4 + 5 * 2)
+    assert page_budget(whole, KVCacheGroups.single(12), 12) == whole
