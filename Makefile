@@ -19,9 +19,10 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 # Fetch the default model once, then serve it on :$(PORT) (OpenAI API; the banner shows how to call it).
+# Extra serve flags: make run SERVE_ARGS="--quantization int8" (W8A8 int8 on the CPU).
 run: setup
 	$(VENV)/bin/kvserve fetch-model $(MODEL)
-	$(VENV)/bin/kvserve serve $(MODEL) --port $(PORT)
+	$(VENV)/bin/kvserve serve $(MODEL) --port $(PORT) $(SERVE_ARGS)
 
 run-offline: setup
 	$(VENV)/bin/kvserve fetch-model $(MODEL)

@@ -9,6 +9,14 @@ cache reserving max_model_len per request, and a second run with output lengths 
 
     python bench/throughput.py [--requests 64] [--dtypes float32,bfloat16] [--skip-hf]
                                [--block-size 16] [--model default|gemma3-tiny|DIR | --tiny ARCH]
+                               [--quantization int8,fp8,FOLDER] [--quant-dtype bfloat16]
+
+--quantization adds runs of quantised weights after the dense ones, in the same process: int8
+and fp8 quantise the model at load (`quantization=`), a folder is a quantised checkpoint
+(bench/make_quantized.py writes one). Each prints tok/s against the first dense run, the
+resident weight bytes (parameters and buffers: packed, quantised, scales, embedding), and greedy
+agreement with the first dense run: requests with identical output, and the mean share of each
+output before its first differing token. HF and the varied-length run are for dense runs only.
 
 --model gemma3-tiny runs the same workload on a random-weight Gemma 3 built here from
 transformers' Gemma3TextConfig with the default model's tokenizer (6 layers, 5 sliding over 128
@@ -63,10 +71,12 @@ def build_gemma3_tiny(folder: Path) -> Path:
 
 def run_kvserve(llm: LLM, prompts: list[list[int]], lengths: list[int]) -> dict:
     engine = llm.llm_engine
+    stamp = time.monotonic_ns()
     for i, (p, n) in enumerate(zip(prompts, lengths)):
-        engine.add_request(f"b{time.monotonic_ns()}-{i}", p,
+        engine.add_request(f"b{stamp}-{i}", p,
                            SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     util, seq_util, contiguous = [], [], []
+    outputs: dict[int, list[int]] = {}
     q0, h0 = engine.get_stats().prefix_cache_queries, engine.get_stats().prefix_cache_hits
     t0 = time.perf_counter()
     tokens = 0
@@ -74,6 +84,7 @@ def run_kvserve(llm: LLM, prompts: list[list[int]], lengths: list[int]) -> dict:
         for out in engine.step():
             if out.finished:
                 tokens += len(out.outputs[0].token_ids)
+                outputs[int(out.request_id.rpartition("-")[2])] = list(out.outputs[0].token_ids)
         s = engine.get_stats()
         if s.kv_slots_allocated:
             util.append(s.kv_slot_utilization)
@@ -85,7 +96,34 @@ def run_kvserve(llm: LLM, prompts: list[list[int]], lengths: list[int]) -> dict:
     return {"tok_s": tokens / dt, "seconds": dt, "tokens": tokens,
             "kv_util": statistics.mean(util), "kv_seq_util": statistics.mean(seq_util),
             "contiguous_util": statistics.mean(contiguous),
-            "hit_rate": hit}
+            "hit_rate": hit, "outputs": [outputs[i] for i in range(len(prompts))]}
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Resident bytes of the model's parameters and buffers (each storage once), without the
+    rotary tables: what the weights cost in memory as loaded (packed, quantised, scales)."""
+    seen, total = set(), 0
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t is None or "rotary" in name:
+            continue
+        try:
+            key, size = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+        except (RuntimeError, NotImplementedError):  # opaque oneDNN tensors
+            key, size = id(t), t.numel() * t.element_size()
+        if key not in seen:
+            seen.add(key)
+            total += size
+    return total
+
+
+def agreement(ref: list[list[int]], got: list[list[int]]) -> tuple[float, float]:
+    """(share of identical outputs, mean share of each output before its first difference)."""
+    same, prefix = 0, []
+    for a, b in zip(ref, got, strict=True):
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        same += a == b
+        prefix.append(n / max(len(a), 1))
+    return same / len(ref), statistics.mean(prefix)
 
 
 def run_hf(model_dir: Path, dtype: torch.dtype, prompts: list[list[int]], lengths: list[int],
@@ -128,6 +166,9 @@ def main() -> None:
     which = ap.add_mutually_exclusive_group()
     which.add_argument("--model", default="default")
     which.add_argument("--tiny", metavar="ARCH")
+    ap.add_argument("--quantization", default="",
+                    help="comma list of int8, fp8 (online) or quantised checkpoint folders")
+    ap.add_argument("--quant-dtype", default="float32", help="activation dtype of those runs")
     args = ap.parse_args()
 
     model_dir, model = fetch_model(DEFAULT_MODEL), DEFAULT_MODEL
@@ -142,15 +183,24 @@ def main() -> None:
         model_dir = resolve_model(args.model)
         model = str(model_dir)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, model {model}")
-    for dtype_name in args.dtypes.split(","):
+    runs = [(d, model, None) for d in args.dtypes.split(",") if d]
+    for q in filter(None, args.quantization.split(",")):
+        online = q in ("int8", "fp8")
+        runs.append((args.quant_dtype, model if online else q, q if online else None))
+    baseline: dict | None = None
+    for dtype_name, run_model, quantization in runs:
         dtype = getattr(torch, dtype_name)
-        llm = LLM(model, dtype=dtype_name, device="cpu",
-                  max_model_len=MAX_MODEL_LEN, max_num_seqs=256, block_size=args.block_size)
+        extra = {"quantization": quantization} if quantization else {}
+        llm = LLM(run_model, dtype=dtype_name, device="cpu", max_model_len=MAX_MODEL_LEN,
+                  max_num_seqs=256, block_size=args.block_size, **extra)
+        dense = run_model == model and not quantization
+        label = dtype_name if dense else \
+            f"{quantization or Path(run_model).name} ({dtype_name} activations)"
         tok = llm.get_tokenizer()
         prompts = [tok.apply_chat_template(c, tokenize=True, add_generation_prompt=True,
                                            return_dict=False) for c in chat_requests(args.requests)]
         prompts = [list(p) for p in prompts]
-        print(f"\n== {dtype_name}: {len(prompts)} requests, "
+        print(f"\n== {label}: {len(prompts)} requests, "
               f"{sum(map(len, prompts))} prompt tokens, {args.new_tokens} new tokens each, "
               f"block_size {args.block_size}")
         run_kvserve(llm, prompts[:2], [4, 4])  # warm-up (also clears nothing from the cache)
@@ -161,6 +211,18 @@ def main() -> None:
               f"{ours['hit_rate']:.1%}, KV slot utilisation {ours['kv_util']:.1%} physical "
               f"(shared blocks once), {ours['kv_seq_util']:.1%} per sequence, vs contiguous "
               f"{ours['contiguous_util']:.1%}")
+        mib = weight_bytes(llm.llm_engine.runner.model) / 2**20
+        if baseline is None:
+            baseline = dict(ours, mib=mib, label=label)
+            print(f"weights resident: {mib:.1f} MiB")
+        else:
+            same, prefix = agreement(baseline["outputs"], ours["outputs"])
+            print(f"vs {baseline['label']}: {ours['tok_s'] / baseline['tok_s']:.2f}x tok/s, "
+                  f"weights {mib:.1f} MiB ({mib / baseline['mib']:.2f}x), greedy outputs "
+                  f"identical {same:.0%}, mean agreeing prefix {prefix:.0%}")
+        if not dense:
+            del llm
+            continue
         if not args.skip_hf:
             hf = run_hf(model_dir, dtype, prompts, fixed)
             print(f"HF static batch 32: {hf['tok_s']:.1f} tok/s ({hf['seconds']:.1f}s) -> "

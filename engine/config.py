@@ -12,6 +12,8 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "float32", "float16", "bfloat16")
 MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
+# int8 | fp8 quantise a dense checkpoint at load; the others name a checkpoint's own format
+QUANTIZATION_METHODS = ("int8", "fp8", "compressed-tensors", "gptq", "awq")
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,9 @@ class EngineConfig:
     # ...} and the older guided_decoding_backend=...; the server
     # --structured-outputs-config.backend.
     structured_outputs_backend: str = "auto"
+    # None: the checkpoint's own quantization_config (or dense); "int8" | "fp8": quantise a dense
+    # checkpoint's linears per channel at load (engine/layers/quantization/).
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         # Whether N splits the model (heads, KV heads, MLP) is checked where the model's config
@@ -96,6 +101,9 @@ class EngineConfig:
         self._check_disk_tier()
         if self.attention_backend not in ("auto", "cpu", "torch", "triton", "reference"):
             raise ConfigError(f"unknown attention_backend {self.attention_backend!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ConfigError(f"quantization must be one of {QUANTIZATION_METHODS}, got "
+                              f"{self.quantization!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
 

@@ -21,6 +21,11 @@ class ConfigError(KVServeError, ValueError):
     """An engine configuration that cannot work (bad flag value, unsupported feature)."""
 
 
+class QuantizationError(ConfigError):
+    """A quantised checkpoint (or --quantization) the engine cannot serve: an unsupported scheme,
+    or tensors whose shapes do not fit each other. The message names the scheme or tensor."""
+
+
 class OutOfKVCacheError(KVServeError):
     """The KV cache is too small to hold even one request of the configured length."""
 

@@ -146,9 +146,11 @@ def cpu_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         v_scale: float = 1.0, *, sliding_window: int | None = None,
                         logits_soft_cap: float | None = None,
                         sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as reference_paged_attention. The C++ kernels know no sliding window,
-    soft cap or sinks: a layer with any runs the torch path (same results)."""
-    if sliding_window is not None or logits_soft_cap is not None or sinks is not None:
+    """Same contract as reference_paged_attention. The decode kernel takes a sliding window
+    (it starts at the window's first block); the prefill kernel does not, so a windowed layer's
+    prefill rows, and every row of a layer with a soft cap or sinks, run the torch path (same
+    results)."""
+    if logits_soft_cap is not None or sinks is not None:
         from kvserve.kernels.torch_attention import torch_paged_attention
 
         return torch_paged_attention(q, k_cache, v_cache, plan, scale, k_scale, v_scale,
@@ -167,8 +169,13 @@ def cpu_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if parts["seq_ids"].numel():
         torch.ops.kvserve_cpu.paged_decode(qk, kc, vc, parts["block_tables"], parts["seq_lens"],
                                            parts["seq_ids"], parts["rows"], table, qk_scale,
-                                           out_scale, out)
-    if parts["tiles"].numel():
+                                           out_scale, sliding_window or 0, out)
+    if sliding_window is not None and parts["tiles"].numel():
+        from kvserve.kernels.torch_attention import torch_paged_attention
+
+        torch_paged_attention(qk, k_cache, v_cache, plan, scale, k_scale, v_scale, out=out,
+                              decode=False, sliding_window=sliding_window)
+    elif parts["tiles"].numel():
         torch.ops.kvserve_cpu.paged_prefill(qk, kc, vc, parts["block_tables"], parts["tiles"],
                                             table, qk_scale, out_scale, out)
     return out if native else out.to(q.dtype)

@@ -11,7 +11,7 @@ from dataclasses import MISSING, fields
 from typing import Any
 
 from kvserve.engine.config import DEFAULT_MODEL, KV_CACHE_DTYPES, MODEL_DTYPES, PREEMPTION_MODES, \
-    STRUCTURED_OUTPUTS_BACKENDS, EngineConfig
+    QUANTIZATION_METHODS, STRUCTURED_OUTPUTS_BACKENDS, EngineConfig
 from kvserve.service.limits import RequestLimits
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -174,6 +174,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    default=d("enable_prefix_caching"), help="reuse KV blocks of shared prefixes")
     g.add_argument("--kv-cache-dtype", default=d("kv_cache_dtype"), choices=KV_CACHE_DTYPES,
                    help="dtype of the KV cache (fp8 halves it vs bf16)")
+    g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
+                   help="int8 or fp8: quantise an unquantised checkpoint's linears per channel "
+                        "at load (int8 runs W8A8 on the CPU's int8 units); a quantised "
+                        "checkpoint is read from its own quantization_config without the flag")
     g.add_argument("--calculate-kv-scales", action="store_true",
                    help="compute fp8 KV scales from the first batch")
     g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",

@@ -185,14 +185,26 @@ class RedisServer:
             self.proc = None
 
 
-@pytest.fixture
-def redis_server(tmp_path) -> Iterator[RedisServer]:
-    binary = shutil.which("redis-server")
-    if binary is None:
+def require_redis_binary(name: str = "redis-server") -> str:
+    """The path of `name` (redis-server, redis-cli); skip the test without it, fail it with
+    KVSERVE_REQUIRE_REDIS=1. Every Redis-backed test gets its binary through here."""
+    path = shutil.which(name)
+    if path is None:
         if os.environ.get("KVSERVE_REQUIRE_REDIS") == "1":
-            pytest.fail("redis-server is not installed but KVSERVE_REQUIRE_REDIS=1")
-        pytest.skip("redis-server is not installed (apt install redis-server)")
-    server = RedisServer(binary, tmp_path)
+            pytest.fail(f"{name} is not installed but KVSERVE_REQUIRE_REDIS=1")
+        pytest.skip(f"{name} is not installed (apt install redis-server)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def redis_binary() -> str:
+    """redis-server's path, for tests and fixtures that start their own (require_redis_binary)."""
+    return require_redis_binary()
+
+
+@pytest.fixture
+def redis_server(tmp_path, redis_binary) -> Iterator[RedisServer]:
+    server = RedisServer(redis_binary, tmp_path)
     server.start()
     yield server
     server.stop()

@@ -8,30 +8,18 @@ a few seconds (down-after 1 s, cluster-node-timeout 1 s) instead of Redis's defa
 
 from __future__ import annotations
 
-import os
-import shutil
 import socket
 import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
 import redis
 
 from conftest import free_port
+from conftest import require_redis_binary as require_binary
 
 MASTER_NAME = "mymaster"
-
-
-def require_binary(name: str) -> str:
-    """The path of `name`; skip the test without it (fail with KVSERVE_REQUIRE_REDIS=1)."""
-    path = shutil.which(name)
-    if path is None:
-        if os.environ.get("KVSERVE_REQUIRE_REDIS") == "1":
-            pytest.fail(f"{name} is not installed but KVSERVE_REQUIRE_REDIS=1")
-        pytest.skip(f"{name} is not installed (apt install redis-server)")
-    return path
 
 
 def wait_until(check: Callable[[], object], timeout: float, what: str) -> object:

@@ -1,2 +1,2 @@
 """Shared model layers: norms, rotary embeddings, the attention wrapper, MLPs, parallel and packed
-linears."""
+linears, and the linears' quantisation methods (quantization/)."""

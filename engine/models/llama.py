@@ -157,6 +157,10 @@ _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 class LlamaForCausalLM(nn.Module):
     """Llama / Mistral / Qwen2 causal LM over a paged KV cache (interface used by ModelRunner)."""
 
+    # our fused linear -> the checkpoint projections in it (quantised linears load per shard)
+    packed_modules_mapping = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                              "gate_up_proj": ("gate_proj", "up_proj")}
+
     def __init__(self, config, dtype: torch.dtype, device: torch.device | None = None,
                  tp: TPGroup | None = None, max_model_len: int | None = None) -> None:
         super().__init__()
@@ -193,12 +197,17 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Copy HF-named tensors in (fusing q/k/v and gate/up); every parameter must be set."""
         params = dict(self.named_parameters())
+        quantized = {n: m for n, m in self.named_modules() if hasattr(m, "take")}
         expected = self._expected_names()
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb." in name or (name == "lm_head.weight" and self.dims.tie_embeddings):
                 continue
             target, shard = self._target(name)
+            module, _, leaf = target.rpartition(".")
+            if module in quantized and leaf != "bias":  # its method reads and repacks it
+                quantized[module].take(leaf, shard, tensor, self._rank_slice(name))
+                continue
             if target not in params:
                 raise ModelNotFoundError(
                     f"checkpoint tensor {name!r} has no place in {type(self).__name__}; "
@@ -243,6 +252,13 @@ class LlamaForCausalLM(nn.Module):
                 f"{tuple(dest.shape)}: config.json does not match the weights")
         with torch.no_grad():
             dest.copy_(tensor)
+
+    def _rank_slice(self, name: str):
+        """This rank's rows or columns of the dense weight of projection `name` (None: all)."""
+        if self.tp is None:
+            return None
+        proj = name.rpartition(".")[0].rpartition(".")[2]
+        return rank_slice(proj, "weight", self.shard, self.dims.head_dim)
 
     def _shard_sizes(self, name: str) -> list[int]:
         d, s = self.dims, self.shard

@@ -219,11 +219,16 @@ def load_config(model_path: Path | str, revision: str | None = None,
 def load_model(model_path: Path | str, dtype: torch.dtype, device: torch.device,
                revision: str | None = None, pack_linears: bool = True,
                tp: "TPGroup | None" = None,
-               max_model_len: int | None = None) -> tuple[nn.Module, object]:
+               max_model_len: int | None = None,
+               quantization: str | None = None) -> tuple[nn.Module, object]:
     """Our model class for the config's architecture, with the HF weights streamed into it (on
     CPU with its linears prepacked for oneDNN unless `pack_linears=False`). With `tp`, this
     rank's shard only: each rank reads just its slices of the checkpoint. `max_model_len` (None:
-    the model's own context) fixes what depends on it at build time (LongRoPE's factor set)."""
+    the model's own context) fixes what depends on it at build time (LongRoPE's factor set). A
+    checkpoint's `quantization_config` (or `quantization`="int8"|"fp8" for a dense one) makes the
+    linears it names QuantLinears, their weights kept quantised."""
+    from kvserve.engine.layers.quantization import finish_quantized, quant_config_for, \
+        quantize_linears
     from kvserve.engine.models import model_class_for
 
     config = load_config(model_path, revision)
@@ -232,8 +237,12 @@ def load_model(model_path: Path | str, dtype: torch.dtype, device: torch.device,
     if max_model_len is not None:
         extra["max_model_len"] = max_model_len
     model = model_cls(config, dtype=dtype, device=device, **extra)
+    quant = quant_config_for(config, quantization)
+    if quant is not None:
+        logger.info("quantised linears (%s): %d", quant.name, quantize_linears(model, quant, dtype))
     folder = _local_folder(model_path, revision)
     model.load_weights(iter_weights(folder, lazy=tp is not None))
+    finish_quantized(model, device)
     if device.type == "cpu" and pack_linears:
         from kvserve.engine.layers.packed_linear import pack_linears as pack
 
@@ -264,6 +273,9 @@ class LazyTensor:
     def __init__(self, handle) -> None:
         self._slice = handle
         self.shape = tuple(handle.get_shape())
+
+    def full(self) -> torch.Tensor:
+        return self._slice[...]
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         index = (slice(None),) * dim + (slice(start, start + length),)

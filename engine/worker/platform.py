@@ -21,6 +21,7 @@ from kvserve.engine.worker.malloc_tuning import keep_activation_memory
 from kvserve.engine.memory import GiB, MemoryBudget, activation_peak_bytes, blocks_for_bytes, \
     bytes_per_block, default_max_num_batched_tokens, kv_heads_per_rank, plan_memory, \
     rank_weight_bytes
+from kvserve.engine.model_shape import layer_groups
 from kvserve.engine.worker.workers import CacheSpec, WorkerGroup
 from kvserve.kernels.fp8 import FP8_DTYPE
 
@@ -143,7 +144,8 @@ def _start_workers(config: EngineConfig, model_path: Path | str, dtype: torch.dt
         raise ConfigError(f"tensor_parallel_size={n} needs {n} GPUs, this machine shows "
                           f"{torch.cuda.device_count()}")
     group, tp = WorkerGroup.start(str(model_path), config.revision, dtype, device.type, n,
-                                  max_model_len=config.max_model_len)
+                                  max_model_len=config.max_model_len,
+                                  quantization=config.quantization)
     logger.info("tensor parallel: %d ranks (%s), %d torch thread(s) per rank", n,
                 "nccl" if device.type == "cuda" else "gloo", group.spec.threads)
     return group, tp
@@ -156,6 +158,8 @@ def _set_up_rank0(config: EngineConfig, model_path: Path | str,
     extra: dict[str, Any] = {"tp": tp} if tp is not None else {}
     if config.max_model_len is not None:
         extra["max_model_len"] = config.max_model_len
+    if config.quantization is not None:
+        extra["quantization"] = config.quantization
     model, cfg = load_model(model_path, dtype, device, revision=config.revision, **extra)
     layers, kv_heads, head_dim = _model_shape(cfg)
     kv_heads = kv_heads_per_rank(kv_heads, config.tensor_parallel_size)
@@ -246,7 +250,8 @@ def _plan(config: EngineConfig, cfg: Any, model: torch.nn.Module, device: torch.
     budget = plan_memory(total_bytes=total, gpu_memory_utilization=util, weight_bytes=weights,
                          activation_peak=act, num_layers=layers, num_kv_heads=kv_heads,
                          head_dim=head_dim, kv_dtype_bytes=kv_bytes_el,
-                         block_size=config.block_size, tokens_per_request=max_len)
+                         block_size=config.block_size, tokens_per_request=max_len,
+                         layer_groups=layer_groups(cfg.to_dict()))
     if config.num_gpu_blocks_override:
         budget = plan_memory(
             total_bytes=weights + act + config.num_gpu_blocks_override * budget.bytes_per_block,
@@ -273,15 +278,27 @@ def _weight_bytes(model: torch.nn.Module, cfg: Any, dtype: torch.dtype, tp: int)
 
 def resident_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the weights a loaded model holds: its parameters, plus the CPU's oneDNN-packed
-    linears, which are buffers (a tied lm_head packed as its own copy counts again)."""
+    linears and the quantised linears' kernels, which hold their weights as buffers (a tied
+    lm_head packed as its own copy counts again)."""
     from kvserve.engine.layers.packed_linear import PackedLinear
+    from kvserve.engine.layers.quantization import QuantLinear
 
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     for module in model.modules():
         if isinstance(module, PackedLinear):
             total += sum(b.numel() * b.element_size()
                          for b in (module.packed_weight, module.bias) if b is not None)
+        elif isinstance(module, QuantLinear) and module.kernel is not None:
+            total += sum(_tensor_bytes(b) for b in module.kernel.buffers())
     return total
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes of a buffer; oneDNN's prepacked int8 weight is opaque, counted as int8 codes."""
+    try:
+        return t.numel() * t.element_size()
+    except (RuntimeError, NotImplementedError):
+        return t.untyped_storage().nbytes()
 
 
 def _cpu_kv_budget(config: EngineConfig) -> int:

@@ -51,6 +51,7 @@ class WorkerSpec:
     init_method: str
     threads: int  # torch intra-op threads per rank on the CPU
     max_model_len: int | None = None  # the engine's, when the user set one
+    quantization: str | None = None  # online quantisation of a dense checkpoint (int8 | fp8)
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,8 @@ def worker_main(rank: int, spec: WorkerSpec, conn: Connection) -> None:
         from kvserve.engine.worker.model_loader import load_model
 
         model, _ = load_model(spec.model_path, spec.dtype, rank_device(rank, spec.device_type),
-                              revision=spec.revision, tp=tp, max_model_len=spec.max_model_len)
+                              revision=spec.revision, tp=tp, max_model_len=spec.max_model_len,
+                              quantization=spec.quantization)
         conn.send(("ready", None))
         _serve(rank, model, spec, conn)
     except BaseException:  # noqa: BLE001 - tell the driver why, then die
@@ -189,7 +191,8 @@ class WorkerGroup:
     @classmethod
     def start(cls, model_path: str, revision: str | None, dtype: torch.dtype,
               device_type: str, size: int,
-              max_model_len: int | None = None) -> tuple["WorkerGroup", TPGroup]:
+              max_model_len: int | None = None,
+              quantization: str | None = None) -> tuple["WorkerGroup", TPGroup]:
         """Spawn the workers and join the group as rank 0 (returns once all ranks joined)."""
         if torch.distributed.is_initialized():
             raise WorkerDiedError(
@@ -198,7 +201,7 @@ class WorkerGroup:
         store = os.path.join(tempfile.mkdtemp(prefix="kvserve-tp-"), "rendezvous")
         threads = max(1, (os.cpu_count() or 1) // size)
         spec = WorkerSpec(str(model_path), revision, dtype, device_type, size,
-                          f"file://{store}", threads, max_model_len)
+                          f"file://{store}", threads, max_model_len, quantization)
         group = cls(spec)
         try:
             try:

@@ -33,6 +33,13 @@ using kvserve_attn::Row;
 using kvserve_attn::store_out;
 using kvserve_fast_exp::exp_nonpositive;
 
+// Sliding window: in the block holding the window's first key, the `skip` keys before it get
+// the padding score (-FLT_MAX, weight ~0 after the softmax's clamped exp); skip <= 0: none.
+inline void hide_before_window(float* scores, int64_t width, int64_t block_size, int64_t skip) {
+  for (int64_t w = 0; w < width && skip > 0; ++w)
+    std::fill(scores + w * block_size, scores + w * block_size + skip, -FLT_MAX);
+}
+
 #if KVSERVE_AVX2
 using kvserve_attn::load8;
 using kvserve_attn::softmax_block_simd;
@@ -217,15 +224,15 @@ template <int NC>
 void decode_task_bf16(const uint16_t* qrow, const uint16_t* k_cache, const uint16_t* v_cache,
                       int64_t block_stride, int64_t tok_stride, const int32_t* table, int64_t len,
                       int64_t g0, int64_t nkv, int64_t group, int64_t block_size, float qk_scale,
-                      float v_scale, float* scores, uint16_t* pbf, float* acc, float* m, float* l,
-                      uint16_t* orow) {
+                      float v_scale, int64_t lo, float* scores, uint16_t* pbf, float* acc,
+                      float* m, float* l, uint16_t* orow) {
   constexpr int64_t D = 32 * NC;
   const int64_t width = nkv * group;
   std::fill(acc, acc + width * D, 0.f);
   std::fill(m, m + width, -FLT_MAX);
   std::fill(l, l + width, 0.f);
   const int64_t num_blocks = (len + block_size - 1) / block_size;
-  for (int64_t b = 0; b < num_blocks; ++b) {
+  for (int64_t b = lo / block_size; b < num_blocks; ++b) {
     const int64_t base = static_cast<int64_t>(table[b]) * block_stride;
     const int64_t ntok = std::min(block_size, len - b * block_size);
     if (b + 1 < num_blocks) {
@@ -238,6 +245,7 @@ void decode_task_bf16(const uint16_t* qrow, const uint16_t* k_cache, const uint1
         scores_bf16<NC>(k_cache + base + (g0 + g) * D, tok_stride, ntok, block_size,
                         qrow + w * D, qk_scale, scores + w * block_size);
       }
+    hide_before_window(scores, width, block_size, lo - b * block_size);
     for (int64_t w = 0; w < width; ++w) {
       float* sc = scores + w * block_size;
       const float prev = m[w];
@@ -273,7 +281,7 @@ void decode_kernel(const QT* q, int64_t q_tok_stride, const T* k_cache, const T*
                    int64_t bt_stride, const int32_t* seq_lens, const int64_t* seq_ids,
                    const int64_t* rows, int64_t n, int64_t heads, int64_t kv_heads,
                    int64_t runtime_head_dim, int64_t block_size, float qk_scale, float v_scale,
-                   const float* lut, QT* out) {
+                   int64_t window, const float* lut, QT* out) {
   // D > 0: head_dim known at compile time (the common sizes), so the loops over it unroll.
   const int64_t head_dim = D > 0 ? D : runtime_head_dim;
   const int64_t group = heads / kv_heads;
@@ -302,6 +310,8 @@ void decode_kernel(const QT* q, int64_t q_tok_stride, const T* k_cache, const T*
       const int64_t i = task / split, g0 = (task % split) * heads_per_task;
       const int64_t s = seq_ids[i], row = rows[i];
       const int64_t len = seq_lens[s];
+      // A sliding window of W keys: the token at len - 1 sees positions lo .. len - 1.
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const QT* qrow = q + row * q_tok_stride + g0 * group * head_dim;
 #if KVSERVE_AVX512BF16
       if constexpr (bf16_types) {
@@ -312,8 +322,8 @@ void decode_kernel(const QT* q, int64_t q_tok_stride, const T* k_cache, const T*
           kvserve_attn::with_chunks(head_dim, [&](auto nc) {
             decode_task_bf16<decltype(nc)::value>(
                 qrow, kc, vc, block_stride, tok_stride, block_tables + s * bt_stride, len, g0,
-                heads_per_task, group, block_size, qk_scale, v_scale, scores.data(), pbf.data(),
-                acc.data(), m.data(), l.data(), orow);
+                heads_per_task, group, block_size, qk_scale, v_scale, lo, scores.data(),
+                pbf.data(), acc.data(), m.data(), l.data(), orow);
           });
           continue;
         }
@@ -325,7 +335,7 @@ void decode_kernel(const QT* q, int64_t q_tok_stride, const T* k_cache, const T*
       std::fill(l.begin(), l.end(), 0.f);
       const int32_t* table = block_tables + s * bt_stride;
       const int64_t num_blocks = (len + block_size - 1) / block_size;
-      for (int64_t b = 0; b < num_blocks; ++b) {
+      for (int64_t b = lo / block_size; b < num_blocks; ++b) {
         const int64_t base = static_cast<int64_t>(table[b]) * block_stride;
         const int64_t ntok = std::min(block_size, len - b * block_size);
         if (b + 1 < num_blocks) {  // two blocks ahead measured no better
@@ -353,6 +363,7 @@ void decode_kernel(const QT* q, int64_t q_tok_stride, const T* k_cache, const T*
             }
           }
         }
+        hide_before_window(scores.data(), width, block_size, lo - b * block_size);
 #if KVSERVE_AVX2
         if (simd) {
           for (int64_t h = 0; h < width; ++h) {  // online softmax, one rescale per block
@@ -420,7 +431,7 @@ void decode_kernel(const QT* q, int64_t q_tok_stride, const T* k_cache, const T*
 void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
                   const at::Tensor& seq_ids, const at::Tensor& rows, const at::Tensor& lut,
-                  double qk_scale, double v_scale, at::Tensor& out) {
+                  double qk_scale, double v_scale, int64_t window, at::Tensor& out) {
   TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
                   out.scalar_type() == q.scalar_type(),
               "paged_decode: q and out must be float32 or bfloat16, the same");
@@ -446,7 +457,7 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
           block_tables.data_ptr<int32_t>(), block_tables.size(1), seq_lens.data_ptr<int32_t>(),
           seq_ids.data_ptr<int64_t>(), rows.data_ptr<int64_t>(), seq_ids.numel(), heads,
           kv_heads, head_dim, block_size, static_cast<float>(qk_scale),
-          static_cast<float>(v_scale), lut_ptr, reinterpret_cast<QT*>(out.data_ptr()));
+          static_cast<float>(v_scale), window, lut_ptr, reinterpret_cast<QT*>(out.data_ptr()));
     };
     switch (head_dim) {
       case 64: run(std::integral_constant<int64_t, 64>{}); break;
@@ -461,7 +472,7 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 TORCH_LIBRARY(kvserve_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor seq_ids, Tensor rows, Tensor lut, float qk_scale, "
-        "float v_scale, Tensor(a!) out) -> ()");
+        "float v_scale, int window, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }

@@ -29,6 +29,15 @@ _OUTPUT_TOKEN = 29  # the token every simulated output is made of (its text is "
 _seq_ids = itertools.count()
 
 
+def _now() -> float:
+    """The event loop's clock (what `asyncio.sleep` and timeouts run on; time.monotonic by
+    default), so a test's fast-forwarded loop times the simulation in simulated seconds."""
+    try:
+        return asyncio.get_running_loop().time()
+    except RuntimeError:  # no loop running (a submit from synchronous code)
+        return time.monotonic()
+
+
 class CapacityError(ValueError):
     """A prompt that cannot fit in the replica's KV pool even alone."""
 
@@ -39,7 +48,7 @@ class SimRequest:
 
     seq: Sequence
     max_tokens: int
-    arrival: float = field(default_factory=time.monotonic)
+    arrival: float = field(default_factory=_now)
     target: int = 0  # tokens to prefill before the next output (prompt, + outputs if resumed)
     cached_tokens: int = -1  # prompt tokens found in the prefix cache at (first) admission
     first_token_at: float | None = None
@@ -175,18 +184,28 @@ class SimReplica:
             self._publish()
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.timing.max_num_seqs:
-            req = self.waiting[0]
+        """FCFS admission as the engine's scheduler does it: within the step's token budget
+        (after the running sequences' chunks and decodes), and a request whose next uncached
+        block the step computes already sits this step out, to hit the cache on the next one."""
+        budget, pending = self._running_budget()
+        i = 0
+        while (i < len(self.waiting) and budget > 0
+               and len(self.running) < self.timing.max_num_seqs):
+            req = self.waiting[i]
             seq = req.seq
             hits = self.kv.lookup_prefix(seq)
+            nxt = self.kv.full_block_hashes(seq, len(hits), len(hits) + 1)
+            if nxt and nxt[0] in pending:
+                i += 1  # deferred: keeps its place in the queue
+                continue
             if not self.kv.allocate_slots(seq, seq.num_tokens - len(hits) * self.kv.block_size,
                                           hits):
                 if not self.running:  # alone and still no room: it can never run
-                    self.waiting.pop(0)
+                    self.waiting.pop(i)
                     self._finish(req, error="does not fit the KV cache")
                     continue
                 return
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             seq.num_computed_tokens = len(hits) * self.kv.block_size
             req.target = seq.num_tokens
             if req.cached_tokens < 0:  # first admission: the request's hit figures
@@ -194,7 +213,23 @@ class SimReplica:
                 self.kv.record_lookup(seq.num_prompt_tokens, req.cached_tokens)
                 self.counters.prompt_tokens += seq.num_prompt_tokens
                 self.counters.cached_tokens += req.cached_tokens
+            n = min(req.target - seq.num_computed_tokens, budget)
+            budget -= n
+            pending.update(self.kv.full_block_hashes(
+                seq, len(hits), (seq.num_computed_tokens + n) // self.kv.block_size))
             self.running.append(req)
+
+    def _running_budget(self) -> tuple[int, set[bytes]]:
+        """The step's token budget left after the running sequences (a prefill chunk or one
+        decode token each), and the hashes of the full blocks their chunks compute."""
+        budget, pending, bs = self.timing.max_num_batched_tokens, set(), self.kv.block_size
+        for r in self.running:
+            done = r.seq.num_computed_tokens
+            n = min(max(r.target - done, 1), budget)
+            budget -= n
+            if n > 1:
+                pending.update(self.kv.full_block_hashes(r.seq, done // bs, (done + n) // bs))
+        return budget, pending
 
     async def _prefill_step(self) -> None:
         budget = self.timing.max_num_batched_tokens
@@ -212,7 +247,7 @@ class SimReplica:
         dt = self.timing.step_seconds(sum(n for _, n in chunks), len(decoding), context)
         await asyncio.sleep(dt)
         self.counters.busy_s += dt
-        now = time.monotonic()
+        now = _now()
         for r, n in chunks:
             r.seq.num_computed_tokens += n
             self.kv.register_computed(r.seq)
@@ -223,23 +258,39 @@ class SimReplica:
     async def _decode_stretch(self) -> None:
         """Decode-only steps until the first sequence finishes, cut short by an arrival."""
         seqs = list(self.running)
-        steps = min(r.max_tokens - r.num_output_tokens for r in seqs)
+        steps = max(self._steps_that_fit(seqs, min(r.max_tokens - r.num_output_tokens
+                                                   for r in seqs)), 1)
         dt = self.timing.step_seconds(0, len(seqs), sum(r.seq.num_tokens for r in seqs))
         self._wake.clear()
-        t0 = time.monotonic()
+        t0 = _now()
         try:  # not asyncio.wait_for: on 3.11 it can swallow a cancel
             async with asyncio.timeout(steps * dt):
                 await self._wake.wait()
         except TimeoutError:
             pass
         else:  # an arrival: finish the step in progress, then let it in
-            done = min(max(math.ceil((time.monotonic() - t0) / dt), 1), steps) if dt else steps
-            rest = done * dt - (time.monotonic() - t0)
+            done = min(max(math.ceil((_now() - t0) / dt), 1), steps) if dt else steps
+            rest = done * dt - (_now() - t0)
             if rest > 0:
                 await asyncio.sleep(rest)
             steps = done
         self.counters.busy_s += steps * dt
-        self._advance(seqs, steps, time.monotonic())
+        self._advance(seqs, steps, _now())
+
+    def _steps_that_fit(self, seqs: list[SimRequest], steps: int) -> int:
+        """The most decode steps (up to `steps`) whose new blocks the free pool holds: the
+        stretch ends before the step where the engine would preempt, which runs alone."""
+        bs, free = self.kv.block_size, self.kv.num_free_blocks
+
+        def fits(k: int) -> bool:
+            return sum(max(-(-(r.seq.num_computed_tokens + k) // bs)
+                           - self.kv.num_blocks_of(r.seq), 0) for r in seqs) <= free
+
+        lo, hi = 0, steps  # fits(0) holds: the largest k that fits, by bisection
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo
 
     def _advance(self, seqs: list[SimRequest], steps: int, now: float) -> None:
         """`steps` decode steps for each of `seqs` (a sequence preempted meanwhile is skipped)."""

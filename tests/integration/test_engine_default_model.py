@@ -60,12 +60,6 @@ def test_greedy_equals_hf_one_at_a_time_and_batched(llm, chats, hf_reference):
     assert sum(map(len, hf_reference)) >= 6 * NEW_TOKENS  # most answers run the full length
 
 
-def test_capital_of_france_smoke(llm):
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
-    assert "Paris" in out.outputs[0].text
-    assert out.outputs[0].finish_reason == "stop"
-
 
 def test_prompt_logprobs_equal_hf_log_softmax(llm, chats, default_model_dir):
     """SamplingParams(prompt_logprobs=3) on the real model: the actual token's logprob and the

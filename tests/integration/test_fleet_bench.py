@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -32,9 +31,8 @@ def tokenizer_dir(tmp_path) -> Path:
 
 
 @pytest.mark.slow  # two router processes start: ~50 s on a loaded 2-core machine
-async def test_prefix_routing_beats_round_robin_on_a_simulated_fleet(tmp_path, tokenizer_dir):
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed")
+async def test_prefix_routing_beats_round_robin_on_a_simulated_fleet(redis_binary, tmp_path,
+                                                                   tokenizer_dir):
     fleet = load_bench()
     timing = fleet.timing_model("h100-llama3-8b").scaled(2.0, num_blocks=256)
     workload = fleet.Workload(tenants=4, system_tokens=256, users_per_tenant=2, turns=3,

@@ -6,7 +6,6 @@ replica (tiny model, in this process) with a real Redis so it tokenizes to route
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,11 +24,9 @@ FIELDS = ("model", "prompt", "messages", "max_tokens", "temperature", "top_p", "
 
 
 @pytest.fixture(scope="module")
-def router(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[RouterThread, Any]]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (apt install redis-server)")
-    redis = RedisServer(binary, tmp_path_factory.mktemp("fuzz-redis"))
+def router(redis_binary, tiny_model_dir,
+           tmp_path_factory) -> Iterator[tuple[RouterThread, Any]]:
+    redis = RedisServer(redis_binary, tmp_path_factory.mktemp("fuzz-redis"))
     redis.start()
     replica = start_server(tiny_model_dir)
     rt = RouterThread(tiny_model_dir, redis.url, ("--replicas", replica.url,

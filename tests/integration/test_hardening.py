@@ -162,6 +162,23 @@ def test_caps_on_n_stop_and_logprobs(server, body, param):
     assert_openai_error(resp, 400, param)
 
 
+@pytest.mark.parametrize("field, at_cap, over_cap", [
+    ("stop", ["a", "b", "c", "d"], ["a", "b", "c", "d", "e"]),
+    ("stop", "x" * 32, "x" * 33),
+    ("stop", ["x" * 32], ["x" * 33]),
+    ("stop_token_ids", [1, 2, 3, 4], [1, 2, 3, 4, 5]),
+    ("n", 4, 5),
+    ("logprobs", 5, 6),
+    ("prompt_logprobs", 5, 6),
+])
+def test_each_cap_accepts_exactly_its_limit_and_refuses_one_more(server, field, at_cap, over_cap):
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 1}
+    ok = post(server.url, "/v1/completions", {**body, field: at_cap})
+    assert ok.status_code == 200, ok.text
+    assert_openai_error(post(server.url, "/v1/completions", {**body, field: over_cap}), 400,
+                        field)
+
+
 def test_chat_top_logprobs_cap(server):
     body = {"model": "tiny", "messages": CHAT, "logprobs": True, "top_logprobs": 6}
     assert_openai_error(post(server.url, "/v1/chat/completions", body), 400, "top_logprobs")
@@ -265,18 +282,13 @@ def test_caps_come_from_the_config(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def router(server, tiny_model_dir, tmp_path_factory) -> Iterator[Any]:
+def router(redis_binary, server, tiny_model_dir, tmp_path_factory) -> Iterator[Any]:
     """A router (real uvicorn, in this process) with Redis up, so it tokenizes to route, in front
     of the module's server as its static replica."""
-    import shutil
-
     from conftest import RedisServer
     from test_router import RouterThread
 
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (apt install redis-server)")
-    redis = RedisServer(binary, tmp_path_factory.mktemp("redis"))
+    redis = RedisServer(redis_binary, tmp_path_factory.mktemp("redis"))
     redis.start()
     rt = RouterThread(tiny_model_dir, redis.url, (
         "--replicas", server.url, "--max-prompts-per-request", "8", "--max-json-depth", "16"))
@@ -342,8 +354,9 @@ def test_the_router_refuses_hostile_bodies_itself(router, path, text, param):
 
 
 def test_sigterm_cuts_off_requests_with_503_and_an_sse_error(tiny_model_dir, tmp_path):
-    """A real server process drained with a grace period too short for its two running requests:
-    the non-streaming one gets 503 + Retry-After, the streaming one an error event, then [DONE]."""
+    """A real server process drained with no grace period while two requests are seen running
+    (its /metrics): the non-streaming one gets 503 + Retry-After, the streaming one an error
+    event, then [DONE]. (Grace 0: the cut does not race the requests' length against a timer.)"""
     import signal
     import threading
 
@@ -356,7 +369,7 @@ def test_sigterm_cuts_off_requests_with_503_and_an_sse_error(tiny_model_dir, tmp
             "ignore_eos": True}
     whole: list[httpx.Response] = []
     with api_server_process(tiny_model_dir, log, "--max-model-len", "512",
-                            "--shutdown-grace-period", "0.2") as (proc, url):
+                            "--shutdown-grace-period", "0") as (proc, url):
         thread = threading.Thread(target=lambda: whole.append(
             httpx.post(url + "/v1/completions", json=body, timeout=120)))
         thread.start()

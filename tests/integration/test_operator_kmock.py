@@ -20,8 +20,8 @@ from conftest import free_port
 
 from kvserve.operator.crd import GROUP, KIND, PLURAL, VERSION
 from kvserve.operator.handlers import build_registry, reconcile
-from kvserve.operator.kube import KubeClient
-from kvserve.operator.reconcile import apply_objects
+from kvserve.operator.kube import PLURALS, KubeClient
+from kvserve.operator.reconcile import ApplyResult, apply_objects, prune
 from kvserve.operator.children import build_children
 
 NS = "ml"
@@ -90,6 +90,17 @@ async def running_operator(kmock: Any,
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.wait_for(task, timeout=WAIT_S)
+
+
+# A reconcile (and a resync) ends with prune's LIST of every kind in PLURALS' order: the LIST of
+# the last kind is the last request it sends about children.
+LAST_PRUNED = list(PLURALS.values())[-1]
+
+
+def reconciles_done(kmock: Any, after: int) -> int:
+    """Reconciles or resyncs that reached their end (pruning) after request number `after`."""
+    return sum(1 for r in list(kmock)[after:]
+               if r.method.value == "GET" and r.url.path.endswith(f"/{LAST_PRUNED}"))
 
 
 def service_cr(name: str = "llama", **spec_overrides: Any) -> dict:
@@ -367,6 +378,19 @@ def sent(kmock: Any, method: str, path_end: str) -> list[Any]:
     return [r for r in list(kmock) if r.method.value == method and r.url.path.endswith(path_end)]
 
 
+def is_cache_off_apply(r: Any) -> bool:
+    return (r.method.value == "PATCH" and r.url.path.endswith("/deployments/cached-engine")
+            and "initContainers" not in r.data["spec"]["template"]["spec"])
+
+
+def status_patches(kmock: Any, name: str, after: int) -> list[dict]:
+    """The status of each PATCH of the CR `name` after request number `after` that reports an
+    apply (status.lastApplied): a reconcile that got there has pruned already."""
+    return [r.data["status"] for r in list(kmock)[after:]
+            if r.method.value == "PATCH" and r.url.path.endswith(f"/{PLURAL}/{name}/status")
+            and isinstance(r.data, dict) and "lastApplied" in r.data.get("status", {})]
+
+
 async def test_weights_cache_claim_is_created_once_and_shared(kmock: Any) -> None:
     """One claim for every replica: scaling up adds pods to the same pod template (one init
     container, one claim), never a second claim; switching the cache off keeps the claim."""
@@ -379,9 +403,14 @@ async def test_weights_cache_claim_is_created_once_and_shared(kmock: Any) -> Non
                        == 3, "the Deployment scaled to 3")
         pod = stored(kmock, DEPLOYMENTS, "cached-engine")["spec"]["template"]["spec"]
         await patch_cr(kmock, "cached", {"spec": {"model": {"cache": None}}})
-        await wait_for(lambda: "initContainers" not in sent(
-            kmock, "PATCH", "/deployments/cached-engine")[-1].data["spec"]["template"]["spec"],
-            "the Deployment applied without the init container")
+        cache_off = await wait_for(lambda: next((i + 1 for i, r in enumerate(list(kmock))
+                                                 if is_cache_off_apply(r)), 0),
+                                   "the Deployment applied without the init container")
+        # The status patch of that reconcile comes after its prune: the claim outlived it.
+        after = await wait_for(lambda: status_patches(kmock, "cached", cache_off),
+                               "the status patch of the cache-off reconcile")
+    assert after[0]["lastApplied"] == {**after[0]["lastApplied"],
+                                       "applied": ["Deployment/cached-engine"], "deleted": []}
     claim = stored(kmock, "v1/persistentvolumeclaims", "cached-weights")
     assert claim["spec"]["resources"]["requests"]["storage"] == "40Gi"
     assert claim["metadata"]["ownerReferences"][0]["uid"] == "uid-cached"
@@ -427,11 +456,10 @@ async def test_operator_restart_leaves_healthy_engines_alone(kmock: Any) -> None
         await wait_for(lambda: stored(kmock, PLURAL_KEY, "steady").get("status", {})
                        .get("sizing"), "the first reconcile")
     before = writes(kmock)
-    reads = len(sent(kmock, "GET", "/horizontalpodautoscalers/steady"))
+    mark = len(list(kmock))
     async with running_operator(kmock):
-        await wait_for(lambda: len(sent(kmock, "GET", "/horizontalpodautoscalers/steady"))
-                       > reads, "the new operator's resume reconcile")
-        await asyncio.sleep(0.5)
+        await wait_for(lambda: reconciles_done(kmock, mark) >= 1,
+                       "the new operator's resume reconcile, to its prune")
     assert before and writes(kmock) == before
 
 
@@ -465,7 +493,8 @@ async def test_foreign_object_is_left_alone_and_named(kmock: Any) -> None:
         await wait_for(lambda: events(kmock, "ForeignObject"), "a ForeignObject event")
         # The rest of the service is there; the foreign Deployment is exactly as it was.
         assert stored(kmock, DEPLOYMENTS, "clash-router") is not None
-        await asyncio.sleep(1.0)  # a few resyncs
+        mark = len(list(kmock))
+        await wait_for(lambda: reconciles_done(kmock, mark) >= 2, "two resyncs, to their prune")
         assert stored(kmock, DEPLOYMENTS, "clash-engine") == before
         assert not [w for w in writes(kmock) if w.endswith("/deployments/clash-engine")]
         # The registration Secret: created once, owned, and never rotated by the resyncs.
@@ -510,3 +539,29 @@ async def test_password_in_redis_url_is_refused_and_never_repeated(kmock: Any, c
     redacted = [r for r in caplog.records if "default:***@" in r.getMessage()]
     assert redacted and not [r for r in caplog.records if password in r.getMessage()]
     assert stored(kmock, DEPLOYMENTS, "leaky-engine") is None
+
+
+async def test_prune_deletes_what_left_the_desired_set_but_keeps_the_weights_claim(
+        kmock: Any) -> None:
+    """prune() alone: of this service's owned children, a Deployment no longer desired goes, the
+    weights PVC (expensive to refill) stays."""
+    declare_resources(kmock)
+    spec_body = service_cr("keep", model={"name": "llama-2-7b",
+                                          "cache": {"pvc": {"size": "40Gi"}}})
+    objs = build_children(spec_body).objects
+    kube = KubeClient.for_url(str(kmock.url), timeout=2.0, retries=False)
+    await asyncio.to_thread(apply_objects, kube, objs)
+    owned = {f"{o['kind']}/{o['metadata']['name']}" for o in objs}
+    assert {"PersistentVolumeClaim/keep-weights", "Deployment/keep-router"} <= owned
+    desired = [o for o in objs if o["kind"] not in ("PersistentVolumeClaim", "Deployment")
+               or o["metadata"]["name"] == "keep-engine"]
+    result = ApplyResult()
+    await asyncio.to_thread(prune, kube, NS, "keep", "uid-keep", desired, result)
+    kube.close()
+    assert "PersistentVolumeClaim/keep-weights" not in result.deleted
+    assert stored(kmock, "v1/persistentvolumeclaims", "keep-weights") is not None
+    assert sorted(result.deleted) == sorted(
+        f"Deployment/{o['metadata']['name']}" for o in objs
+        if o["kind"] == "Deployment" and o["metadata"]["name"] != "keep-engine")
+    assert stored(kmock, DEPLOYMENTS, "keep-router") is None
+    assert stored(kmock, DEPLOYMENTS, "keep-engine") is not None

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -138,12 +137,9 @@ def wait_healthy(p: Proc, deadline: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir, tmp_path_factory) -> Iterator[Cluster]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (apt install redis-server)")
+def cluster(redis_binary, tiny_model_dir, tmp_path_factory) -> Iterator[Cluster]:
     tmp = tmp_path_factory.mktemp("router-cluster")
-    redis = RedisServer(binary, tmp)
+    redis = RedisServer(redis_binary, tmp)
     redis.start()
     replicas = {rid: spawn_replica(rid, tiny_model_dir, redis.url, tmp)
                 for rid in ("r1", "r2", "r3")}

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import openai
@@ -43,12 +44,9 @@ class Pair:
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_model_dir, tmp_path_factory) -> Iterator[Pair]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (apt install redis-server)")
+def pair(redis_binary, tiny_model_dir, tmp_path_factory) -> Iterator[Pair]:
     tmp = tmp_path_factory.mktemp("router-faults")
-    server = RedisServer(binary, tmp)
+    server = RedisServer(redis_binary, tmp)
     server.start()
     env = {REGISTRATION_TOKEN_ENV: TOKEN}
     replicas = {rid: spawn_replica(rid, tiny_model_dir, server.url, tmp, env)
@@ -132,18 +130,48 @@ def test_a_frozen_replica_is_timed_out_and_failed_over(pair):
     wait_healthy(frozen, time.monotonic() + 30)
 
 
-def test_a_busy_replica_that_answers_health_is_not_timed_out(pair):
-    """A non-streamed answer longer than the first-byte timeout: /health still answers, so the
-    router waits for it rather than failing over (which would run it twice)."""
-    replica = pair.replicas["f2"]
-    flags = ("--replicas", replica.url, "--upstream-first-byte-timeout", "0.2",
-             "--policy", "least-load")
-    with router(pair, *flags, redis_on=False) as rt:
-        resp = httpx.post(rt.url + "/v1/completions", timeout=120, json={
-            "model": "tiny", "prompt": "busy", "max_tokens": 300, "ignore_eos": True})
-        assert resp.status_code == 200, resp.text
-        assert resp.json()["usage"]["completion_tokens"] == 300
-        assert metric(rt.url, "kvserve_router:upstream_errors_total") == 0
+@contextmanager
+def slow_replica(model_dir: Path, seconds_per_token: float) -> Iterator[str]:
+    """A simulated replica (service/sim/) on its own event loop thread: /health answers at
+    once, and an answer of n tokens takes at least n x `seconds_per_token` (its steps are
+    sleeps), whatever the CPU's speed. Yields its URL."""
+    from transformers import AutoTokenizer
+
+    from kvserve.service.sim.fleet import SimFleet
+    from kvserve.service.sim.timing import TimingModel
+
+    timing = TimingModel("slow", prefill_s_per_token=0.0, decode_step_s=seconds_per_token,
+                         decode_s_per_seq=0.0, decode_s_per_ctx_token=0.0, num_blocks=256)
+    fleet = SimFleet(1, timing, tokenizer=AutoTokenizer.from_pretrained(model_dir), model="tiny")
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(fleet.start(), loop).result(60)
+    try:
+        yield fleet.url(0)
+    finally:
+        asyncio.run_coroutine_threadsafe(fleet.close(), loop).result(60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def test_a_busy_replica_that_answers_health_is_not_timed_out(tiny_model_dir):
+    """A non-streamed answer that takes far longer than the first-byte timeout (100 tokens of
+    at least 20 ms each against 0.2 s): /health still answers, so the router waits for it
+    rather than failing over (which would run it twice)."""
+    with slow_replica(tiny_model_dir, 0.02) as url:
+        rt = RouterThread(tiny_model_dir, None, ("--replicas", url, "--policy", "least-load",
+                                                 "--upstream-first-byte-timeout", "0.2"),
+                          expose_headers=False)
+        try:
+            rt.wait()
+            resp = httpx.post(rt.url + "/v1/completions", timeout=120, json={
+                "model": "tiny", "prompt": "busy", "max_tokens": 100})
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["usage"]["completion_tokens"] == 100
+            assert metric(rt.url, "kvserve_router:upstream_errors_total") == 0
+        finally:
+            rt.stop()
 
 
 # ---------------------------------------------------------------------------- client disconnects

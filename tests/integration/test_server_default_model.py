@@ -43,10 +43,21 @@ def test_issue_snippet_verbatim(default_server):
 
 
 @pytest.mark.slow
-def test_default_model_answers_greedily(default_server):
+def test_default_model_answers_greedily_as_hf_does(default_server, default_model_dir):
+    """Through the OpenAI chat API (template, detokenizer, EOS as "stop"): HF's fp32 greedy text."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                  return_dict=False)
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    ref = hf.generate(torch.tensor([list(ids)]), max_new_tokens=20, do_sample=False)[0, len(ids):]
+    ref = ref.tolist()
+    assert ref[-1] == tok.eos_token_id  # an answer that ends: finish_reason must say "stop"
     client = openai.Client(base_url=f"{default_server.url}/v1", api_key="dummy")
-    r = client.chat.completions.create(
-        model="smollm2-135m-instruct", temperature=0, max_tokens=20,
-        messages=[{"role": "user", "content": "What is the capital of France?"}])
-    assert "Paris" in r.choices[0].message.content
-    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 20
+    r = client.chat.completions.create(model="smollm2-135m-instruct", temperature=0,
+                                       max_tokens=20, messages=messages)
+    assert r.choices[0].message.content == tok.decode(ref, skip_special_tokens=True)
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == len(ref)

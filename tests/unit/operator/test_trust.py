@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import socket
 import subprocess
 import time
@@ -132,8 +131,7 @@ def test_deployed_redis_requires_the_password_without_a_flag() -> None:
     kubernetes_validate.validate(redis_deployment(spec), "1.31", strict=True)
 
 
-@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
-def test_redis_auth_script_really_requires_the_password(tmp_path: Path) -> None:
+def test_redis_auth_script_really_requires_the_password(tmp_path: Path, redis_binary) -> None:
     """The container's script, run by a real shell and redis-server (the path moved to tmp)."""
     script = REDIS_AUTH_SCRIPT.replace("/run/redis", str(tmp_path))
     port = free_port()

@@ -42,8 +42,10 @@ def test_engine_flags_with_vllm_spelling():
                   "--preemption-mode", "swap", "--no-enable-prefix-caching",
                   "--kv-cache-dtype", "fp8", "--calculate-kv-scales", "--seed", "3",
                   "--kv-cache-memory", "1.5GiB", "--dtype", "bfloat16", "--device", "cpu",
-                  "--trust-remote-code", "--served-model-name", "alias", "other")
+                  "--trust-remote-code", "--served-model-name", "alias", "other",
+                  "--quantization", "int8")
     cfg = cli.engine_config_from_args(args)
+    assert cfg.quantization == "int8"
     assert (cfg.model, cfg.block_size, cfg.max_model_len, cfg.max_num_batched_tokens) == \
         ("my-model", 32, 1024, 512)
     assert (cfg.swap_space, cfg.preemption_mode, cfg.enable_prefix_caching) == (2.0, "swap", False)

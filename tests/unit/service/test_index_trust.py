@@ -287,16 +287,18 @@ def test_the_router_never_logs_the_redis_password(tmp_path):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         import httpx
-        import time
+        from conftest import wait_for
 
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        def redis_errors() -> float:
             try:
-                httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
-                break
+                text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=1).text
             except httpx.HTTPError:
-                time.sleep(0.2)
-        time.sleep(1.5)  # a refresh or two fails against the missing Redis and logs it
+                return 0.0
+            return next((float(line.split()[-1]) for line in text.splitlines()
+                         if line.startswith("kvserve_router:redis_errors_total ")), 0.0)
+
+        # Two refreshes failed against the missing Redis (and logged whatever they log).
+        wait_for(lambda: redis_errors() >= 2, 60, "two failed Redis refreshes")
     finally:
         proc.terminate()
         out, _ = proc.communicate(timeout=30)

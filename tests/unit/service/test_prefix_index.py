@@ -135,15 +135,16 @@ async def test_close_removes_entries_at_once(redis_server):
 
 async def test_services_are_namespaced(redis_server):
     p = publisher(redis_server.url, "a")
+    own = PrefixIndex.from_url(redis_server.url, "svc")
     other = PrefixIndex.from_url(redis_server.url, "other-svc")
     await p.start()
     try:
         await until(lambda: p.connected, what="connect")
         p.on_step([KVEvent("stored", tuple(CHAIN))])
-        await asyncio.sleep(0.3)
+        await until(lambda: _eq(matches(own, CHAIN), {"a": 8}), what="stored in its service")
         assert await other.lookup(CHAIN) == []
     finally:
-        await p.close(), await other.close()
+        await p.close(), await own.close(), await other.close()
 
 
 async def test_redis_outage_drops_events_then_republishes_snapshot(redis_server):

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
+import looptime
 import pytest
 from kvserve.engine.core.block_hash import block_hashes_bytes
 from kvserve.service.sim.replica import CapacityError, SimReplica
@@ -13,6 +16,20 @@ from kvserve.service.sim.timing import CALIBRATIONS, TimingModel, timing_model
 FAST = TimingModel("test", prefill_s_per_token=1e-4, decode_step_s=1e-3, decode_s_per_seq=1e-4,
                    decode_s_per_ctx_token=1e-7, num_blocks=64, block_size=16, max_num_seqs=8,
                    max_num_batched_tokens=256)
+
+
+T = TypeVar("T")
+
+
+def in_sim_time(main: Callable[[], Awaitable[T]]) -> T:
+    """Run `main()` on an event loop whose clock only sleeps and timeouts advance (looptime's
+    fast-forwarding loop, from 0): the replica's timings are then exact simulated seconds,
+    whatever the CPU's speed or load."""
+    loop = looptime.new_event_loop(start=0.0)
+    try:
+        return loop.run_until_complete(main())
+    finally:
+        loop.close()
 
 
 def prompt(tag: int, n: int = 64) -> list[int]:
@@ -53,20 +70,23 @@ def test_calibrations_are_named_and_scaled():
         TimingModel("bad", 1e-4, 1e-3, 0, 0, num_blocks=0)
 
 
-async def test_repeated_prompt_becomes_a_hit():
-    rep = SimReplica("a", FAST)
-    rep.start()
-    try:
-        first, = await run(rep, [prompt(1, 100)])
-        second, = await run(rep, [prompt(1, 100)])
-    finally:
-        await rep.close()
+def test_repeated_prompt_becomes_a_hit():
+    async def main():
+        rep = SimReplica("a", FAST)
+        rep.start()
+        try:
+            return rep, *await run(rep, [prompt(1, 100)]), *await run(rep, [prompt(1, 100)])
+        finally:
+            await rep.close()
+
+    rep, first, second = in_sim_time(main)
     assert first.cached_tokens == 0
     assert second.cached_tokens == 96  # 6 full blocks of 100 tokens (one token left to compute)
     assert rep.counters.prompt_tokens == 200 and rep.counters.cached_tokens == 96
     assert first.num_output_tokens == 4 and second.num_output_tokens == 4
-    # the hit costs less prefill: its first token came sooner after its arrival
-    assert second.first_token_at - second.arrival < first.first_token_at - first.arrival
+    # the hit costs less prefill: one step of 100 prompt tokens, then one of 4 (simulated s)
+    assert first.first_token_at - first.arrival == pytest.approx(FAST.step_seconds(100, 0, 0))
+    assert second.first_token_at - second.arrival == pytest.approx(FAST.step_seconds(4, 0, 0))
     hashes = block_hashes_bytes(prompt(1, 100), 16)
     assert rep.cached_prefix_blocks(hashes) == 6
     assert rep.cached_prefix_blocks(block_hashes_bytes(prompt(2, 100), 16)) == 0
@@ -122,3 +142,33 @@ async def test_decode_time_grows_with_batch_in_the_simulation():
         return rep.counters.busy_s / max(r.num_output_tokens for r in reqs)
 
     assert await per_token(8) > 2 * await per_token(1)
+
+
+def test_an_arrival_cuts_a_decode_stretch_short_after_the_step_in_progress():
+    """A request arriving 2.5 decode steps into another's 99-step stretch waits for the third
+    step to end, then prefills alongside the decode: its first token comes within two steps,
+    not after the stretch (simulated seconds, exact)."""
+    m = TimingModel("d", prefill_s_per_token=1e-4, decode_step_s=1e-2, decode_s_per_seq=0.0,
+                    decode_s_per_ctx_token=0.0, num_blocks=64, block_size=16, max_num_seqs=8,
+                    max_num_batched_tokens=256)
+
+    async def main():
+        rep = SimReplica("a", m)
+        rep.start()
+        try:
+            long = rep.submit("long", prompt(1, 32), 100)
+            assert await long.events.get() == 1  # its prefill step's token
+            await asyncio.sleep(2.5 * m.decode_step_s)
+            late = rep.submit("late", prompt(2, 32), 2)
+            assert await late.events.get() == 1
+            stretch = await long.events.get()  # the steps decoded before the late one came in
+            rep.abort(long)
+            return long, late, stretch
+        finally:
+            await rep.close()
+
+    long, late, stretch = in_sim_time(main)
+    assert stretch == 3
+    wait = 3 * m.decode_step_s - 2.5 * m.decode_step_s  # the rest of the step in progress
+    assert late.first_token_at - late.arrival == pytest.approx(wait + m.step_seconds(32, 1, 0))
+    assert late.arrival - long.first_token_at == pytest.approx(2.5 * m.decode_step_s)

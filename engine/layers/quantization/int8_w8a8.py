@@ -1,0 +1,72 @@
+"""W8A8 int8 matmul on the CPU: int8 weights per output channel, int8 activations per token,
+through oneDNN's prepacked int8 linear (AMX-INT8 on Sapphire Rapids, VNNI on AVX-512 CPUs)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from kvserve.engine.errors import QuantizationError
+from kvserve.engine.layers.quantization.activation import int8_per_token
+from kvserve.engine.layers.quantization.qweight import QuantizedWeight
+
+
+def onednn_int8_available() -> bool:
+    return hasattr(torch.ops, "onednn") and hasattr(torch.ops.onednn, "qlinear_pointwise") \
+        and torch.backends.mkldnn.is_available()
+
+
+class Int8W8A8Linear(nn.Module):
+    """y = (q(x) @ Wq^T) * s_x * s_w: the int32 accumulation and the weight scale run inside
+    oneDNN (weight scale per channel, x scale 1), the per-token x scale is one multiply after."""
+
+    def __init__(self, w: QuantizedWeight, static_input_scale: float | None = None) -> None:
+        super().__init__()
+        if w.is_float or w.bits != 8 or w.zero is not None or w.scale.shape[1] != 1:
+            raise QuantizationError(
+                "the int8 W8A8 kernel takes symmetric int8 weights with one scale per output "
+                f"channel (got {w.bits} bits, {w.scale.shape[1]} group(s), "
+                f"{'asymmetric' if w.zero is not None else 'symmetric'})")
+        self.in_features, self.out_features = w.in_features, w.out_features
+        self.static_input_scale = static_input_scale
+        values = w.values.contiguous()
+        self.register_buffer("weight_scale", w.scale[:, 0].float().contiguous(), persistent=False)
+        self.register_buffer("weight_zero", torch.zeros(self.out_features, dtype=torch.int64),
+                             persistent=False)
+        self.onednn = values.device.type == "cpu" and onednn_int8_available()
+        if self.onednn:
+            self.register_buffer("weight", torch.ops.onednn.qlinear_prepack(values, None),
+                                 persistent=False)
+            self.onednn = self._onednn_agrees(values)
+        if not self.onednn:  # plain int8 GEMM (torch._int_mm takes a [K, N] column-major weight)
+            self.register_buffer("weight", values.t(), persistent=False)
+
+    def _onednn_agrees(self, values: Tensor) -> bool:
+        """oneDNN's s8 x s8 product equals the exact one on a probe (CPUs without VNNI / AMX
+        may lack the signed-activation path): else the plain GEMM is used."""
+        probe = torch.randint(-128, 128, (3, self.in_features), dtype=torch.int8,
+                              generator=torch.Generator().manual_seed(0))
+        try:
+            got = torch.ops.onednn.qlinear_pointwise(
+                probe, 1.0, 0, self.weight, self.weight_scale, self.weight_zero, None, 1.0, 0,
+                torch.float32, "none", [None], "")
+        except RuntimeError:
+            return False
+        want = (probe.double() @ values.double().t()) * self.weight_scale.double()
+        return bool(torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6 * float(want.abs().max())))
+
+    def forward(self, x: Tensor) -> Tensor:
+        codes, x_scale = int8_per_token(x, self.static_input_scale)
+        if self.onednn:
+            y = torch.ops.onednn.qlinear_pointwise(
+                codes, 1.0, 0, self.weight, self.weight_scale, self.weight_zero, None, 1.0, 0,
+                torch.float32, "none", [None], "")
+        else:
+            y = _int_mm(codes, self.weight).float() * self.weight_scale
+        return (y * x_scale).to(x.dtype)
+
+
+def _int_mm(a: Tensor, b: Tensor) -> Tensor:
+    if a.is_cuda and a.shape[0] > 16:
+        return torch._int_mm(a, b)
+    return (a.float() @ b.float()).to(torch.int32)  # exact below 2^24 per dot product

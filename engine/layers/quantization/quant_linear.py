@@ -1,0 +1,136 @@
+"""QuantLinear: a linear whose weight a LinearMethod owns. It collects its projections'
+checkpoint tensors while the model loads, then repacks them once into the method's kernel."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from kvserve.engine.errors import QuantizationError
+from kvserve.engine.layers.quantization.base import LinearMethod, QuantConfig
+from kvserve.engine.layers.quantization.qweight import QuantizedWeight, concat_rows
+
+# Our fused linears and the checkpoint projections stacked in them, in order (vLLM's name).
+DEFAULT_PACKED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                          "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T + b with W quantised. `hf_names`: the checkpoint projections fused here (one
+    for a plain linear); each keeps its own scales, stacked along the output dim."""
+
+    def __init__(self, method: LinearMethod, hf_names: list[str], in_features: int,
+                 out_features: int, bias: nn.Parameter | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.method, self.hf_names, self.dtype = method, hf_names, dtype
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = bias
+        self._pending: list[dict[str, Tensor]] = [{} for _ in hf_names]
+        self._slices: list[object] = [None] * len(hf_names)
+        self.kernel: nn.Module | None = None
+
+    def take(self, leaf: str, shard: int | None, source, rank_slice=None) -> None:
+        """One checkpoint tensor `<proj>.<leaf>` of shard `shard`; `rank_slice`: the rows or
+        columns of the dense weight this tensor-parallel rank keeps (applied after decoding, so
+        scales, zero points and g_idx follow their rows or groups)."""
+        index = shard or 0
+        if leaf not in self.method.leaves:
+            raise QuantizationError(
+                f"checkpoint tensor {self.hf_names[index]}.{leaf} has no place in "
+                f"{self.method.description}; it takes {sorted(self.method.leaves)}")
+        self._pending[index][leaf] = _materialise(source)
+        self._slices[index] = rank_slice
+
+    def finish(self, device: torch.device) -> None:
+        """Decode every shard, slice it for this rank, fuse, repack into the kernel."""
+        parts: list[QuantizedWeight] = []
+        for name, tensors, sl in zip(self.hf_names, self._pending, self._slices, strict=True):
+            missing = sorted(self.method.required - tensors.keys())
+            if missing:
+                raise QuantizationError(
+                    f"the checkpoint lacks {name}.{missing[0]} ({self.method.description} needs "
+                    f"{sorted(self.method.required)})")
+            w = self.method.read(tensors, name)
+            parts.append(w if sl is None else w.narrow(sl.dim, sl.start, sl.length))
+        w = concat_rows(parts, self.hf_names[0])
+        if (w.out_features, w.in_features) != (self.out_features, self.in_features):
+            raise QuantizationError(
+                f"{' + '.join(self.hf_names)} decode to a [{w.out_features}, {w.in_features}] "
+                f"weight, the model expects [{self.out_features}, {self.in_features}]: config.json "
+                "does not match the weights")
+        self.kernel = self.method.kernel(_to(w, device), self.dtype)
+        self._pending = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.kernel(x.reshape(-1, self.in_features))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, {self.method.description}"
+
+
+def _materialise(source) -> Tensor:
+    if isinstance(source, Tensor):
+        return source
+    return source.full()  # a lazy safetensors entry (tensor parallel loading)
+
+
+def _to(w: QuantizedWeight, device: torch.device) -> QuantizedWeight:
+    if w.values.device == device:
+        return w
+    from dataclasses import replace
+
+    move = (lambda t: None if t is None else t.to(device))  # noqa: E731
+    return replace(w, values=move(w.values), scale=move(w.scale), zero=move(w.zero),
+                   g_idx=move(w.g_idx))
+
+
+def quantize_linears(model: nn.Module, config: QuantConfig, dtype: torch.dtype) -> int:
+    """Replace each nn.Linear the config quantises by a QuantLinear (before loading); returns
+    how many. A tied lm_head stays dense: it is the embedding."""
+    packed = getattr(model, "packed_modules_mapping", DEFAULT_PACKED_MODULES)
+    tied = _tied_weights(model)
+    count = 0
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear:
+                continue
+            head = f"{parent_name}." if parent_name else ""
+            hf_names = [head + p for p in packed.get(child_name, (child_name,))]
+            method = _one_method(config, hf_names)
+            if method is None or id(child.weight) in tied:
+                continue
+            if child_name == "lm_head":
+                raise QuantizationError(
+                    f"a quantised lm_head ({method.description}) is not supported; quantise "
+                    "the checkpoint with lm_head in its ignore list")
+            setattr(parent, child_name, QuantLinear(method, hf_names, child.in_features,
+                                                    child.out_features, child.bias, dtype))
+            count += 1
+    return count
+
+
+def _one_method(config: QuantConfig, hf_names: list[str]) -> LinearMethod | None:
+    methods = [config.method_for(n) for n in hf_names]
+    if any(m != methods[0] for m in methods[1:]):
+        raise QuantizationError(
+            f"{', '.join(hf_names)} are fused into one linear but quantised differently "
+            f"({', '.join(str(m and m.description) for m in methods)})")
+    return methods[0]
+
+
+def _tied_weights(model: nn.Module) -> set[int]:
+    """ids of linear weights that are also an embedding's (tie_word_embeddings)."""
+    return {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)} | \
+        {id(getattr(m, "weight", None)) for m in model.modules()
+         if type(m).__name__ == "VocabParallelEmbedding"}
+
+
+def finish_quantized(model: nn.Module, device: torch.device) -> list[QuantLinear]:
+    """Repack every QuantLinear after loading; returns them."""
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    for linear in linears:
+        linear.finish(device)
+    return linears

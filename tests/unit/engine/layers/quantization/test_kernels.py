@@ -1,0 +1,147 @@
+"""The quantised matmuls against dequantise-then-matmul in fp32: int8 W8A8 (oneDNN), W4A16 and
+W8A16 (torch's packed CPU kernels, with groups, zero points and act order), FP8 blocks, and the
+int32 unpacking against compressed-tensors' own packer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.engine.layers.quantization.activation import ActivationScheme, fp8_fake_quant, \
+    int8_per_token
+from kvserve.engine.layers.quantization.base import LinearMethod
+from kvserve.engine.layers.quantization.dequant import DequantLinear
+from kvserve.engine.layers.quantization.int8_w8a8 import Int8W8A8Linear, onednn_int8_available
+from kvserve.engine.layers.quantization.online import quantize_fp8_per_channel
+from kvserve.engine.layers.quantization.qweight import QuantizedWeight, unpack_int32
+from kvserve.engine.layers.quantization.weight_only import INT4_KERNEL_MAX_ROWS, Int4WeightLinear, \
+    Int8WeightLinear
+
+OUT, IN = 96, 256
+
+
+def random_weight(bits: int, group: int, asym: bool, act_order: bool = False,
+                  seed: int = 0, out: int = OUT) -> QuantizedWeight:
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    values = torch.randint(lo, hi + 1, (out, IN), generator=g, dtype=torch.int8)
+    groups = IN // group
+    scale = torch.rand(out, groups, generator=g) * 0.02 + 0.001
+    zero = torch.randint(lo, hi + 1, (out, groups), generator=g, dtype=torch.int8) if asym else None
+    g_idx = None
+    if act_order:  # GPTQ desc_act: columns assigned to groups in a shuffled order
+        g_idx = (torch.randperm(IN, generator=g) // group).to(torch.int32)
+    return QuantizedWeight(values, scale, zero, group, bits, g_idx)
+
+
+def x_batch(rows: int = 7, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(rows, IN, generator=torch.Generator().manual_seed(1)).to(dtype)
+
+
+def reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    return x.double() @ w.dequantize(torch.float64).t()
+
+
+def close(got: torch.Tensor, want: torch.Tensor, rel: float) -> None:
+    err = (got.double() - want).abs().max() / want.abs().max()
+    assert err < rel, f"relative error {err:.2e} >= {rel:.0e}"
+
+
+@pytest.mark.parametrize("group", [32, 128, IN])
+@pytest.mark.parametrize("asym", [False, True])
+def test_int4_kernel_matches_dequantised_weight(group, asym):
+    w = random_weight(4, group, asym)
+    close(Int4WeightLinear(w, torch.float32)(x_batch()), reference(x_batch(), w), 1e-5)
+
+
+def test_int4_kernel_takes_act_order_groups():
+    w = random_weight(4, 64, True, act_order=True)
+    assert w.g_idx is not None
+    close(Int4WeightLinear(w, torch.float32)(x_batch()), reference(x_batch(), w), 1e-5)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_int4_prefill_rows_read_the_packed_bytes_back_exactly(act_order):
+    """Past INT4_KERNEL_MAX_ROWS the weight is dequantised from the int4pack bytes (whose
+    layout is known for outputs in blocks of 64; other widths keep the int4 kernel)."""
+    assert not Int4WeightLinear(random_weight(4, 64, True), torch.float32).unpackable  # 96 rows
+    w = random_weight(4, 64, True, act_order=act_order, out=192)
+    kernel = Int4WeightLinear(w, torch.float32)
+    assert kernel.unpackable
+    x = x_batch(INT4_KERNEL_MAX_ROWS + 5)
+    close(kernel(x), reference(x, w), 1e-5)
+    decode = kernel(x[:INT4_KERNEL_MAX_ROWS])  # the int4 kernel itself
+    close(decode, reference(x[:INT4_KERNEL_MAX_ROWS], w), 1e-5)
+
+
+@pytest.mark.parametrize("asym", [False, True])
+def test_int8_weight_only_kernel_matches(asym):
+    w = random_weight(8, IN, asym)
+    close(Int8WeightLinear(w, torch.float32)(x_batch()), reference(x_batch(), w), 1e-5)
+
+
+def test_int8_w8a8_kernel_is_the_integer_product_of_the_rounded_input():
+    w = random_weight(8, IN, False)
+    x = x_batch(33)
+    codes, scale = int8_per_token(x)
+    assert bool(((codes.float() * scale - x).abs() <= scale * 0.5001).all())  # rounding, no clamp
+    want = (codes.double() * scale.double()) @ w.dequantize(torch.float64).t()
+    kernel = Int8W8A8Linear(w)
+    assert kernel.onednn == onednn_int8_available()  # the probe passed wherever oneDNN has int8
+    close(kernel(x), want, 1e-6)
+
+
+def test_int8_w8a8_with_a_static_input_scale_clamps_to_it():
+    w = random_weight(8, IN, False)
+    x = x_batch() * 10
+    codes, scale = int8_per_token(x, 0.01)
+    assert codes.min() == -128 and codes.max() == 127 and bool((scale == 0.01).all())
+    want = (codes.double() * 0.01) @ w.dequantize(torch.float64).t()
+    close(Int8W8A8Linear(w, 0.01)(x), want, 1e-6)
+
+
+def test_fp8_block_weights_dequantise_per_block_with_fp8_activations():
+    g = torch.Generator().manual_seed(2)
+    codes = (torch.randn(OUT, IN, generator=g) * 50).to(torch.float8_e4m3fn)
+    block_scale = torch.rand(1, IN // 128, generator=g) + 0.5  # rows 96 < one 128-row block
+    w = QuantizedWeight(codes, block_scale.expand(OUT, -1).contiguous(), None, 128, 8)
+    x = x_batch()
+    kernel = DequantLinear(w, torch.float32, ActivationScheme("fp8"))
+    close(kernel(x), reference(fp8_fake_quant(x), w), 1e-6)
+    assert not torch.equal(fp8_fake_quant(x), x)  # the activations really were rounded
+
+
+def test_per_channel_fp8_quantisation_round_trips_within_fp8_precision():
+    dense = torch.randn(OUT, IN)
+    w = quantize_fp8_per_channel(dense)
+    assert w.values.dtype == torch.float8_e4m3fn
+    close(w.dequantize(), dense.double(), 0.07)  # e4m3: 3 mantissa bits
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_unpacking_inverts_compressed_tensors_packing(bits, dim):
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    codes = random_weight(bits, IN, False).values
+    packed = pack_to_int32(codes, bits, packed_dim=dim)
+    got = unpack_int32(packed, bits, codes.shape[dim], dim) - (1 << (bits - 1))
+    assert torch.equal(got.to(torch.int8), codes)
+
+
+def test_kernel_choice_follows_the_weight_and_activations():
+    class M(LinearMethod):
+        leaves = frozenset()
+
+        def read(self, tensors, name):  # pragma: no cover - not used here
+            raise NotImplementedError
+
+    assert isinstance(M("w4").kernel(random_weight(4, 32, True), torch.float32), Int4WeightLinear)
+    assert isinstance(M("w8").kernel(random_weight(8, IN, False), torch.float32), Int8WeightLinear)
+    a8 = M("w8a8", ActivationScheme("int8"))
+    assert isinstance(a8.kernel(random_weight(8, IN, False), torch.float32), Int8W8A8Linear)
+    # int8 with groups has no fused kernel: dequantised per call, still exact
+    w = random_weight(8, 64, True)
+    kernel = M("w8g").kernel(w, torch.float32)
+    assert isinstance(kernel, DequantLinear)
+    close(kernel(x_batch()), reference(x_batch(), w), 1e-5)
