@@ -44,6 +44,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
     attention_backend: str = "auto"  # "auto" | "cpu" | "torch" | "triton" | "reference"
+    enforce_eager: bool = False  # True: no CUDA graphs; decode steps run eagerly (GPU only)
     seed: int = 0
     trust_remote_code: bool = False
     revision: str | None = None

@@ -22,7 +22,7 @@ from kvserve.engine.errors import InvalidRequestError
 from kvserve.engine.kv_offload.disk_block_file import describe_layout
 from kvserve.engine.kv_offload.disk_tier import DiskTier
 from kvserve.engine.kv_offload.swap_cost import SwapCostModel
-from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvserve.engine.sample.best_of import BestOf, expand, select
 from kvserve.engine.sample.detokenizer import IncrementalDetokenizer
 from kvserve.engine.sample.generation_config import sampling_defaults
@@ -95,6 +95,10 @@ class LLMEngine:
         self.tiers = TierFigures()
         if config.calculate_kv_scales and setup.kv_dtype == FP8_DTYPE:
             self._calibrate_kv_scales()
+        # Captured batches are planned once, with no host look at their lengths: Triton only.
+        if self.device.type == "cuda" and not config.enforce_eager and setup.workers is None \
+                and self.runner.backend == "triton":
+            self._capture_decode_graphs()
         # Sampling values a request leaves out (the server and LLM read them; the engine does not).
         self.sampling_defaults = sampling_defaults(model_path, config.generation_config)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
@@ -119,6 +123,16 @@ class LLMEngine:
                                   f"{'W=' + str(g.sliding_window) if g.sliding_window else 'full'}"
                                   for g in self.kv.groups.groups), self.kv.groups.page_layers)
 
+    def _capture_decode_graphs(self) -> None:
+        """CUDA graphs for decode (engine/worker/cuda_graph.py). A capture that fails (an op
+        of this model that syncs with the host) leaves every step eager, said once in the log."""
+        try:
+            self.runner.capture_decode_graphs(self.config.max_num_seqs, self.max_model_len)
+        except RuntimeError as exc:
+            self.runner.graphs = None
+            logger.warning("CUDA graph capture failed (%s); decode runs eagerly "
+                           "(--enforce-eager skips the attempt)", exc)
+
     def _calibrate_kv_scales(self) -> None:
         """`calculate_kv_scales=True`: FP8 scales from a representative first batch."""
         text = ("The KV cache stores the keys and values of every token seen so far. "
@@ -134,6 +148,11 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
         return cls(config)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: Any) -> "LLMEngine":
+        """vLLM's constructor: an `EngineArgs` (engine/arg_utils.py) -> its engine."""
+        return cls.from_config(engine_args.create_engine_config())
 
     def check_health(self) -> None:
         """WorkerDiedError when a tensor-parallel worker is gone (even while idle); safe to
@@ -366,6 +385,8 @@ class LLMEngine:
         tokens = result.sampled_token_ids.tolist()
         lps = result.logprobs.tolist() if result.logprobs is not None else None
         lp_ids = result.logprob_token_ids.tolist() if result.logprob_token_ids is not None else None
+        ranks = result.sampled_token_ranks.tolist() \
+            if result.sampled_token_ranks is not None else None
         # Forks first: a parent that finishes on this very token must still lend its blocks.
         targets: list[Sequence] = []
         for r, i in enumerate(rows):
@@ -376,7 +397,8 @@ class LLMEngine:
             state = self.requests[seq.request_id]
             try:  # detokenizing and stop checks are this request's own business
                 self._append_token(state, seq, tok, lps[r] if lps else None,
-                                   lp_ids[r] if lp_ids else None, now)
+                                   lp_ids[r] if lp_ids else None, now,
+                                   ranks[r] if ranks else None)
             except Exception as exc:  # noqa: BLE001 - handed to that request's caller
                 self._fail_request(seq.request_id, exc)
             touched[state.request_id] = state
@@ -398,7 +420,8 @@ class LLMEngine:
         return child
 
     def _append_token(self, state: RequestState, seq: Sequence, tok: int,
-                      lp: list[float] | None, lp_ids: list[int] | None, now: float) -> None:
+                      lp: list[float] | None, lp_ids: list[int] | None, now: float,
+                      rank: int | None = None) -> None:
         seq.output_token_ids.append(tok)
         self._generation_tokens += 1
         if state.metrics.first_token_time is None:
@@ -409,8 +432,11 @@ class LLMEngine:
             seq.cumulative_logprob += lp[0]
             if seq.logprobs is None:
                 seq.logprobs = []
-            entry = {lp_ids[0]: lp[0]}  # type: ignore[index]
-            entry.update(zip(lp_ids[1 : k + 1], lp[1 : k + 1]))  # type: ignore[index]
+            # vLLM's {token_id: Logprob}: the top-k ranked 1..k, then the sampled token (whose
+            # rank the sampler counted over the whole vocabulary) wins its own key
+            entry = {t: Logprob(v, i + 1) for i, (t, v) in enumerate(
+                zip(lp_ids[1 : k + 1], lp[1 : k + 1]))}  # type: ignore[index]
+            entry[lp_ids[0]] = Logprob(lp[0], rank)  # type: ignore[index]
             seq.logprobs.append(entry)
         grammar = self._grammar_state(seq)  # advanced; a forbidden token fails the request
         stop_str = state.detoks[seq.index].update(seq.output_token_ids)

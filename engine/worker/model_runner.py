@@ -22,6 +22,7 @@ from kvserve.engine.kv_offload.host_blocks import CopyTiming, HostBlocks
 from kvserve.engine.sample.prompt_logprobs import PromptLogprobsPlan, PromptLogprobsResult
 from kvserve.engine.sample.prompt_logprobs import compute as compute_prompt_logprobs
 from kvserve.engine.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
+from kvserve.engine.worker.cuda_graph import Capture, DecodeGraphs, cuda_capture
 from kvserve.kernels.backend import resolve_backend
 from kvserve.kernels.fp8 import compute_kv_scale
 from kvserve.kernels.metadata import AttentionMetadata
@@ -115,6 +116,7 @@ class ModelRunner:
         self.disk = disk  # where spilled host blocks go (one rank: the config refuses more)
         self.timings: deque[CopyTiming] = deque(maxlen=4096)
         self.sampler = Sampler()
+        self.graphs: DecodeGraphs | None = None  # captured decode forwards (CUDA, not eager)
 
     @property
     def bytes_per_block(self) -> int:
@@ -283,11 +285,10 @@ class ModelRunner:
         logits and the prompt logprobs asked; the other ranks only take part in the
         collectives."""
         self.apply_moves(step.moves)
-        ids, positions, meta = self.to_device(step)
-        hidden = self.model(ids, positions, self.kv_caches, meta)
+        hidden, query_start_loc = self._forward(step)
         logits = None
         if step.sample_rows:
-            last = meta.query_start_loc[1:].long() - 1
+            last = query_start_loc[1:].long() - 1
             rows = last[torch.tensor(step.sample_rows, device=self.device)]
             logits = self.model.compute_logits(hidden[rows])
         prompt = None
@@ -295,6 +296,29 @@ class ModelRunner:
             prompt = compute_prompt_logprobs(self.model, hidden, step.prompt_rows,
                                              step.prompt_targets, step.prompt_k)
         return logits, prompt
+
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int,
+                              capture: Capture | None = None) -> None:
+        """Capture the decode forward for the ladder of batch sizes (`capture`: a stand-in for
+        torch.cuda.CUDAGraph in the CPU tests). Run after the fp8 scales are calibrated."""
+        width = -(-max_model_len // self.block_size)
+        self.graphs = DecodeGraphs(
+            lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta), max_num_seqs,
+            width, self.block_size, self.device, capture or cuda_capture(), self.backend,
+            self.k_scale, self.v_scale)
+
+    def _forward(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states and query_start_loc (on the device): a captured graph for a pure
+        decode step it fits (no prompt logprobs), the eager forward otherwise."""
+        g = self.graphs
+        if g is not None and not step.prompt_rows and g.can_run(
+                step.seq_lens.shape[0], step.input_ids.shape[0], step.block_tables.shape[1]):
+            hidden = g.run(step.input_ids, step.positions, step.slot_mapping, step.block_tables,
+                           step.seq_lens)
+            return hidden, step.query_start_loc.to(self.device, non_blocking=True)
+        ids, positions, meta = self.to_device(step)
+        return self.model(ids, positions, self.kv_caches, meta), meta.query_start_loc
 
 
 def _moves(sched: SchedulerOutput) -> BlockMoves:
