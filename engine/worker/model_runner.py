@@ -311,11 +311,12 @@ class ModelRunner:
     def _forward(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states and query_start_loc (on the device): a captured graph for a pure
         decode step it fits (no prompt logprobs), the eager forward otherwise."""
-        g = self.graphs
-        if g is not None and not step.prompt_rows and g.can_run(
-                step.seq_lens.shape[0], step.input_ids.shape[0], step.block_tables.shape[1]):
-            hidden = g.run(step.input_ids, step.positions, step.slot_mapping, step.block_tables,
-                           step.seq_lens)
+        g = self.graphs  # captured for one KV-cache group: several run eagerly
+        if g is not None and not step.prompt_rows and step.block_tables.shape[0] == 1 and \
+                g.can_run(step.seq_lens.shape[0], step.input_ids.shape[0],
+                          step.block_tables.shape[2]):
+            hidden = g.run(step.input_ids, step.positions, step.slot_mapping[0],
+                           step.block_tables[0], step.seq_lens)
             return hidden, step.query_start_loc.to(self.device, non_blocking=True)
         ids, positions, meta = self.to_device(step)
         return self.model(ids, positions, self.kv_caches, meta), meta.query_start_loc
