@@ -62,7 +62,8 @@ def _fields(base: type) -> list[tuple[str, Any, Any]]:
         value = field(default=f.default) if f.default is not MISSING \
             else field(default_factory=f.default_factory)  # type: ignore[misc]
         out.append((f.name, f.type, value))
-    return out + [(k, bool, field(default=v)) for k, v in NO_EFFECT.items()]
+    names = {name for name, _, _ in out}  # a NO_EFFECT name EngineConfig now has is its own
+    return out + [(k, bool, field(default=v)) for k, v in NO_EFFECT.items() if k not in names]
 
 
 EngineArgs = make_dataclass("EngineArgs", _fields(EngineConfig), bases=(_EngineArgsMethods,))

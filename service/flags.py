@@ -195,6 +195,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "checkpoint is read from its own quantization_config without the flag")
     g.add_argument("--calculate-kv-scales", action="store_true",
                    help="compute fp8 KV scales from the first batch")
+    g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="one block table for every layer: sliding-window layers (Gemma 2/3, "
+                        "gpt-oss) keep all their blocks instead of freeing those out of the window")
     g.add_argument("--attention-backend", default=d("attention_backend"),
                    choices=("auto", "cpu", "torch", "triton", "reference"),
                    help="paged attention: triton on CUDA, cpu (C++ kernels, built on first use) "
