@@ -32,16 +32,23 @@ def build_family(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
         "Gemma3Config", "Gemma3TextConfig"))(**cfg)
     config.architectures = [arch]
     torch.manual_seed(seed)
-    model = getattr(transformers, arch)(config).eval()
+    model = perturb(getattr(transformers, arch)(config).eval())
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def perturb(model: torch.nn.Module) -> torch.nn.Module:
+    """Random biases and norms moved off their init, so a dropped bias or a mistaken norm
+    formula shows in the logits (HF initialises them to 0 and to 1 or 0)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0.0, 0.5)
             elif "norm" in name:  # 1 (Llama-style) or 0 (Gemma's 1 + w): move off either
                 p.add_(0.3 * torch.randn_like(p))
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return model
+
 
 
 def prompts(vocab: int, lens=PROMPT_LENS, seed: int = 5) -> list[list[int]]:

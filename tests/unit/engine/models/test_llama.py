@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from family_checks import perturb
 from kvserve.engine.errors import ConfigError, ModelNotFoundError
 from kvserve.engine.worker.model_loader import iter_weights, load_model
 from kvserve.kernels.metadata import AttentionMetadata
@@ -114,14 +115,7 @@ def build_random(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
     cfg.update(overrides)
     config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**cfg)
     torch.manual_seed(seed)
-    model = getattr(transformers, arch)(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0.0, 0.5)
-            elif "norm" in name:
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-    model.save_pretrained(path)
+    perturb(getattr(transformers, arch)(config).eval()).save_pretrained(path)
     return path
 
 
