@@ -5,6 +5,8 @@ HF transformers (fp32, eager attention) teacher-forced on the same sequences."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -49,6 +51,15 @@ def perturb(model: torch.nn.Module) -> torch.nn.Module:
                 p.add_(0.3 * torch.randn_like(p))
     return model
 
+
+
+def copy_with(src: Path, dst: Path, **config_changes) -> Path:
+    """A copy of checkpoint `src` at `dst` with `config_changes` set in its config.json."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(config_changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
 
 
 def prompts(vocab: int, lens=PROMPT_LENS, seed: int = 5) -> list[list[int]]:
