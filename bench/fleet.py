@@ -329,7 +329,8 @@ async def run_once(fleet: SimFleet, policy: str, router_urls: list[str], qps: fl
         before: dict | None = None
         next_sample = start
         k = 0
-        while ((now := time.perf_counter()) - start < duration) if not count else k < count:
+        while (k < count) if count else (time.perf_counter() - start < duration):
+            now = time.perf_counter()
             warm = k >= warmup_count if count else now - start >= warmup
             if before is None and warm:
                 before = await _snapshot(fleet, router_urls, probe, client)
