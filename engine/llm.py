@@ -8,9 +8,11 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from kvserve.engine.arg_utils import split_vllm_kwargs
 from kvserve.engine.config import DEFAULT_MODEL, EngineConfig, structured_outputs_backend
 from kvserve.engine.errors import InvalidRequestError, RequestFailedError
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.metrics_reader import Metric, metrics_of
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sample.sampling_params import SamplingParams
 from kvserve.engine.sample.tokenizer import chat_token_ids
@@ -32,6 +34,7 @@ class LLM:
                  block_size: int = 16, enable_prefix_caching: bool = True,
                  kv_cache_dtype: str = "auto", **kwargs: Any) -> None:
         _structured_outputs_kwargs(kwargs)
+        kwargs = split_vllm_kwargs(kwargs)  # vLLM arguments with no effect here
         config = EngineConfig.from_kwargs(
             model=model, tokenizer=tokenizer, tensor_parallel_size=tensor_parallel_size,
             dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
@@ -52,6 +55,15 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (device, host and disk tiers); False while running
+        requests still hold blocks (as vLLM)."""
+        return self.llm_engine.reset_prefix_cache()
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's figures as vLLM's metric objects (`.name`, `.value`, `.labels`)."""
+        return metrics_of(self.llm_engine.get_stats(), self.llm_engine.model_name)
 
     def generate(self, prompts: PromptType | Seq[PromptType] | None = None,
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Logprob:
-    """One token's entry in a prompt-logprobs dict (vLLM's `vllm.logprobs.Logprob`)."""
+    """One token's entry in a (prompt or sample) logprobs dict (vLLM's `vllm.logprobs.Logprob`):
+    `out.outputs[0].logprobs[i][token_id].logprob`."""
 
     logprob: float
     rank: int | None = None  # 1 = the most likely token at that position
@@ -20,8 +21,8 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    # One dict per generated token: {token_id: logprob} for the sampled token and the top-k.
-    logprobs: list[dict[int, float]] | None = None
+    # One dict per generated token: {token_id: Logprob} for the sampled token and the top-k.
+    logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop string or token id that ended it
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from pydantic import PrivateAttr
+
 from kvserve.engine.errors import InvalidRequestError
 from kvserve.engine.structured_output.params import StructuredOutputsParams
 from kvserve.service.limits import DEFAULT_LIMITS, RequestLimits
@@ -12,6 +14,7 @@ from kvserve.service.request_models import (Int64, OpenAIModel, SamplingFields, 
                                             check_max_tokens)
 from kvserve.service.structured_outputs import constraint_of
 from kvserve.service.tool_calls import ToolPlan, check_history, tool_plan
+from kvserve.service.tool_parsers import DEFAULT_TOOL_PARSER
 from kvserve.service.unsupported_fields import (SAMPLING_UNSUPPORTED, Harmless, asks_nothing,
                                                 refuse_unsupported)
 
@@ -31,6 +34,10 @@ class ChatMessage(OpenAIModel):
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool result's call
     function_call: Any = None
+    # An assistant's earlier reasoning, as vLLM and OpenAI clients send it back (`reasoning:
+    # null` included): accepted, and left out of the prompt as chat templates do.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     UNSUPPORTED: ClassVar[dict[str, Harmless]] = {"function_call": asks_nothing}
 
@@ -75,6 +82,8 @@ class ChatCompletionRequest(SamplingFields):
     prediction: Any = None
     reasoning_effort: Any = None
     web_search_options: Any = None
+    # the server's --tool-call-parser, set by the handler (not a request field)
+    _tool_parser: str = PrivateAttr(default=DEFAULT_TOOL_PARSER)
 
     UNSUPPORTED: ClassVar[dict[str, Harmless]] = {
         **SAMPLING_UNSUPPORTED,
@@ -109,8 +118,12 @@ class ChatCompletionRequest(SamplingFields):
                 "template call, not template variables (send chat_template as its own field)",
                 param="chat_template_kwargs")
 
+    def use_tool_parser(self, parser: str) -> "ChatCompletionRequest":
+        self._tool_parser = parser
+        return self
+
     def tool_plan(self) -> ToolPlan | None:
-        return tool_plan(self.tools, self.tool_choice)
+        return tool_plan(self.tools, self.tool_choice, self._tool_parser)
 
     def constraint(self) -> StructuredOutputsParams | None:
         """The tools' grammar (tool_choice required or named) or the response format's."""

@@ -67,11 +67,28 @@ def server_config_from_args(args: argparse.Namespace) -> Any:
         trust_request_chat_template=args.trust_request_chat_template,
         chat_template_time_limit=args.chat_template_time_limit,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        **tool_options(args),
         limits=limits_from_args(args),
         allowed_origins=list(args.allowed_origins),
         shutdown_grace_period=args.shutdown_grace_period, log_level=args.log_level,
         redis_url=args.redis_url, service_name=args.service_name,
         advertise_url=args.advertise_url, replica_id=args.replica_id, print_banner=True)
+
+
+def tool_options(args: argparse.Namespace) -> dict[str, Any]:
+    """--chat-template, --enable-auto-tool-choice, --tool-call-parser, --enable-prompt-embeds as
+    ServerConfig fields; ConfigError for a combination vLLM refuses, or one we do not support."""
+    if args.enable_prompt_embeds:
+        raise ConfigError("--enable-prompt-embeds is not supported by kvserve: prompts are text "
+                          "or token ids (drop the flag)")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (hermes, mistral "
+                          "or llama3_json)")
+    out: dict[str, Any] = {"chat_template": args.chat_template,
+                           "enable_auto_tool_choice": args.enable_auto_tool_choice}
+    if args.tool_call_parser:
+        out["tool_call_parser"] = args.tool_call_parser
+    return out
 
 
 def check_redis_url(url: str, service_name: str = "default") -> None:

@@ -8,11 +8,13 @@ import argparse
 import json
 import re
 from dataclasses import MISSING, fields
+from pathlib import Path
 from typing import Any
 
 from kvserve.engine.config import DEFAULT_MODEL, KV_CACHE_DTYPES, MODEL_DTYPES, PREEMPTION_MODES, \
     QUANTIZATION_METHODS, STRUCTURED_OUTPUTS_BACKENDS, EngineConfig
 from kvserve.service.limits import RequestLimits
+from kvserve.service.tool_parsers import TOOL_PARSERS
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # The --redis-url forms, as the replica's and the router's help give them.
@@ -52,6 +54,19 @@ def json_object(text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
     return value
+
+
+def chat_template(text: str) -> str:
+    """--chat-template: a file's text, or the template given inline (as vLLM takes it)."""
+    path = Path(text).expanduser()
+    if any(c in text for c in "{}\n") or not path.exists():
+        if not any(c in text for c in "{}"):
+            raise argparse.ArgumentTypeError(f"{text!r} is neither a file nor a jinja template")
+        return text
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read the chat template {text!r}: {exc}") from None
 
 
 def positive_int(text: str) -> int:
@@ -180,10 +195,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "checkpoint is read from its own quantization_config without the flag")
     g.add_argument("--calculate-kv-scales", action="store_true",
                    help="compute fp8 KV scales from the first batch")
+    g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="one block table for every layer: sliding-window layers (Gemma 2/3, "
+                        "gpt-oss) keep all their blocks instead of freeing those out of the window")
     g.add_argument("--attention-backend", default=d("attention_backend"),
                    choices=("auto", "cpu", "torch", "triton", "reference"),
                    help="paged attention: triton on CUDA, cpu (C++ kernels, built on first use) "
                         "or torch on CPU; auto picks; reference is the slow, exact one for tests")
+    g.add_argument("--enforce-eager", action="store_true", default=d("enforce_eager"),
+                   help="never capture CUDA graphs: every decode step runs eagerly")
     g.add_argument("--seed", type=int, default=d("seed"), help="random seed of the engine")
     g.add_argument("--scheduling-policy", default=d("scheduling_policy"),
                    choices=("fcfs", "priority"),
@@ -225,6 +245,17 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    "refused with 400 otherwise")
     g.add_argument("--chat-template-time-limit", type=positive_seconds, default=5.0,
                    help="seconds a request's own chat template may take to render")
+    g.add_argument("--chat-template", type=chat_template, default=None, metavar="FILE_OR_TEXT",
+                   help="jinja chat template (a file, or the template itself) used instead of "
+                   "the tokenizer's")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='vLLM\'s switch for tool_choice "auto" (needs --tool-call-parser; here '
+                   "auto tool choice is on either way, parsed as hermes by default)")
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="how tool calls read in the model's text: hermes (<tool_call>{...}"
+                   "</tool_call>; the default), mistral ([TOOL_CALLS][...]) or llama3_json")
+    g.add_argument("--enable-prompt-embeds", action="store_true",
+                   help="not supported (prompts are text or token ids): refused at start")
     g.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens (tells a client what "
                    "is in the prefix cache, so off by default)")

@@ -1,10 +1,11 @@
 """A request's structured-output fields -> StructuredOutputsParams: OpenAI's `response_format`
-(json_object, json_schema), vLLM's `guided_json` / `guided_regex` / `guided_choice` /
+(json_object, json_schema, and vLLM's structural_tag), vLLM's `guided_json` / `guided_regex` / `guided_choice` /
 `guided_grammar` and its newer `structured_outputs` object. At most one of them per request."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 from kvserve.engine.errors import InvalidRequestError
@@ -75,5 +76,13 @@ def _response_format(fmt: Any) -> StructuredOutputsParams | None:
             return StructuredOutputsParams(json=spec["schema"], source="response_format")
         except InvalidRequestError as exc:
             raise InvalidRequestError(str(exc), "response_format") from None
-    raise InvalidRequestError("response_format type must be 'text', 'json_object' or "
-                              f"'json_schema', got {kind!r}", "response_format")
+    if kind == "structural_tag":  # vLLM's: the whole object is the tag
+        spec = {k: v for k, v in fmt.items() if k != "type"}
+        try:
+            return StructuredOutputsParams(structural_tag=json.dumps(spec),
+                                           source="response_format")
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(str(exc), "response_format") from None
+    raise InvalidRequestError("response_format type must be 'text', 'json_object', "
+                              f"'json_schema' or 'structural_tag', got {kind!r}",
+                              "response_format")

@@ -1,34 +1,26 @@
 """Tool calling for /v1/chat/completions: `tools` + `tool_choice` -> the prompt, a grammar, and the
 answer's `message.tool_calls` (or `delta.tool_calls` chunks when streamed).
 
-`tool_choice` "none" hides the tools; "auto" shows them and parses Hermes-style calls
-(`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the format of the default model's
-family) out of free text; "required" and a named function constrain the output with a grammar
+`tool_choice` "none" hides the tools; "auto" shows them and parses calls out of free text in the
+format of `--tool-call-parser` (service/tool_parsers.py; hermes by default, the format of the
+default model's family); "required" and a named function constrain the output with a grammar
 (a JSON list of calls, or the function's arguments), so the model can only answer with valid
 calls. A chat template that knows tools gets them as `tools=`; one that does not (SmolLM2's)
-gets Hermes' instructions in the system message, and earlier calls and tool results as text.
+gets the format's instructions in the system message, and earlier calls and tool results as
+text. Streamed, each call goes out as soon as its JSON object closes.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.engine.errors import InvalidRequestError
 from kvserve.engine.structured_output.params import StructuredOutputsParams
-
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-_OPEN = "<tool_call>"
-_HERMES_SYSTEM = (
-    "You are a function calling AI model. You are provided with function signatures within "
-    "<tools></tools> XML tags. You may call one or more functions to assist with the user query. "
-    "Don't make assumptions about what values to plug into functions. Here are the available "
-    "tools: <tools> {tools} </tools> For each function call return a json object with function "
-    "name and arguments within <tool_call></tool_call> XML tags as follows:\n<tool_call>\n"
-    '{{"name": <function-name>, "arguments": <args-dict>}}\n</tool_call>')
+from kvserve.service.tool_parsers import (DEFAULT_TOOL_PARSER, TOOL_PARSERS, ObjectScanner,
+                                          ToolParser, call_of)
 
 
 @dataclass(frozen=True)
@@ -38,6 +30,11 @@ class ToolPlan:
     mode: str
     tools: list[dict[str, Any]]  # the `function` objects: name, description, parameters
     name: str | None = None  # the named function
+    parser: str = DEFAULT_TOOL_PARSER  # --tool-call-parser: how auto calls read in free text
+
+    @property
+    def format(self) -> ToolParser:
+        return TOOL_PARSERS[self.parser]
 
     def constraint(self) -> StructuredOutputsParams | None:
         if self.mode == "named":
@@ -54,7 +51,8 @@ class ToolPlan:
         return None
 
 
-def tool_plan(tools: Any, tool_choice: Any) -> ToolPlan | None:
+def tool_plan(tools: Any, tool_choice: Any, parser: str = DEFAULT_TOOL_PARSER
+              ) -> ToolPlan | None:
     """The plan for a request's `tools` / `tool_choice`; None when no tool is in play."""
     functions = _functions(tools)
     if tool_choice is None:
@@ -66,7 +64,7 @@ def tool_plan(tools: Any, tool_choice: Any) -> ToolPlan | None:
             if tool_choice == "auto":
                 return None
             raise InvalidRequestError('tool_choice "required" needs tools', "tool_choice")
-        return ToolPlan(tool_choice, functions)
+        return ToolPlan(tool_choice, functions, parser=parser)
     name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) \
         and tool_choice.get("type") == "function" else None
     if not isinstance(name, str):
@@ -75,7 +73,7 @@ def tool_plan(tools: Any, tool_choice: Any) -> ToolPlan | None:
     if name not in {f["name"] for f in functions}:
         raise InvalidRequestError(f"tool_choice names {name!r}, which is not among the tools",
                                   "tool_choice")
-    return ToolPlan("named", functions, name)
+    return ToolPlan("named", functions, name, parser)
 
 
 def _functions(tools: Any) -> list[dict[str, Any]]:
@@ -108,13 +106,14 @@ def template_messages(messages: list[dict[str, Any]], plan: ToolPlan | None, tem
     request, tool_calls / tool_call_id. A template that names tool_calls takes them as they
     are; for any other the calls and results become Hermes text."""
     native = "tool_calls" in template or "tools" in template
-    out = [_message(m, native) for m in messages]
+    parser = plan.format if plan is not None else TOOL_PARSERS[DEFAULT_TOOL_PARSER]
+    out = [_message(m, native, parser) for m in messages]
     if plan is None:
         return out, None
     tools = [{"type": "function", "function": f} for f in plan.tools]
     if native:
         return out, tools
-    system = _HERMES_SYSTEM.format(tools=json.dumps(tools, ensure_ascii=False))
+    system = parser.system.format(tools=json.dumps(tools, ensure_ascii=False))
     if out and out[0]["role"] == "system":
         out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{system}"}
     else:
@@ -122,7 +121,7 @@ def template_messages(messages: list[dict[str, Any]], plan: ToolPlan | None, tem
     return out, None
 
 
-def _message(m: dict[str, Any], native: bool) -> dict[str, Any]:
+def _message(m: dict[str, Any], native: bool, parser: ToolParser) -> dict[str, Any]:
     calls = m.get("tool_calls") or []
     base = {"role": m["role"], "content": m.get("content") or ""}
     if native:
@@ -134,12 +133,11 @@ def _message(m: dict[str, Any], native: bool) -> dict[str, Any]:
             base["tool_call_id"] = m["tool_call_id"]
         return base
     if calls:
-        text = "\n".join(_OPEN + "\n" + json.dumps(
-            {"name": c["function"]["name"], "arguments": _arguments(c["function"].get("arguments"))},
-            ensure_ascii=False) + "\n</tool_call>" for c in calls)
+        text = parser.render([(c["function"]["name"], _arguments(c["function"].get("arguments")))
+                              for c in calls])
         base["content"] = f"{base['content']}\n{text}".lstrip("\n")
     if m["role"] == "tool":
-        base["content"] = f"<tool_response>\n{base['content']}\n</tool_response>"
+        base["content"] = parser.tool_result(base["content"])
     return base
 
 
@@ -175,29 +173,20 @@ def parse_output(plan: ToolPlan, text: str) -> tuple[str | None, list[dict[str, 
     """(content, tool_calls) of a finished choice; text that holds no valid call stays content."""
     if plan.mode == "named":
         return None, [new_call(plan.name or "", text)]
-    if plan.mode == "required":
-        try:
-            calls = json.loads(text)
-            return None, [new_call(c["name"], json.dumps(c["arguments"], ensure_ascii=False))
-                          for c in calls]
-        except (ValueError, TypeError, KeyError):  # cut short by max_tokens: leave it as text
-            return text, []
-    start = text.find(_OPEN)
+    start = 0 if plan.mode == "required" else plan.format.start(text)
     if start < 0:
         return text, []
-    calls = []
-    for body in _CALL.findall(text[start:]):
-        try:
-            call = json.loads(body)
-            name, args = call["name"], call.get("arguments", {})
-            if not isinstance(name, str):
-                raise TypeError(name)
-        except (ValueError, TypeError, KeyError):
-            return text, []
-        calls.append(new_call(name, args if isinstance(args, str)
-                              else json.dumps(args, ensure_ascii=False)))
+    found = [call_of(obj) for obj in ObjectScanner(pos=start).scan(text)]
+    if not found or None in found:  # cut short, or not a call: leave it all as text
+        return text, []
+    calls = [_as_call(c) for c in found if c is not None]
     content = text[:start].strip()
     return content or None, calls
+
+
+def _as_call(call: tuple[str, Any]) -> dict[str, Any]:
+    name, args = call
+    return new_call(name, args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
 
 
 def finish_reason(calls: list[dict[str, Any]], engine_reason: str | None) -> str | None:
@@ -207,13 +196,16 @@ def finish_reason(calls: list[dict[str, Any]], engine_reason: str | None) -> str
 @dataclass
 class ToolCallStream:
     """One streamed choice: named calls stream their arguments as they come; auto streams text
-    until a `<tool_call>` may begin; the calls themselves (auto, required) go out at the end."""
+    until a call may begin, then (auto, required) sends each call as soon as its JSON closes."""
 
     plan: ToolPlan
     text: str = ""
     sent: int = 0  # characters of `text` already sent as content (auto)
     call: dict[str, Any] | None = None  # the named call, once announced
     calls: list[dict[str, Any]] = field(default_factory=list)
+    start: int = -1  # where the calls begin in `text` (auto, required), once known
+    scanner: ObjectScanner | None = None
+    broken: bool = False  # an object that is no call: the rest is held back as text
 
     def feed(self, delta: str) -> dict[str, Any] | None:
         """The delta message fields for new text, or None while it is held back."""
@@ -225,39 +217,42 @@ class ToolCallStream:
                                         "function": {"name": self.plan.name, "arguments": delta}}]}
             return {"tool_calls": [{"index": 0, "function": {"arguments": delta}}]} if delta \
                 else None
-        if self.plan.mode == "required":
-            return None
-        safe = _safe_prefix(self.text)
-        if safe <= self.sent:
-            return None
-        out, self.sent = self.text[self.sent:safe], safe
-        return {"content": out}
+        if self.start < 0:
+            self.start = 0 if self.plan.mode == "required" else self.plan.format.start(self.text)
+            if self.start >= 0:
+                self.scanner = ObjectScanner(pos=self.start)
+                out = self.text[self.sent:self.start].rstrip()
+                self.sent = self.start
+                calls = self._new_calls()
+                return {"content": out, **calls} if out else (calls or None)
+            safe = self.plan.format.safe_prefix(self.text)
+            if safe <= self.sent:
+                return None
+            out, self.sent = self.text[self.sent:safe], safe
+            return {"content": out}
+        return self._new_calls() or None
+
+    def _new_calls(self) -> dict[str, Any]:
+        if self.scanner is None or self.broken:
+            return {}
+        new = []
+        for obj in self.scanner.scan(self.text):
+            call = call_of(obj)
+            if call is None:
+                self.broken = True
+                break
+            new.append(_as_call(call))
+        first = len(self.calls)
+        self.calls += new
+        return {"tool_calls": [{"index": first + i, **c} for i, c in enumerate(new)]} if new \
+            else {}
 
     def finish(self) -> list[dict[str, Any]]:
-        """The last delta fields: held-back text, then the calls (auto, required)."""
+        """The last delta fields: held-back text when no call came (auto, required)."""
         if self.plan.mode == "named":
             self.calls = [self.call] if self.call else []
             return []
-        _, self.calls = parse_output(self.plan, self.text)
-        out: list[dict[str, Any]] = []
-        if self.plan.mode == "auto":
-            rest = self.text[self.sent:self.text.find(_OPEN) if self.calls else len(self.text)]
-        else:
-            rest = "" if self.calls else self.text
-        if rest:
-            out.append({"content": rest})
         if self.calls:
-            out.append({"tool_calls": [{"index": i, **c} for i, c in enumerate(self.calls)]})
-        return out
-
-
-def _safe_prefix(text: str) -> int:
-    """How much of `text` cannot be part of a tool call: up to `<tool_call>` or a tail that
-    could still become one."""
-    start = text.find(_OPEN)
-    if start >= 0:
-        return start
-    for k in range(min(len(_OPEN) - 1, len(text)), 0, -1):
-        if _OPEN.startswith(text[-k:]):
-            return len(text) - k
-    return len(text)
+            return []
+        rest = self.text[self.sent:]
+        return [{"content": rest}] if rest else []

@@ -77,8 +77,9 @@ def assert_matches_hf(hf, token_prompts: list[list[int]], outputs, greedy: bool 
             ref = hf_logprobs(hf, prompt, completion.token_ids)
             if greedy:
                 assert completion.token_ids == ref.argmax(-1).tolist()
-            ours = torch.tensor([lp[t] for t, lp in zip(completion.token_ids,
-                                                         completion.logprobs)])
+            # vLLM's Logprob objects (engine/outputs.py) or plain floats
+            ours = torch.tensor([getattr(lp[t], "logprob", lp[t]) for t, lp in
+                                 zip(completion.token_ids, completion.logprobs)])
             theirs = ref.gather(1, torch.tensor(completion.token_ids)[:, None])[:, 0]
             torch.testing.assert_close(ours, theirs, atol=atol, rtol=0)
 

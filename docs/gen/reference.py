@@ -411,7 +411,7 @@ def compat_rows() -> dict[str, list[dict[str, str]]]:
         rows = []
         for entry in entries:
             name, note = entry["name"], entry.get("note", "")
-            present = name in have[section]
+            present = resolves(name) if section == "python_api" else name in have[section]
             status = entry.get("status") or ("implemented" if present else "missing")
             if status == "implemented" and not present:
                 raise ValueError(f"vllm_compat.yaml: {name} is marked implemented, but kvserve "
@@ -419,6 +419,22 @@ def compat_rows() -> dict[str, list[dict[str, str]]]:
             rows.append({"name": name, "status": status, "note": note})
         out[section] = rows
     return out
+
+
+def resolves(vllm_path: str) -> bool:
+    """Whether vLLM's dotted path (`vllm.` read as `kvserve.`) names something in kvserve."""
+    parts = ("kvserve" + vllm_path.removeprefix("vllm")).split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
 
 
 def kvserve_names() -> dict[str, set[str]]:
@@ -436,13 +452,19 @@ def kvserve_names() -> dict[str, set[str]]:
     llm_source = inspect.getsource(llm_module)
     llm |= {name for name in ("structured_outputs_config", "guided_decoding_backend")
             if f'kwargs.pop("{name}"' in llm_source}
+    if "split_vllm_kwargs(kwargs)" in llm_source:  # vLLM arguments with no effect here
+        llm |= set(importlib.import_module("kvserve.engine.arg_utils").NO_EFFECT)
     sampling = set(inspect.signature(SamplingParams).parameters)
     routes = {f"{m} {p}" for p, m, _ in operations(openapi())}
-    return {"serve_flags": flags, "llm_args": llm, "sampling_params": sampling, "routes": routes}
+    python = {e["name"] for e in yaml.safe_load(COMPAT.read_text()).get("python_api", [])
+              if resolves(e["name"])}
+    return {"serve_flags": flags, "llm_args": llm, "sampling_params": sampling, "routes": routes,
+            "python_api": python}
 
 
 SECTION_TITLES = {"serve_flags": "`vllm serve` flags", "llm_args": "`LLM(...)` arguments",
-                  "sampling_params": "`SamplingParams` fields", "routes": "HTTP routes"}
+                  "sampling_params": "`SamplingParams` fields", "routes": "HTTP routes",
+                  "python_api": "Python names (vLLM's import paths)"}
 BADGE = {"implemented": "implemented", "different": "different", "missing": "missing",
          "not applicable": "not applicable"}
 

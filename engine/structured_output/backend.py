@@ -13,7 +13,8 @@ from kvserve.engine.errors import InvalidRequestError
 from kvserve.engine.structured_output.params import StructuredOutputsParams
 
 _PARAM = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
-          "grammar": "guided_grammar", "json_object": "response_format"}
+          "grammar": "guided_grammar", "json_object": "response_format",
+          "structural_tag": "response_format"}
 
 
 class GrammarBackend(ABC):

@@ -58,6 +58,8 @@ class GuidanceBackend(GrammarBackend):
         if kind == "choice":
             return matcher.grammar_from_lark(
                 "start: " + " | ".join(json.dumps(c) for c in params.choice or []))
+        if kind == "structural_tag":
+            return _structural_tag(params.structural_tag_spec())
         from llguidance.gbnf_to_lark import gbnf_to_lark
 
         return matcher.grammar_from_lark(gbnf_to_lark(params.grammar or ""))
@@ -120,3 +122,17 @@ def _strict(schema: Any) -> Any:
             and "additionalProperties" not in out and "patternProperties" not in out:
         out["additionalProperties"] = False
     return out
+
+
+def _structural_tag(spec: dict[str, Any]) -> str:
+    """vLLM's structural tag as llguidance's StructTag grammar (each begin under its trigger)."""
+    if "structures" not in spec:
+        raise ValueError("xgrammar's {\"format\": ...} structural tag needs the xgrammar backend")
+    tags = []
+    for s in spec["structures"]:
+        trigger = next((t for t in spec["triggers"] if s["begin"].startswith(t)), None)
+        if trigger is None:
+            raise ValueError(f"no trigger starts the begin {s['begin']!r}")
+        tags.append(llg().StructTag(trigger=trigger, begin=s["begin"], end=s["end"],
+                                    grammar=s.get("schema", {"type": "object"})))
+    return llg().StructTag.to_grammar(tags)

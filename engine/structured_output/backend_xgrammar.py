@@ -61,9 +61,19 @@ class XGrammarBackend(GrammarBackend):
                 return self._compiler.compile_regex(params.regex)
             if kind == "choice":
                 return self._compiler.compile_grammar(choice_grammar(params.choice or []))
+            if kind == "structural_tag":
+                return self._structural_tag(params.structural_tag_spec())
             return self._compiler.compile_grammar(params.grammar)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise constraint_error(params, _clean(exc)) from None
+
+    def _structural_tag(self, spec: dict[str, Any]) -> Any:
+        if "structures" not in spec:  # xgrammar's own form
+            return self._compiler.compile_structural_tag(spec)
+        tags = [xgr().StructuralTagItem(begin=s["begin"], end=s["end"],
+                                        schema=json.dumps(s.get("schema", {"type": "object"})))
+                for s in spec["structures"]]
+        return self._compiler.compile_structural_tag(tags, spec["triggers"])
 
     def matcher(self, compiled: Any) -> Any:
         # accept_token / rollback / is_terminated: the GrammarState interface, natively;

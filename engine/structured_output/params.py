@@ -11,7 +11,7 @@ from typing import Any
 
 from kvserve.engine.errors import InvalidRequestError
 
-_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 @dataclass
@@ -21,6 +21,10 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None  # EBNF, in xgrammar's (GBNF-like) notation
     json_object: bool | None = None  # any JSON object, as OpenAI's response_format json_object
+    # vLLM's structural tag (JSON text): free text in which each trigger starts a tagged section
+    # whose body must match a schema: {"structures": [{"begin", "schema", "end"}], "triggers":
+    # [...]}, or xgrammar's own {"format": {...}} form (the xgrammar backend only)
+    structural_tag: str | None = None
     # None = compact JSON (no whitespace between tokens): a small model allowed "any whitespace"
     # can spend its whole budget on newlines. False allows any whitespace, as vLLM's default.
     disable_any_whitespace: bool | None = None
@@ -68,6 +72,8 @@ class StructuredOutputsParams:
                                            or not self.grammar.strip()):
             raise InvalidRequestError("grammar must be a non-empty EBNF string",
                                       param="guided_grammar")
+        elif self.structural_tag is not None:
+            self.structural_tag_spec()
         elif self.json_object not in (None, True, False):
             raise InvalidRequestError("json_object must be true or false", param="json_object")
 
@@ -85,6 +91,26 @@ class StructuredOutputsParams:
                                       f"{type(value).__name__}", param="guided_json")
         return value
 
+    def structural_tag_spec(self) -> dict[str, Any]:
+        """The structural tag, parsed; InvalidRequestError naming what is missing."""
+        value: Any = self.structural_tag
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise InvalidRequestError(f"the structural tag is not valid JSON: {exc}",
+                                          param="structural_tag") from None
+        if not isinstance(value, dict) or not ("format" in value or (
+                isinstance(value.get("structures"), list) and value["structures"]
+                and isinstance(value.get("triggers"), list) and value["triggers"]
+                and all(isinstance(s, dict) and {"begin", "end"} <= set(s)
+                        for s in value["structures"]))):
+            raise InvalidRequestError(
+                'a structural tag needs {"structures": [{"begin": ..., "schema": {...}, "end": '
+                '...}], "triggers": [...]} (or xgrammar\'s {"format": {...}})',
+                param="structural_tag")
+        return value
+
     def cache_key(self) -> tuple[str, str, bool, bool, str | None]:
         """Equal for constraints that compile to the same grammar (schemas compared as parsed)."""
         kind = self.kind
@@ -94,6 +120,8 @@ class StructuredOutputsParams:
             text = json.dumps(self.choice)
         elif kind == "json_object":
             text = ""
+        elif kind == "structural_tag":
+            text = json.dumps(self.structural_tag_spec(), sort_keys=True)
         else:
             text = getattr(self, kind)
         return (kind, text, self.compact_whitespace, self.disable_additional_properties,

@@ -22,11 +22,13 @@ from kvserve.service.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from kvserve.service.openai_errors import APIError, install_error_handlers
 from kvserve.service.request_models import CompletionRequest
 from kvserve.service.request_validation import M, read_json_body, validate_request
+from kvserve.service.responses_request import ResponsesRequest
 from kvserve.service.response_models import (DetokenizeResponse, ModelCard, ModelList,
                                              TokenizeResponse)
 from kvserve.service.server.banner import banner
 from kvserve.service.server.chat import chat_prompt, create_chat_completion
 from kvserve.service.server.completions import create_completion
+from kvserve.service.server.responses import create_response
 from kvserve.service.server.config import ServerConfig
 from kvserve.service.server.context import ServingContext
 from kvserve.service.server.engine_streams import ClientDisconnected
@@ -40,6 +42,7 @@ logger = logging.getLogger("kvserve.service.api_server")
 # The JSON body each POST route reads (the handlers parse it themselves; see openapi.py).
 REQUEST_BODIES: dict[str, Any] = {
     "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/responses": ResponsesRequest,
     "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 
 
@@ -66,7 +69,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics,
         request_timeout=config.request_timeout,
         trust_request_chat_template=config.trust_request_chat_template,
         chat_template_time_limit=config.chat_template_time_limit,
-        prompt_tokens_details=config.enable_prompt_tokens_details)
+        prompt_tokens_details=config.enable_prompt_tokens_details,
+        chat_template=config.chat_template, tool_parser=config.tool_call_parser)
     metrics.set_cache_config(engine.memory_budget.block_size, engine.memory_budget.num_blocks)
     metrics.set_model_weight_bytes(
         engine.memory_budget.weight_bytes * engine.config.tensor_parallel_size)
@@ -126,6 +130,11 @@ def _add_routes(app: FastAPI, ctx: ServingContext, metrics: ServerMetrics) -> No
     async def chat_completions(request: Request) -> Response:
         req = await parse_body(request, ChatCompletionRequest, ctx)
         return await _disconnect_safe(create_chat_completion(ctx, req, request))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        req = await parse_body(request, ResponsesRequest, ctx)
+        return await _disconnect_safe(create_response(ctx, req, request))
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.engine.async_engine import RequestStream
-from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.outputs import Logprob, RequestOutput
 from kvserve.service.chat_request import ChatCompletionRequest
 from kvserve.service.response_models import (ChatChoice, ChatCompletionChunk,
                                              ChatCompletionResponse, ChatLogProbs,
@@ -20,7 +20,8 @@ from kvserve.service.server.context import ServingContext
 from kvserve.service.server.engine_streams import (before, collect, engine_error_status,
                                                    merge_streams, start_requests,
                                                    unless_disconnected, until)
-from kvserve.service.server.logprobs import prompt_logprobs_json, token_text, top_logprobs
+from kvserve.service.server.logprobs import (logprob_of, prompt_logprobs_json, token_text,
+                                             top_logprobs)
 from kvserve.service.server.stream_deltas import Delta, StreamTracker, stop_hold
 from kvserve.service.server.usage import usage_of
 from kvserve.service.sse import SSE_DONE, sse, sse_error
@@ -29,7 +30,9 @@ from kvserve.service.tool_calls import (ToolCallStream, ToolPlan, finish_reason,
 
 
 async def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
-    template = req.chat_template or getattr(ctx.tokenizer, "chat_template", None) or ""
+    req.use_tool_parser(ctx.tool_parser)
+    template = req.chat_template or ctx.chat_template \
+        or getattr(ctx.tokenizer, "chat_template", None) or ""
     messages, tools = template_messages([m.as_template_input() for m in req.messages],
                                         req.tool_plan(), template)
     kwargs = dict(req.chat_template_kwargs or {})
@@ -49,6 +52,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = ctx.max_tokens_for(len(prompt), req.requested_max_tokens, param, "messages")
         params = req.sampling_params(max_tokens, req.num_logprobs, ctx.engine.sampling_defaults)
+        plan = req.tool_plan()
+        if plan is not None and plan.mode == "auto" and plan.format.needs_special_tokens:
+            params.skip_special_tokens = False  # the parser's opener is a special token
     request_id = random_id("chatcmpl")  # from here the engine counts it as waiting
     streams = await before(deadline, start_requests(
         ctx, request_id, [prompt], [params], priority=req.priority, cache_salt=req.cache_salt))
@@ -56,7 +62,6 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         body = _stream(ctx, req, request_id, model, streams, stop_hold(params), deadline)
         return StreamingResponse(body, media_type="text/event-stream")
     (out,) = await unless_disconnected(raw, collect(streams, deadline))
-    plan = req.tool_plan()
     choices = [ChatChoice(
         index=c.index, message=_message(plan, c.text),
         finish_reason=_finish_reason(plan, c.text, c.finish_reason), stop_reason=c.stop_reason,
@@ -82,7 +87,7 @@ def _finish_reason(plan: ToolPlan | None, text: str, reason: str | None) -> str 
     return reason if plan is None else finish_reason(parse_output(plan, text)[1], reason)
 
 
-def _logprobs(tokenizer: Any, token_ids: Sequence[int], entries: list[dict[int, float]] | None,
+def _logprobs(tokenizer: Any, token_ids: Sequence[int], entries: list[dict[int, Logprob]] | None,
               k: int) -> ChatLogProbs | None:
     if entries is None:
         return None
@@ -90,10 +95,14 @@ def _logprobs(tokenizer: Any, token_ids: Sequence[int], entries: list[dict[int, 
     for tid, entry in zip(token_ids, entries):
         text = token_text(tokenizer, tid)
         content.append(ChatTokenLogprob(
-            token=text, logprob=entry.get(tid, float("-inf")), bytes=list(text.encode()),
+            token=text, logprob=_or_inf(logprob_of(entry, tid)), bytes=list(text.encode()),
             top_logprobs=[TopLogprob(token=t, logprob=lp, bytes=list(t.encode()))
                           for t, lp in top_logprobs(tokenizer, entry, k)]))
     return ChatLogProbs(content=content)
+
+
+def _or_inf(value: float | None) -> float:
+    return float("-inf") if value is None else value
 
 
 async def _stream(ctx: ServingContext, req: ChatCompletionRequest, request_id: str, model: str,

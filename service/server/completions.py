@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.engine.async_engine import RequestStream
-from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.outputs import Logprob, RequestOutput
 from kvserve.engine.sample.sampling_params import SamplingParams
 from kvserve.service.request_models import CompletionRequest
 from kvserve.service.response_models import (CompletionChoice, CompletionLogProbs,
@@ -19,8 +19,8 @@ from kvserve.service.server.context import ServingContext
 from kvserve.service.server.engine_streams import (before, collect, engine_error_status,
                                                    merge_streams, start_requests,
                                                    unless_disconnected, until)
-from kvserve.service.server.logprobs import (prompt_logprob_values, prompt_logprobs_json,
-                                             token_text, top_logprobs)
+from kvserve.service.server.logprobs import (logprob_of, prompt_logprob_values,
+                                             prompt_logprobs_json, token_text, top_logprobs)
 from kvserve.service.server.stream_deltas import Delta, StreamTracker, stop_hold
 from kvserve.service.server.usage import usage_of
 from kvserve.service.sse import SSE_DONE, sse, sse_error
@@ -94,7 +94,7 @@ def _join(a: CompletionLogProbs | None, b: CompletionLogProbs | None
                               top_logprobs=a.top_logprobs + b.top_logprobs)
 
 
-def _logprobs(tokenizer: Any, token_ids: Sequence[int], entries: list[dict[int, float]] | None,
+def _logprobs(tokenizer: Any, token_ids: Sequence[int], entries: list[dict[int, Logprob]] | None,
               k: int | None, offset: int) -> CompletionLogProbs | None:
     """OpenAI's legacy logprobs object of a run of generated tokens."""
     if k is None or entries is None:
@@ -103,7 +103,7 @@ def _logprobs(tokenizer: Any, token_ids: Sequence[int], entries: list[dict[int, 
     for tid, entry in zip(token_ids, entries):
         text = token_text(tokenizer, tid)
         lp.tokens.append(text)
-        lp.token_logprobs.append(entry.get(tid))
+        lp.token_logprobs.append(logprob_of(entry, tid))
         top: dict[str, float] = {}
         for token, value in top_logprobs(tokenizer, entry, k):
             top.setdefault(token, value)  # tokens that decode alike: keep the likelier

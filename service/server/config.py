@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvserve.service.limits import RequestLimits
+from kvserve.service.tool_parsers import DEFAULT_TOOL_PARSER
 
 DEFAULT_PUBLIC_PATHS = ("/health", "/metrics", "/version", "/ping")
 # --max-waiting's default, per running slot (--max-num-seqs): enough queue to refill the batch a
@@ -27,6 +28,9 @@ class ServerConfig:
     request_timeout: float | None = None  # seconds from arrival; None = no deadline
     trust_request_chat_template: bool = False  # run chat templates sent in requests (sandboxed)
     chat_template_time_limit: float = 5.0  # seconds a request's chat template may render
+    chat_template: str | None = None  # --chat-template (its text), instead of the tokenizer's
+    enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice (auto works either way)
+    tool_call_parser: str = DEFAULT_TOOL_PARSER  # --tool-call-parser
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
     max_body_bytes: int = 1 << 20
     limits: RequestLimits = field(default_factory=RequestLimits)

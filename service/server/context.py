@@ -17,6 +17,7 @@ from kvserve.service.limits import DEFAULT_LIMITS, RequestLimits, check_prompt_t
 from kvserve.service.openai_errors import APIError
 from kvserve.service.server.time_limit import run_with_time_limit
 from kvserve.service.server.tokenizer_pool import TokenizerPool
+from kvserve.service.tool_parsers import DEFAULT_TOOL_PARSER
 
 # The request header that sets a per-request deadline in seconds (capped by --request-timeout).
 TIMEOUT_HEADER = "x-request-timeout"
@@ -35,6 +36,8 @@ class ServingContext:
     trust_request_chat_template: bool = False
     chat_template_time_limit: float = 5.0
     prompt_tokens_details: bool = False  # report cached prompt tokens (they reveal the cache)
+    chat_template: str | None = None  # --chat-template: the server's own, trusted
+    tool_parser: str = DEFAULT_TOOL_PARSER  # --tool-call-parser
     tokenizers: TokenizerPool = field(default=None)  # type: ignore[assignment]
     admitting: int = 0  # admitted requests not yet handed to the engine (tokenizing)
 
@@ -117,6 +120,7 @@ class ServingContext:
                 "sent by clients (start it with --trust-request-chat-template to allow it)",
                 param="chat_template")
         limit = self.chat_template_time_limit if chat_template is not None else None
+        chat_template = chat_template or self.chat_template
         return await self.tokenizers.run(_chat_ids, messages, add_generation_prompt,
                                          chat_template, template_kwargs, limit)
 

@@ -151,10 +151,13 @@ def test_logprobs_match_hf(llm, tiny_model_dir, hf_greedy):
     for i, (t, entry) in enumerate(zip(out.token_ids, out.logprobs)):
         row = lp[ids.shape[1] - 1 + i]
         assert len(entry) == 3 or (t in row.topk(3).indices.tolist() and len(entry) == 3)
-        assert entry[t] == pytest.approx(row[t].item(), abs=1e-4)
-        for k in row.topk(3).indices.tolist():
-            assert entry[k] == pytest.approx(row[k].item(), abs=1e-4)
-    assert out.cumulative_logprob == pytest.approx(sum(e[t] for t, e in
+        # vLLM's Logprob objects: the value, and the rank in the whole vocabulary
+        assert entry[t].logprob == pytest.approx(row[t].item(), abs=1e-4)
+        assert entry[t].rank == int((row >= row[t]).sum())
+        for rank, k in enumerate(row.topk(3).indices.tolist(), start=1):
+            assert entry[k].logprob == pytest.approx(row[k].item(), abs=1e-4)
+            assert entry[k].rank == rank
+    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in
                                                        zip(out.token_ids, out.logprobs)))
 
 

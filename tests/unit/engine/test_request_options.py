@@ -25,7 +25,7 @@ def test_logit_bias_bans_and_forces_tokens(llm):
     out = llm.generate("Hello world", forced, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == [42] * 6
     # logprobs are of the model's own distribution, before the bias (as vLLM's)
-    assert all(entry[42] < -0.01 for entry in out.logprobs)
+    assert all(entry[42].logprob < -0.01 for entry in out.logprobs)
     with pytest.raises(InvalidRequestError, match="past the vocabulary"):
         llm.llm_engine.add_request("b", "x", SamplingParams(logit_bias={10**6: 1.0}))
     with pytest.raises(InvalidRequestError, match=r"\[-100, 100\]"):

@@ -201,3 +201,33 @@ def test_kv_offloading_and_preemption_flags():
     with pytest.raises(ConfigError, match="kv_offloading_size"):
         cli.engine_config_from_args(_serve("--kv-offloading-disk-path", "/var/cache/kv",
                                            "--kv-offloading-disk-size", "100"))
+
+
+def test_vllm_tool_calling_launch_line_and_chat_template(tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    args = _serve("m", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json",
+                  "--chat-template", str(template), "--served-model-name", "a", "b")
+    cfg = cli.server_config_from_args(args)
+    assert (cfg.enable_auto_tool_choice, cfg.tool_call_parser) == (True, "llama3_json")
+    assert cfg.chat_template == template.read_text() and cfg.served_model_names == ["a", "b"]
+    inline = "{{ messages[0].content }}"
+    assert cli.server_config_from_args(_serve("--chat-template", inline)).chat_template == inline
+    assert cli.server_config_from_args(_serve()).tool_call_parser == "hermes"
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--enable-auto-tool-choice"], "--tool-call-parser"),
+    (["--enable-prompt-embeds"], "--enable-prompt-embeds"),
+])
+def test_vllm_flags_we_refuse_say_which(argv, names):
+    with pytest.raises(ConfigError, match=names):
+        cli.server_config_from_args(_serve(*argv))
+
+
+@pytest.mark.parametrize("argv", [["--tool-call-parser", "pythonic"],
+                                  ["--chat-template", "/no/such/file"]])
+def test_bad_tool_flags_are_argparse_errors(argv, capsys):
+    with pytest.raises(SystemExit):
+        _serve(*argv)
+    assert argv[0] in capsys.readouterr().err

@@ -71,9 +71,10 @@ def test_auto_stream_holds_back_a_possible_call():
     stream = ToolCallStream(tool_plan([WEATHER], "auto"))
     sent = [stream.feed(piece) for piece in ["Sure", ". <tool", "_call>\n{\"name\": ",
                                              '"get_weather", "arguments": {}}\n</tool_call>']]
-    assert sent == [{"content": "Sure"}, {"content": ". "}, None, None]
-    (last,) = stream.finish()
-    assert last["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert sent[:3] == [{"content": "Sure"}, {"content": ". "}, None]
+    # the call goes out as soon as its JSON object closes, not at the end
+    assert sent[3]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": "{}"}
+    assert stream.finish() == [] and len(stream.calls) == 1
     plain = ToolCallStream(tool_plan([WEATHER], "auto"))
     assert plain.feed("a <tool") == {"content": "a "}
     assert plain.finish() == [{"content": "<tool"}]  # it never became a call
@@ -145,3 +146,57 @@ def test_bad_request_fields_are_400s(kw, param):
         req.check()
     assert info.value.param == param, str(info.value)
     json.dumps(str(info.value))
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("mistral", 'Sure.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                '{"name": "get_time", "arguments": {}}]'),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+                    '{"name": "get_time", "parameters": {}}'),
+    ("llama3_json", '  {"name": "get_weather", "parameters": {"city": "Paris"}}; '
+                    '{"name": "get_time", "parameters": {}}'),
+    ("hermes", CALL + '\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'),
+])
+def test_each_parser_reads_its_format_whole_and_streamed(parser, text):
+    plan = tool_plan([WEATHER, TIME], "auto", parser)
+    content, calls = parse_output(plan, text)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    assert content == ("Sure." if parser == "mistral" else None)
+    stream = ToolCallStream(plan)
+    sent = [stream.feed(ch) for ch in text]  # one character at a time
+    # the first call goes out as soon as its object closes, long before the text ends
+    first = next(i for i, d in enumerate(sent) if d and "tool_calls" in d)
+    assert first == text.index('"Paris"}}') + len('"Paris"}}') - 1
+    assert sent[first]["tool_calls"][0]["index"] == 0
+    streamed = [c for d in sent if d for c in d.get("tool_calls", [])]
+    assert [c["function"]["name"] for c in streamed] == ["get_weather", "get_time"]
+    assert stream.finish() == [] and [c["index"] for c in streamed] == [0, 1]
+    said = "".join(d.get("content", "") for d in sent if d)
+    assert said == ("Sure." if parser == "mistral" else "")
+
+
+def test_required_stream_sends_each_call_of_the_list_as_it_closes():
+    stream = ToolCallStream(tool_plan([WEATHER, TIME], "required"))
+    text = '[{"name": "get_weather", "arguments": {"city": "a}\\"{"}}, {"name": "get_time", ' \
+           '"arguments": {}}]'
+    sent = [stream.feed(ch) for ch in text]
+    got = [(i, c["function"]) for i, d in enumerate(sent) if d for c in d["tool_calls"]]
+    assert got == [(text.index("}}") + 1, {"name": "get_weather",
+                                            "arguments": '{"city": "a}\\"{"}'}),
+                   (len(text) - 2, {"name": "get_time", "arguments": "{}"})]
+
+
+def test_parser_formats_in_a_template_without_tools():
+    history = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "c", "type": "function", "function": {
+                       "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "content": "18 C", "tool_call_id": "c"}]
+    messages, tools = template_messages(history, tool_plan([WEATHER], "auto", "mistral"), "")
+    assert tools is None and "[TOOL_CALLS]" in messages[0]["content"]
+    assert messages[2]["content"] == \
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+    assert messages[3]["content"] == "18 C"
+    messages, _ = template_messages(history, tool_plan([WEATHER], "auto", "llama3_json"), "")
+    assert messages[2]["content"] == '{"name": "get_weather", "parameters": {"city": "Paris"}}'

@@ -246,3 +246,22 @@ def test_unknown_backend_is_a_config_error(tiny_model_dir):
     with pytest.raises(ConfigError, match="disagree"):
         make_llm(tiny_model_dir, structured_outputs_config={"backend": "guidance"},
                  guided_decoding_backend="xgrammar")
+
+
+def test_structural_tag_constrains_only_the_tagged_section(gllm):
+    """vLLM's structural tag (structures + triggers), on both backends: free text, then a
+    section opened by its begin whose body must match the schema."""
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+              "required": ["city"]}
+    tag = json.dumps({"triggers": ["<fn="], "structures": [
+        {"begin": "<fn=weather>", "schema": schema, "end": "</fn>"}]})
+    compiler: GrammarCompiler = gllm.llm_engine.grammars
+    compiled = compiler.compile(StructuredOutputsParams(structural_tag=tag))
+    tok = gllm.get_tokenizer()
+    good = tok.encode('Hi. <fn=weather>{"city": "Rome"}</fn> ok', add_special_tokens=False)
+    compiler.matcher(compiled).sync(good)
+    bad = tok.encode('Hi. <fn=weather>{"city": "Oslo"', add_special_tokens=False)
+    with pytest.raises(ValueError, match="not allowed"):
+        compiler.matcher(compiled).sync(bad)
+    with pytest.raises(InvalidRequestError, match="structural tag"):
+        StructuredOutputsParams(structural_tag='{"triggers": []}')

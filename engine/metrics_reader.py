@@ -1,0 +1,39 @@
+"""`LLM.get_metrics()`: the engine's figures as vLLM's metric reader objects (`Counter`, `Gauge`,
+from `vllm.v1.metrics.reader`), under the Prometheus names the server exports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.engine.stats import EngineStats
+
+
+@dataclass
+class Metric:
+    name: str
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Counter(Metric):
+    value: int = 0
+
+
+@dataclass
+class Gauge(Metric):
+    value: float = 0.0
+
+
+def metrics_of(stats: EngineStats, model_name: str) -> list[Metric]:
+    labels = {"model_name": model_name}
+    gauges = {"vllm:num_requests_running": stats.num_running,
+              "vllm:num_requests_waiting": stats.num_waiting,
+              "vllm:kv_cache_usage_perc": stats.kv_cache_usage,
+              "vllm:gpu_cache_usage_perc": stats.kv_cache_usage}
+    counters = {"vllm:prefix_cache_queries": stats.prefix_cache_queries,
+                "vllm:prefix_cache_hits": stats.prefix_cache_hits,
+                "vllm:num_preemptions": stats.num_preemptions,
+                "vllm:prompt_tokens": stats.prompt_tokens,
+                "vllm:generation_tokens": stats.generation_tokens}
+    return [Gauge(n, dict(labels), float(v)) for n, v in gauges.items()] + \
+        [Counter(n, dict(labels), int(v)) for n, v in counters.items()]

@@ -1,0 +1,6 @@
+"""`kvserve.sampling_params`, where vLLM users import `SamplingParams` from (`vllm.sampling_params`)."""
+
+from kvserve.engine.sample.sampling_params import SamplingParams
+from kvserve.engine.structured_output.params import GuidedDecodingParams, StructuredOutputsParams
+
+__all__ = ["SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams"]
