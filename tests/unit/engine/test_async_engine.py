@@ -115,8 +115,14 @@ async def test_cancelled_reader_aborts(engine):
     ae = AsyncEngine(engine, [counter])
     ae.start()
     stream = await ae.add_request("c", "The quick brown fox", params(200))
-    task = asyncio.create_task(drain(stream))
-    await asyncio.sleep(0.05)
+    first = asyncio.Event()
+
+    async def read() -> None:
+        async for _ in stream:
+            first.set()
+
+    task = asyncio.create_task(read())
+    await first.wait()  # seen running (its first token), not a sleep: 199 tokens still to come
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
