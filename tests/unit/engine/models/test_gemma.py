@@ -52,7 +52,7 @@ def test_gemma2_soft_caps_show_in_the_logprobs(gemma2_dir, tmp_path):
     assert_matches_hf(uncapped_hf, token_prompts, out)
     capped = run(make_llm(gemma2_dir, block_size=8), token_prompts)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in capped]
-    gap = max(abs(a[t] - b[t]) for o, c in zip(out, capped)
+    gap = max(abs(a[t].logprob - b[t].logprob) for o, c in zip(out, capped)
               for t, a, b in zip(o.outputs[0].token_ids, o.outputs[0].logprobs,
                                  c.outputs[0].logprobs))
     assert gap > 0.05
