@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 PORT   ?= 8000
 MODEL  ?= smollm2-135m-instruct
 
-.PHONY: setup run run-offline run-cluster test test-fast bench docs docs-serve clean
+.PHONY: setup run run-offline run-cluster test test-fast bench mutation docs docs-serve clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -43,6 +43,16 @@ test-fast: setup
 bench: setup
 	$(PIP) install -q -e '.[bench]'
 	$(PY) bench/throughput.py
+
+# Mutation testing (cosmic-ray), not part of `make test`: each core module's mutants against the
+# unit tests that cover it, in a scratch copy under build/mutation. MODULE=<name> runs one
+# (`$(PY) scripts/mutation.py --list` names them). Scores and triage: docs/mutation.md.
+$(VENV)/.mutation: $(STAMP)
+	$(PIP) install -q -e '.[test,mutation]'
+	touch $@
+
+mutation: $(VENV)/.mutation
+	nice -n 10 $(PY) scripts/mutation.py $(MODULE)
 
 # The docs site (mkdocs + Material) into site/; the reference pages are generated from the code.
 DOCS_PORT ?= 8001

@@ -307,9 +307,10 @@ def _sums(replicas: list[SimReplica]) -> tuple[int, int, int]:
 
 async def run_once(fleet: SimFleet, policy: str, router_urls: list[str], qps: float,
                    w: Workload, duration: float, warmup: float, probe: RedisProbe,
-                   model: str) -> RunResult:
+                   model: str, count: int = 0, warmup_count: int = 0) -> RunResult:
     """One policy at one QPS on a fresh (emptied) fleet: Poisson arrivals for `duration` s, the
-    first `warmup` s left out of the figures, then wait for every request to end."""
+    first `warmup` s left out of the figures, then wait for every request to end. With `count`,
+    exactly that many requests (the first `warmup_count` left out), whatever the machine's speed."""
     while not fleet.idle():
         await asyncio.sleep(0.1)
     fleet.reset()
@@ -328,8 +329,10 @@ async def run_once(fleet: SimFleet, policy: str, router_urls: list[str], qps: fl
         before: dict | None = None
         next_sample = start
         k = 0
-        while (now := time.perf_counter()) - start < duration:
-            if before is None and now - start >= warmup:
+        while (k < count) if count else (time.perf_counter() - start < duration):
+            now = time.perf_counter()
+            warm = k >= warmup_count if count else now - start >= warmup
+            if before is None and warm:
                 before = await _snapshot(fleet, router_urls, probe, client)
             if now >= next_sample:
                 queue_samples.append([len(r.running) + len(r.waiting) for r in fleet.replicas])
@@ -344,11 +347,13 @@ async def run_once(fleet: SimFleet, policy: str, router_urls: list[str], qps: fl
                 url = router_urls[k % len(router_urls)] + "/v1/completions"
             k += 1
             tasks.append(asyncio.create_task(one_request(
-                client, url, body, res.ttfts, counts, measure=now - start >= warmup)))
+                client, url, body, res.ttfts, counts, measure=warm)))
             await asyncio.sleep(rng.expovariate(qps))
         res.sent = len(tasks)
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - (start + warmup)
+        if count:
+            wall = time.perf_counter() - start
         assert before is not None
         after = await _snapshot(fleet, router_urls, probe, client)
     if policy == "prefix":
@@ -434,6 +439,8 @@ class FleetConfig:
     routers: list[int] = field(default_factory=lambda: [1])
     duration: float = 20.0
     warmup: float = 5.0
+    requests: int = 0  # if set: this many requests per run instead of `duration` seconds
+    warmup_requests: int = 0  # ... of which the first ones are left out of the figures
     tokenizer: str = ""
     model: str = "smollm2-135m-instruct"
     router_args: list[str] = field(default_factory=list)
@@ -479,7 +486,8 @@ async def _policy_runs(cfg: FleetConfig, fleet: SimFleet, policy: str, n_routers
             await _wait_routable(urls, cfg.replicas)
         for qps in cfg.qps:
             res = await run_once(fleet, policy, urls, qps, cfg.workload, cfg.duration,
-                                 cfg.warmup, probe, cfg.model)
+                                 cfg.warmup, probe, cfg.model, cfg.requests,
+                                 cfg.warmup_requests)
             out.append(res)
             if verbose:
                 print("  " + row(res), flush=True)

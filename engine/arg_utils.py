@@ -11,9 +11,9 @@ from typing import Any
 from kvserve.engine.config import EngineConfig
 
 # vLLM engine arguments that change nothing here: their values are accepted and dropped.
-# (kvserve logs no periodic stats, runs no CUDA graphs, needs no custom all-reduce.)
-NO_EFFECT = {"disable_log_stats": False, "enforce_eager": False,
-             "disable_custom_all_reduce": False}
+# (kvserve logs no periodic stats and needs no custom all-reduce; `enforce_eager` is an
+# EngineConfig field: it turns CUDA graphs for decode off.)
+NO_EFFECT = {"disable_log_stats": False, "disable_custom_all_reduce": False}
 
 
 def split_vllm_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -62,7 +62,8 @@ def _fields(base: type) -> list[tuple[str, Any, Any]]:
         value = field(default=f.default) if f.default is not MISSING \
             else field(default_factory=f.default_factory)  # type: ignore[misc]
         out.append((f.name, f.type, value))
-    return out + [(k, bool, field(default=v)) for k, v in NO_EFFECT.items()]
+    names = {name for name, _, _ in out}  # a NO_EFFECT name EngineConfig now has is its own
+    return out + [(k, bool, field(default=v)) for k, v in NO_EFFECT.items() if k not in names]
 
 
 EngineArgs = make_dataclass("EngineArgs", _fields(EngineConfig), bases=(_EngineArgsMethods,))

@@ -38,9 +38,13 @@ class EngineConfig:
     kv_offloading_disk_path: str | None = None  # directory for blocks the host tier evicts
     kv_offloading_disk_size: float = 0.0  # GiB cap of that directory
     enable_prefix_caching: bool = True
+    # True: one block table for every layer, so sliding-window layers keep all their blocks
+    # (vLLM's flag of the same name); False: blocks leave the cache with the window.
+    disable_hybrid_kv_cache_manager: bool = False
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
     attention_backend: str = "auto"  # "auto" | "cpu" | "torch" | "triton" | "reference"
+    enforce_eager: bool = False  # True: no CUDA graphs; decode steps run eagerly (GPU only)
     seed: int = 0
     trust_remote_code: bool = False
     revision: str | None = None

@@ -7,12 +7,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from kvserve.engine.config import EngineConfig
+from kvserve.engine.core.kv_cache_groups import is_plain_key
 from kvserve.engine.core.kv_cache_manager import KVCacheManager
 from kvserve.engine.core.kv_events import KVEvent
 from kvserve.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -77,7 +78,7 @@ class LLMEngine:
         self.disk = _disk_tier(config, setup, str(model_path))
         self.kv = KVCacheManager(setup.budget.num_blocks, config.block_size,
                                  config.enable_prefix_caching, setup.num_cpu_blocks,
-                                 setup.num_host_blocks, self.disk)
+                                 setup.num_host_blocks, self.disk, setup.kv_groups)
         self.swap_cost = SwapCostModel(setup.budget.bytes_per_block)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=setup.max_num_batched_tokens,
@@ -89,10 +90,15 @@ class LLMEngine:
             head_dim=setup.head_dim, num_blocks=setup.budget.num_blocks,
             block_size=config.block_size, kv_dtype=setup.kv_dtype, device=self.device,
             num_cpu_blocks=setup.num_cpu_blocks, attention_backend=config.attention_backend,
-            workers=setup.workers, num_host_blocks=setup.num_host_blocks, disk=self.disk)
+            workers=setup.workers, num_host_blocks=setup.num_host_blocks, disk=self.disk,
+            kv_groups=setup.kv_groups)
         self.tiers = TierFigures()
         if config.calculate_kv_scales and setup.kv_dtype == FP8_DTYPE:
             self._calibrate_kv_scales()
+        # Captured batches are planned once, with no host look at their lengths: Triton only.
+        if self.device.type == "cuda" and not config.enforce_eager and setup.workers is None \
+                and self.runner.backend == "triton":
+            self._capture_decode_graphs()
         # Sampling values a request leaves out (the server and LLM read them; the engine does not).
         self.sampling_defaults = sampling_defaults(model_path, config.generation_config)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
@@ -110,6 +116,22 @@ class LLMEngine:
         self.model_weight_bytes = setup.budget.weight_bytes * config.tensor_parallel_size
         logger.info("%s", weights_log_line(self.model_weight_bytes, model_path,
                                            torch.finfo(self.dtype).bits // 8))
+        if self.kv.groups.is_hybrid or self.kv.groups.slides:
+            logger.info("KV-cache groups: %s; a block is a page of %d layers, sliding groups "
+                        "free blocks that left their window",
+                        ", ".join(f"{len(g.layers)} layers "
+                                  f"{'W=' + str(g.sliding_window) if g.sliding_window else 'full'}"
+                                  for g in self.kv.groups.groups), self.kv.groups.page_layers)
+
+    def _capture_decode_graphs(self) -> None:
+        """CUDA graphs for decode (engine/worker/cuda_graph.py). A capture that fails (an op
+        of this model that syncs with the host) leaves every step eager, said once in the log."""
+        try:
+            self.runner.capture_decode_graphs(self.config.max_num_seqs, self.max_model_len)
+        except RuntimeError as exc:
+            self.runner.graphs = None
+            logger.warning("CUDA graph capture failed (%s); decode runs eagerly "
+                           "(--enforce-eager skips the attempt)", exc)
 
     def _calibrate_kv_scales(self) -> None:
         """`calculate_kv_scales=True`: FP8 scales from a representative first batch."""
@@ -219,6 +241,14 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"this request needs up to {len(ids) + params.max_tokens} KV slots but the whole "
                 f"KV cache holds {total} tokens; lower max_tokens or give the engine more KV "
+                "memory (kv_cache_memory / gpu_memory_utilization)", "max_tokens")
+        need = self.kv.groups.blocks_for(len(ids) + params.max_tokens, self.block_size,
+                                         self.scheduler.config.max_num_batched_tokens)
+        if need > self.memory_budget.num_blocks:  # several groups: pages, not token slots
+            raise InvalidRequestError(
+                f"this request needs up to {need} KV blocks (pages of "
+                f"{self.kv.groups.page_layers} layers) but the whole KV cache holds "
+                f"{self.memory_budget.num_blocks}; lower max_tokens or give the engine more KV "
                 "memory (kv_cache_memory / gpu_memory_utilization)", "max_tokens")
         return params
 
@@ -457,7 +487,9 @@ class LLMEngine:
     # ---- figures ------------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
         cache, sch = self.kv.make_stats(), self.scheduler
-        seq_slots = sum(self.kv.num_blocks_of(s) for s in sch.running) * self.block_size
+        # Group 0's table: one slot per token position, as with one group (other groups' pages
+        # hold other layers of the same positions, or none where a window released them).
+        seq_slots = sum(len(self.kv.block_ids(s)) for s in sch.running) * self.block_size
         seq_tokens = sum(s.num_computed_tokens for s in sch.running)
         waste = seq_slots - seq_tokens
         return EngineStats(
@@ -510,6 +542,8 @@ class LLMEngine:
             events += self.kv.host.drain_events()
         if "disk" in media and self.kv.disk is not None:
             events += self.kv.disk.drain_events()
+        if self.kv.groups.is_hybrid:  # the router knows the plain hashes (group 0's keys) only
+            events = [e for e in (_plain_keys(e) for e in events) if e is not None]
         return events
 
     def cached_block_hashes(self, medium: str = "device") -> list[str]:
@@ -518,7 +552,7 @@ class LLMEngine:
             return [h.hex() for h in self.kv.host.lru_hashes()] if self.kv.host else []
         if medium == "disk":
             return [h.hex() for h in self.kv.disk.lru_hashes()] if self.kv.disk else []
-        return self.kv.pool.cached_hashes()
+        return [h for h in self.kv.pool.cached_hashes() if is_plain_key(h)]
 
     def drain_block_alloc_seconds(self) -> list[float]:
         return self.kv.take_alloc_seconds()
@@ -537,11 +571,20 @@ class LLMEngine:
         return True
 
 
+def _plain_keys(event: KVEvent) -> KVEvent | None:
+    """The event's plain block hashes (None if it names only other groups' keys)."""
+    if event.kind == "cleared":
+        return event
+    keep = tuple(h for h in event.block_hashes if is_plain_key(h))
+    return replace(event, block_hashes=keep) if keep else None
+
+
 def _disk_tier(config: EngineConfig, setup: EngineSetup, model_path: str) -> DiskTier | None:
     """The KV disk tier (kv_offloading_disk_path), its files named for this model and layout."""
     if not config.kv_offloading_disk_path or not setup.num_host_blocks:
         return None
-    shape = (2, setup.num_layers, config.block_size, setup.num_kv_heads, setup.head_dim)
+    shape = (2, setup.kv_groups.page_layers, config.block_size, setup.num_kv_heads,
+             setup.head_dim)
     layout = describe_layout(config.model, config.revision, str(setup.kv_dtype), shape,
                              model_path)
     return DiskTier(config.kv_offloading_disk_path,

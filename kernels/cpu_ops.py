@@ -6,6 +6,7 @@ torch expression (the reference, used on GPUs and wherever the C++ build is unav
 for CPU float32/bfloat16 tensors, one fused C++ loop from csrc/cpu_ops.cpp (built with the
 decode kernel, see cpu_attention.py). Unfused, a decode step ran ~25 small ATen kernels per
 layer around the matmuls; the figures are in docs/perf.md ("Fused elementwise ops").
+On CUDA tensors the same ops run as Triton kernels (triton_fused.py).
 KVSERVE_FUSED_OPS=0 keeps the torch expressions.
 """
 
@@ -35,6 +36,18 @@ def _fused(x: Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in _DTYPES and fused_available()
 
 
+def use_triton(x: Tensor) -> bool:
+    """Whether x takes the Triton kernels of triton_fused.py: CUDA tensors, unless
+    KVSERVE_FUSED_OPS=0 (the CPU keeps the C++ / torch paths above)."""
+    return x.is_cuda and os.environ.get("KVSERVE_FUSED_OPS", "1") != "0"
+
+
+def _triton_fused():
+    from kvserve.kernels import triton_fused  # imported only on a GPU: triton compiles there
+
+    return triton_fused
+
+
 # ---- torch references -------------------------------------------------------------------------
 def torch_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """HF's LlamaRMSNorm: normalise in float32, round to x's dtype, scale by the weight."""
@@ -60,6 +73,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm of x [T, hidden]."""
     if _fused(x) and x.dim() == 2 and x.stride(-1) == 1:
         return torch.ops.kvserve_ops.rms_norm(x, weight, eps)
+    if use_triton(x) and x.dim() == 2 and x.stride(-1) == 1:
+        return _triton_fused().add_rms_norm(x, None, weight, eps)
     return torch_rms_norm(x, weight, eps)
 
 
@@ -69,6 +84,8 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
     if _fused(x) and x.dim() == 2 and x.stride(-1) == 1 and residual.is_contiguous():
         out = torch.ops.kvserve_ops.add_rms_norm(x, residual, weight, eps)
         return out, residual
+    if use_triton(x) and x.dim() == 2 and x.stride(-1) == 1 and residual.is_contiguous():
+        return _triton_fused().add_rms_norm(x, residual, weight, eps), residual
     residual = x + residual
     return torch_rms_norm(residual, weight, eps), residual
 
@@ -77,6 +94,8 @@ def silu_and_mul(x: Tensor) -> Tensor:
     """[T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
     if _fused(x) and x.dim() == 2 and x.stride(-1) == 1:
         return torch.ops.kvserve_ops.silu_and_mul(x)
+    if use_triton(x) and x.dim() == 2 and x.stride(-1) == 1:
+        return _triton_fused().act_and_mul(x, "silu")
     return torch_silu_and_mul(x)
 
 
@@ -87,6 +106,8 @@ def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Te
             k.stride(-1) == 1 and k.stride(1) == k.shape[2] and cos.dtype == q.dtype:
         torch.ops.kvserve_ops.rotary_embedding(q, k, cos, sin)
         return q, k
+    if use_triton(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
+        return _triton_fused().rotary_embedding(q, k, cos, sin)
     return torch_rope(q, cos, sin), torch_rope(k, cos, sin)
 
 

@@ -20,3 +20,11 @@ class AttentionMetadata:
     v_scale: float = 1.0
     backend: str = "auto"  # "auto" | "cpu" | "torch" | "triton" | "reference"
     plan: object | None = None  # backend-specific precomputation shared by all layers of a step
+    # KV-cache groups (engine/core/kv_cache_groups.py): each group's own metadata (its block
+    # tables, slot mapping and plan) and the group of each layer; empty with one group.
+    groups: tuple["AttentionMetadata", ...] = ()
+    layer_groups: tuple[int, ...] = ()
+
+    def for_layer(self, layer: int) -> "AttentionMetadata":
+        """What layer `layer` attends through: its group's metadata (this one with one group)."""
+        return self.groups[self.layer_groups[layer]] if self.groups else self

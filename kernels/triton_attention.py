@@ -152,11 +152,14 @@ def _merge_splits_kernel(out_ptr, ws_acc_ptr, ws_lse_ptr, v_scale, stride_ot, st
     s = tl.arange(0, SPLITS_P2)
     lse = tl.load(ws_lse_ptr + row + s, mask=s < NUM_SPLITS, other=float("-inf"))
     top = tl.max(lse, 0)
-    w = tl.exp2(lse - top)
+    # A row with no keys at all (a CUDA graph's padding, length 0) has every lse -inf: it
+    # yields zeros, not (-inf) - (-inf) = NaN.
+    w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
     d = tl.arange(0, HEAD_DIM_P2)
     acc = tl.load(ws_acc_ptr + (row + s)[:, None] * HEAD_DIM_P2 + d[None, :],
                   mask=(s < NUM_SPLITS)[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
-    res = tl.sum(acc * w[:, None], 0) / tl.sum(w, 0) * v_scale
+    total = tl.sum(w, 0)
+    res = tl.sum(acc * w[:, None], 0) / tl.where(total == 0.0, 1.0, total) * v_scale
     tl.store(out_ptr + token * stride_ot + head * stride_oh + d, res.to(out_ptr.dtype.element_ty),
              mask=d < HEAD_DIM)
 

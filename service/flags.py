@@ -195,10 +195,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "checkpoint is read from its own quantization_config without the flag")
     g.add_argument("--calculate-kv-scales", action="store_true",
                    help="compute fp8 KV scales from the first batch")
+    g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="one block table for every layer: sliding-window layers (Gemma 2/3, "
+                        "gpt-oss) keep all their blocks instead of freeing those out of the window")
     g.add_argument("--attention-backend", default=d("attention_backend"),
                    choices=("auto", "cpu", "torch", "triton", "reference"),
                    help="paged attention: triton on CUDA, cpu (C++ kernels, built on first use) "
                         "or torch on CPU; auto picks; reference is the slow, exact one for tests")
+    g.add_argument("--enforce-eager", action="store_true", default=d("enforce_eager"),
+                   help="never capture CUDA graphs: every decode step runs eagerly")
     g.add_argument("--seed", type=int, default=d("seed"), help="random seed of the engine")
     g.add_argument("--scheduling-policy", default=d("scheduling_policy"),
                    choices=("fcfs", "priority"),

@@ -5,6 +5,8 @@ HF transformers (fp32, eager attention) teacher-forced on the same sequences."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -32,16 +34,32 @@ def build_family(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
         "Gemma3Config", "Gemma3TextConfig"))(**cfg)
     config.architectures = [arch]
     torch.manual_seed(seed)
-    model = getattr(transformers, arch)(config).eval()
+    model = perturb(getattr(transformers, arch)(config).eval())
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def perturb(model: torch.nn.Module) -> torch.nn.Module:
+    """Random biases and norms moved off their init, so a dropped bias or a mistaken norm
+    formula shows in the logits (HF initialises them to 0 and to 1 or 0)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0.0, 0.5)
             elif "norm" in name:  # 1 (Llama-style) or 0 (Gemma's 1 + w): move off either
                 p.add_(0.3 * torch.randn_like(p))
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return model
+
+
+
+def copy_with(src: Path, dst: Path, **config_changes) -> Path:
+    """A copy of checkpoint `src` at `dst` with `config_changes` set in its config.json."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(config_changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
 
 
 def prompts(vocab: int, lens=PROMPT_LENS, seed: int = 5) -> list[list[int]]:
@@ -77,8 +95,9 @@ def assert_matches_hf(hf, token_prompts: list[list[int]], outputs, greedy: bool 
             ref = hf_logprobs(hf, prompt, completion.token_ids)
             if greedy:
                 assert completion.token_ids == ref.argmax(-1).tolist()
-            ours = torch.tensor([lp[t] for t, lp in zip(completion.token_ids,
-                                                         completion.logprobs)])
+            # vLLM's Logprob objects (engine/outputs.py) or plain floats
+            ours = torch.tensor([getattr(lp[t], "logprob", lp[t]) for t, lp in
+                                 zip(completion.token_ids, completion.logprobs)])
             theirs = ref.gather(1, torch.tensor(completion.token_ids)[:, None])[:, 0]
             torch.testing.assert_close(ours, theirs, atol=atol, rtol=0)
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from kvserve.engine.core.block_hash import hash_block
 from kvserve.engine.core.block_pool import Block, BlockPool
+from kvserve.engine.core.kv_cache_groups import KVCacheGroups, group_key
 from kvserve.engine.core.sequence import Sequence
 from kvserve.engine.kv_offload.disk_tier import DiskTier
 from kvserve.engine.kv_offload.host_tier import HostTier, TierCounters
@@ -42,6 +43,17 @@ class DiskHit:
 
 
 PrefixHit = Block | HostHit | DiskHit
+# One group's block table: None where a sliding window has released the block.
+Table = list[Block | None]
+
+
+class PrefixMatch(list):
+    """`lookup_prefix`'s answer: the first group's hits (a list, as with one group), and in
+    `groups` every group's, None where a sliding group needs no block (before its window)."""
+
+    def __init__(self, hits: list, groups: list[list[PrefixHit | None]]) -> None:
+        super().__init__(hits)
+        self.groups = groups
 # A block for the disk tier: ("host", host slot, hash), or ("device", device block, hash) when the
 # host tier could not take it (every slot busy this step).
 Spill = tuple[str, int, bytes]
@@ -79,17 +91,23 @@ class KVCacheStats:
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  num_cpu_blocks: int = 0, num_host_blocks: int = 0,
-                 disk: DiskTier | None = None) -> None:
+                 disk: DiskTier | None = None, groups: KVCacheGroups | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
-        self.tables: dict[int, list[Block]] = {}
+        # Layer groups, each with its own block table per seq (kv_cache_groups.py); one
+        # full-attention group behaves exactly as a manager without groups.
+        self.groups = groups or KVCacheGroups.single(1)
+        self.tables: dict[int, Table] = {}  # seq -> its block table in group 0
+        self.group_tables: dict[int, list[Table]] = {}  # seq -> its tables in groups 1..
         self.hashes: dict[int, list[bytes]] = {}  # chained hashes of each seq's full blocks
         self.num_registered: dict[int, int] = {}  # leading blocks already in the prefix cache
         self.prefix_stats = PrefixCacheStats()
         self.num_cpu_blocks = num_cpu_blocks
         self.cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
         self.swapped: dict[int, list[int]] = {}  # seq -> its blocks in the CPU pool
+        # seq -> which slots of each group's table held a block when swapped out (in order)
+        self.swapped_layout: dict[int, list[list[bool]]] = {}
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the runner
         self.alloc_seconds: deque[float] = deque(maxlen=4096)
         self.host = HostTier(num_host_blocks) if num_host_blocks and enable_caching else None
@@ -120,6 +138,8 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return []
+        if self.groups.is_hybrid or self.groups.slides:
+            return self._lookup_groups(seq)
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hits: list[PrefixHit] = []
         on_disk: list[int] = []  # positions in `hits` to fill from the disk tier
@@ -141,6 +161,54 @@ class KVCacheManager:
             if len(payloads) < len(on_disk):
                 del hits[on_disk[len(payloads)]:]
         return hits
+
+    def _tier_hit(self, key: bytes) -> PrefixHit | None:
+        """Where a block key is cached: a device block, a HostHit (host or, unread, disk tier)."""
+        b = self.pool.get_cached_block(key)
+        if b is not None:
+            return b
+        if self.host is not None and key in self.host:
+            return HostHit(key)
+        if self.disk is not None and key in self.disk:
+            return DiskHit(key, bytearray())  # placeholder until read
+        return None
+
+    def _lookup_groups(self, seq: Sequence) -> PrefixMatch:
+        """The longest prefix every group can resume from: a full-attention group needs all
+        its blocks, a sliding group only those of the last W - 1 tokens before the boundary
+        (vLLM scans those from the right). Lowering the boundary for one sliding group may
+        break another's, so it repeats until no group lowers it (it only goes down)."""
+        bs, max_blocks = self.block_size, (seq.num_tokens - 1) // self.block_size
+        hs = self._seq_hashes(seq, max_blocks)[:max_blocks]
+        found = [[self._tier_hit(group_key(h, g)) for h in hs]
+                 for g in range(len(self.groups.groups))]
+        k, changed = max_blocks, True
+        while changed:
+            changed = False
+            for g, group in enumerate(self.groups.groups):
+                need = group.window_blocks(bs)
+                k2 = _resumable(found[g], k, need)
+                if k2 < k:
+                    k, changed = k2, True
+        per_group: list[list[PrefixHit | None]] = []
+        for g, group in enumerate(self.groups.groups):
+            need = group.window_blocks(bs)
+            first = 0 if need is None else max(0, k - need)
+            per_group.append([None] * first + found[g][first:k])
+        if not self._read_disk_hits(per_group):
+            return self._lookup_groups(seq)  # a bad file was dropped: look again without it
+        return PrefixMatch(per_group[0], per_group)
+
+    def _read_disk_hits(self, per_group: list[list[PrefixHit | None]]) -> bool:
+        """Read the disk tier's blocks of a match in one batch; False if a file was bad."""
+        at = [(g, i) for g, hits in enumerate(per_group) for i, h in enumerate(hits)
+              if isinstance(h, DiskHit)]
+        if not at:
+            return True
+        payloads = self.disk.read([per_group[g][i].block_hash for g, i in at])  # type: ignore
+        for (g, i), payload in zip(at, payloads):
+            per_group[g][i] = DiskHit(per_group[g][i].block_hash, payload)  # type: ignore
+        return len(payloads) == len(at)
 
     def full_block_hashes(self, seq: Sequence, start_block: int, end_block: int) -> list[bytes]:
         """Hashes of the seq's full blocks in [start_block, end_block) (clipped to full ones)."""
@@ -167,43 +235,92 @@ class KVCacheManager:
         done = self.num_registered.get(seq.seq_id, 0)
         if num_full <= done:
             return
-        table = self.tables[seq.seq_id]
         hs = self._seq_hashes(seq, num_full)
-        for i in range(done, num_full):
-            self.pool.cache_block(table[i], hs[i])
+        for g, table in enumerate(self._tables(seq.seq_id)):
+            for i in range(done, num_full):
+                b = table[i]
+                if b is not None:  # None: released by a sliding window before it was full
+                    self.pool.cache_block(b, group_key(hs[i], g))
         self.num_registered[seq.seq_id] = num_full
 
     # ---- allocation ---------------------------------------------------------------------------
     def allocate_slots(self, seq: Sequence, num_new_tokens: int,
                        computed: list[PrefixHit] | None = None) -> bool:
         """Make room for `num_new_tokens` after the seq's computed ones (and its cache hits;
-        host hits take a new device block each and queue their restore).
+        host hits take a new device block each and queue their restore). Blocks that have left
+        a sliding window are released first (that changes no token's result).
 
-        Returns False, changing nothing, when the pool cannot supply the blocks.
+        Returns False, changing nothing else, when the pool cannot supply the blocks.
         """
         t0 = time.perf_counter()
-        computed = computed or []
-        table = self.tables.get(seq.seq_id, [])
-        start = seq.num_computed_tokens + len(computed) * self.block_size
+        hits = self._group_hits(computed or [])
+        num_hit = len(hits[0])
+        start = seq.num_computed_tokens + num_hit * self.block_size
+        tables = self._tables(seq.seq_id) or [[] for _ in self.groups.groups]
+        self._release_skipped(tables, start)
         needed_total = -(-(start + num_new_tokens) // self.block_size)
-        num_new_blocks = max(needed_total - len(table) - len(computed), 0)
-        cow = bool(table) and start % self.block_size != 0 and table[-1].ref_cnt > 1
-        on_device = [b for b in computed if isinstance(b, Block)]
-        num_restores = len(computed) - len(on_device)
+        num_new = [max(needed_total - len(t) - num_hit, 0) for t in tables]
+        cows = [bool(t) and start % self.block_size != 0 and t[-1] is not None
+                and t[-1].ref_cnt > 1 for t in tables]
+        flat = [h for group in hits for h in group if h is not None]
+        on_device = [b for b in flat if isinstance(b, Block)]
+        num_restores = len(flat) - len(on_device)
         free_hits = sum(1 for b in on_device if b.ref_cnt == 0)
-        if num_new_blocks + num_restores + int(cow) > self.pool.num_free_blocks - free_hits:
+        if sum(num_new) + num_restores + sum(cows) > self.pool.num_free_blocks - free_hits:
             return False
-        if computed:
+        if num_hit:
             self.pool.touch(on_device)
-            table = table + self._restore(computed) if num_restores else table + on_device
-            self.num_registered[seq.seq_id] = len(table)
-        if cow:
-            self._copy_on_write(table)
-        if num_new_blocks:
-            table = table + self._new_blocks(num_new_blocks)
-        self.tables[seq.seq_id] = table
+            restored = iter(self._restore(flat) if num_restores else flat)
+            for t, group in zip(tables, hits):
+                t.extend(None if h is None else next(restored) for h in group)
+            self.num_registered[seq.seq_id] = len(tables[0])
+        for t, cow, n in zip(tables, cows, num_new):
+            if cow:
+                self._copy_on_write(t)
+            if n:
+                t.extend(self._new_blocks(n))
+        self._set_tables(seq.seq_id, tables)
         self.alloc_seconds.append(time.perf_counter() - t0)
         return True
+
+    def _tables(self, seq_id: int) -> list[Table]:
+        """The seq's table in every group ([] when it holds none)."""
+        if seq_id not in self.tables:
+            return []
+        return [self.tables[seq_id]] + self.group_tables.get(seq_id, [])
+
+    def _set_tables(self, seq_id: int, tables: list[Table]) -> None:
+        self.tables[seq_id] = tables[0]
+        if len(tables) > 1:
+            self.group_tables[seq_id] = tables[1:]
+
+    def _pop_tables(self, seq_id: int) -> list[Table]:
+        tables = self._tables(seq_id)
+        self.tables.pop(seq_id, None)
+        self.group_tables.pop(seq_id, None)
+        return tables
+
+    def _group_hits(self, computed: list[PrefixHit]) -> list[list[PrefixHit | None]]:
+        """Each group's hits: a PrefixMatch's, or a plain list for the one group."""
+        if isinstance(computed, PrefixMatch):
+            return [list(g) for g in computed.groups]
+        if computed and len(self.groups.groups) > 1:
+            raise ValueError("a manager with several KV-cache groups takes the PrefixMatch "
+                             "lookup_prefix returned, not a plain list of hits")
+        return [list(computed)] + [[] for _ in self.groups.groups[1:]]
+
+    def _release_skipped(self, tables: list[Table], num_computed: int) -> None:
+        """Free the blocks of sliding groups that no token from `num_computed` on attends to,
+        newest first (as `free`), leaving None in their table slots."""
+        for group, table in zip(self.groups.groups, tables):
+            i = min(group.num_skipped_blocks(num_computed, self.block_size), len(table)) - 1
+            done: list[Block] = []
+            while i >= 0 and table[i] is not None:  # released blocks form a prefix: stop there
+                done.append(table[i])  # type: ignore[arg-type]
+                table[i] = None
+                i -= 1
+            if done:
+                self.pool.free_blocks(done)
 
     # ---- host tier ----------------------------------------------------------------------------
     def _new_blocks(self, n: int) -> list[Block]:
@@ -283,53 +400,66 @@ class KVCacheManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Share every block of `parent` with `child` (ref counts +1); writes copy on demand."""
-        table = self.tables[parent.seq_id]
-        self.pool.touch(table)
-        self.tables[child.seq_id] = list(table)
+        tables = self._tables(parent.seq_id)
+        self.pool.touch([b for t in tables for b in t if b is not None])
+        self._set_tables(child.seq_id, [list(t) for t in tables])
         self.hashes[child.seq_id] = list(self.hashes.get(parent.seq_id, []))
         self.num_registered[child.seq_id] = self.num_registered.get(parent.seq_id, 0)
 
     def free(self, seq: Sequence) -> None:
         """Release the seq's blocks (tail first, so its last blocks are evicted first)."""
-        table = self.tables.pop(seq.seq_id, [])
-        self.pool.free_blocks(list(reversed(table)))
+        tables = self._pop_tables(seq.seq_id)
+        self.pool.free_blocks([b for t in tables for b in reversed(t) if b is not None])
         self.hashes.pop(seq.seq_id, None)
         self.num_registered.pop(seq.seq_id, None)
+        self.swapped_layout.pop(seq.seq_id, None)
         cpu = self.swapped.pop(seq.seq_id, None)
         if cpu:
             self.cpu_free.extend(cpu)
 
-    def block_ids(self, seq: Sequence) -> list[int]:
-        return [b.block_id for b in self.tables.get(seq.seq_id, ())]
+    def block_ids(self, seq: Sequence, group: int = 0) -> list[int]:
+        """The seq's block table in `group`; a block a sliding window released reads as 0, a
+        slot the kernels never read for that group's layers (they skip or mask it)."""
+        tables = self._tables(seq.seq_id)
+        if not tables:
+            return []
+        return [0 if b is None else b.block_id for b in tables[group]]
 
     # ---- swap ---------------------------------------------------------------------------------
+    def _held(self, seq: Sequence) -> list[Block]:
+        return [b for t in self._tables(seq.seq_id) for b in t if b is not None]
+
     def can_swap_out(self, seq: Sequence) -> bool:
-        return len(self.tables.get(seq.seq_id, ())) <= len(self.cpu_free)
+        return len(self._held(seq)) <= len(self.cpu_free)
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
         """Move the seq's blocks to the CPU pool: (device block, cpu block) pairs to copy."""
-        table = self.tables.pop(seq.seq_id)
-        cpu = [self.cpu_free.pop() for _ in table]
+        held = self._held(seq)
+        tables = self._pop_tables(seq.seq_id)
+        cpu = [self.cpu_free.pop() for _ in held]
         self.swapped[seq.seq_id] = cpu
-        self.pool.free_blocks(list(reversed(table)))
+        self.swapped_layout[seq.seq_id] = [[b is not None for b in t] for t in tables]
+        self.pool.free_blocks(list(reversed(held)))
         self.num_registered[seq.seq_id] = 0
-        return [(b.block_id, c) for b, c in zip(table, cpu)]
+        return [(b.block_id, c) for b, c in zip(held, cpu)]
 
     def can_swap_in(self, seq: Sequence, num_new_tokens: int = 0) -> bool:
         """Whether the seq's blocks, and the slots of its next `num_new_tokens`, fit on device."""
-        num_blocks = len(self.swapped.get(seq.seq_id, ()))
-        if num_new_tokens:
-            total = seq.num_computed_tokens + num_new_tokens
-            num_blocks = max(num_blocks, -(-total // self.block_size))
+        layout = self.swapped_layout.get(seq.seq_id, [])
+        needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        num_blocks = sum(sum(t) + (max(needed - len(t), 0) if num_new_tokens else 0)
+                         for t in layout)
         return num_blocks <= self.pool.num_free_blocks
 
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
         """Bring the seq's blocks back: (cpu block, device block) pairs to copy."""
         cpu = self.swapped.pop(seq.seq_id)
-        table = self._new_blocks(len(cpu))
-        self.tables[seq.seq_id] = table
+        fresh = self._new_blocks(len(cpu))
+        it = iter(fresh)
+        self._set_tables(seq.seq_id, [[next(it) if held else None for held in t]
+                                      for t in self.swapped_layout.pop(seq.seq_id)])
         self.cpu_free.extend(cpu)
-        return [(c, b.block_id) for c, b in zip(cpu, table)]
+        return [(c, b.block_id) for c, b in zip(cpu, fresh)]
 
     # ---- figures ------------------------------------------------------------------------------
     @property
@@ -337,8 +467,8 @@ class KVCacheManager:
         return self.pool.num_free_blocks
 
     def num_blocks_of(self, seq: Sequence) -> int:
-        """Device blocks in the seq's block table."""
-        return len(self.tables.get(seq.seq_id, ()))
+        """Device blocks in the seq's block tables (every group)."""
+        return len(self._held(seq))
 
     def usage(self) -> float:
         return self.pool.usage()
@@ -375,3 +505,18 @@ class KVCacheManager:
         out = list(self.alloc_seconds)
         self.alloc_seconds.clear()
         return out
+
+
+def _resumable(found: list[PrefixHit | None], k: int, need: int | None) -> int:
+    """The largest k' <= k such that one group can resume after k' cached blocks: all of
+    blocks [0, k') present (need None: full attention), or the last `need` of them."""
+    if need is None:
+        return next((i for i in range(k) if found[i] is None), k)
+    if need == 0:
+        return k
+    run = 0
+    for i in range(k - 1, -1, -1):  # from the right, as vLLM's SlidingWindowManager
+        run = run + 1 if found[i] is not None else 0
+        if run == need:
+            return i + need
+    return run  # blocks [0, run) are all there, fewer than `need`: the window reaches back to 0

@@ -34,7 +34,14 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype, device=device))
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
-        """norm(x); with `residual`: (norm(x + residual), x + residual), the add in x's dtype."""
+        """norm(x); with `residual`: (norm(x + residual), x + residual), the add in x's dtype
+        (on CUDA one Triton kernel, which updates `residual` in place)."""
+        if ops.use_triton(x) and x.dim() == 2 and x.stride(-1) == 1 and \
+                (residual is None or residual.is_contiguous()):
+            from kvserve.kernels import triton_fused
+
+            out = triton_fused.add_rms_norm(x, residual, self.weight, self.eps, gemma=True)
+            return out if residual is None else (out, residual)
         if residual is not None:
             residual = x + residual
             return self._norm(residual), residual

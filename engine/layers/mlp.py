@@ -30,7 +30,11 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.gate_up_proj(x)
-        if self.activation == "silu":
+        if ops.use_triton(h) and h.dim() == 2 and h.stride(-1) == 1:
+            from kvserve.kernels import triton_fused
+
+            h = triton_fused.act_and_mul(h, self.activation)
+        elif self.activation == "silu":
             h = ops.silu_and_mul(h)
         else:  # gelu_tanh: HF's gelu_pytorch_tanh
             gate, up = h.chunk(2, dim=-1)

@@ -167,10 +167,10 @@ class DecoderModel(nn.Module):
             x = x * self.embed_scale
         ropes = {k: rot(positions) for k, rot in self.rotary.items()}  # once per step
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             kind = layer.self_attn.rope_type or "all"
-            x, residual = layer(x, residual, self.rotary[kind], ropes[kind], kv_cache, attn,
-                                attn_ops)
+            x, residual = layer(x, residual, self.rotary[kind], ropes[kind], kv_cache,
+                                attn.for_layer(i), attn_ops)
         if residual is None:  # no layers
             return self.norm(x)
         return self.norm(x, residual)[0]

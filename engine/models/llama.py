@@ -142,8 +142,8 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         rope = self.rotary_emb(positions)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, rope, kv_cache, attn, attn_ops)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            x, residual = layer(x, residual, rope, kv_cache, attn.for_layer(i), attn_ops)
         if residual is None:  # no layers
             return self.norm(x)
         return self.norm(x, residual)[0]

@@ -5,9 +5,8 @@ sliding window, when set, on every layer."""
 from __future__ import annotations
 
 from kvserve.engine.layers.moe import MoESpec
-from kvserve.engine.models.config_keys import check_config_keys, require_value
 from kvserve.engine.models.decoder import DecoderSpec, decoder_dims
-from kvserve.engine.models.moe_decoder import (MoEDecoderForCausalLM, refuse_quantized,
+from kvserve.engine.models.moe_decoder import (MoEDecoderForCausalLM, check_swiglu_moe_config,
                                                sparse_layers)
 from kvserve.engine.models.windows import layer_windows
 
@@ -20,9 +19,7 @@ MIXTRAL_KEYS = frozenset({"hidden_act", "num_local_experts", "num_experts_per_to
 class MixtralForCausalLM(MoEDecoderForCausalLM):
     @classmethod
     def spec_from_config(cls, config, max_model_len: int | None) -> DecoderSpec:
-        check_config_keys(config, "MixtralForCausalLM", MIXTRAL_KEYS)
-        refuse_quantized(config, "MixtralForCausalLM")
-        require_value(config, "hidden_act", ("silu",), "MixtralForCausalLM")
+        check_swiglu_moe_config(config, "MixtralForCausalLM", MIXTRAL_KEYS)
         moe = MoESpec(num_experts=config.num_local_experts, top_k=config.num_experts_per_tok,
                       hidden=config.hidden_size, intermediate=config.intermediate_size,
                       renormalize=True)

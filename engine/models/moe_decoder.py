@@ -11,6 +11,7 @@ from torch import Tensor
 
 from kvserve.engine.errors import ConfigError, ModelNotFoundError
 from kvserve.engine.layers.moe import FusedMoE
+from kvserve.engine.models.config_keys import check_config_keys, require_value
 from kvserve.engine.models.decoder import DecoderForCausalLM
 
 # Checkpoint names are first brought to ours: Mixtral's block_sparse_moe and gpt-oss's router.
@@ -47,6 +48,14 @@ def refuse_quantized(config, family: str) -> None:
         raise ConfigError(
             f"{family}: quantization_config (quant_method {method!r}) is not supported for "
             "mixture-of-experts models; use the bf16 (or fp16/fp32) checkpoint of this model")
+
+
+def check_swiglu_moe_config(config, family: str, understood: frozenset[str]) -> None:
+    """The checks the SwiGLU MoE families (Mixtral, Qwen2/3-MoE) make first: every config key
+    understood, no quantised experts, silu experts."""
+    check_config_keys(config, family, understood)
+    refuse_quantized(config, family)
+    require_value(config, "hidden_act", ("silu",), family)
 
 
 class MoEDecoderForCausalLM(DecoderForCausalLM):

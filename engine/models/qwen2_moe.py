@@ -7,9 +7,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvserve.engine.layers.moe import MoESpec
-from kvserve.engine.models.config_keys import check_config_keys, require_value
 from kvserve.engine.models.decoder import DecoderSpec, decoder_dims
-from kvserve.engine.models.moe_decoder import (MoEDecoderForCausalLM, refuse_quantized,
+from kvserve.engine.models.moe_decoder import (MoEDecoderForCausalLM, check_swiglu_moe_config,
                                                sparse_layers)
 from kvserve.engine.models.windows import layer_windows
 
@@ -25,9 +24,7 @@ QWEN2_MOE_KEYS = frozenset({
 class Qwen2MoeForCausalLM(MoEDecoderForCausalLM):
     @classmethod
     def spec_from_config(cls, config, max_model_len: int | None) -> DecoderSpec:
-        check_config_keys(config, "Qwen2MoeForCausalLM", QWEN2_MOE_KEYS)
-        refuse_quantized(config, "Qwen2MoeForCausalLM")
-        require_value(config, "hidden_act", ("silu",), "Qwen2MoeForCausalLM")
+        check_swiglu_moe_config(config, "Qwen2MoeForCausalLM", QWEN2_MOE_KEYS)
         dims = replace(decoder_dims(config), qkv_bias=bool(getattr(config, "qkv_bias", True)),
                        o_bias=False)
         moe = MoESpec(num_experts=config.num_experts, top_k=config.num_experts_per_tok,

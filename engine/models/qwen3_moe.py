@@ -5,9 +5,8 @@ which layers are sparse comes from decoder_sparse_step and mlp_only_layers."""
 from __future__ import annotations
 
 from kvserve.engine.layers.moe import MoESpec
-from kvserve.engine.models.config_keys import check_config_keys, require_value
 from kvserve.engine.models.decoder import DecoderSpec, decoder_dims
-from kvserve.engine.models.moe_decoder import (MoEDecoderForCausalLM, refuse_quantized,
+from kvserve.engine.models.moe_decoder import (MoEDecoderForCausalLM, check_swiglu_moe_config,
                                                sparse_layers)
 from kvserve.engine.models.windows import layer_windows
 
@@ -23,9 +22,7 @@ QWEN3_MOE_KEYS = frozenset({
 class Qwen3MoeForCausalLM(MoEDecoderForCausalLM):
     @classmethod
     def spec_from_config(cls, config, max_model_len: int | None) -> DecoderSpec:
-        check_config_keys(config, "Qwen3MoeForCausalLM", QWEN3_MOE_KEYS)
-        refuse_quantized(config, "Qwen3MoeForCausalLM")
-        require_value(config, "hidden_act", ("silu",), "Qwen3MoeForCausalLM")
+        check_swiglu_moe_config(config, "Qwen3MoeForCausalLM", QWEN3_MOE_KEYS)
         moe = MoESpec(num_experts=config.num_experts, top_k=config.num_experts_per_tok,
                       hidden=config.hidden_size, intermediate=config.moe_intermediate_size,
                       renormalize=bool(config.norm_topk_prob))

@@ -79,13 +79,7 @@ class StructuredOutputsParams:
 
     def schema(self) -> dict | bool:
         """The JSON schema, parsed; InvalidRequestError if it is not a JSON object or boolean."""
-        value: Any = self.json
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as exc:
-                raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc}",
-                                          param="guided_json") from None
+        value = _parsed(self.json, "JSON schema", "guided_json")
         if not isinstance(value, (dict, bool)):
             raise InvalidRequestError("a JSON schema must be a JSON object (or true/false), got "
                                       f"{type(value).__name__}", param="guided_json")
@@ -93,13 +87,7 @@ class StructuredOutputsParams:
 
     def structural_tag_spec(self) -> dict[str, Any]:
         """The structural tag, parsed; InvalidRequestError naming what is missing."""
-        value: Any = self.structural_tag
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as exc:
-                raise InvalidRequestError(f"the structural tag is not valid JSON: {exc}",
-                                          param="structural_tag") from None
+        value = _parsed(self.structural_tag, "structural tag", "structural_tag")
         if not isinstance(value, dict) or not ("format" in value or (
                 isinstance(value.get("structures"), list) and value["structures"]
                 and isinstance(value.get("triggers"), list) and value["triggers"]
@@ -133,3 +121,13 @@ class StructuredOutputsParams:
 
 
 GuidedDecodingParams = StructuredOutputsParams
+
+
+def _parsed(value: Any, what: str, param: str) -> Any:
+    """`value` as given, or parsed when it is a JSON string; InvalidRequestError naming `what`."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError as exc:
+        raise InvalidRequestError(f"the {what} is not valid JSON: {exc}", param=param) from None

@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from kvserve.engine.core.kv_cache_groups import KVCacheGroups
 from kvserve.engine.core.kv_cache_manager import KVCacheManager
 from kvserve.engine.core.scheduler import SchedulerOutput
 from kvserve.engine.kv_offload.host_blocks import CopyTiming, HostBlocks
 from kvserve.engine.sample.prompt_logprobs import PromptLogprobsPlan, PromptLogprobsResult
 from kvserve.engine.sample.prompt_logprobs import compute as compute_prompt_logprobs
 from kvserve.engine.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
+from kvserve.engine.worker.cuda_graph import Capture, DecodeGraphs, cuda_capture
 from kvserve.kernels.backend import resolve_backend
 from kvserve.kernels.fp8 import compute_kv_scale
 from kvserve.kernels.metadata import AttentionMetadata
@@ -68,8 +70,8 @@ class StepInput:
 
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    slot_mapping: torch.Tensor  # [T] int64
-    block_tables: torch.Tensor  # [B, W] int32
+    slot_mapping: torch.Tensor  # [G, T] int64: one row per KV-cache group
+    block_tables: torch.Tensor  # [G, B, W] int32
     seq_lens: torch.Tensor  # [B] int32
     query_start_loc: torch.Tensor  # [B + 1] int32
     max_query_len: int
@@ -88,7 +90,7 @@ class ModelRunner:
                  device: torch.device, num_cpu_blocks: int = 0, attention_backend: str = "auto",
                  k_scale: float = 1.0, v_scale: float = 1.0,
                  workers: "Peers | None" = None, num_host_blocks: int = 0,
-                 disk: "DiskTier | None" = None) -> None:
+                 disk: "DiskTier | None" = None, kv_groups: KVCacheGroups | None = None) -> None:
         self.model = model
         self.workers = workers  # the other ranks (tensor parallel, driver only)
         self.device = device
@@ -97,19 +99,24 @@ class ModelRunner:
         # machine), not in the middle of the first step.
         self.backend = resolve_backend(attention_backend, device)
         self.k_scale, self.v_scale = k_scale, v_scale
-        shape = (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        # A block is a page of `page_layers` layers; layer i uses page position slots[i][1] of
+        # the pages its group's tables name (kv_cache_groups.py). One group: every layer.
+        self.kv_groups = kv_groups or KVCacheGroups.single(num_layers)
+        pages = self.kv_groups.page_layers
+        shape = (2, pages, num_blocks, block_size, num_kv_heads, head_dim)
         # Zeroed, not empty: padded attention reads of unused slots must never see NaN garbage.
         self.kv = torch.zeros(shape, dtype=kv_dtype, device=device)
-        self.kv_caches = [(self.kv[0, i], self.kv[1, i]) for i in range(num_layers)]
+        self.kv_caches = [(self.kv[0, j], self.kv[1, j]) for _, j in self.kv_groups.slots]
         self.cpu_kv: torch.Tensor | None = None
         if num_cpu_blocks:
-            cpu_shape = (2, num_layers, num_cpu_blocks, block_size, num_kv_heads, head_dim)
+            cpu_shape = (2, pages, num_cpu_blocks, block_size, num_kv_heads, head_dim)
             self.cpu_kv = torch.zeros(cpu_shape, dtype=kv_dtype,
                                       pin_memory=device.type == "cuda")
         self.host = HostBlocks(self.kv, num_host_blocks) if num_host_blocks else None
         self.disk = disk  # where spilled host blocks go (one rank: the config refuses more)
         self.timings: deque[CopyTiming] = deque(maxlen=4096)
         self.sampler = Sampler()
+        self.graphs: DecodeGraphs | None = None  # captured decode forwards (CUDA, not eager)
 
     @property
     def bytes_per_block(self) -> int:
@@ -170,21 +177,24 @@ class ModelRunner:
         """Token ids, positions, slot mapping and block tables of the flattened batch."""
         input_ids: list[int] = []
         starts: list[int] = []
-        tables: list[list[int]] = []
+        num_groups = len(self.kv_groups.groups)
+        tables: list[list[int]] = []  # group-major: every seq of group 0, then group 1, ...
         for seq, n in zip(sched.seqs, sched.num_tokens):
             s = seq.num_computed_tokens
             input_ids += seq.token_range(s, s + n)
             starts.append(s)
-            tables.append(kv.block_ids(seq))
+        for g in range(num_groups):
+            tables += [kv.block_ids(seq, g) for seq in sched.seqs]
         width = max(len(t) for t in tables)
-        bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        bt = torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                          dtype=torch.int32).view(num_groups, len(sched.seqs), width)
         q_lens = torch.tensor(sched.num_tokens, dtype=torch.int64)
         start_t = torch.tensor(starts, dtype=torch.int64)
-        qsl = torch.zeros(len(tables) + 1, dtype=torch.int32)
+        qsl = torch.zeros(len(sched.seqs) + 1, dtype=torch.int32)
         torch.cumsum(q_lens, 0, out=qsl[1:])
-        seq_idx = torch.repeat_interleave(torch.arange(len(tables)), q_lens)
+        seq_idx = torch.repeat_interleave(torch.arange(len(sched.seqs)), q_lens)
         positions = torch.arange(int(qsl[-1])) - qsl[:-1].long()[seq_idx] + start_t[seq_idx]
-        slots = (bt[seq_idx, positions // self.block_size].long() * self.block_size
+        slots = (bt[:, seq_idx, positions // self.block_size].long() * self.block_size
                  + positions % self.block_size)
         seq_lens = (start_t + q_lens).to(torch.int32)
         return StepInput(torch.tensor(input_ids, dtype=torch.int64), positions, slots, bt,
@@ -200,14 +210,18 @@ class ModelRunner:
     def to_device(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor,
                                                   AttentionMetadata]:
         dev = self.device
-        bt, seq_lens = step.block_tables.to(dev), step.seq_lens.to(dev)
-        qsl = step.query_start_loc.to(dev)
+        seq_lens, qsl = step.seq_lens.to(dev), step.query_start_loc.to(dev)
         max_q, max_s = step.max_query_len, step.max_seq_len
-        plan = plan_attention(bt, seq_lens, qsl, self.block_size, max_q, max_s)
-        meta = AttentionMetadata(slot_mapping=step.slot_mapping.to(dev), block_tables=bt,
-                                 seq_lens=seq_lens, query_start_loc=qsl, max_query_len=max_q,
-                                 max_seq_len=max_s, k_scale=self.k_scale, v_scale=self.v_scale,
-                                 backend=self.backend, plan=plan)
+        groups = []
+        for bt, slots in zip(step.block_tables.to(dev), step.slot_mapping.to(dev)):
+            plan = plan_attention(bt, seq_lens, qsl, self.block_size, max_q, max_s)
+            groups.append(AttentionMetadata(
+                slot_mapping=slots, block_tables=bt, seq_lens=seq_lens, query_start_loc=qsl,
+                max_query_len=max_q, max_seq_len=max_s, k_scale=self.k_scale,
+                v_scale=self.v_scale, backend=self.backend, plan=plan))
+        meta = groups[0]
+        if len(groups) > 1:
+            meta = replace(meta, groups=tuple(groups), layer_groups=self.kv_groups.layer_groups)
         return step.input_ids.to(dev), step.positions.to(dev), meta
 
     @torch.inference_mode()
@@ -271,11 +285,10 @@ class ModelRunner:
         logits and the prompt logprobs asked; the other ranks only take part in the
         collectives."""
         self.apply_moves(step.moves)
-        ids, positions, meta = self.to_device(step)
-        hidden = self.model(ids, positions, self.kv_caches, meta)
+        hidden, query_start_loc = self._forward(step)
         logits = None
         if step.sample_rows:
-            last = meta.query_start_loc[1:].long() - 1
+            last = query_start_loc[1:].long() - 1
             rows = last[torch.tensor(step.sample_rows, device=self.device)]
             logits = self.model.compute_logits(hidden[rows])
         prompt = None
@@ -283,6 +296,30 @@ class ModelRunner:
             prompt = compute_prompt_logprobs(self.model, hidden, step.prompt_rows,
                                              step.prompt_targets, step.prompt_k)
         return logits, prompt
+
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int,
+                              capture: Capture | None = None) -> None:
+        """Capture the decode forward for the ladder of batch sizes (`capture`: a stand-in for
+        torch.cuda.CUDAGraph in the CPU tests). Run after the fp8 scales are calibrated."""
+        width = -(-max_model_len // self.block_size)
+        self.graphs = DecodeGraphs(
+            lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta), max_num_seqs,
+            width, self.block_size, self.device, capture or cuda_capture(), self.backend,
+            self.k_scale, self.v_scale)
+
+    def _forward(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states and query_start_loc (on the device): a captured graph for a pure
+        decode step it fits (no prompt logprobs), the eager forward otherwise."""
+        g = self.graphs  # captured for one KV-cache group: several run eagerly
+        if g is not None and not step.prompt_rows and step.block_tables.shape[0] == 1 and \
+                g.can_run(step.seq_lens.shape[0], step.input_ids.shape[0],
+                          step.block_tables.shape[2]):
+            hidden = g.run(step.input_ids, step.positions, step.slot_mapping[0],
+                           step.block_tables[0], step.seq_lens)
+            return hidden, step.query_start_loc.to(self.device, non_blocking=True)
+        ids, positions, meta = self.to_device(step)
+        return self.model(ids, positions, self.kv_caches, meta), meta.query_start_loc
 
 
 def _moves(sched: SchedulerOutput) -> BlockMoves:

@@ -7,13 +7,14 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvserve.engine.config import EngineConfig
+from kvserve.engine.core.kv_cache_groups import KVCacheGroups
 from kvserve.engine.distributed import TPGroup, check_tensor_parallel
 from kvserve.engine.errors import ConfigError, OutOfKVCacheError
 from kvserve.engine.worker.malloc_tuning import keep_activation_memory
@@ -43,6 +44,7 @@ class EngineSetup:
     num_cpu_blocks: int
     num_host_blocks: int  # the KV host tier (kv_offloading_size), per rank
     num_layers: int
+    kv_groups: KVCacheGroups  # which layers share a block table; a block is a page of them
     num_kv_heads: int
     head_dim: int
     vocab_size: int
@@ -114,7 +116,7 @@ def set_up(config: EngineConfig, model_path: Path | str,
             workers.init_cache(CacheSpec(
                 setup.num_layers, setup.num_kv_heads, setup.head_dim, setup.budget.num_blocks,
                 config.block_size, setup.kv_dtype, setup.num_cpu_blocks,
-                config.attention_backend, setup.num_host_blocks))
+                config.attention_backend, setup.num_host_blocks, setup.kv_groups))
     except BaseException:
         if workers is not None:
             workers.close()
@@ -171,12 +173,45 @@ def _set_up_rank0(config: EngineConfig, model_path: Path | str,
                           "tokens; lower max_model_len")
     batched = config.max_num_batched_tokens or default_max_num_batched_tokens(
         max_len, config.enable_chunked_prefill)
+    groups = kv_cache_groups(model, layers, config.disable_hybrid_kv_cache_manager)
     budget = _plan(config, cfg, model, device, dtype, kv_dtype, batched, max_len,
                    (layers, kv_heads, head_dim))
+    budget = page_budget(budget, groups, layers, config.num_gpu_blocks_override,
+                         (max_len, 1))  # decoding: sliding layers hold their window only
     cpu_blocks, host_blocks = _host_pools(config, budget)
     return EngineSetup(device, dtype, kv_dtype, model, cfg, max_len, batched, budget, cpu_blocks,
-                       host_blocks, layers, kv_heads, head_dim, cfg.vocab_size,
+                       host_blocks, layers, groups, kv_heads, head_dim, cfg.vocab_size,
                        _eos_ids(cfg, model_path))
+
+
+def kv_cache_groups(model: torch.nn.Module, num_layers: int,
+                    disabled: bool = False) -> KVCacheGroups:
+    """The KV-cache groups of a loaded model, from the windows its attention layers pass to
+    the kernels (so blocks are released only where the kernels really slide)."""
+    from kvserve.engine.layers.attention import Attention
+
+    windows = [m.sliding_window for m in model.modules() if isinstance(m, Attention)]
+    if disabled or len(windows) != num_layers:  # one table; no wrapper: full attention
+        return KVCacheGroups.single(num_layers)
+    return KVCacheGroups.from_windows(windows)
+
+
+def page_budget(budget: MemoryBudget, groups: KVCacheGroups, num_layers: int,
+                override: int | None = None,
+                request: tuple[int, int] | None = None) -> MemoryBudget:
+    """The budget in pages: with several groups a block holds `page_layers` layers, not all,
+    so the same KV bytes make num_layers / page_layers times as many blocks
+    (num_gpu_blocks_override counts pages, as vLLM's). `request` (tokens per request, tokens a
+    step) sets the window-capped concurrency from the blocks the manager spends (pages padded)."""
+    if groups.page_layers != num_layers:
+        per_page = budget.bytes_per_block * groups.page_layers // num_layers
+        pages = override or blocks_for_bytes(budget.kv_bytes, per_page)
+        budget = replace(budget, bytes_per_block=per_page, num_blocks=pages,
+                         kv_bytes=max(budget.kv_bytes, pages * per_page))
+    if groups.slides and request is not None:
+        need = groups.blocks_for(request[0], budget.block_size, request[1])
+        budget = replace(budget, max_concurrency_windowed=budget.num_blocks // need)
+    return budget
 
 
 def _host_pools(config: EngineConfig, budget: MemoryBudget) -> tuple[int, int]:

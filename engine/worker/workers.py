@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from kvserve.engine.core.kv_cache_groups import KVCacheGroups
 from kvserve.engine.distributed import TPGroup
 from kvserve.engine.errors import WorkerDiedError
 
@@ -67,6 +68,7 @@ class CacheSpec:
     num_cpu_blocks: int
     attention_backend: str
     num_host_blocks: int = 0
+    kv_groups: KVCacheGroups | None = None  # None: one group of every layer
 
 
 def backend_for(device_type: str) -> str:
@@ -147,7 +149,8 @@ def _make_runner(model: torch.nn.Module, c: CacheSpec, device: torch.device):
     return ModelRunner(model, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
                        head_dim=c.head_dim, num_blocks=c.num_blocks, block_size=c.block_size,
                        kv_dtype=c.kv_dtype, device=device, num_cpu_blocks=c.num_cpu_blocks,
-                       attention_backend=c.attention_backend, num_host_blocks=c.num_host_blocks)
+                       attention_backend=c.attention_backend, num_host_blocks=c.num_host_blocks,
+                       kv_groups=c.kv_groups)
 
 
 def _exit_with_parent(parent: int) -> None:

@@ -52,10 +52,6 @@ class ReplicaMatch:
     matched_blocks: int
     host_blocks: int = 0
 
-    @property
-    def device_blocks(self) -> int:
-        return self.matched_blocks - self.host_blocks
-
 
 def _s(value: Any) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)

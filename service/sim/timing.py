@@ -82,7 +82,10 @@ def _h100_llama3_8b() -> TimingModel:
 
 # Measured on this project's 2-core SPR machine (Intel Sapphire Rapids, AMX, bf16), 2026-12-04,
 # by `python bench/sim_calibrate.py` with other jobs on the cores (load average ~2), which made
-# single timings noisy: prefill from its slope (256 -> 1,024 tokens: 105 -> 1,285 ms), the context
+# single timings noisy: prefill from its slope (256 -> 1,024 tokens: 105 -> 1,285 ms; those two
+# came from different loads and are not points of the model: one series at load ~6 on 2026-12-05,
+# 128-1,024 tokens, fits 9 ms + 1.74 ms a token, the model's form and within 13% of its slope,
+# while an idle moment gives 110 ms at 256; recalibrate on an idle machine), the context
 # cost from batch 8 at 64 vs 512 tokens (29.9 vs 37.4 ms); the cost per sequence from batch 8's
 # step against docs/perf.md's profiled 64-sequence step (46.5 ms, same machine class, idle).
 # KV blocks: the engine's CPU default for SmolLM2-135M-Instruct there.

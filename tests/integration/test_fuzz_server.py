@@ -26,7 +26,7 @@ from kvserve.service.limits import RequestLimits
 from kvserve.service.server.app import create_app
 from kvserve.service.server.config import ServerConfig
 
-POST_PATHS = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
+POST_PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"]
 FUZZ = settings(max_examples=60, deadline=None, database=None, derandomize=True,
                 suppress_health_check=list(HealthCheck))
 

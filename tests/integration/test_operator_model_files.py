@@ -4,8 +4,8 @@ a Secret, and a clear condition (never a guessed size, never a hot loop) when it
 
 from __future__ import annotations
 
-import asyncio
 import base64
+import logging
 import socket
 from pathlib import Path
 from typing import Any
@@ -68,12 +68,19 @@ async def test_uncatalogued_gated_model_is_sized_from_its_headers(kmock: Any, hu
     assert any(r.authorization == f"Bearer {TOKEN}" for r in hub.requests)
 
 
-async def test_missing_model_gets_a_condition_and_no_workload(kmock: Any, hub) -> None:
+async def test_missing_model_gets_a_condition_and_no_workload(kmock: Any, hub, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="kopf.objects")
+
+    def resyncs() -> int:  # kopf logs each finished timer tick on the object's logger
+        return sum("'resync'" in r.getMessage() for r in caplog.records)
+
     async with running_operator(kmock, status_interval=0.2):
         await create(kmock, hub_service("nope", "acme/nope", hub.url))
         sized = await wait_for(lambda: condition(kmock, "nope", "Sized"), "the Sized condition")
         seen = sum("acme/nope" in r.path for r in hub.requests)
-        await asyncio.sleep(1.0)  # several resync timer ticks: a cached failure, no re-read
+        ticks = resyncs()
+        # Several resync ticks seen to end (not a sleep): a cached failure, no re-read.
+        await wait_for(lambda: resyncs() >= ticks + 3, "three resync ticks")
         again = sum("acme/nope" in r.path for r in hub.requests)
     assert (sized["status"], sized["reason"]) == ("False", "ModelNotFound")
     assert "acme/nope" in sized["message"]

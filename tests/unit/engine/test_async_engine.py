@@ -115,8 +115,14 @@ async def test_cancelled_reader_aborts(engine):
     ae = AsyncEngine(engine, [counter])
     ae.start()
     stream = await ae.add_request("c", "The quick brown fox", params(200))
-    task = asyncio.create_task(drain(stream))
-    await asyncio.sleep(0.05)
+    first = asyncio.Event()
+
+    async def read() -> None:
+        async for _ in stream:
+            first.set()
+
+    task = asyncio.create_task(read())
+    await first.wait()  # seen running (its first token), not a sleep: 199 tokens still to come
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -124,16 +130,39 @@ async def test_cancelled_reader_aborts(engine):
     assert counter.aborted == ["c"]
 
 
+async def parked(ae: AsyncEngine) -> None:
+    """Wait until the engine thread sits in its blocking inbox read with nothing to run."""
+    import linecache
+    import sys
+    for _ in range(3000):  # a safety valve only: the thread parks within a few steps
+        frame = sys._current_frames().get(ae._thread.ident)
+        while frame is not None and frame.f_code.co_name != "_next_commands":
+            frame = frame.f_back
+        if frame is not None and not ae.engine.has_unfinished_requests():
+            line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+            if "self._inbox.get(timeout=" in line:
+                return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the engine thread never parked in its inbox read")
+
+
 async def test_idle_thread_blocks_instead_of_spinning(engine):
+    """Between two requests the thread is parked in a blocking read (seen in its stack), and
+    each request costs the same number of observer calls: an idle loop would add calls."""
     counter = StepCounter()
     ae = AsyncEngine(engine, [counter])
     ae.start()
-    await drain(await ae.add_request("a", "x", params(3)))
-    await asyncio.sleep(0.05)
-    before = counter.steps
-    await asyncio.sleep(0.5)
-    assert counter.steps == before  # no step, no wake-up while idle
+    await parked(ae)
+    marks = [counter.steps]
+    for rid in "abc":
+        outs = await drain(await ae.add_request(rid, "x", params(3)))
+        await parked(ae)
+        marks.append(counter.steps)
+        assert len(outs[-1].outputs[0].token_ids) == 3
     await ae.shutdown(1)
+    costs = [b - a for a, b in zip(marks, marks[1:])]
+    # One call per engine step (prefill + 2 decodes) and none while parked.
+    assert costs == [3, 3, 3], costs
 
 
 async def test_idle_tick_wakes_observers(engine):

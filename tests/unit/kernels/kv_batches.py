@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,3 +123,25 @@ def assert_matches_reference(args: tuple, backend: str, **kw: Any) -> None:
     """paged_attention(*args) on `backend` (with `kw`, e.g. a plan) is close to the reference's."""
     expected = paged_attention(*args, backend="reference")
     assert_close_to(paged_attention(*args, backend=backend, **kw), expected)
+
+
+def dense_rows(batch: Batch, s: int, window: int | None,
+               weights: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Sequence s's new rows over its contiguous K/V (fp32), one query row at a time:
+    `weights` turns a row's scaled scores [heads, keys] into its attention weights."""
+    bs = batch.k_cache.shape[1]
+    seq_len = int(batch.seq_lens[s])
+    start, end = int(batch.query_start_loc[s]), int(batch.query_start_loc[s + 1])
+    blocks = batch.block_tables[s, : -(-seq_len // bs)].long()
+    k = batch.k_cache[blocks].float().flatten(0, 1)[:seq_len] * batch.k_scale
+    v = batch.v_cache[blocks].float().flatten(0, 1)[:seq_len] * batch.v_scale
+    q = batch.q[start:end].float()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    out = torch.empty_like(q)
+    for r in range(end - start):
+        pos = seq_len - (end - start) + r
+        lo = 0 if window is None else max(0, pos - window + 1)
+        scores = torch.einsum("hd,khd->hk", q[r], k[lo:pos + 1]) * batch.scale
+        out[r] = torch.einsum("hk,khd->hd", weights(scores), v[lo:pos + 1])
+    return out

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kv_batches import FP8, Spec, assert_close_to, build_batch
+from kv_batches import FP8, Spec, assert_close_to, build_batch, dense_rows
 from kvserve.kernels.attention import paged_attention
 from kvserve.kernels.backend import cpu_kernel_available
 from kvserve.kernels.checks import KernelInputError
@@ -25,23 +25,8 @@ def sinks_for(seed: int = 0) -> torch.Tensor:
 
 def dense(batch, s: int, sinks: torch.Tensor, window: int | None) -> torch.Tensor:
     """Sequence s's rows by HF's eager formula: softmax over [scores, sink], sink dropped."""
-    bs = batch.k_cache.shape[1]
-    seq_len = int(batch.seq_lens[s])
-    start, end = int(batch.query_start_loc[s]), int(batch.query_start_loc[s + 1])
-    blocks = batch.block_tables[s, : -(-seq_len // bs)].long()
-    k = batch.k_cache[blocks].float().flatten(0, 1)[:seq_len] * batch.k_scale
-    v = batch.v_cache[blocks].float().flatten(0, 1)[:seq_len] * batch.v_scale
-    q = batch.q[start:end].float()
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    out = torch.empty_like(q)
-    for r in range(end - start):
-        pos = seq_len - (end - start) + r
-        lo = 0 if window is None else max(0, pos - window + 1)
-        scores = torch.einsum("hd,khd->hk", q[r], k[lo:pos + 1]) * batch.scale
-        probs = torch.cat((scores, sinks[:, None]), dim=-1).softmax(-1)[:, :-1]
-        out[r] = torch.einsum("hk,khd->hd", probs, v[lo:pos + 1])
-    return out
+    return dense_rows(batch, s, window, lambda scores: torch.cat(
+        (scores, sinks[:, None]), dim=-1).softmax(-1)[:, :-1])
 
 
 def spec(dtype=torch.float32, q_dtype=None, seed=3) -> Spec:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kv_batches import FP8, Spec, assert_close_to, build_batch
+from kv_batches import FP8, Spec, assert_close_to, build_batch, dense_rows
 from kvserve.kernels.attention import paged_attention
 from kvserve.kernels.backend import cpu_kernel_available
 from kvserve.kernels.checks import KernelInputError
@@ -20,24 +20,12 @@ SEQS = ((70, 1), (5, 1), (45, 1), (40, 13), (33, 33), (26, 3))
 
 def dense(batch, s: int, window: int | None, cap: float | None) -> torch.Tensor:
     """Sequence s's new rows by a plain masked softmax over its contiguous K/V (fp32)."""
-    bs = batch.k_cache.shape[1]
-    seq_len = int(batch.seq_lens[s])
-    start, end = int(batch.query_start_loc[s]), int(batch.query_start_loc[s + 1])
-    blocks = batch.block_tables[s, : -(-seq_len // bs)].long()
-    k = batch.k_cache[blocks].float().flatten(0, 1)[:seq_len] * batch.k_scale
-    v = batch.v_cache[blocks].float().flatten(0, 1)[:seq_len] * batch.v_scale
-    q = batch.q[start:end].float()
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    out = torch.empty_like(q)
-    for r in range(end - start):
-        pos = seq_len - (end - start) + r
-        lo = 0 if window is None else max(0, pos - window + 1)
-        scores = torch.einsum("hd,khd->hk", q[r], k[lo:pos + 1]) * batch.scale
+    def weights(scores: torch.Tensor) -> torch.Tensor:
         if cap is not None:
             scores = cap * torch.tanh(scores / cap)
-        out[r] = torch.einsum("hk,khd->hd", scores.softmax(-1), v[lo:pos + 1])
-    return out
+        return scores.softmax(-1)
+
+    return dense_rows(batch, s, window, weights)
 
 
 def spec(dtype=torch.float32, q_dtype=None, block_size=8, seed=3) -> Spec:

@@ -74,3 +74,12 @@ def test_readiness_from_the_deployment_status() -> None:
     ready = readiness({"status": {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2}}, 2)
     assert (ready.condition.status, ready.replicas) == ("True", 2)
     assert readiness({"status": {}}, 0).condition.reason == "ScaledToZero"
+
+
+def test_a_value_and_a_missing_or_other_typed_value_differ() -> None:
+    """Found by the mutation run (docs/mutation.md): the fallback when nothing else matched."""
+    assert not is_subset({"x": None}, {"x": "y"})
+    assert not is_subset({"x": "y"}, {"x": None})
+    assert not is_subset({"memory": "1Gi"}, {"memory": None})
+    assert not is_subset({"memory": "1Gi"}, {"memory": ["1Gi"]})
+    assert is_subset({"x": None}, {"x": None})

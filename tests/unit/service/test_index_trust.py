@@ -304,3 +304,34 @@ def test_the_router_never_logs_the_redis_password(tmp_path):
         out, _ = proc.communicate(timeout=30)
     assert "redis://***@127.0.0.1" in out, out
     assert "hunter2" not in out, out
+
+
+# Edges the mutation run found untested (docs/mutation.md).
+
+async def test_replica_ids_up_to_a_dns_name_are_accepted_and_unprintable_ones_are_not(
+        redis_server):
+    r = redis.Redis.from_url(redis_server.url)
+    longest, too_long, newline = "r" * 253, "r" * 254, "a\nb"
+    for rid in (longest, too_long, newline):
+        register(r, rid, good_beat(rid))
+    index = PrefixIndex.from_url(redis_server.url, "svc")
+    try:
+        scan = await index.scan(CHAIN)
+        assert [m.replica.replica_id for m in scan.matches] == [longest]
+        assert {rid for rid, _ in scan.malformed} == {too_long, newline}
+    finally:
+        await index.close()
+
+
+async def test_a_lookup_walks_at_most_max_lookup_blocks(redis_server):
+    from kvserve.service.prefix_index.lookup import MAX_LOOKUP_BLOCKS
+
+    chain = block_hashes(list(range(16 * (MAX_LOOKUP_BLOCKS + 1))), 16)
+    r = redis.Redis.from_url(redis_server.url)
+    register(r, "long", good_beat("long"), blocks=chain)
+    index = PrefixIndex.from_url(redis_server.url, "svc")
+    try:
+        assert await index.match_counts(chain) == {"long": MAX_LOOKUP_BLOCKS}
+        assert [m.matched_blocks for m in await index.lookup(chain)] == [MAX_LOOKUP_BLOCKS]
+    finally:
+        await index.close()

@@ -349,3 +349,17 @@ def test_a_service_name_must_make_a_hash_tag():
     for bad in ("", "a{b", "a}b"):
         with pytest.raises(ValueError, match="--service-name"):
             IndexKeys(bad)
+
+
+@pytest.mark.parametrize("sizes, per_call", [
+    ([600, 400], [1000]),             # exactly a chunk: one call
+    ([600, 401], [600, 401]),         # one hash over: the second op starts a call
+    ([600, 401, 599], [600, 1000]),   # the count restarts at the split
+    ([600, 401, 600], [600, 401, 600]),
+])
+def test_ops_share_a_call_up_to_exactly_write_chunk_hashes(sizes, per_call):
+    assert WRITE_CHUNK == 1000  # the cases above are written for it
+    hashes = CHAIN * 100
+    ops = [("add", "device", hashes[:n]) for n in sizes]
+    calls = write_calls(IndexKeys("svc"), "r", ops)
+    assert [sum(len(blob) // 32 for blob in call[4::3]) for call in calls] == per_call

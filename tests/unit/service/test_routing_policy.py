@@ -126,3 +126,39 @@ def test_prefix_choice_is_deterministic(specs):
     a = decide("prefix", c, num_blocks=40, block_size=16, cfg=CFG, counter=3)
     b = decide("prefix", list(reversed(c)), num_blocks=40, block_size=16, cfg=CFG, counter=3)
     assert a.chosen.replica_id == b.chosen.replica_id
+
+
+# Edges the mutation run (docs/mutation.md) found untested.
+
+@pytest.mark.parametrize("weight", [0.0, 1.0])
+def test_host_weight_accepts_both_ends_of_its_range(weight):
+    assert PolicyConfig(host_weight=weight).host_weight == weight
+
+
+@pytest.mark.parametrize("weight", [-0.5, 1.5])
+def test_host_weight_outside_its_range_is_an_error(weight):
+    with pytest.raises(ValueError, match="host_weight"):
+        PolicyConfig(host_weight=weight)
+
+
+def test_overload_starts_strictly_above_the_limit():
+    # Loads 0, 0, x: mean x/3, limit 2 * x/3 + 4, which equals x at 12.
+    assert overloaded(cands(("a", 0, 0), ("b", 0, 0), ("c", 12, 0)), CFG) == set()
+    assert overloaded(cands(("a", 0, 0), ("b", 0, 0), ("c", 13, 0)), CFG) == {"c"}
+
+
+def test_a_kv_cache_exactly_at_kv_full_counts_as_overloaded():
+    cfg = PolicyConfig(kv_full=0.5)
+    c = [Candidate("a", "u", 0, 0.5, 10), Candidate("b", "u", 0, 0.49, 0)]
+    assert overloaded(c, cfg) == {"a"}
+
+
+def test_min_match_zero_still_needs_a_match_for_prefix_routing():
+    cfg = PolicyConfig(min_match_tokens=0)
+    # Nothing matched anywhere: least load decides, whatever the threshold.
+    d = decide("prefix", cands(("a", 2, 0), ("b", 0, 0)), num_blocks=4, block_size=16, cfg=cfg)
+    assert (d.applied, d.chosen.replica_id) == ("least-load", "b")
+    # One matched token's worth (block_size 1) is a match once the threshold is off.
+    d = decide("prefix", cands(("a", 2, 1), ("b", 0, 0)), num_blocks=1, block_size=1, cfg=cfg)
+    assert (d.applied, d.chosen.replica_id) == ("prefix", "a")
+    assert decide("prefix", [], num_blocks=4, block_size=16, cfg=cfg).chosen is None

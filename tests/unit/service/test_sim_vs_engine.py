@@ -22,11 +22,12 @@ PROMPTS = [_SYSTEM + [_rng.randrange(3, 380) for _ in range(5 + 3 * i)] for i in
 MAX_TOKENS = [12, 20, 8, 16]
 
 
-def engine_run(model_dir, num_blocks: int) -> tuple[int, int, dict[str, int]]:
+def engine_run(model_dir, num_blocks: int, preemption_mode: str = "auto"
+               ) -> tuple[int, int, dict[str, int]]:
     """(steps, preemptions, cached tokens per request) of the real engine, all requests queued
     at once."""
     llm = make_llm(model_dir, num_gpu_blocks_override=num_blocks, max_num_seqs=MAX_SEQS,
-                   max_num_batched_tokens=BUDGET, block_size=BS)
+                   max_num_batched_tokens=BUDGET, block_size=BS, preemption_mode=preemption_mode)
     engine = llm.llm_engine
     for i, (p, n) in enumerate(zip(PROMPTS, MAX_TOKENS)):
         engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=n,
@@ -73,13 +74,23 @@ def sim_run(num_blocks: int) -> tuple[int, int, dict[str, int]]:
 
 def test_the_simulated_replica_steps_and_caches_as_the_engine(tiny_model_dir):
     """A burst of four requests sharing a system prompt: the engine computes the shared blocks
-    once (the other three wait one step and hit them); so must the simulator. (With a pool
-    small enough to preempt, the two still differ in steps: see docs/testing.md.)"""
+    once (the other three wait one step and hit them); so must the simulator."""
     real = engine_run(tiny_model_dir, 64)
     assert sim_run(64) == real
     steps, preemptions, cached = real
     assert cached == {"r0": 0, "r1": 2 * BS, "r2": 2 * BS, "r3": 2 * BS}
     assert preemptions == 0 and steps == 1 + max(MAX_TOKENS)  # r0 alone, then r1 from step 2
+
+
+@pytest.mark.parametrize("num_blocks", [7, 6])
+def test_the_simulated_replica_preempts_as_the_engine(tiny_model_dir, num_blocks):
+    """A pool too small for the burst: the engine preempts by recompute (the newest running
+    sequence, no admission in that step, back at the head of the queue) and so must the
+    simulator, step for step. The simulator models recompute only: the engine's default "auto"
+    mode swaps to the CPU pool instead, which it does not follow (docs/testing.md)."""
+    real = engine_run(tiny_model_dir, num_blocks, preemption_mode="recompute")
+    assert real[1] >= 1  # the case under test: at least one preemption
+    assert sim_run(num_blocks) == real
 
 
 # What bench/sim_calibrate.py measured on SPR, 2 cores (service/sim/timing.py's comment), as

@@ -324,3 +324,18 @@ def test_an_undrained_event_backlog_stays_bounded_and_replays_to_the_cached_set(
     assert replay(events) == set(pool.cached_hashes())
     assert len(pool.cached_hashes()) == 4
     assert pool.num_evictions == 4996
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["touch", "free"]), st.integers(0, 2)), max_size=40))
+def test_the_shared_count_is_the_blocks_with_two_or_more_holders(ops):
+    """Found by the mutation run (docs/mutation.md): checked after every step, not only at the
+    ends of a sequence."""
+    pool = BlockPool(3)
+    blocks = pool.get_new_blocks(3)
+    for op, i in ops:
+        if op == "touch":
+            pool.touch([blocks[i]])
+        elif blocks[i].ref_cnt:
+            pool.free_blocks([blocks[i]])
+        assert pool.num_shared_blocks() == sum(b.ref_cnt >= 2 for b in blocks)

@@ -247,3 +247,31 @@ def test_a_failed_allocation_with_host_hits_changes_nothing():
     assert not kv.allocate_slots(c, 1, hits)
     assert (kv.host.lru_hashes(), dict(kv.host.slots), kv.num_free_blocks) == before
     assert kv.take_tier_moves() == ([], [])
+
+
+def test_a_cleared_tier_hands_out_every_slot_once_again():
+    """Found by the mutation run (docs/mutation.md): the free list rebuilt by clear()."""
+    tier = HostTier(3)
+    for i in range(3):
+        tier.store(h(i))
+    tier.unpin_all()
+    tier.clear()
+    stored = [tier.store(h(10 + i)) for i in range(3)]
+    assert sorted(slot for slot, _ in stored) == [0, 1, 2]
+    assert [victim for _, victim in stored] == [None, None, None]  # room without evicting
+    assert tier.usage() == 1.0
+    assert tier.drain_events() == [
+        KVEvent("cleared", medium="host"),
+        KVEvent("stored", tuple(h(10 + i).hex() for i in range(3)), "host")]
+    tier.unpin_all()
+    assert tier.store(h(20))[1] is not None  # and no slot beyond the three: the fourth evicts
+    tier.clear()
+    tier.store(h(30))
+    assert tier.usage() == 1 / 3
+
+
+def test_a_one_block_tier_is_allowed():
+    tier = HostTier(1)
+    assert tier.store(h(1)) == (0, None)
+    tier.unpin_all()
+    assert tier.store(h(2)) == (0, (h(1), 0))  # the one slot, reused for the newer block

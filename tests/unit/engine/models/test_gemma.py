@@ -4,14 +4,12 @@ full layers from layer_types, soft caps (Gemma 2), q/k norms and per-layer-type 
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 import torch
 
 from conftest import make_llm
-from family_checks import assert_matches_hf, build_family, check_family, hf_model, prompts, run
+from family_checks import (assert_matches_hf, build_family, check_family, copy_with, hf_model,
+                           prompts, run)
 from kvserve.engine.errors import ConfigError
 
 LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]
@@ -46,11 +44,7 @@ def test_gemma3_matches_hf(gemma3_dir):
 def test_gemma2_soft_caps_show_in_the_logprobs(gemma2_dir, tmp_path):
     """The same weights without the caps give other logprobs (so the match above needs them),
     while the final cap alone leaves the greedy tokens as they are."""
-    uncapped = tmp_path / "uncapped"
-    shutil.copytree(gemma2_dir, uncapped)
-    cfg = json.loads((uncapped / "config.json").read_text())
-    cfg["final_logit_softcapping"] = None
-    (uncapped / "config.json").write_text(json.dumps(cfg))
+    uncapped = copy_with(gemma2_dir, tmp_path / "uncapped", final_logit_softcapping=None)
     capped_hf, uncapped_hf = hf_model(gemma2_dir), hf_model(uncapped)
     token_prompts = prompts(capped_hf.config.vocab_size)
     llm = make_llm(uncapped, block_size=8)
@@ -58,18 +52,14 @@ def test_gemma2_soft_caps_show_in_the_logprobs(gemma2_dir, tmp_path):
     assert_matches_hf(uncapped_hf, token_prompts, out)
     capped = run(make_llm(gemma2_dir, block_size=8), token_prompts)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in capped]
-    gap = max(abs(a[t] - b[t]) for o, c in zip(out, capped)
+    gap = max(abs(a[t].logprob - b[t].logprob) for o, c in zip(out, capped)
               for t, a, b in zip(o.outputs[0].token_ids, o.outputs[0].logprobs,
                                  c.outputs[0].logprobs))
     assert gap > 0.05
 
 
 def test_bidirectional_gemma3_is_refused(gemma3_dir, tmp_path):
-    folder = tmp_path / "bidi"
-    shutil.copytree(gemma3_dir, folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["use_bidirectional_attention"] = True
-    (folder / "config.json").write_text(json.dumps(cfg))
+    folder = copy_with(gemma3_dir, tmp_path / "bidi", use_bidirectional_attention=True)
     with pytest.raises(ConfigError, match="use_bidirectional_attention=True"):
         make_llm(folder)
 

@@ -5,14 +5,11 @@ cache cold and warm, n = 2, and tensor parallelism over 2 ranks."""
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 import torch
 
 from conftest import make_llm
-from family_checks import build_family, check_family
+from family_checks import build_family, check_family, copy_with
 from kvserve.engine.errors import ConfigError
 from kvserve.engine.worker.model_loader import iter_weights, load_model
 
@@ -60,10 +57,6 @@ def test_two_ranks_match_hf(gpt_oss_dir):
     ({"rope_parameters": {**YARN, "rope_type": "su"}}, "rope_type"),
 ])
 def test_what_we_do_not_implement_is_refused_by_name(tmp_path, gpt_oss_dir, change, match):
-    folder = tmp_path / "odd"
-    shutil.copytree(gpt_oss_dir, folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg.update(change)
-    (folder / "config.json").write_text(json.dumps(cfg))
+    folder = copy_with(gpt_oss_dir, tmp_path / "odd", **change)
     with pytest.raises(ConfigError, match=match):
         make_llm(folder)

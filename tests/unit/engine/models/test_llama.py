@@ -3,14 +3,13 @@ paged KV cache with shuffled block tables, for Llama, Qwen2 (biases), Mistral an
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from family_checks import copy_with, perturb
 from kvserve.engine.errors import ConfigError, ModelNotFoundError
 from kvserve.engine.worker.model_loader import iter_weights, load_model
 from kvserve.kernels.metadata import AttentionMetadata
@@ -114,14 +113,7 @@ def build_random(path: Path, arch: str, seed: int = 0, **overrides) -> Path:
     cfg.update(overrides)
     config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**cfg)
     torch.manual_seed(seed)
-    model = getattr(transformers, arch)(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0.0, 0.5)
-            elif "norm" in name:
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-    model.save_pretrained(path)
+    perturb(getattr(transformers, arch)(config).eval()).save_pretrained(path)
     return path
 
 
@@ -229,11 +221,7 @@ def test_packed_linears_give_the_plain_model_outputs(tiny_model_dir, dtype):
 
 
 def test_unsupported_architecture_is_a_config_error(tmp_path, tiny_model_dir):
-    folder = tmp_path / "gpt2ish"
-    shutil.copytree(tiny_model_dir, folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["architectures"] = ["GPT2LMHeadModel"]
-    (folder / "config.json").write_text(json.dumps(cfg))
+    folder = copy_with(tiny_model_dir, tmp_path / "gpt2ish", architectures=["GPT2LMHeadModel"])
     with pytest.raises(ConfigError, match="GPT2LMHeadModel.*supported: Gemma2ForCausalLM.*LlamaForCausalLM"):
         load_model(folder, torch.float32, torch.device("cpu"))
 

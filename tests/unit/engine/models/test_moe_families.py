@@ -4,14 +4,13 @@ per-token logprobs, prefix cache cold and warm, n = 2, and tensor parallelism ov
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
 import torch
 
 from conftest import make_llm
-from family_checks import build_family, check_family
+from family_checks import build_family, check_family, copy_with
 from kvserve.engine.errors import ConfigError, ModelNotFoundError
 from kvserve.engine.layers.moe import FusedMoE
 from kvserve.engine.worker.model_loader import iter_weights, load_model
@@ -80,14 +79,6 @@ def test_experts_are_stored_stacked_from_the_per_expert_tensors(qwen2_moe_dir):
     assert torch.equal(moe.w2[1], weights[head + "experts.1.down_proj.weight"])
     assert torch.equal(moe.shared_expert.down_proj.weight,
                        weights[head + "shared_expert.down_proj.weight"])
-
-
-def copy_with(src, dst, **config_changes):
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(config_changes)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
 
 
 def test_unknown_config_field_is_refused_by_name(tmp_path, mixtral_dir):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from family_checks import build_family, check_family
+from family_checks import build_family, check_family, copy_with
 from kvserve.engine.errors import ConfigError
 
 
@@ -25,15 +25,8 @@ def test_qwen3_with_attention_bias_matches_hf(tmp_path):
 
 
 def test_unknown_config_field_is_refused_by_name(tmp_path, qwen3_dir):
-    import json
-    import shutil
-
-    folder = tmp_path / "odd"
-    shutil.copytree(qwen3_dir, folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["attn_temperature_tuning"] = True
-    (folder / "config.json").write_text(json.dumps(cfg))
     from conftest import make_llm
 
+    folder = copy_with(qwen3_dir, tmp_path / "odd", attn_temperature_tuning=True)
     with pytest.raises(ConfigError, match="attn_temperature_tuning"):
         make_llm(folder)

@@ -1,0 +1,152 @@
+"""Decode CUDA graphs: a ladder of captured batch sizes, static inputs filled from persistent
+staging buffers, each batch padded to the next captured size (slot -1, length 0, dropped)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.kernels.metadata import AttentionMetadata
+from kvserve.kernels.plan import AttentionPlan
+
+MAX_CAPTURE = 512
+# forward(input_ids, positions, meta) -> hidden [N, hidden]: the model and attention, no sampling
+Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+# capture(fn) -> replay: records fn once; replay() re-runs it on the same buffers and returns
+# its output (torch.cuda.CUDAGraph on a GPU; the tests pass a plain call as the stand-in).
+Capture = Callable[[Callable[[], torch.Tensor]], Callable[[], torch.Tensor]]
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 8 to 256 and of 16 beyond, ending at max_num_seqs itself
+    (at most 512); largest first, so the smaller graphs reuse its memory pool."""
+    cap = min(max(max_num_seqs, 1), MAX_CAPTURE)
+    sizes = [s for s in (1, 2, 4, 8) if s < cap]
+    size = 8
+    while size < cap:
+        size += 8 if size < 256 else 16
+        sizes.append(min(size, cap))
+    if cap not in sizes:
+        sizes.append(cap)
+    return sorted(set(sizes), reverse=True)
+
+
+def padded_size(n: int, sizes: list[int]) -> int | None:
+    """The smallest captured size holding n rows; None when n is past the largest."""
+    fits = [s for s in sizes if s >= n]
+    return min(fits) if fits else None
+
+
+@dataclass
+class DecodeBuffers:
+    """One set of decode inputs for `rows` sequences of one token each."""
+
+    input_ids: torch.Tensor  # [rows] int64
+    positions: torch.Tensor  # [rows] int64
+    slot_mapping: torch.Tensor  # [rows] int64
+    block_tables: torch.Tensor  # [rows, width] int32
+    seq_lens: torch.Tensor  # [rows] int32
+
+    @classmethod
+    def empty(cls, rows: int, width: int, device, pin: bool = False) -> DecodeBuffers:
+        def z(*shape, dtype=torch.int64):
+            return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
+        return cls(z(rows), z(rows), z(rows), z(rows, width, dtype=torch.int32),
+                   z(rows, dtype=torch.int32))
+
+    def fields(self) -> tuple[torch.Tensor, ...]:
+        return (self.input_ids, self.positions, self.slot_mapping, self.block_tables,
+                self.seq_lens)
+
+
+def fill_staging(staging: DecodeBuffers, size: int, input_ids: torch.Tensor,
+                 positions: torch.Tensor, slot_mapping: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    """Write n real rows into the staging buffers' first n rows and pad rows n..size: token 0
+    at position 0, slot -1 (never written), an all-zero block table row, length 0."""
+    n, width = block_tables.shape
+    staging.input_ids[:n] = input_ids
+    staging.positions[:n] = positions
+    staging.slot_mapping[:n] = slot_mapping
+    staging.block_tables[:n, :width] = block_tables
+    staging.block_tables[:n, width:] = 0
+    staging.seq_lens[:n] = seq_lens
+    for buf in (staging.input_ids, staging.positions, staging.seq_lens):
+        buf[n:size] = 0
+    staging.slot_mapping[n:size] = -1
+    staging.block_tables[n:size] = 0
+
+
+def decode_plan(bufs: DecodeBuffers, rows: int, block_size: int,
+                max_seq_len: int, query_start_loc: torch.Tensor) -> AttentionPlan:
+    """The plan of a captured decode batch, built once with no look at the values: every row
+    one token, lengths up to max_seq_len, so the kernel's split count and range are fixed and
+    each split's bounds come from the device's seq_lens (a padded row's 0 gives zeros)."""
+    return AttentionPlan(rows, rows, block_size, 1, max_seq_len, -1, [1] * rows, [],
+                         bufs.block_tables[:rows], bufs.seq_lens[:rows], query_start_loc)
+
+
+class DecodeGraphs:
+    """The captured decode forwards, one per ladder size, sharing one set of static buffers
+    (a graph of size s reads their first s rows)."""
+
+    def __init__(self, forward: Forward, max_num_seqs: int, max_blocks_per_seq: int,
+                 block_size: int, device: torch.device, capture: Capture, backend: str,
+                 k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        self.sizes = capture_sizes(max_num_seqs)
+        self.width, self.block_size = max_blocks_per_seq, block_size
+        top = self.sizes[0]
+        self.static = DecodeBuffers.empty(top, self.width, device)
+        self.staging = DecodeBuffers.empty(top, self.width, "cpu", pin=device.type == "cuda")
+        self.qsl = torch.arange(top + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, Callable[[], torch.Tensor]] = {}
+        max_seq_len = max_blocks_per_seq * block_size
+        for size in self.sizes:  # largest first
+            meta = AttentionMetadata(
+                slot_mapping=self.static.slot_mapping[:size],
+                block_tables=self.static.block_tables[:size], seq_lens=self.static.seq_lens[:size],
+                query_start_loc=self.qsl[:size + 1], max_query_len=1, max_seq_len=max_seq_len,
+                k_scale=k_scale, v_scale=v_scale, backend=backend,
+                plan=decode_plan(self.static, size, block_size, max_seq_len, self.qsl[:size + 1]))
+            ids, pos = self.static.input_ids[:size], self.static.positions[:size]
+            self.graphs[size] = capture(lambda ids=ids, pos=pos, meta=meta: forward(ids, pos, meta))
+
+    def can_run(self, num_seqs: int, num_tokens: int, width: int) -> bool:
+        """A pure decode batch (one token per sequence) within the ladder and the table width;
+        anything else (prefill, mixed, larger) runs eagerly."""
+        return num_tokens == num_seqs and 0 < num_seqs <= self.sizes[0] and width <= self.width
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+            block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """Hidden states of the n real rows (host tensors in): stage, copy without blocking,
+        replay the next captured size, drop the padded rows."""
+        n = seq_lens.shape[0]
+        size = padded_size(n, self.sizes)
+        assert size is not None, "can_run() must admit the batch first"
+        fill_staging(self.staging, size, input_ids, positions, slot_mapping, block_tables,
+                     seq_lens)
+        # Reusing the staging buffers next step is safe: the step's outputs are read on the host
+        # (the sampler's tokens) before the next step is staged.
+        for dst, src in zip(self.static.fields(), self.staging.fields()):
+            dst[:size].copy_(src[:size], non_blocking=True)
+        return self.graphs[size]()[:n]
+
+
+def cuda_capture(pool=None) -> Capture:
+    """Capture on a GPU: one warm-up run, then torch.cuda.CUDAGraph in one shared pool."""
+    pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+
+    def capture(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        fn()  # warm-up: Triton compiles and caches are allocated outside the graph
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return out
+        return replay
+    return capture

@@ -1,0 +1,196 @@
+"""Decode graphs on the CPU: the ladder, the staging and padding, and the eager fallback, with a
+stand-in capture (a plain call in place of CUDAGraph replay) over the real Triton decode kernel
+in the interpreter, against the eager forward of the unpadded batch."""
+
+import importlib
+import os
+
+import pytest
+import torch
+
+from kvserve.engine.worker.cuda_graph import (DecodeBuffers, DecodeGraphs, capture_sizes,
+                                              decode_plan, fill_staging, padded_size)
+from kvserve.kernels.attention import paged_attention
+from kvserve.kernels.metadata import AttentionMetadata
+from kvserve.kernels.plan import plan_attention
+from kvserve.kernels.write_kv import write_kv
+
+BS, WIDTH, HEADS, KV_HEADS, D, VOCAB = 4, 4, 4, 2, 16, 50
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter():
+    """The Triton kernels interpreted on CPU tensors, on a machine with a GPU too (as in
+    tests/unit/kernels/test_triton.py): set for this module, the modules reloaded around it."""
+    import kvserve.kernels.triton_attention as attention
+    import kvserve.kernels.triton_cache as cache
+
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    for module in (attention, cache):
+        importlib.reload(module)
+    yield
+    if old is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = old
+    for module in (attention, cache):
+        importlib.reload(module)
+
+
+def test_capture_ladder():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(6) == [6, 4, 2, 1]  # the top rung is max_num_seqs itself
+    assert capture_sizes(40) == [40, 32, 24, 16, 8, 4, 2, 1]
+    big = capture_sizes(10_000)
+    assert big[0] == 512 and big == sorted(big, reverse=True) and len(set(big)) == len(big)
+    assert {248, 256, 272, 288} <= set(big) and 264 not in big  # steps of 16 past 256
+    assert capture_sizes(300)[:3] == [300, 288, 272]
+    assert padded_size(3, capture_sizes(40)) == 4
+    assert padded_size(17, capture_sizes(40)) == 24
+    assert padded_size(41, capture_sizes(40)) is None
+
+
+def test_staging_pads_with_dead_rows():
+    st = DecodeBuffers.empty(8, WIDTH, "cpu")
+    st.slot_mapping.fill_(99)  # stale values from an earlier, larger step
+    st.seq_lens.fill_(99)
+    st.block_tables.fill_(7)
+    ids = torch.tensor([5, 6, 7])
+    fill_staging(st, 4, ids, torch.tensor([3, 1, 8]), torch.tensor([3, 5, 12]),
+                 torch.tensor([[0, 0], [1, 0], [2, 3]], dtype=torch.int32),
+                 torch.tensor([4, 2, 9], dtype=torch.int32))
+    assert st.input_ids[:4].tolist() == [5, 6, 7, 0]
+    assert st.slot_mapping[:4].tolist() == [3, 5, 12, -1]
+    assert st.seq_lens[:4].tolist() == [4, 2, 9, 0]
+    assert st.block_tables[:4].tolist() == [[0, 0, 0, 0], [1, 0, 0, 0], [2, 3, 0, 0],
+                                            [0, 0, 0, 0]]
+
+
+class TinyDecoder:
+    """Embedding -> q, k, v -> KV write -> paged attention -> sum over heads: the parts of a
+    decode forward that see the padding (slots, lengths, block tables)."""
+
+    def __init__(self, backend: str):
+        g = torch.Generator().manual_seed(0)
+        self.emb = torch.randn(VOCAB, (HEADS + 2 * KV_HEADS) * D, generator=g)
+        self.k_cache = torch.randn(16, BS, KV_HEADS, D, generator=g)
+        self.v_cache = torch.randn(16, BS, KV_HEADS, D, generator=g)
+        self.backend = backend
+
+    def __call__(self, ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.emb[ids] + positions[:, None]
+        q = qkv[:, :HEADS * D].reshape(-1, HEADS, D)
+        k = qkv[:, HEADS * D:(HEADS + KV_HEADS) * D].reshape(-1, KV_HEADS, D)
+        v = qkv[:, (HEADS + KV_HEADS) * D:].reshape(-1, KV_HEADS, D)
+        write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, backend="torch")
+        out = paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
+                              meta.query_start_loc, D ** -0.5, backend=meta.backend,
+                              plan=meta.plan)
+        return out.sum(1)
+
+
+def _batch(n: int):
+    g = torch.Generator().manual_seed(n)
+    seq_lens = torch.randint(1, WIDTH * BS + 1, (n,), generator=g, dtype=torch.int32)
+    tables = torch.stack([torch.randperm(15, generator=g)[:WIDTH] + 1 for _ in range(n)])
+    tables = tables.to(torch.int32)
+    pos = seq_lens.long() - 1
+    slots = tables[torch.arange(n), pos // BS].long() * BS + pos % BS
+    return torch.randint(0, VOCAB, (n,), generator=g), pos, slots, tables, seq_lens
+
+
+def _eager(model, ids, pos, slots, tables, seq_lens):
+    qsl = torch.arange(len(ids) + 1, dtype=torch.int32)
+    meta = AttentionMetadata(slots, tables, seq_lens, qsl, 1, int(seq_lens.max()),
+                             backend=model.backend,
+                             plan=plan_attention(tables, seq_lens, qsl, BS, 1, None))
+    return model(ids, pos, meta)
+
+
+@pytest.mark.parametrize("n", [1, 3, 5, 8])
+def test_replay_equals_eager_with_padded_rows_dropped(n):
+    graphed, eager = TinyDecoder("triton"), TinyDecoder("triton")
+    captured = []
+    graphs = DecodeGraphs(graphed, max_num_seqs=8, max_blocks_per_seq=WIDTH, block_size=BS,
+                          device=torch.device("cpu"), backend="triton",
+                          capture=lambda fn: captured.append(fn) or fn)
+    assert len(captured) == 4 and graphs.sizes == [8, 4, 2, 1]
+    k_before = graphed.k_cache.clone()
+    batch = _batch(n)
+    assert graphs.can_run(n, n, WIDTH)
+    got = graphs.run(*batch)
+    want = _eager(eager, *batch)
+    assert got.shape == want.shape == (n, D)
+    torch.testing.assert_close(got, want)
+    # Padded rows wrote nothing (slot -1): the caches differ from before only where eager wrote.
+    torch.testing.assert_close(graphed.k_cache, eager.k_cache)
+    assert not torch.equal(graphed.k_cache, k_before)
+
+
+def test_prefill_mixed_and_larger_batches_fall_back_to_eager():
+    graphs = DecodeGraphs(TinyDecoder("triton"), 8, WIDTH, BS, torch.device("cpu"),
+                          capture=lambda fn: fn, backend="triton")
+    assert not graphs.can_run(3, 7, WIDTH)  # a prefill or mixed step: more tokens than seqs
+    assert not graphs.can_run(9, 9, WIDTH)  # past the largest captured size
+    assert not graphs.can_run(2, 2, WIDTH + 1)  # a table wider than the captured one
+    assert not graphs.can_run(0, 0, WIDTH)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_triton_decode_padded_rows_give_zeros(num_splits):
+    """Rows of length 0 (the graph's padding) come out as zeros, not NaN, split or not."""
+    from kvserve.kernels.triton_attention import triton_paged_attention
+
+    bufs = DecodeBuffers.empty(4, WIDTH, "cpu")
+    bufs.seq_lens[:2] = torch.tensor([5, 9], dtype=torch.int32)
+    bufs.block_tables[:2] = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]], dtype=torch.int32)
+    qsl = torch.arange(5, dtype=torch.int32)
+    plan = decode_plan(bufs, 4, BS, WIDTH * BS, qsl)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(4, HEADS, D, generator=g)
+    kc, vc = torch.randn(16, BS, KV_HEADS, D, generator=g), torch.randn(16, BS, KV_HEADS, D,
+                                                                        generator=g)
+    out = triton_paged_attention(q, kc, vc, plan, D ** -0.5, num_splits=num_splits)
+    assert torch.equal(out[2:], torch.zeros_like(out[2:]))
+    want = paged_attention(q[:2], kc, vc, bufs.block_tables[:2], bufs.seq_lens[:2], qsl[:3],
+                           D ** -0.5, backend="reference")
+    torch.testing.assert_close(out[:2], want)
+
+
+def test_engine_decode_through_graphs_matches_eager(tiny_model_dir):
+    """The whole engine with the stand-in capture: the same greedy tokens and logprobs as the
+    eager run, with decode steps of 1..3 sequences replayed from the padded [4, 2, 1] ladder."""
+    from conftest import make_llm
+    from kvserve import SamplingParams
+
+    llm = make_llm(tiny_model_dir, attention_backend="triton", max_num_seqs=4, max_model_len=64)
+    prompts = ["the cat sat", "a dog ran far away", "hello"]
+    params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=0, ignore_eos=True)
+    want = llm.generate(prompts, params)
+    replays = []
+
+    def stand_in(fn):
+        return lambda: replays.append(1) or fn()
+
+    runner = llm.llm_engine.runner
+    runner.capture_decode_graphs(4, 64, capture=stand_in)
+    assert runner.graphs is not None and runner.graphs.sizes == [4, 2, 1]
+    got = llm.generate(prompts, params)
+    assert replays  # decode steps went through the graphs
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for lg, lw in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            tok = next(iter(lw))
+            assert abs(lg[tok].logprob - lw[tok].logprob) < 1e-4
+
+
+def test_enforce_eager_flag_reaches_the_engine_config():
+    from kvserve.engine.config import EngineConfig
+    from kvserve.service.cli import build_parser, engine_config_from_args
+
+    parser = build_parser()
+    assert EngineConfig().enforce_eager is False
+    eager = parser.parse_args(["serve", "m", "--enforce-eager"])
+    assert engine_config_from_args(eager).enforce_eager is True
+    assert engine_config_from_args(parser.parse_args(["serve", "m"])).enforce_eager is False
