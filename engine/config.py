@@ -63,6 +63,9 @@ class EngineConfig:
     # vLLM's hf_overrides: a dict merged into the HF config (a JSON object string from the CLI),
     # or a callable taking and returning it; applied before the model is built, on every rank.
     hf_overrides: Any = None
+    # vLLM v1's custom logits processors: LogitsProcessor subclasses (or "module:Class" / dotted
+    # names), each applied to the whole batch's logits once per step (sample/logits_processor.py).
+    logits_processors: Any = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.hf_overrides, str):

@@ -18,7 +18,7 @@ from kvserve.engine.core.kv_cache_manager import KVCacheManager
 from kvserve.engine.core.kv_events import KVEvent
 from kvserve.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.engine.core.sequence import Sequence
-from kvserve.engine.errors import InvalidRequestError
+from kvserve.engine.errors import ConfigError, InvalidRequestError
 from kvserve.engine.kv_offload.disk_block_file import describe_layout
 from kvserve.engine.kv_offload.disk_tier import DiskTier
 from kvserve.engine.kv_offload.swap_cost import SwapCostModel
@@ -105,6 +105,7 @@ class LLMEngine:
                                         backend=config.structured_outputs_backend)
         self.requests: dict[str, RequestState] = {}
         self._next_seq_id = 0
+        self.logits_processors = _logits_processors(config, self.device)
         self._aborted: list[RequestOutput] = []
         self._errors: dict[str, BaseException] = {}  # requests that failed alone, not yet taken
         self._failed_now: set[str] = set()  # ... of them, those that failed in this step
@@ -302,6 +303,8 @@ class LLMEngine:
             self._observe_copies()
             return outputs
         rows, sampling = self._sampling_rows(sched)
+        if self.logits_processors is not None:
+            self.runner.logits_hook = self._logits_hook(sched, rows)
         prompt_plan = plan_prompt_logprobs(sched.seqs, sched.num_tokens)
         result, prompt_result = self.runner.execute(sched, self.kv, rows, sampling, prompt_plan)
         now = time.monotonic()
@@ -320,6 +323,13 @@ class LLMEngine:
         # Last, once every scheduled seq's KV is registered: a failed request only frees its own.
         self.abort_request(list(self._failed_now))
         return outputs
+
+    def _logits_hook(self, sched: SchedulerOutput, rows: list[int]) -> Any:
+        """Custom logits processors over this step's rows (a row's key: its seq, fork number)."""
+        seqs = [sched.seqs[i] for i in rows]
+        keys = [(s.seq_id, rows[:r].count(i)) for r, (i, s) in enumerate(zip(rows, seqs))]
+        procs = self.logits_processors
+        return lambda logits: procs.apply(logits, keys, seqs)
 
     def _sampling_rows(self, sched: SchedulerOutput
                        ) -> tuple[list[int], SamplingMetadata | None]:
@@ -606,3 +616,23 @@ def _replace(params: SamplingParams, **changes: Any) -> SamplingParams:
     for k, v in changes.items():
         setattr(new, k, v)
     return new
+
+
+def _logits_processors(config: EngineConfig, device: Any) -> Any:
+    """vLLM's LLM(logits_processors=[cls | "module:Class" | "pkg.mod.Class"]), or None."""
+    if not config.logits_processors:
+        return None
+    import importlib
+
+    from kvserve.engine.sample.logits_processor import LogitsProcessor, LogitsProcessors
+
+    classes = []
+    for item in config.logits_processors:
+        if isinstance(item, str):
+            module, _, name = item.replace(":", ".").rpartition(".")
+            item = getattr(importlib.import_module(module), name)
+        if not (isinstance(item, type) and issubclass(item, LogitsProcessor)):
+            raise ConfigError(f"logits_processors takes LogitsProcessor subclasses "
+                              f"(kvserve.engine.sample.logits_processor), got {item!r}")
+        classes.append(item)
+    return LogitsProcessors(classes, config, device)

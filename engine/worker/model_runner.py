@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -116,6 +116,7 @@ class ModelRunner:
         self.disk = disk  # where spilled host blocks go (one rank: the config refuses more)
         self.timings: deque[CopyTiming] = deque(maxlen=4096)
         self.sampler = Sampler()
+        self.logits_hook: Any = None  # logits -> logits, set per step by the engine
         self.graphs: DecodeGraphs | None = None  # captured decode forwards (CUDA, not eager)
 
     @property
@@ -276,6 +277,8 @@ class ModelRunner:
                 raise self.workers.failed(exc) from exc
         if logits is None or sampling is None:
             return None, prompt_result
+        if self.logits_hook is not None:  # custom logits processors (engine/llm_engine.py)
+            logits = self.logits_hook(logits)
         return self.sampler(logits, sampling), prompt_result
 
     @torch.inference_mode()

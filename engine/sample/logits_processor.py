@@ -1,0 +1,92 @@
+"""vLLM v1's custom logits processors: the `LogitsProcessor` / `BatchUpdate` contract, and the
+persistent batch slots that tell each processor which requests joined, left or moved."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+
+
+class MoveDirectionality(Enum):
+    UNIDIRECTIONAL = 0  # a's state moves to b; a is empty after
+    SWAP = 1
+
+
+@dataclass
+class BatchUpdate:
+    """What changed in the batch since the last step, applied in this order: added (index,
+    SamplingParams, prompt token ids, output token ids: a live list), removed, moved."""
+
+    batch_size: int
+    removed: Seq[int] = field(default_factory=list)
+    moved: Seq[tuple[int, int, MoveDirectionality]] = field(default_factory=list)
+    added: Seq[tuple[int, Any, list[int], list[int]]] = field(default_factory=list)
+
+
+class LogitsProcessor:
+    """vLLM's base: one instance per engine, applied to the whole batch's logits each step."""
+
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+        pass
+
+    def is_argmax_invariant(self) -> bool:
+        raise NotImplementedError
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        raise NotImplementedError
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class LogitsProcessors:
+    """The engine's processors over a dense, persistent slot order (vLLM's persistent batch): a
+    new row takes a freed slot or is appended; holes are filled by moving the last slot down."""
+
+    def __init__(self, classes: Seq[type], config: Any, device: torch.device) -> None:
+        self.procs = [cls(config, device, False) for cls in classes]
+        self.slots: list[Any] = []  # slot -> row key
+
+    def apply(self, logits: torch.Tensor, keys: list[Any], rows: list[Any]) -> torch.Tensor:
+        """`keys[i]` names logits row i (stable across steps), `rows[i]` its Sequence."""
+        update = self._update(keys, rows)
+        for proc in self.procs:
+            proc.update_state(update)
+        where = {k: i for i, k in enumerate(keys)}
+        perm = torch.tensor([where[k] for k in self.slots], device=logits.device)
+        slotted = logits[perm]
+        for proc in self.procs:
+            slotted = proc.apply(slotted)
+        out = torch.empty_like(logits)
+        out[perm] = slotted
+        return out
+
+    def _update(self, keys: list[Any], rows: list[Any]) -> BatchUpdate | None:
+        live = set(keys)
+        free = [i for i, k in enumerate(self.slots) if k not in live]
+        known = set(self.slots)
+        added = []
+        for key, seq in zip(keys, rows):
+            if key in known:
+                continue
+            index = free.pop(0) if free else len(self.slots)
+            if index == len(self.slots):
+                self.slots.append(key)
+            else:
+                self.slots[index] = key
+            added.append((index, seq.params, seq.prompt_token_ids, seq.output_token_ids))
+        removed, moved = list(free), []
+        for hole in sorted(free):
+            while self.slots and self.slots[-1] not in live:
+                self.slots.pop()
+            if hole < len(self.slots):
+                moved.append((len(self.slots) - 1, hole, MoveDirectionality.UNIDIRECTIONAL))
+                self.slots[hole] = self.slots.pop()
+        del self.slots[len(keys):]
+        if not (added or removed or moved):
+            return None
+        return BatchUpdate(len(self.slots), removed, moved, added)
