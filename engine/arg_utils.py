@@ -32,6 +32,8 @@ class _EngineArgsMethods:
             flag = "--" + f.name.replace("_", "-")
             if isinstance(default, bool):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            elif isinstance(default, tuple):  # a list of names (--logits-processors a:B c:D)
+                parser.add_argument(flag, nargs="*", type=str, default=default)
             else:
                 kind = type(default) if default is not None else _type_of(f.type)
                 parser.add_argument(flag, type=kind, default=default)

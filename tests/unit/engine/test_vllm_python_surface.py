@@ -33,11 +33,14 @@ def test_engine_args_mirror_engine_config_and_its_cli():
     assert EngineArgs().create_engine_config() == EngineConfig()
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
     args = parser.parse_args(["--model", "m", "--max_model_len=512", "--max-num-seqs", "4",
+                              "--hf-overrides", "{\"rms_norm_eps\": 0.5}",
+                              "--logits-processors", "pkg.mod:Proc",
                               "--no-enable-prefix-caching", "--swap-space", "0.5",
                               "--disable-log-stats"])
     cfg = EngineArgs.from_cli_args(args).create_engine_config()
     assert (cfg.model, cfg.max_model_len, cfg.max_num_seqs, cfg.enable_prefix_caching,
             cfg.swap_space) == ("m", 512, 4, False, 0.5)
+    assert cfg.hf_overrides == {"rms_norm_eps": 0.5} and cfg.logits_processors == ["pkg.mod:Proc"]
     assert AsyncEngineArgs(model="m", disable_log_requests=False).create_engine_config() == \
         EngineConfig(model="m")
     with pytest.raises(ConfigError, match="block_size"):
