@@ -68,3 +68,12 @@ def test_start_stop_profile_writes_a_trace_of_the_model_ops(llm, tmp_path, monke
     assert {"aten::embedding", "aten::mul"} <= names  # the embedding, RMSNorm
     with pytest.raises(ConfigError, match="without start_profile"):
         llm.stop_profile()
+
+
+def test_hf_overrides_reach_every_tensor_parallel_rank(tiny_model_dir):
+    """Rank 1 builds its shard from the overridden config too: the sharded model's greedy tokens
+    are HF's with the same override."""
+    tp = make_llm(tiny_model_dir, tensor_parallel_size=2, hf_overrides={"rms_norm_eps": 10.0})
+    got = tp.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    tp.shutdown()
+    assert got == hf_greedy(tiny_model_dir, rms_norm_eps=10.0)
