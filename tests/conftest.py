@@ -51,6 +51,11 @@ _CORPUS = [
 ]
 
 
+# In-process tensor-parallel tests spawn their workers: forking a pytest process whose engine
+# threads may hold locks can hang the child (scripts fork: test_worker_start_method.py).
+os.environ.setdefault("KVSERVE_WORKER_MULTIPROC_METHOD", "spawn")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
