@@ -25,7 +25,7 @@ SMOKE = "--smoke" in sys.argv
 if SMOKE:  # before anything imports triton
     os.environ["TRITON_INTERPRET"] = "1"
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests" / p) for p in ("unit/kernels", "unit/engine/models",
+sys.path[:0] = [str(ROOT / "tests" / p) for p in (".", "unit/kernels", "unit/engine/models",
                                                   "unit/engine/layers")]
 import torch  # noqa: E402
 

@@ -78,7 +78,8 @@ def decode_step(batch: int, context: int) -> StepInput:
     tables = torch.arange(batch * width, dtype=torch.int32).view(batch, width)
     pos = torch.full((batch,), context, dtype=torch.int64)
     slots = tables[:, context // BS].long() * BS + context % BS
-    return StepInput(torch.randint(0, 100, (batch,)), pos, slots, tables,
+    # one KV-cache group (every layer full attention): a leading group axis of 1
+    return StepInput(torch.randint(0, 100, (batch,)), pos, slots[None], tables[None],
                      torch.full((batch,), context + 1, dtype=torch.int32),
                      torch.arange(batch + 1, dtype=torch.int32), 1, context + 1,
                      list(range(batch)), BlockMoves())
@@ -87,7 +88,8 @@ def decode_step(batch: int, context: int) -> StepInput:
 def prefill_step(n: int) -> StepInput:
     width = -(-n // BS)
     tables = torch.arange(width, dtype=torch.int32)[None]
-    return StepInput(torch.randint(0, 100, (n,)), torch.arange(n), torch.arange(n), tables,
+    return StepInput(torch.randint(0, 100, (n,)), torch.arange(n), torch.arange(n)[None],
+                     tables[None],
                      torch.tensor([n], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32),
                      n, n, [0], BlockMoves())
 

@@ -105,7 +105,8 @@ def engine_greedy(llm, max_tokens: int = 12) -> list[tuple[list[int], list[float
     result = []
     for o in outs:
         c = o.outputs[0]
-        result.append((list(c.token_ids), [lp[t] for lp, t in zip(c.logprobs, c.token_ids)]))
+        logprobs = [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]
+        result.append((list(c.token_ids), logprobs))
     return result
 
 
