@@ -7,6 +7,7 @@ and serves the app (service/server/app.py) until SIGTERM/SIGINT, then drains.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -23,6 +24,9 @@ def run_server(engine_config: Any, config: ServerConfig) -> int:
     """Load the model, print the memory budget, serve until SIGTERM/SIGINT (then drain)."""
     from kvserve.engine.llm_engine import LLMEngine
 
+    # The server is a guarded entry point: its tensor-parallel workers spawn, as they did before
+    # scripts could fork them, so no lock held by a server thread is ever inherited by a worker.
+    os.environ.setdefault("KVSERVE_WORKER_MULTIPROC_METHOD", "spawn")
     llm_engine = LLMEngine.from_config(engine_config)
     logger.info("memory budget: %s", llm_engine.memory_budget.describe())
     model = (config.served_model_names or [llm_engine.model_name])[0]
