@@ -202,6 +202,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    choices=("auto", "cpu", "torch", "triton", "reference"),
                    help="paged attention: triton on CUDA, cpu (C++ kernels, built on first use) "
                         "or torch on CPU; auto picks; reference is the slow, exact one for tests")
+    g.add_argument("--hf-overrides", default=d("hf_overrides"), metavar="JSON",
+                   help="a JSON object merged into the model's HF config before it is built "
+                        "(nested objects into sub-configs), on every rank")
+    g.add_argument("--logits-processors", nargs="+", default=d("logits_processors"),
+                   metavar="MODULE:CLASS",
+                   help="vLLM v1 custom logits processors by import name, each applied to the "
+                        "whole batch's logits once per step")
     g.add_argument("--enforce-eager", action="store_true", default=d("enforce_eager"),
                    help="never capture CUDA graphs: every decode step runs eagerly")
     g.add_argument("--seed", type=int, default=d("seed"), help="random seed of the engine")
