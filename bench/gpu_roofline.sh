@@ -11,15 +11,6 @@
 # a 4k-token prefill as a fraction of the GEMM peak; HF transformers' generate on the same shape
 # at batch 1 and 32 is the same-run peer. Triton's cache goes under $OUT (or a temporary folder).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-PY="${PYTHON:-}"
-if [[ -z "$PY" ]]; then
-  if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
-fi
-if [[ "${1:-}" == "--smoke" ]]; then export TRITON_INTERPRET=1 KV_BENCH_SMOKE=1; fi
+source "$(dirname "$0")/gpu_prelude.sh" "$@"
 export TRITON_CACHE_DIR="${OUT:-$(mktemp -d)}/triton-cache"
-if ! "$PY" -c "import kvserve.kernels" 2>/dev/null; then
-  LINKS="$(mktemp -d)"; ln -s "$(pwd)" "$LINKS/kvserve"
-  export PYTHONPATH="$LINKS${PYTHONPATH:+:}${PYTHONPATH:-}"
-fi
 exec "$PY" bench/gpu_roofline.py

@@ -12,18 +12,7 @@
 # Prefill: causal TFLOP/s of the paged kernel vs SDPA is_causal. Shape: Llama-3-8B attention
 # (32 query heads, 8 KV heads, head_dim 128), bf16, block_size 16, shuffled block pool.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-PY="${PYTHON:-}"
-if [[ -z "$PY" ]]; then
-  if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
-fi
-if [[ "${1:-}" == "--smoke" ]]; then export TRITON_INTERPRET=1 KV_BENCH_SMOKE=1; fi
-# The repository root is the package `kvserve`: without an editable install, import it through a
-# symlink in a temporary folder.
-if ! "$PY" -c "import kvserve.kernels" 2>/dev/null; then
-  LINKS="$(mktemp -d)"; ln -s "$(pwd)" "$LINKS/kvserve"
-  export PYTHONPATH="$LINKS${PYTHONPATH:+:}${PYTHONPATH:-}"
-fi
+source "$(dirname "$0")/gpu_prelude.sh" "$@"
 exec "$PY" - <<'PYEOF'
 import os, sys, time
 import torch

@@ -8,17 +8,7 @@
 # Prints, per N: throughput, median step, rank 0's share of time in the collectives, bytes per
 # token, whether the greedy tokens equal N = 1's; then the arithmetic for when TP pays.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-PY="${PYTHON:-}"
-if [[ -z "$PY" ]]; then
-  if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
-fi
-# The repository root is the package `kvserve`: without an editable install, import it through a
-# symlink in a temporary folder.
-if ! "$PY" -c "import kvserve.engine" 2>/dev/null; then
-  LINKS="$(mktemp -d)"; ln -s "$(pwd)" "$LINKS/kvserve"
-  export PYTHONPATH="$LINKS${PYTHONPATH:+:}${PYTHONPATH:-}"
-fi
+source "$(dirname "$0")/gpu_prelude.sh" "$@"
 if [[ "${1:-}" == "--smoke" ]]; then
   exec "$PY" bench/tensor_parallel.py --smoke
 fi
