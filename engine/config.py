@@ -66,6 +66,12 @@ class EngineConfig:
     # vLLM v1's custom logits processors: LogitsProcessor subclasses (or "module:Class" / dotted
     # names), each applied to the whole batch's logits once per step (sample/logits_processor.py).
     logits_processors: Any = ()
+    # Multi-LoRA (kvserve/lora/): adapters batched in one step; max_loras resident on the
+    # device, max_cpu_loras (None: max_loras) in host memory, ranks up to max_lora_rank.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.hf_overrides, str):
@@ -118,8 +124,18 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ConfigError(f"quantization must be one of {QUANTIZATION_METHODS}, got "
                               f"{self.quantization!r}")
+        if self.enable_lora:
+            self.lora_config()  # raises ConfigError on bad sizes
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+
+    def lora_config(self) -> Any:
+        """The LoRAConfig of enable_lora=True (None without LoRA)."""
+        if not self.enable_lora:
+            return None
+        from kvserve.lora.config import LoRAConfig
+
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     def _check_disk_tier(self) -> None:
         """The disk tier holds what the host tier evicts, so it needs one; its path and size come

@@ -82,6 +82,7 @@ class StepInput:
     prompt_rows: list[int] = field(default_factory=list)
     prompt_targets: list[int] = field(default_factory=list)
     prompt_k: int = 0
+    lora_slots: torch.Tensor | None = None  # [T] int64: each token's LoRA slot (-1: none)
 
 
 class ModelRunner:
@@ -118,6 +119,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.logits_hook: Any = None  # logits -> logits, set per step by the engine
         self.graphs: DecodeGraphs | None = None  # captured decode forwards (CUDA, not eager)
+        self.lora = getattr(model, "lora_model", None)  # kvserve.lora.model.LoRAModel
 
     @property
     def bytes_per_block(self) -> int:
@@ -173,9 +175,20 @@ class ModelRunner:
         self.timings.append(CopyTiming(kind, num_blocks * self.bytes_per_block,
                                        self._clock() - t0))
 
+    def load_lora(self, slot: int, weights: Any) -> None:
+        """Copy an adapter (LoRAWeights, None: empty) into a slot, on every rank."""
+        if self.workers is not None:
+            self.workers.broadcast("lora", (slot, weights))
+        self.apply_lora(slot, weights)
+
+    @torch.inference_mode()
+    def apply_lora(self, slot: int, weights: Any) -> None:
+        self.lora.set_slot(slot, weights)  # type: ignore[union-attr]
+
     def build_step(self, sched: SchedulerOutput, kv: KVCacheManager,
-                   sample_rows: list[int]) -> StepInput:
-        """Token ids, positions, slot mapping and block tables of the flattened batch."""
+                   sample_rows: list[int], lora_slots: list[int] | None = None) -> StepInput:
+        """Token ids, positions, slot mapping and block tables of the flattened batch
+        (`lora_slots`: each seq's adapter slot, -1 for none)."""
         input_ids: list[int] = []
         starts: list[int] = []
         num_groups = len(self.kv_groups.groups)
@@ -198,9 +211,12 @@ class ModelRunner:
         slots = (bt[:, seq_idx, positions // self.block_size].long() * self.block_size
                  + positions % self.block_size)
         seq_lens = (start_t + q_lens).to(torch.int32)
-        return StepInput(torch.tensor(input_ids, dtype=torch.int64), positions, slots, bt,
+        step = StepInput(torch.tensor(input_ids, dtype=torch.int64), positions, slots, bt,
                          seq_lens, qsl, int(q_lens.max()), int(seq_lens.max()), sample_rows,
                          _moves(sched))
+        if lora_slots is not None and max(lora_slots) >= 0:
+            step.lora_slots = torch.tensor(lora_slots, dtype=torch.int64)[seq_idx]
+        return step
 
     def prepare(self, sched: SchedulerOutput, kv: KVCacheManager) -> tuple[torch.Tensor,
                                                                            torch.Tensor,
@@ -258,12 +274,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager, sample_rows: list[int],
-                sampling: SamplingMetadata | None, prompt: PromptLogprobsPlan | None = None
+                sampling: SamplingMetadata | None, prompt: PromptLogprobsPlan | None = None,
+                lora_slots: list[int] | None = None
                 ) -> tuple[SamplerOutput | None, PromptLogprobsResult | None]:
         """Run one step. `sample_rows[i]` is the batch index of the seq whose last scheduled
         token's logits feed sampler row i (an index may repeat: n > 1 forks); `prompt` names
         the rows whose prompt logprobs are computed too."""
-        step = self.build_step(sched, kv, sample_rows if sampling is not None else [])
+        step = self.build_step(sched, kv, sample_rows if sampling is not None else [],
+                               lora_slots)
         if prompt is not None:
             step.prompt_rows, step.prompt_targets, step.prompt_k = \
                 prompt.rows, prompt.targets, prompt.k
@@ -288,6 +306,9 @@ class ModelRunner:
         logits and the prompt logprobs asked; the other ranks only take part in the
         collectives."""
         self.apply_moves(step.moves)
+        if self.lora is not None:
+            slots = step.lora_slots
+            self.lora.set_indices(slots.to(self.device) if slots is not None else None)
         hidden, query_start_loc = self._forward(step)
         logits = None
         if step.sample_rows:

@@ -146,7 +146,8 @@ def _start_workers(config: EngineConfig, model_path: Path | str, dtype: torch.dt
     group, tp = WorkerGroup.start(str(model_path), config.revision, dtype, device.type, n,
                                   max_model_len=config.max_model_len,
                                   quantization=config.quantization,
-                                  hf_overrides=config.hf_overrides)
+                                  hf_overrides=config.hf_overrides,
+                                  lora=config.lora_config())
     logger.info("tensor parallel: %d ranks (%s), %d torch thread(s) per rank", n,
                 "nccl" if device.type == "cuda" else "gloo", group.spec.threads)
     return group, tp
@@ -164,6 +165,10 @@ def _set_up_rank0(config: EngineConfig, model_path: Path | str,
     if config.hf_overrides is not None:
         extra["hf_overrides"] = config.hf_overrides
     model, cfg = load_model(model_path, dtype, device, revision=config.revision, **extra)
+    if config.enable_lora:  # before the budget: the adapter slots' buffers are weights too
+        from kvserve.lora.model import attach_lora
+
+        attach_lora(model, config.lora_config())
     layers, kv_heads, head_dim = _model_shape(cfg)
     kv_heads = kv_heads_per_rank(kv_heads, config.tensor_parallel_size)
     model_max = getattr(cfg, "max_position_embeddings", None) or 2048
