@@ -99,8 +99,9 @@ def _pair(tensors: dict[str, Tensor], name: str, rank: int,
     for key, t in tensors.items():
         m = _KEY.match(key)
         if m is None:
-            raise LoRAError(f"adapter {name!r}: tensor {key!r} is not a LoRA matrix "
-                            "(expected <module>.lora_A.weight / lora_B.weight)")
+            raise LoRAError(f"adapter {name!r}: tensor {key!r} is not a LoRA matrix of a "
+                            f"target module this engine can adapt; supported target modules: "
+                            f"{', '.join(TARGETS)}")
         module = m.group("module")
         proj = module.rpartition(".")[2]
         if proj not in TARGETS:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -40,3 +41,23 @@ def merged_model(base: Path, adapter: Path | None):
     if adapter is None:
         return model
     return PeftModel.from_pretrained(model, adapter).merge_and_unload().eval()
+
+
+@pytest.fixture(scope="session")
+def lora_base(tmp_path_factory) -> Path:
+    """A tiny Llama (2 layers, GQA 4:2) for the LoRA tests."""
+    from conftest import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("lora") / "base")
+
+
+@pytest.fixture(scope="session")
+def adapters(lora_base, tmp_path_factory) -> list[Path]:
+    """Four adapters: all seven projections (one rsLoRA, one of rank 4), and one on q and v
+    only."""
+    root = tmp_path_factory.mktemp("adapters")
+    return [build_adapter(lora_base, root / "a0", seed=10),
+            build_adapter(lora_base, root / "a1", seed=11, rslora=True),
+            build_adapter(lora_base, root / "a2", seed=12, r=4, alpha=4),
+            build_adapter(lora_base, root / "a3", seed=13, targets=["q_proj", "v_proj"],
+                          scale=0.3)]
