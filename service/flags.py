@@ -14,6 +14,7 @@ from typing import Any
 from kvserve.engine.config import DEFAULT_MODEL, KV_CACHE_DTYPES, MODEL_DTYPES, PREEMPTION_MODES, \
     QUANTIZATION_METHODS, STRUCTURED_OUTPUTS_BACKENDS, EngineConfig
 from kvserve.service.limits import RequestLimits
+from kvserve.service.server.lora_models import lora_module
 from kvserve.service.tool_parsers import TOOL_PARSERS
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -228,6 +229,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "older spelling")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="allow model code from the hub (off: only built-in architectures)")
+    lora = parser.add_argument_group("LoRA adapters")
+    lora.add_argument("--enable-lora", action="store_true", default=d("enable_lora"),
+                      help="serve PEFT LoRA adapters of the model, requests of several adapters "
+                           "and the base model batched in one step")
+    lora.add_argument("--max-loras", type=positive_int, default=d("max_loras"),
+                      help="adapters resident on the device at once (the batch mixes up to "
+                           "this many; the least recently used idle one makes room)")
+    lora.add_argument("--max-lora-rank", type=int, default=d("max_lora_rank"),
+                      help="largest adapter rank served (1, 8, 16, 32, 64, ...); sizes the "
+                           "device buffers")
+    lora.add_argument("--max-cpu-loras", type=positive_int, default=None,
+                      help="adapters kept in host memory (default: --max-loras); others are "
+                           "read from disk again when next used")
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -272,6 +286,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds running requests get to finish after SIGTERM")
     g.add_argument("--log-level", default="info", choices=LOG_LEVELS,
                    help="log level of kvserve and uvicorn")
+    g.add_argument("--lora-modules", nargs="+", type=lora_module, default=[],
+                   metavar="NAME=PATH",
+                   help='LoRA adapters loaded at start, each a model name: name=path or vLLM\'s '
+                   'JSON {"name": ..., "path": ..., "base_model_name": ...} (needs '
+                   "--enable-lora)")
     add_limit_args(parser)
     r = parser.add_argument_group("prefix index (Redis, read by the router)")
     r.add_argument("--redis-url", default=None,
