@@ -12,7 +12,9 @@ import argparse
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Field
 
 from kvserve.engine.errors import LoRAError, LoRANotFoundError
 from kvserve.lora.request import LoRARequest
@@ -54,13 +56,17 @@ def lora_module(text: str) -> LoRAModulePath:
     return LoRAModulePath(name, path)
 
 
+AdapterName = Annotated[str, Field(min_length=1, max_length=256)]
+AdapterPath = Annotated[str, Field(min_length=1, max_length=4096)]
+
+
 class LoadLoRAAdapterRequest(OpenAIModel):
-    lora_name: str
-    lora_path: str
+    lora_name: AdapterName
+    lora_path: AdapterPath
 
 
 class UnloadLoRAAdapterRequest(OpenAIModel):
-    lora_name: str
+    lora_name: AdapterName
     lora_int_id: int | None = None
 
 
