@@ -91,3 +91,29 @@ def test_tensor_parallel_matches_one_rank(lora_base, adapters, llm):
         for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
             (ta, la), = [(t, v.logprob) for t, v in a.items()][:1]
             assert abs(la - b[ta].logprob) < 1e-4
+
+
+async def test_async_llm_runs_adapters_on_the_engine_thread(lora_base, adapters, llm):
+    from kvserve.engine.async_engine import AsyncEngine
+    from kvserve.engine.async_llm import AsyncLLM
+    from kvserve.engine.config import EngineConfig
+
+    a0 = _requests(adapters)[0]
+    prompt = prompts(300, lens=(9,), seed=3)[0]
+    want = _generate(llm, [prompt], a0)[0].outputs[0].token_ids
+    engine = AsyncLLM(AsyncEngine.from_config(EngineConfig(
+        model=str(lora_base), dtype="float32", device="cpu", kv_cache_memory=1 << 22,
+        enable_lora=True, max_loras=1, max_lora_rank=8)))
+    try:
+        assert await engine.add_lora(a0) is True
+        assert [r.lora_name for r in await engine.list_loras()] == ["a0"]
+        sp = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
+        last = None
+        async for out in engine.generate({"prompt_token_ids": prompt}, sp, "r0",
+                                         lora_request=a0):
+            last = out
+        assert last.outputs[0].token_ids == want
+        assert engine.engine.resident_loras() == ["a0"]
+        assert await engine.remove_lora("a0") is True
+    finally:
+        engine.shutdown()
