@@ -210,12 +210,16 @@ def add_lora_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> Response:
+        """Load a PEFT LoRA adapter folder as model `lora_name` (only with
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING=true and --enable-lora); 400 naming why it cannot be
+        served."""
         req = await parse_body(request, LoadLoRAAdapterRequest, ctx)
         await ctx.loras.load(req.lora_name, req.lora_path)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request) -> Response:
+        """Unload adapter `lora_name`; 404 when it is not loaded."""
         req = await parse_body(request, UnloadLoRAAdapterRequest, ctx)
         try:
             await ctx.loras.unload(req.lora_name)
