@@ -73,6 +73,7 @@ class LLMEngine:
         self.max_model_len = setup.max_model_len
         self.block_size = config.block_size
         self.memory_budget = setup.budget
+        self.host_plan = setup.host_plan  # the whole server's memory on this host (None: dry run)
         self.eos_token_ids = setup.eos_token_ids
         self.vocab_size = setup.vocab_size
         self.disk = _disk_tier(config, setup, str(model_path))

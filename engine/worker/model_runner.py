@@ -19,6 +19,7 @@ from kvserve.engine.core.kv_cache_groups import KVCacheGroups
 from kvserve.engine.core.kv_cache_manager import KVCacheManager
 from kvserve.engine.core.scheduler import SchedulerOutput
 from kvserve.engine.kv_offload.host_blocks import CopyTiming, HostBlocks
+from kvserve.engine.kv_offload.swap_pool import SwapPool
 from kvserve.engine.sample.prompt_logprobs import PromptLogprobsPlan, PromptLogprobsResult
 from kvserve.engine.sample.prompt_logprobs import compute as compute_prompt_logprobs
 from kvserve.engine.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
@@ -107,11 +108,11 @@ class ModelRunner:
         # Zeroed, not empty: padded attention reads of unused slots must never see NaN garbage.
         self.kv = torch.zeros(shape, dtype=kv_dtype, device=device)
         self.kv_caches = [(self.kv[0, j], self.kv[1, j]) for _, j in self.kv_groups.slots]
-        self.cpu_kv: torch.Tensor | None = None
+        # The swap pool: allocated chunk by chunk as blocks are swapped out (swap_pool.py).
+        self.swap: SwapPool | None = None
         if num_cpu_blocks:
-            cpu_shape = (2, pages, num_cpu_blocks, block_size, num_kv_heads, head_dim)
-            self.cpu_kv = torch.zeros(cpu_shape, dtype=kv_dtype,
-                                      pin_memory=device.type == "cuda")
+            self.swap = SwapPool(num_cpu_blocks, (2, pages, block_size, num_kv_heads, head_dim),
+                                 kv_dtype, pin_memory=device.type == "cuda")
         self.host = HostBlocks(self.kv, num_host_blocks) if num_host_blocks else None
         self.disk = disk  # where spilled host blocks go (one rank: the config refuses more)
         self.timings: deque[CopyTiming] = deque(maxlen=4096)
@@ -149,7 +150,7 @@ class ModelRunner:
         if m.swap_out:
             t0 = self._clock()
             src, dst = zip(*m.swap_out)
-            self.cpu_kv[:, :, list(dst)] = self.kv[:, :, list(src)].to("cpu")  # type: ignore[index]
+            self.swap.write(list(dst), self.kv[:, :, list(src)])  # type: ignore[union-attr]
             self._timed("swap_out", len(src), t0)
         if m.restore:
             self.host.restore(m.restore)  # type: ignore[union-attr]
@@ -158,7 +159,7 @@ class ModelRunner:
         if m.swap_in:
             t0 = self._clock()
             src, dst = zip(*m.swap_in)
-            self.kv[:, :, list(dst)] = self.cpu_kv[:, :, list(src)].to(self.device)  # type: ignore[index]
+            self.kv[:, :, list(dst)] = self.swap.read(list(src), self.device)  # type: ignore[union-attr]
             self._timed("swap_in", len(src), t0)
         if m.copy:
             src, dst = zip(*m.copy)
