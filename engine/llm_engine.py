@@ -572,7 +572,12 @@ class LLMEngine:
         """Durations of the batched host -> device restores since the last call."""
         return self.tiers.take_restore_seconds()
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached prefix block (device, host and disk tiers); False while running
+        requests hold blocks, unless `reset_running_requests` preempts them first (they
+        recompute), as vLLM's."""
+        if reset_running_requests:
+            self.scheduler.preempt_running()
         if not self.kv.pool.reset_prefix_cache():
             return False
         if self.kv.host is not None:

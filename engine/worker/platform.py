@@ -100,8 +100,23 @@ def _eos_ids(cfg: Any, model_path: Path | str) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
+def set_random_seed(seed: int | None) -> None:
+    """vLLM's engine seed: Python's, numpy's and torch's global generators (what unseeded
+    sampling draws from), set once at start so that a script's run repeats itself."""
+    if seed is None:
+        return
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def set_up(config: EngineConfig, model_path: Path | str,
            load_model: Callable[..., tuple[torch.nn.Module, Any]]) -> EngineSetup:
+    set_random_seed(config.seed)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     if device.type == "cuda":
