@@ -223,13 +223,10 @@ class LLMEngine:
                 f"the prompt has {len(ids)} tokens but this model's context (max_model_len) is "
                 f"{limit}; shorten the prompt or start the engine with a larger max_model_len",
                 "prompt")
-        if params.max_tokens is None:
+        if params.max_tokens is None or len(ids) + params.max_tokens > limit:
+            # As vLLM v1's engine: the output stops at the context (finish_reason "length");
+            # the server refuses such a request with a 400 before it gets here.
             params = _replace(params, max_tokens=limit - len(ids))
-        elif len(ids) + params.max_tokens > limit:
-            raise InvalidRequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"max_model_len {limit}; lower max_tokens to at most {limit - len(ids)}",
-                "max_tokens")
         bias = [t for t in params.logit_bias or {} if t >= self.vocab_size]
         if bias:
             raise InvalidRequestError(
