@@ -123,3 +123,19 @@ def test_the_engine_sizes_its_cache_and_swap_pool_from_the_plan(tiny_model_dir, 
     assert plan.kv_bytes == engine.memory_budget.kv_bytes == 2 * MiB
     assert plan.swap_bytes == MiB
     assert engine.kv.num_cpu_blocks == MiB // engine.memory_budget.bytes_per_block
+
+
+def test_tensor_parallel_ranks_split_the_servers_budgets(tiny_model_dir, monkeypatch):
+    """kv_cache_memory and swap_space are the whole server's: each of 2 ranks gets half."""
+    monkeypatch.setenv("KVSERVE_HOST_MEMORY", str(GiB))
+    llm = make_llm(tiny_model_dir, tensor_parallel_size=2, kv_cache_memory=4 * MiB,
+                   swap_space=2 / 1024, preemption_mode="swap")
+    try:
+        engine = llm.llm_engine
+        plan = engine.host_plan
+        assert plan.ranks == 2 and plan.kv_bytes == engine.memory_budget.kv_bytes == 2 * MiB
+        assert plan.swap_bytes == MiB
+        assert engine.kv.num_cpu_blocks == MiB // engine.memory_budget.bytes_per_block
+        assert plan.host_bytes == 2 * plan.rank_host_bytes
+    finally:
+        llm.shutdown()
