@@ -7,7 +7,12 @@ least-load. A block a replica holds only in host memory (offloaded) counts `host
 block in `matched_fraction`: restoring it is a copy, far cheaper than a prefill but not free, so a
 device hit ranks above a host hit above a miss. `least-load`, `round-robin` and `session`
 (rendezvous hash on a header value) ignore the index. Every ranking lists all candidates, so the
-router retries the next one when a replica fails."""
+router retries the next one when a replica fails.
+
+A request for a LoRA adapter is ranked by the policy first, then `prefer_adapter` moves the
+replicas holding the adapter to the front (adapter, then prefix, then load); when no holder can
+take it (none, or all overloaded) and the router may load the adapter, it names the replica to
+load it on: the best-ranked one that is not overloaded."""
 
 from __future__ import annotations
 
@@ -142,3 +147,25 @@ def decide(policy: str, cands: Sequence[Candidate], *, num_blocks: int = 0, bloc
     else:  # least-load, or session without a key
         ranked, applied = rank_least_load(cands, counter), "least-load"
     return Decision(tuple(ranked), policy, applied)
+
+
+def prefer_adapter(ranking: Sequence[Candidate], holders: set[str] | frozenset[str],
+                   cfg: PolicyConfig = PolicyConfig(), can_load: bool = True
+                   ) -> tuple[list[Candidate], Candidate | None]:
+    """`ranking` (a policy's, best first) with the adapter's holders that are not overloaded in
+    front, in their order; then the replica to load the adapter on, or None. A load is asked for
+    when no holder is usable and `can_load` (the router knows the adapter's source): the best
+    ranked replica that is not overloaded goes first and is returned. Without `can_load` the
+    holders lead even when overloaded (any other replica would answer 404)."""
+    hot = overloaded(ranking, cfg)
+    usable = [c for c in ranking if c.replica_id in holders and c.replica_id not in hot]
+    if not usable and not can_load:
+        usable = [c for c in ranking if c.replica_id in holders]
+    if usable or not can_load:
+        first = {c.replica_id for c in usable}
+        return usable + [c for c in ranking if c.replica_id not in first], None
+    cool = [c for c in ranking if c.replica_id not in hot] or list(ranking)
+    if not cool:
+        return [], None
+    target = cool[0]
+    return [target] + [c for c in ranking if c.replica_id != target.replica_id], target
