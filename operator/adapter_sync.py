@@ -80,7 +80,7 @@ def sync(spec: ServiceSpec, kube: KubeClient,
          pod_url: Callable[[dict], str | None] = default_pod_url,
          http: httpx.Client | None = None) -> SyncResult:
     """Read every running engine pod's adapters, load and unload to match the spec."""
-    from kvserve.operator.resources import selector_string
+    from kvserve.operator.resources import selector, selector_string
 
     desired = {a.name: a.path for a in spec.adapters}
     problems: dict[str, str] = {}
@@ -93,9 +93,10 @@ def sync(spec: ServiceSpec, kube: KubeClient,
                 problems[a.name] = f"being fetched into the weights cache (Job {job})"
     client = http or httpx.Client(timeout=LOAD_TIMEOUT_S)
     try:
+        match = selector(spec, "engine").items()
         urls = {p["metadata"]["name"]: pod_url(p)
                 for p in kube.list("v1", "Pod", spec.namespace, selector_string(spec))
-                if _running(p)}
+                if _running(p) and match <= (p["metadata"].get("labels") or {}).items()}
         held: dict[str, dict[str, str]] = {}
         for pod, url in sorted(urls.items()):
             have = _read_adapters(client, url) if url else None

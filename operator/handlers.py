@@ -182,8 +182,9 @@ def _sync_adapters(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo,
 
 def adapters_changed(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: kopf.Logger,
                      **_: Any) -> None:
-    """spec.adapters changed: load and unload on the running engine pods (no restart); retried
-    until every pod holds every adapter (a fetch still running, a pod still starting)."""
+    """spec.adapters changed: load and unload on the running engine pods (no restart). What is
+    left (a fetch still running, a pod still starting) the resync timer finishes: no retry
+    loop here, whose progress kopf would keep in the object."""
     try:
         spec = parse_spec(dict(body), getattr(memo, "models", None))
     except InvalidSpecError:
@@ -193,8 +194,8 @@ def adapters_changed(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger
     result = _sync_adapters(body, patch, memo, spec)
     logger.info("adapters: %s", {pod: sorted(have) for pod, have in result.held.items()})
     if not result.complete:
-        raise kopf.TemporaryError("adapters not everywhere yet: " + "; ".join(
-            f"{k}: {v}" for k, v in sorted(result.problems.items())), delay=RETRY_DELAY)
+        logger.warning("adapters not everywhere yet (the resync timer retries): %s", "; ".join(
+            f"{k}: {v}" for k, v in sorted(result.problems.items())))
 
 
 def build_registry(status_interval: float = STATUS_INTERVAL,
