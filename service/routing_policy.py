@@ -11,8 +11,9 @@ router retries the next one when a replica fails.
 
 A request for a LoRA adapter is ranked by the policy first, then `prefer_adapter` moves the
 replicas holding the adapter to the front (adapter, then prefix, then load); when no holder can
-take it (none, or all overloaded) and the router may load the adapter, it names the replica to
-load it on: the best-ranked one that is not overloaded."""
+take it (none, or all overloaded or `lora_spread_slack` busier than the least-loaded replica) and
+the router may load the adapter, it names the replica to load it on: the best-ranked one that is
+not overloaded."""
 
 from __future__ import annotations
 
@@ -51,6 +52,11 @@ class PolicyConfig:
     # memcpy) instead of recomputing it, so it is worth most of a hit; the rest of the weight
     # keeps a device holder ahead of a host holder at equal load.
     host_weight: float = 0.7
+    # A LoRA adapter's holder more than this many requests busier than the least-loaded replica
+    # counts as busy: the adapter is loaded on a cooler replica (a load costs less than that
+    # queue). 0: off, holders are left only when overloaded (docs/perf/router.md: spreading
+    # early costs hit rate).
+    lora_spread_slack: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.host_weight <= 1.0:
@@ -158,6 +164,9 @@ def prefer_adapter(ranking: Sequence[Candidate], holders: set[str] | frozenset[s
     ranked replica that is not overloaded goes first and is returned. Without `can_load` the
     holders lead even when overloaded (any other replica would answer 404)."""
     hot = overloaded(ranking, cfg)
+    if can_load and ranking and cfg.lora_spread_slack > 0:
+        floor = min(c.load for c in ranking)
+        hot |= {c.replica_id for c in ranking if c.load - floor > cfg.lora_spread_slack}
     usable = [c for c in ranking if c.replica_id in holders and c.replica_id not in hot]
     if not usable and not can_load:
         usable = [c for c in ranking if c.replica_id in holders]

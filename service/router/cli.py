@@ -86,6 +86,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "none does the least-loaded one is asked to load it "
                         "(POST /v1/load_lora_adapter; replicas need --enable-lora and "
                         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true). Repeatable")
+    p.add_argument("--lora-spread-slack", type=int, default=pc.lora_spread_slack,
+                   help="a LoRA adapter whose least-busy holder has more than this many requests "
+                        "above the least-loaded replica is loaded on that replica too (0: only "
+                        "when its holders are overloaded)")
     p.add_argument("--lora-load-timeout", type=float, default=d.lora_load_timeout,
                    help="seconds a replica gets to load a LoRA adapter the router asked for")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS,
@@ -103,7 +107,8 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
     replicas = tuple(u.strip() for u in ns.replicas.split(",") if u.strip())
     pc = PolicyConfig(load_weight=ns.load_weight, overload_factor=ns.overload_factor,
                       overload_slack=ns.overload_slack, min_match_tokens=ns.min_match_tokens,
-                      host_weight=_fraction(ns.host_weight, "--host-weight"))
+                      host_weight=_fraction(ns.host_weight, "--host-weight"),
+                      lora_spread_slack=max(ns.lora_spread_slack, 0))
     return RouterConfig(host=ns.host, port=ns.port, redis_url=ns.redis_url,
                         service_name=ns.service_name, replicas=replicas, policy=ns.policy,
                         tokenizer=ns.tokenizer, session_header=ns.session_header.lower(),

@@ -99,7 +99,8 @@ class Proxy:
         """Send to the first candidate that answers; retry the next one on failure before byte 1.
         ClientGoneError when `watch` sees the client leave first. `on_missing` (a registered LoRA
         adapter's request): a replica answering 404 has the adapter loaded again by it and gets
-        the request once more; when that load fails the next replica is tried."""
+        the request once more; when that load fails (or the adapter is gone again) the next replica
+        is tried."""
         fwd = {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
         for cand in ranking:
             opened = await self._open(cand, method, path, query, body, fwd, watch)
@@ -111,6 +112,11 @@ class Proxy:
                 opened = None
                 if await on_missing(cand):
                     opened = await self._open(cand, method, path, query, body, fwd, watch)
+                if opened is not None and opened[0].status_code == 404:
+                    # Evicted again before the request got there (more adapters in demand than
+                    # the replica holds): the next replica, never the 404 of a registered one.
+                    await self._discard(cand, opened[0])
+                    opened = None
             if opened is None:
                 continue
             resp, first, chunks = opened

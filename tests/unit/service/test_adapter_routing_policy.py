@@ -74,3 +74,12 @@ def test_the_ranking_is_a_permutation_led_by_a_holder_or_the_load_target(specs, 
         assert can_load and out[0] is load_on and load_on.replica_id not in holders
     elif holders:
         assert out[0].replica_id in holders
+
+
+def test_a_holder_far_busier_than_the_least_loaded_replica_spreads_the_adapter():
+    cfg = PolicyConfig(lora_spread_slack=3)
+    ranked = decide("least-load", cands(("a", 5, 0), ("b", 1, 0), ("c", 2, 0))).ranking
+    out, load_on = prefer_adapter(ranked, {"a"}, cfg)  # 5 - 1 > 3: load it on b
+    assert load_on.replica_id == "b" and ids(out)[0] == "b"
+    out, load_on = prefer_adapter(ranked, {"a"}, PolicyConfig(lora_spread_slack=4))
+    assert load_on is None and ids(out)[0] == "a"  # 5 - 1 = 4: still worth the wait
