@@ -106,6 +106,15 @@ class Gateway:
 
 async def one(client: httpx.AsyncClient, url: str, body: dict, res: RunResult,
               gw: Gateway | None, i: int) -> None:
+    try:
+        await _one(client, url, body, res, gw)
+    except httpx.HTTPError as exc:
+        res.errors += 1
+        res.last_error = f"{type(exc).__name__}: {exc}"
+
+
+async def _one(client: httpx.AsyncClient, url: str, body: dict, res: RunResult,
+               gw: Gateway | None) -> None:
     t0 = time.perf_counter()
     for attempt in range(2):
         async with client.stream("POST", url + "/v1/completions", json=body) as resp:
@@ -203,7 +212,7 @@ async def main_async(args: argparse.Namespace, workdir: Path) -> list[RunResult]
     await fleet.start()
     router_proc, router_url = await asyncio.to_thread(
         start_router, redis_url, "prefix", args.tokenizer, workdir / "router.log",
-        ["--lora-modules", *(f"{n}={p}" for n, p in paths.items())])
+        ["--lora-modules", *(f"{n}={p}" for n, p in paths.items()), *args.router_arg])
     results = []
     try:
         await _wait_routable(router_url, args.replicas)
@@ -290,6 +299,10 @@ def main() -> None:
     ap.add_argument("--time-scale", type=float, default=10.0)
     ap.add_argument("--num-blocks", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tag", default="", help="suffix of the results file name")
+    ap.add_argument("--router-arg", action="append", default=[],
+                    help="extra flag for the router process (repeatable), e.g. "
+                         "--router-arg=--lora-spread-slack=4")
     ap.add_argument("--tokenizer", default=None,
                     help="the router's tokenizer (default: a tiny one built here: prompts are "
                          "token ids, hashed as given)")
@@ -306,7 +319,7 @@ def main() -> None:
         results = asyncio.run(main_async(args, Path(tmp)))
     report(results)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / "lora_router.json"
+    out = RESULTS / f"lora_router{args.tag}.json"
     out.write_text(json.dumps({"args": {k: v for k, v in vars(args).items()},
                                "results": [{k: v for k, v in asdict(r).items() if k != "ttfts"}
                                            for r in results]}, indent=2))
