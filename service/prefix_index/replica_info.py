@@ -1,5 +1,6 @@
-"""What a replica's heartbeat tells the router (URL, model, block size, load, draining, resident LoRA
-adapters) and the registration signature that proves the replica holds the service's shared token."""
+"""What a replica's heartbeat tells the router (URL, model, block size, load, draining, resident
+LoRA adapters) and the registration signature that proves the replica holds the service's shared
+token."""
 
 from __future__ import annotations
 

@@ -82,8 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="NAME=PATH",
                    help="LoRA adapters the router may have replicas load: NAME=PATH (or vLLM's "
                         "JSON form '{\"name\": ..., \"path\": ...}'), PATH as the replicas see "
-                        "it; a request whose `model` is NAME goes to a replica holding it, and when "
-                        "none does the least-loaded one is asked to load it "
+                        "it; a request whose `model` is NAME goes to a replica holding it, and "
+                        "when none does the least-loaded one is asked to load it "
                         "(POST /v1/load_lora_adapter; replicas need --enable-lora and "
                         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true). Repeatable")
     p.add_argument("--lora-spread-slack", type=int, default=pc.lora_spread_slack,
