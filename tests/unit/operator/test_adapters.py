@@ -3,7 +3,6 @@ router pods get, the fetch Job (valid Kubernetes), and the pure plan of loads an
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import kubernetes_validate
