@@ -66,7 +66,8 @@ def _add_routes(app: FastAPI, router: Router, proxy: Proxy) -> None:
         body = {"status": "ok" if up else "no replicas", "redis_up": replicas.redis_up,
                 "policy": router.cfg.policy,
                 "replicas": [{"id": i.replica_id, "url": i.url, "load": i.load,
-                              "inflight": replicas.inflight.get(i.replica_id, 0)} for i in up]}
+                              "inflight": replicas.inflight.get(i.replica_id, 0),
+                              "adapters": sorted(i.adapters)} for i in up]}
         return JSONResponse(body, status_code=200 if up else 503)
 
     @app.get("/metrics")

@@ -168,6 +168,8 @@ def test_a_holder_is_preferred_over_a_prefix_match_and_lower_load(fleet, router)
                           timeout=30)
         assert resp.status_code == 200, resp.text
     assert served_by(fleet, "poem") == {2: 3} and loads(fleet) == [0, 0, 1]
+    health = httpx.get(router.url + "/health", timeout=10).json()["replicas"]
+    assert [r["adapters"] for r in sorted(health, key=lambda r: r["id"])] == [[], [], ["poem"]]
 
 
 def test_an_adapter_evicted_since_the_heartbeat_is_loaded_again_not_404(fleet, router):
