@@ -160,3 +160,15 @@ def check_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     check_scale(scale, "scale")
     check_scale(k_scale, "k_scale")
     check_scale(v_scale, "v_scale")
+
+
+def check_new_kv(key: torch.Tensor | None, value: torch.Tensor | None, q: torch.Tensor,
+                 k_cache: torch.Tensor) -> None:
+    """paged_attention's `key`/`value`: both given, one row per query token, the cache's heads."""
+    require(key is not None and value is not None, "key",
+            "key and value are passed together (the step's new K/V) or not at all")
+    want = (q.shape[0], k_cache.shape[2], k_cache.shape[3])
+    for name, t in (("key", key), ("value", value)):
+        require(tuple(t.shape) == want, name, f"expected shape {want}, got {tuple(t.shape)}")
+        require(t.device == q.device, name, f"is on {t.device}, q on {q.device}")
+        require(t.dtype in QUERY_DTYPES, name, f"unsupported dtype {t.dtype}")

@@ -42,9 +42,14 @@ class AttentionOps:
                       backend=attn.backend)
 
     def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, attn: AttentionMetadata,
-               scale: float, **layer_options) -> Tensor:
+               scale: float, new_kv: tuple[Tensor, Tensor] | None = None,
+               **layer_options) -> Tensor:
         """`layer_options`: paged_attention's per-layer keywords (sliding_window, ...), passed
-        only when set so a plain layer calls the kernels exactly as before."""
+        only when set so a plain layer calls the kernels exactly as before. `new_kv`: the
+        step's new (rotated) keys and values, passed on a step with a prefill so a fresh prompt
+        can attend over them directly (kernels/fresh_prefill.py)."""
+        if new_kv is not None and attn.max_query_len > 1:
+            layer_options = {**layer_options, "key": new_kv[0], "value": new_kv[1]}
         return self.paged_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens,
                                     attn.query_start_loc, scale, attn.k_scale, attn.v_scale,
                                     backend=attn.backend, plan=attn.plan, **layer_options)
@@ -82,7 +87,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         attn_ops.write(k, v, k_cache, v_cache, attn)
         options = self.options if self.sinks is None else {**self.options, "sinks": self.sinks}
-        out = attn_ops.attend(q, k_cache, v_cache, attn, self.scale, **options)
+        out = attn_ops.attend(q, k_cache, v_cache, attn, self.scale, (k, v), **options)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:
