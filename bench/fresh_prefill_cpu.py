@@ -59,6 +59,7 @@ def main() -> None:
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     backends = ["torch"] + (["cpu"] if cpu_kernel_available() else [])
+    routes = fresh_prefill.CPU_BACKENDS
     print(f"dtype {args.dtype}, threads {torch.get_num_threads()}; ms per layer call, "
           "ratio = paged / SDPA (> 1: SDPA faster)")
     print(f"{'batch':>10} " + " ".join(f"{b + ' paged':>12} {b + ' sdpa':>12} {'ratio':>6}"
@@ -70,8 +71,7 @@ def main() -> None:
             for backend in backends:
                 for sdpa in (False, True):
                     plan = plan_attention(bt, sl, qsl, BLOCK)
-                    on = frozenset({backend}) if sdpa else frozenset()
-                    fresh_prefill.CPU_BACKENDS = on
+                    fresh_prefill.CPU_BACKENDS = {backend: frozenset({dtype})} if sdpa else {}
                     kw = {"key": key, "value": value} if sdpa else {}
                     paged_attention(q, kc, vc, bt, sl, qsl, HEAD_DIM ** -0.5, backend=backend,
                                     plan=plan, **kw)  # warm the plan's parts
@@ -80,7 +80,7 @@ def main() -> None:
                                     plan=plan, **kw)
                     dt = time.perf_counter() - t0
                     best[backend, sdpa] = min(best.get((backend, sdpa), 1e9), dt)
-        fresh_prefill.CPU_BACKENDS = frozenset()
+        fresh_prefill.CPU_BACKENDS = routes
         cells = []
         for b in backends:
             paged, sdpa = best[b, False] * 1e3, best[b, True] * 1e3

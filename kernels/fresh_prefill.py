@@ -8,8 +8,8 @@ through the backend's paged kernel, on a sub-plan of those sequences only.
 Which calls take it (`route`): the key/value of the new tokens are given, the batch has a
 sequence with more than one new token, the layer has no sliding window, soft cap or sinks
 (FlashAttention's plain causal softmax), and the cache is not fp8 (the paged kernel would read
-rounded keys; SDPA the unrounded ones). Backends: "triton" (GPU) and those in CPU_BACKENDS,
-chosen by bench/fresh_prefill_cpu.py (docs/perf/gpu.md).
+rounded keys; SDPA the unrounded ones). Backends: "triton" (GPU), and the CPU backends for the
+cache dtypes in CPU_BACKENDS, where bench/fresh_prefill_cpu.py measured SDPA faster.
 """
 
 from __future__ import annotations
@@ -26,10 +26,14 @@ from kvserve.kernels.plan import AttentionPlan
 
 logger = logging.getLogger("kvserve.kernels")
 
-# CPU backends that send fresh prefills to SDPA: none. bench/fresh_prefill_cpu.py measured the C++
-# prefill kernel ("cpu") faster than SDPA in fp32 and bf16, and the torch path's per-sequence
-# bmm's on par with it (docs/perf/gpu.md), so the CPU keeps its kernels.
-CPU_BACKENDS: frozenset[str] = frozenset()
+# CPU backends that send fresh prefills to SDPA, and for which cache dtypes: measured by
+# bench/fresh_prefill_cpu.py (docs/perf/gpu.md). SDPA beat the torch path's per-sequence bmm's
+# 4-30x in fp32 and bf16, and the C++ prefill kernel ("cpu") 2-3x in bf16, but not in fp32 (0.6-1.5x
+# from run to run): there the C++ kernel stays.
+CPU_BACKENDS: dict[str, frozenset[torch.dtype]] = {
+    "torch": frozenset({torch.float32, torch.bfloat16, torch.float16}),
+    "cpu": frozenset({torch.bfloat16}),
+}
 GPU_BACKENDS = frozenset({"triton"})
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -52,7 +56,7 @@ def route(plan: AttentionPlan, backend: str, cache_dtype: torch.dtype, has_new_k
     """Whether this call sends its fresh sequences to torch's attention (see the module doc)."""
     if not has_new_kv or layer_options or cache_dtype == FP8_DTYPE or plan.max_query_len < 2:
         return False
-    if backend not in GPU_BACKENDS and backend not in CPU_BACKENDS:
+    if backend not in GPU_BACKENDS and cache_dtype not in CPU_BACKENDS.get(backend, ()):
         return False
     return fresh_split(plan) is not None
 

@@ -75,8 +75,10 @@ def test_split_names_fresh_sequences_and_plans_the_rest():
     ("triton", FP8, False, False),  # the kernel reads rounded fp8 keys: keep one path
     ("triton", torch.bfloat16, True, False),  # a window / soft cap / sinks: the kernel
     ("reference", torch.float32, False, False),  # the oracle never routes
-    ("cpu", torch.float32, False, False),  # measured slower on the CPU (docs/perf/gpu.md)
-    ("torch", torch.float32, False, False),
+    ("cpu", torch.float32, False, False),  # the C++ kernel: not faster in fp32 (docs/perf/gpu.md)
+    ("cpu", torch.bfloat16, False, True),
+    ("torch", torch.float32, False, True),
+    ("torch", FP8, False, False),
 ])
 def test_route(backend, dtype, options, expected):
     batch = build_batch(spec(dtype))
@@ -115,13 +117,16 @@ def test_fresh_rows_read_the_new_kv_and_the_rest_read_the_cache():
     assert torch.equal(base[~fresh], other[~fresh])
 
 
-def test_cpu_backend_routes_when_enabled(monkeypatch):
-    """The CPU backends take the same code when listed (how bench/fresh_prefill_cpu.py runs)."""
-    monkeypatch.setattr(fresh_prefill, "CPU_BACKENDS", frozenset({"torch"}))
-    batch = build_batch(spec(torch.float32))
-    key, value = new_kv(batch, torch.float32)
+@pytest.mark.parametrize("backend,dtype", [("torch", torch.float32), ("cpu", torch.bfloat16),
+                                           ("cpu", torch.float32)])
+def test_cpu_backends_match_reference(monkeypatch, backend, dtype):
+    """The CPU backends with the routes they take (and the one they leave to the C++ kernel,
+    forced through SDPA as bench/fresh_prefill_cpu.py does), against the reference."""
+    monkeypatch.setattr(fresh_prefill, "CPU_BACKENDS", {backend: frozenset({dtype})})
+    batch = build_batch(spec(dtype))
+    key, value = new_kv(batch, dtype)
     expected = paged_attention(*batch.args(), backend="reference")
-    assert_close_to(paged_attention(*batch.args(), backend="torch", key=key, value=value),
+    assert_close_to(paged_attention(*batch.args(), backend=backend, key=key, value=value),
                     expected)
 
 
