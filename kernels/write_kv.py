@@ -56,11 +56,11 @@ def rope_write_kv(key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin
     kernel (triton_fused.rope_write_kv), where it serves: the Triton backend, the fused ops on
     (cpu_ops.use_triton), caches of the key's dtype (not fp8). Returns False, having written
     nothing, elsewhere: the caller then rotates the key and calls write_kv."""
-    check_write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if not (resolve_backend(backend, k_cache.device) == "triton" and cpu_ops.use_triton(key)
             and k_cache.dtype == key.dtype == value.dtype and cos.shape[-1] * 2 == key.shape[-1]
             and key.stride(-1) == 1 and value.stride(-1) == 1):
         return False
+    check_write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     from kvserve.kernels.triton_fused import rope_write_kv as fused
 
     fused(key, value, cos, sin, k_cache, v_cache, slot_mapping)
