@@ -211,12 +211,19 @@ class ModelRunner:
 
     def to_device(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor,
                                                   AttentionMetadata]:
-        dev = self.device
-        seq_lens, qsl = step.seq_lens.to(dev), step.query_start_loc.to(dev)
+        # Planned and range-checked on the host tensors, then copied: nothing here (nor in the
+        # kernels, which trust the plan) reads a value back from the device.
+        seq_lens, qsl = self._dev(step.seq_lens), self._dev(step.query_start_loc)
         max_q, max_s = step.max_query_len, step.max_seq_len
         groups = []
-        for bt, slots in zip(step.block_tables.to(dev), step.slot_mapping.to(dev)):
-            plan = plan_attention(bt, seq_lens, qsl, self.block_size, max_q, max_s)
+        num_slots = self.kv.shape[2] * self.kv.shape[3]
+        for host_bt, host_slots in zip(step.block_tables, step.slot_mapping):
+            if host_slots.numel() and int(host_slots.max()) >= num_slots:
+                raise ValueError(f"slot {int(host_slots.max())} is past the pool's {num_slots}")
+            host_plan = plan_attention(host_bt, step.seq_lens, step.query_start_loc,
+                                       self.block_size, max_q, max_s)
+            bt, slots = self._dev(host_bt), self._dev(host_slots)
+            plan = replace(host_plan, block_tables=bt, seq_lens_t=seq_lens, query_start_loc=qsl)
             groups.append(AttentionMetadata(
                 slot_mapping=slots, block_tables=bt, seq_lens=seq_lens, query_start_loc=qsl,
                 max_query_len=max_q, max_seq_len=max_s, k_scale=self.k_scale,
@@ -224,7 +231,14 @@ class ModelRunner:
         meta = groups[0]
         if len(groups) > 1:
             meta = replace(meta, groups=tuple(groups), layer_groups=self.kv_groups.layer_groups)
-        return step.input_ids.to(dev), step.positions.to(dev), meta
+        return self._dev(step.input_ids), self._dev(step.positions), meta
+
+    def _dev(self, t: torch.Tensor) -> torch.Tensor:
+        """A host-built step tensor on the device, copied without waiting for the device's
+        queued work (pinned first; on the CPU, the tensor itself)."""
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def calibrate_kv_scales(self, token_ids: list[int], act_dtype: torch.dtype) -> None:
@@ -289,11 +303,11 @@ class ModelRunner:
         logits and the prompt logprobs asked; the other ranks only take part in the
         collectives."""
         self.apply_moves(step.moves)
-        hidden, query_start_loc = self._forward(step)
+        hidden, _ = self._forward(step)
         logits = None
-        if step.sample_rows:
-            last = query_start_loc[1:].long() - 1
-            rows = last[torch.tensor(step.sample_rows, device=self.device)]
+        if step.sample_rows:  # each sampled row's last token, found on the host
+            last = step.query_start_loc[1:].long() - 1
+            rows = self._dev(last[torch.tensor(step.sample_rows, dtype=torch.int64)])
             logits = self.model.compute_logits(hidden[rows])
         prompt = None
         if step.prompt_rows:
