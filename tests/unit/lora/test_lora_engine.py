@@ -62,6 +62,10 @@ def test_prefix_cache_is_keyed_by_adapter(llm, adapters):
     assert block_hashes(ids, 8, extra_keys_for(None, "a0")) != \
         block_hashes(ids, 8, extra_keys_for(None, "a1"))
     assert block_hashes(ids, 8, extra_keys_for(None, None)) == block_hashes(ids, 8)
+    from kvserve.service.prefix_index.extra_keys import block_extra_keys  # the router's
+
+    for salt, name in ((None, None), ("s", None), (None, "a0"), ("s", "a1")):
+        assert extra_keys_for(salt, name) == block_extra_keys(salt, name)
 
 
 def test_slots_of_running_adapters_are_never_evicted(llm, adapters):
