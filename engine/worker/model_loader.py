@@ -254,7 +254,7 @@ def load_model(model_path: Path | str, dtype: torch.dtype, device: torch.device,
     if device.type == "cpu" and pack_linears:
         from kvserve.engine.layers.packed_linear import pack_linears as pack
 
-        packed = pack(model)
+        packed = pack(model, pack_tied=quant is None)  # quantised: one copy of a tied head
         logger.info("CPU linears prepacked for oneDNN: %d", packed)
     return model.eval(), config
 
