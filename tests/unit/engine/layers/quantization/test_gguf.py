@@ -87,6 +87,7 @@ def test_unsupported_gguf_types_are_refused_by_name(dense_dir, tmp_path):
         make_llm(folder)
 
 
+@pytest.mark.slow
 def test_the_default_models_gguf_matches_its_float_expansion(default_model_dir):
     """The wheel's Q4_1 GGUF (Q8_0 embedding) served quantised gives the greedy tokens of the
     fp32 folder that transformers expanded from the same file, teacher-forced logprobs close."""
