@@ -96,3 +96,14 @@ def test_the_default_models_gguf_matches_its_float_expansion(default_model_dir):
              if isinstance(m, QuantLinear)}
     assert kinds == {"GGUF Q4_1"}
     assert_matches_reference(llm, hf_model(default_model_dir), atol=2e-3)
+
+
+def test_tensor_parallel_ranks_keep_their_rows_and_groups_of_a_gguf(dense_dir, tmp_path):
+    """Over 2 ranks each keeps its heads' rows of q/k/v (after llama.cpp's row order is undone)
+    and its 32-column groups of o_proj / down_proj, with their scales and offsets."""
+    folder = write_gguf(dense_dir, tmp_path / "q", TYPES, tmp_path / "ref")
+    llm = make_llm(folder, tensor_parallel_size=2)
+    try:
+        assert_matches_reference(llm, hf_model(tmp_path / "ref"), atol=2e-4)
+    finally:
+        llm.llm_engine.shutdown()
