@@ -60,13 +60,14 @@ class LinearMethod(ABC):
 
 def _gpu_kernel(w: QuantizedWeight, dtype: torch.dtype,
                 act: ActivationScheme | None) -> nn.Module | None:
-    from kvserve.engine.layers.quantization import gpu_linear
+    from kvserve.engine.layers.quantization.gpu_linear import ScaledMMFp8Linear, \
+        TritonW4A16Linear, gpu_kernel_choice
 
-    choice = gpu_linear.gpu_kernel_choice(w, act, torch.cuda.get_device_capability(w.values.device))
+    choice = gpu_kernel_choice(w, act, torch.cuda.get_device_capability(w.values.device))
     if choice == "scaled_mm_fp8":
-        return gpu_linear.ScaledMMFp8Linear(w, dtype, w.input_scale if act and act.static else None)
+        return ScaledMMFp8Linear(w, dtype, w.input_scale if act and act.static else None)
     if choice == "triton_w4a16":
-        return gpu_linear.TritonW4A16Linear(w, dtype)
+        return TritonW4A16Linear(w, dtype)
     return None
 
 
