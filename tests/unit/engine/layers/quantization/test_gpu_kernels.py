@@ -14,6 +14,7 @@ from kvserve.engine.layers.quantization.activation import ActivationScheme
 from kvserve.engine.layers.quantization.gpu_linear import TritonW4A16Linear, gpu_kernel_choice
 from kvserve.engine.layers.quantization.qweight import QuantizedWeight
 
+pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and
                                 not torch.cuda.is_available(), reason="needs Triton")
 
