@@ -30,7 +30,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     block_size: int = 16
     gpu_memory_utilization: float = 0.90
-    kv_cache_memory: int | None = None  # bytes for the KV cache on CPU (None = safe share of RAM)
+    kv_cache_memory: int | None = None  # CPU KV bytes, whole server (None = safe share of RAM)
     num_gpu_blocks_override: int | None = None
     swap_space: float = 4.0  # GiB of CPU memory for swapped-out blocks
     preemption_mode: str = "auto"  # "auto" (swap where cheaper) | "recompute" | "swap"

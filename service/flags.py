@@ -168,11 +168,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=d("gpu_memory_utilization"),
                    help="share of GPU memory for weights + activations + KV cache")
     g.add_argument("--kv-cache-memory", type=byte_size, default=None,
-                   help="KV-cache size on CPU, e.g. 2GiB (default: a safe share of RAM)")
+                   help="KV-cache size on CPU for the whole server, split across the "
+                        "tensor-parallel ranks, e.g. 2GiB (default: a quarter of the memory "
+                        "available, at most 4 GiB)")
     g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="use exactly this many KV blocks (testing)")
     g.add_argument("--swap-space", type=float, default=d("swap_space"),
-                   help="GiB of CPU memory for swapped-out KV blocks")
+                   help="GiB of CPU memory for swapped-out KV blocks, for the whole server "
+                        "(split across the tensor-parallel ranks, at most the KV cache; "
+                        "allocated as blocks are swapped)")
     g.add_argument("--preemption-mode", default=d("preemption_mode"), choices=PREEMPTION_MODES,
                    help="what to do with a preempted request (auto: swap when the CPU pool has "
                         "room and copying is cheaper than recomputing)")

@@ -9,6 +9,11 @@ A run of decode-only steps is slept as one stretch, cut short by an arrival (the
 waits for the step in progress to end), so a replica wakes per event, not per token: 256 of them
 fit in one event loop. After every stretch the pool's KV events and the load go to Redis through
 the real `PrefixIndexPublisher`, so the router sees exactly what this replica caches.
+
+LoRA adapters as vLLM keeps them: a resident set of up to `max_loras`, loaded by name after a
+`lora_load_s` delay, the least recently used idle adapter evicted to make room (never one with
+requests in flight: the set may exceed `max_loras` until one is idle); a request for an adapter
+keys its blocks by the adapter (its KV is never shared with the base model's or another's).
 """
 
 from __future__ import annotations
@@ -17,15 +22,18 @@ import asyncio
 import itertools
 import math
 import time
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.engine.core.kv_cache_manager import KVCacheManager
 from kvserve.engine.core.sequence import Sequence
 from kvserve.engine.sample.sampling_params import SamplingParams
+from kvserve.service.prefix_index.extra_keys import block_extra_keys
 from kvserve.service.sim.timing import TimingModel
 
 _OUTPUT_TOKEN = 29  # the token every simulated output is made of (its text is " x")
+PREEMPTION_MODES = ("recompute", "swap", "auto")  # the engine's (EngineConfig.preemption_mode)
 _seq_ids = itertools.count()
 
 
@@ -56,6 +64,7 @@ class SimRequest:
     error: str | None = None
     # Tokens produced per event (first token, then decode stretches); None ends the stream.
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    lora: str | None = None  # the adapter it runs with
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -82,21 +91,47 @@ class ReplicaCounters:
     prompt_tokens: int = 0  # looked up at first admission
     cached_tokens: int = 0  # of those, found in this replica's cache (the true hit count)
     preemptions: int = 0
+    swaps: int = 0  # of the preemptions, those that swapped the sequence out (not recompute)
     busy_s: float = 0.0  # simulated seconds spent in steps
+    adapter_requests: int = 0  # requests naming a resident adapter
+    adapter_loads: int = 0  # adapters loaded (a load of a resident one is not counted)
+    adapter_evictions: int = 0
+
+
+class AdapterNotFoundError(KeyError):
+    """A request for an adapter this replica does not hold (vLLM's 404)."""
 
 
 class SimReplica:
     """One simulated replica; `publisher` (a PrefixIndexPublisher or None) is started by the
     fleet and fed here after every stretch of steps."""
 
-    def __init__(self, replica_id: str, timing: TimingModel, publisher: Any = None) -> None:
+    def __init__(self, replica_id: str, timing: TimingModel, publisher: Any = None, *,
+                 max_loras: int = 8, lora_load_s: float = 0.05,
+                 preemption_mode: str = "auto") -> None:
+        if max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {max_loras}")
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode {preemption_mode!r}: expected one of "
+                             f"{PREEMPTION_MODES}")
         self.replica_id, self.timing, self.publisher = replica_id, timing, publisher
-        self.kv = KVCacheManager(timing.num_blocks, timing.block_size)
+        self.max_loras, self.lora_load_s = max_loras, lora_load_s
+        self.preemption_mode = preemption_mode
+        self.adapters: OrderedDict[str, str] = OrderedDict()  # name -> path, LRU first
+        self._adapter_use: Counter[str] = Counter()  # requests in flight per adapter
+        self.kv = self._new_kv()
         self.waiting: list[SimRequest] = []
         self.running: list[SimRequest] = []
+        self.swapped: list[SimRequest] = []  # preempted to the CPU pool, oldest swap last
+        self._preempted = False  # in the step just simulated: no swap-in or admission after it
+        self._swap_blocks = 0  # blocks copied (out or in) since the last step, costed in it
         self.counters = ReplicaCounters()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+
+    def _new_kv(self) -> KVCacheManager:
+        return KVCacheManager(self.timing.num_blocks, self.timing.block_size,
+                              num_cpu_blocks=self.timing.num_cpu_blocks)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -108,30 +143,40 @@ class SimReplica:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
-        for r in self.waiting + self.running:
+        for r in self.waiting + self.running + self.swapped:
             self._finish(r, error="replica stopped")
 
     def reset(self) -> None:
-        """Forget every cached block and the counters (between benchmark runs); needs an idle
+        """Forget every cached block, adapter and counter (between benchmark runs); needs an idle
         replica. The publisher replaces the replica's sets with the empty snapshot."""
-        if self.waiting or self.running:
+        if self.waiting or self.running or self.swapped:
             raise RuntimeError(f"replica {self.replica_id} is busy; reset it when idle")
-        self.kv = KVCacheManager(self.timing.num_blocks, self.timing.block_size)
+        self.kv = self._new_kv()
         self.counters = ReplicaCounters()
+        self.adapters.clear()
         if self.publisher is not None:
             self.publisher.on_step([], self.load(), snapshot=[], host_snapshot=[])
 
     # ---- what the HTTP side and the benchmark's oracle read -----------------------------------
     def submit(self, request_id: str, prompt: list[int], max_tokens: int,
-               cache_salt: str | None = None) -> SimRequest:
-        """Queue a request; CapacityError when it could never fit the pool."""
+               cache_salt: str | None = None, lora: str | None = None) -> SimRequest:
+        """Queue a request; CapacityError when it could never fit the pool,
+        AdapterNotFoundError when `lora` is not resident."""
+        if lora is not None and lora not in self.adapters:
+            raise AdapterNotFoundError(lora)
         blocks = -(-(len(prompt) + max_tokens) // self.timing.block_size)
         if blocks > self.timing.num_blocks:
             raise CapacityError(f"prompt + max_tokens need {blocks} KV blocks; this replica has "
                                 f"{self.timing.num_blocks}")
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        seq = Sequence(next(_seq_ids), request_id, 0, list(prompt), params, cache_salt=cache_salt)
-        req = SimRequest(seq, max_tokens)
+        # The engine keys an adapter's blocks by its name: the same extra keys here.
+        seq = Sequence(next(_seq_ids), request_id, 0, list(prompt), params,
+                       cache_salt=block_extra_keys(cache_salt, lora))  # type: ignore[arg-type]
+        req = SimRequest(seq, max_tokens, lora=lora)
+        if lora is not None:
+            self.adapters.move_to_end(lora)
+            self._adapter_use[lora] += 1
+            self.counters.adapter_requests += 1
         self.waiting.append(req)
         self.counters.requests += 1
         self._wake.set()
@@ -145,10 +190,47 @@ class SimReplica:
         if req in self.running:
             self.running.remove(req)
             self.kv.free(req.seq)
+        if req in self.swapped:
+            self.swapped.remove(req)
+            self.kv.free(req.seq)
         self._finish(req, error="aborted")
 
+    async def load_adapter(self, name: str, path: str) -> bool:
+        """Load `name` after the load delay; False when it was resident already."""
+        if name in self.adapters:
+            self.adapters.move_to_end(name)
+            return False
+        await asyncio.sleep(self.lora_load_s)
+        if name in self.adapters:  # a concurrent load of the same name finished first
+            return False
+        self.adapters[name] = path
+        self.counters.adapter_loads += 1
+        self._evict_adapters()
+        self._publish()
+        return True
+
+    def unload_adapter(self, name: str) -> None:
+        """AdapterNotFoundError when it is not resident."""
+        if name not in self.adapters:
+            raise AdapterNotFoundError(name)
+        del self.adapters[name]
+        self._publish()
+
+    def _evict_adapters(self) -> None:
+        """Least recently used idle adapters out until `max_loras` remain (or none is idle)."""
+        for name in list(self.adapters):
+            if len(self.adapters) <= self.max_loras:
+                return
+            if not self._adapter_use[name]:
+                del self.adapters[name]
+                self.counters.adapter_evictions += 1
+
+    def resident_adapters(self) -> list[str]:
+        """What the heartbeat publishes."""
+        return list(self.adapters)
+
     def load(self) -> SimLoad:
-        return SimLoad(len(self.running), len(self.waiting), self.kv.usage())
+        return SimLoad(len(self.running), len(self.waiting) + len(self.swapped), self.kv.usage())
 
     def cached_prefix_blocks(self, hashes: list[bytes]) -> int:
         """Leading blocks of a hash chain (engine.block_hash's bytes) this replica's pool holds
@@ -169,10 +251,14 @@ class SimReplica:
     # ---- the step loop ------------------------------------------------------------------------
     async def _loop(self) -> None:
         while True:
-            if not self.waiting and not self.running:
+            if not self.waiting and not self.running and not self.swapped:
                 self._wake.clear()
                 await self._wake.wait()
-            self._admit()
+            if not self._preempted:  # as the engine: a step that preempted admits no one
+                self._swap_in()
+                if not self.swapped:
+                    self._admit()
+            self._preempted = False
             if not self.running:  # the head of the queue waits for blocks no one will free
                 self._wake.clear()
                 await self._wake.wait()
@@ -219,6 +305,20 @@ class SimReplica:
                 seq, len(hits), (seq.num_computed_tokens + n) // self.kv.block_size))
             self.running.append(req)
 
+    def _swap_in(self) -> None:
+        """Swapped sequences back to the device, oldest preemption first, as the engine's
+        scheduler does: while the seq limit, the token budget and the free blocks (its own and
+        its next token's) allow; the blocks' copy is costed in the next step."""
+        budget, _ = self._running_budget()
+        while self.swapped and budget > 0 and len(self.running) < self.timing.max_num_seqs:
+            req = self.swapped[0]
+            if not self.kv.can_swap_in(req.seq, 1):
+                return
+            self._swap_blocks += len(self.kv.swap_in(req.seq))
+            self.swapped.pop(0)
+            self.running.append(req)
+            budget -= 1
+
     def _running_budget(self) -> tuple[int, set[bytes]]:
         """The step's token budget left after the running sequences (a prefill chunk or one
         decode token each), and the hashes of the full blocks their chunks compute."""
@@ -244,7 +344,8 @@ class SimReplica:
                 budget -= n
                 chunks.append((r, n))
         context = sum(r.seq.num_tokens for r in decoding)
-        dt = self.timing.step_seconds(sum(n for _, n in chunks), len(decoding), context)
+        dt = self.timing.step_seconds(sum(n for _, n in chunks), len(decoding), context) + \
+            self._take_swap_seconds()
         await asyncio.sleep(dt)
         self.counters.busy_s += dt
         now = _now()
@@ -261,6 +362,10 @@ class SimReplica:
         steps = max(self._steps_that_fit(seqs, min(r.max_tokens - r.num_output_tokens
                                                    for r in seqs)), 1)
         dt = self.timing.step_seconds(0, len(seqs), sum(r.seq.num_tokens for r in seqs))
+        swap_s = self._take_swap_seconds()
+        if swap_s:  # the copies of a swap-in delay the first step of the stretch
+            await asyncio.sleep(swap_s)
+            self.counters.busy_s += swap_s
         self._wake.clear()
         t0 = _now()
         try:  # not asyncio.wait_for: on 3.11 it can swallow a cancel
@@ -308,12 +413,31 @@ class SimReplica:
                 self._emit(r, steps, now)
 
     def _preempt(self, r: SimRequest) -> None:
-        """Recompute preemption: blocks freed, back to the head of the queue."""
+        """As the engine's scheduler: swap the blocks out to the CPU pool when the mode and the
+        pool allow it ("auto": when the timing model says copying beats recomputing), else
+        free them to recompute, back at the head of the queue."""
         self.running.remove(r)
+        self._preempted = True
+        self.counters.preemptions += 1
+        if self._should_swap(r):
+            self._swap_blocks += len(self.kv.swap_out(r.seq))
+            self.swapped.insert(0, r)
+            self.counters.swaps += 1
+            return
         self.kv.free(r.seq)
         r.seq.num_computed_tokens = 0
         self.waiting.insert(0, r)
-        self.counters.preemptions += 1
+
+    def _should_swap(self, r: SimRequest) -> bool:
+        if self.preemption_mode == "recompute" or not self.kv.can_swap_out(r.seq):
+            return False
+        return self.preemption_mode == "swap" or self.timing.prefer_swap(
+            self.kv.num_blocks_of(r.seq), r.seq.num_computed_tokens)
+
+    def _take_swap_seconds(self) -> float:
+        """The cost of the blocks swapped since the last step (charged to this one)."""
+        n, self._swap_blocks = self._swap_blocks, 0
+        return n * self.timing.swap_s_per_block
 
     def _emit(self, r: SimRequest, n: int, now: float) -> None:
         r.seq.output_token_ids.extend([_OUTPUT_TOKEN] * n)
@@ -330,6 +454,8 @@ class SimReplica:
         if r.finished:
             return
         r.finished, r.error = True, error
+        if r.lora is not None:
+            self._adapter_use[r.lora] -= 1
         r.events.put_nowait(None)
 
     def _publish(self) -> None:
