@@ -118,7 +118,8 @@ class LLMEngine:
                     self.runner.backend)
         self.model_weight_bytes = setup.budget.weight_bytes * config.tensor_parallel_size
         logger.info("%s", weights_log_line(self.model_weight_bytes, model_path,
-                                           torch.finfo(self.dtype).bits // 8))
+                                           torch.finfo(self.dtype).bits // 8,
+                                           config.quantization))
         if self.kv.groups.is_hybrid or self.kv.groups.slides:
             logger.info("KV-cache groups: %s; a block is a page of %d layers, sliding groups "
                         "free blocks that left their window",

@@ -197,7 +197,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
                    help="int8 or fp8: quantise an unquantised checkpoint's linears per channel "
                         "at load (int8 runs W8A8 on the CPU's int8 units); a quantised "
-                        "checkpoint is read from its own quantization_config without the flag")
+                        "checkpoint is read from its own quantization_config without the flag; "
+                        "gguf: serve the model folder's .gguf file (Q8_0/Q4_0/Q4_1/Q4_K kept "
+                        "quantised; the default model's own GGUF is fetched on first use)")
     g.add_argument("--calculate-kv-scales", action="store_true",
                    help="compute fp8 KV scales from the first batch")
     g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
