@@ -91,7 +91,7 @@ def percentile(values: list[float], q: float) -> float:
 def run_offline(args: argparse.Namespace, convs: list) -> Result:
     from kvserve import LLM, SamplingParams
 
-    llm = LLM(model=args.model, max_model_len=args.max_model_len, seed=0,
+    llm = LLM(model=args.model, max_model_len=args.max_model_len, seed=0, dtype=args.dtype,
               kv_cache_memory=args.kv_cache_memory)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.chat(convs[:2], params, use_tqdm=False)  # warm-up (and the system prompt is cached)
@@ -116,7 +116,7 @@ def free_port() -> int:
 def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "kvserve.service.api_server", "--model", args.model,
            "--host", "127.0.0.1", "--port", str(port), "--max-model-len",
-           str(args.max_model_len), "--log-level", "warning"]
+           str(args.max_model_len), "--log-level", "warning", "--dtype", args.dtype]
     if args.kv_cache_memory:
         cmd += ["--kv-cache-memory", str(args.kv_cache_memory)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
@@ -226,6 +226,8 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--dtype", default="auto", help="model dtype for both sides (auto, "
+                   "bfloat16, float32, ...)")
     p.add_argument("--kv-cache-memory", default="1GiB",
                    help="KV-cache size on CPU (the workload needs ~0.9 GiB in fp32)")
     p.add_argument("--threads", type=int, default=None,
@@ -245,7 +247,7 @@ def main() -> None:
     results = run_server_bench(args, convs)
     print(f"\nmachine: {os.cpu_count()} CPUs (load {os.getloadavg()[0]:.1f}), threads "
           f"{args.threads or 'default'}; model {args.model}; {args.num_requests} chat requests x "
-          f"{args.max_tokens} new tokens, greedy, ignore_eos\n")
+          f"{args.max_tokens} new tokens, greedy, ignore_eos, dtype {args.dtype}\n")
     print(report(offline, results))
     if args.json_out:
         with open(args.json_out, "w") as f:
