@@ -9,6 +9,7 @@ carries several. Prints TTFT p50/p99, ITL p50/p99, output tok/s and the ratio to
 
     python bench/serve.py                         # 16 and 64 clients, default model
     python bench/serve.py --concurrency 64 --json-out /tmp/serve.json
+    python bench/serve.py --engine-core thread process --dtype bfloat16   # before / after the split
 """
 
 from __future__ import annotations
@@ -113,8 +114,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
+def start_server(args: argparse.Namespace, port: int, engine_core: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "kvserve.service.api_server", "--model", args.model,
+           "--engine-core", engine_core,
            "--host", "127.0.0.1", "--port", str(port), "--max-model-len",
            str(args.max_model_len), "--log-level", "warning", "--dtype", args.dtype]
     if args.kv_cache_memory:
@@ -177,9 +179,9 @@ async def run_clients(url: str, model: str, convs: list, concurrency: int,
         return list(timings), time.perf_counter() - start
 
 
-def run_server_bench(args: argparse.Namespace, convs: list) -> list[Result]:
+def run_server_bench(args: argparse.Namespace, convs: list, engine_core: str) -> list[Result]:
     port = free_port()
-    proc = start_server(args, port)
+    proc = start_server(args, port, engine_core)
     base = f"http://127.0.0.1:{port}"
     url = base + "/v1/chat/completions"
     model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
@@ -194,7 +196,7 @@ def run_server_bench(args: argparse.Namespace, convs: list) -> list[Result]:
                 raise AssertionError(f"expected {expected} tokens, got {tokens}")
             itls = [x for t in timings for x in t.itls]
             ttfts = [t.ttft for t in timings]
-            results.append(Result(f"server, {n} clients", n, len(convs), tokens, seconds,
+            results.append(Result(f"server ({engine_core}), {n} clients", n, len(convs), tokens, seconds,
                                   percentile(ttfts, 50), percentile(ttfts, 99),
                                   percentile(itls, 50), percentile(itls, 99)))
     finally:
@@ -233,6 +235,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="OMP/torch threads for both the offline engine and the server process "
                    "(on a shared, oversubscribed CPU, 1 avoids OpenMP spin-wait stalls)")
+    p.add_argument("--engine-core", nargs="+", default=["process"],
+                   choices=["process", "thread"],
+                   help="server modes to run, each against the same offline peer: process (the "
+                   "engine core in its own process, the default of `kvserve serve`) and/or "
+                   "thread (the engine in a thread of the server, as before)")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--json-out", default=None)
     args = p.parse_args()
@@ -244,14 +251,14 @@ def main() -> None:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
     convs = chat_workload(args.num_requests)
     offline = None if args.skip_offline else run_offline(args, convs)
-    results = run_server_bench(args, convs)
+    results = [r for mode in args.engine_core for r in run_server_bench(args, convs, mode)]
     print(f"\nmachine: {os.cpu_count()} CPUs (load {os.getloadavg()[0]:.1f}), threads "
           f"{args.threads or 'default'}; model {args.model}; {args.num_requests} chat requests x "
           f"{args.max_tokens} new tokens, greedy, ignore_eos, dtype {args.dtype}\n")
     print(report(offline, results))
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"offline": asdict(offline) if offline else None,
+            json.dump({"offline": asdict(offline) if offline else None, "load": os.getloadavg(),
                        "server": [asdict(r) for r in results]}, f, indent=2)
 
 

@@ -20,7 +20,9 @@ from kvserve.service.server.drain import DrainingServer
 from kvserve.service.server.publishing import make_publisher
 
 logger = logging.getLogger("kvserve.service.api_server")
-EXIT_AFTER_CORE_DEATH_S = 1.0  # time for open streams to send their error event
+# Seconds between the engine core's death and the server's exit: open streams send their error
+# event, /health answers 503 with the reason.
+EXIT_AFTER_CORE_DEATH_S = float(os.environ.get("KVSERVE_EXIT_AFTER_CORE_DEATH_S", "1.0"))
 
 
 def run_server(engine_config: Any, config: ServerConfig) -> int:

@@ -56,6 +56,7 @@ class CoreClient:
             target=run_engine_core, name="kvserve-engine-core", daemon=False,
             args=(config, addresses, os.getpid(), logging.getLogger("kvserve").getEffectiveLevel()))
         self.process.start()
+        logger.info("engine core: process %d, starting the engine", self.process.pid)
         try:
             self.info: CoreReady = self._wait_ready()
         except BaseException:
