@@ -143,7 +143,7 @@ class EngineCoreProc:
     def _send_step(self, outputs: list[Any], errors: dict[str, BaseException]) -> None:
         engine = self.engine
         deltas = self.tracker.deltas(outputs, self._whole)
-        for rid in [d.request_id for d in deltas if d.finished] + list(errors):
+        for rid in [d[0] for d in deltas if d[1]] + list(errors):
             self.tracker.forget(rid)
             self._whole.discard(rid)
         accepted, self._accepted = self._accepted, []

@@ -24,21 +24,20 @@ class DeltaTracker:
         first = sent is None
         if first:
             sent = self._sent[out.request_id] = {}
-        delta = RequestDelta(out.request_id, out.finished, out.num_cached_tokens, out.metrics)
-        if first:
-            delta.prompt_token_ids = out.prompt_token_ids
-            delta.prompt_logprobs = out.prompt_logprobs
-        if whole:
-            delta.full = out.outputs
-        else:
-            delta.outputs = []
+        m = out.metrics
+        metrics = None if m is None else (m.arrival_time, m.first_scheduled_time,
+                                          m.first_token_time, m.last_token_time, m.finished_time)
+        outputs: list[CompletionDelta] | None = None
+        if not whole:
+            outputs = []
             for o in out.outputs:
                 tokens, lps = sent.get(o.index, (0, 0))
-                delta.outputs.append(CompletionDelta(
-                    o.index, o.token_ids[tokens:],
-                    None if o.logprobs is None else o.logprobs[lps:],
-                    o.cumulative_logprob, o.finish_reason, o.stop_reason))
+                outputs.append((o.index, o.token_ids[tokens:],
+                                None if o.logprobs is None else o.logprobs[lps:],
+                                o.cumulative_logprob, o.finish_reason, o.stop_reason))
                 sent[o.index] = (len(o.token_ids), len(o.logprobs) if o.logprobs else 0)
         if out.finished:
             del self._sent[out.request_id]
-        return delta
+        return (out.request_id, out.finished, out.num_cached_tokens, metrics, outputs,
+                out.outputs if whole else None, out.prompt_token_ids if first else None,
+                out.prompt_logprobs if first else None)

@@ -61,7 +61,7 @@ class OutputProcessor:
         stopped: list[str] = []
         now = time.monotonic()
         for delta in deltas:
-            req = self.requests.get(delta.request_id)
+            req = self.requests.get(delta[0])
             if req is None:
                 continue
             if self._apply(req, delta, now):
@@ -72,32 +72,33 @@ class OutputProcessor:
         return outputs, stopped
 
     def _apply(self, req: ClientRequest, delta: RequestDelta, now: float) -> bool:
-        """Fold one delta in; True when a stop string ended the request here."""
-        if delta.prompt_token_ids is not None:
-            req.prompt_token_ids = delta.prompt_token_ids
-            req.prompt_logprobs = delta.prompt_logprobs
-        req.metrics, req.num_cached_tokens = delta.metrics, delta.num_cached_tokens
-        req.finished = delta.finished
-        if delta.full is not None:
-            req.full = delta.full
+        """Fold one delta in (messages.py's tuple); True when a stop string ended the request
+        here."""
+        _, finished, cached, metrics, outputs, full, prompt_ids, prompt_lps = delta
+        if prompt_ids is not None:
+            req.prompt_token_ids, req.prompt_logprobs = prompt_ids, prompt_lps
+        req.metrics = None if metrics is None else RequestMetrics(*metrics)
+        req.num_cached_tokens, req.finished = cached, finished
+        if full is not None:
+            req.full = full
             return False
         stopped = False
-        for d in delta.outputs or ():
-            s = req.samples.get(d.index)
+        for index, token_ids, logprobs, cumulative, finish_reason, stop_reason in outputs:
+            s = req.samples.get(index)
             if s is None:
-                s = req.samples[d.index] = _Sample(self._detok(req))
-            s.token_ids += d.token_ids
-            if d.logprobs is not None:
+                s = req.samples[index] = _Sample(self._detok(req))
+            s.token_ids += token_ids
+            if logprobs is not None:
                 if s.logprobs is None:
                     s.logprobs = []
-                s.logprobs += d.logprobs
-            s.cumulative_logprob = d.cumulative_logprob
-            stop = s.detok.update(s.token_ids) if d.token_ids else None
+                s.logprobs += logprobs
+            s.cumulative_logprob = cumulative
+            stop = s.detok.update(s.token_ids) if token_ids else None
             if stop is not None:
                 s.finish_reason, s.stop_reason = "stop", stop
                 stopped = True
-            elif d.finish_reason is not None:
-                s.finish_reason, s.stop_reason = d.finish_reason, d.stop_reason
+            elif finish_reason is not None:
+                s.finish_reason, s.stop_reason = finish_reason, stop_reason
                 s.detok.flush(s.token_ids)
         if stopped and all(s.finish_reason for s in req.samples.values()):
             req.finished = True
