@@ -127,6 +127,17 @@ def _engine() -> Schema:
                         "float32 on CPUs).",
                         enum=["auto", "float32", "float16", "bfloat16"], default="auto"),
         "kvOffloading": _kv_offloading(),
+        "lora": _obj("LoRA adapters on the replicas (--enable-lora --max-loras --max-lora-rank, "
+                     "and runtime loading). On whenever spec.adapters is not empty; enable it "
+                     "up front so the first adapter added later needs no pod restart.", {
+            "enabled": _typed("boolean", "Serve LoRA adapters even while spec.adapters is "
+                              "empty.", default=False),
+            "maxLoras": _typed("integer", "Adapters one step may mix (resident in device "
+                               "memory; the least recently used idle one is evicted).",
+                               minimum=1, maximum=256, default=4),
+            "maxLoraRank": _typed("integer", "Largest adapter rank the replicas accept.",
+                                  enum=[8, 16, 32, 64, 128, 256, 320, 512], default=16),
+        }, default={}),
     }, default={})
 
 
@@ -281,6 +292,22 @@ def _pod() -> dict[str, Schema]:
     }
 
 
+def _adapters() -> Schema:
+    adapter = _obj("A LoRA adapter (a PEFT folder: adapter_config.json + "
+                   "adapter_model.safetensors) of the served model.", {
+        "name": _typed("string", "The name requests select it by (`model`).", minLength=1,
+                       maxLength=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$"),
+        "uri": _typed("string", "Where it is: hf://ORG/NAME[:REVISION] or a hub id (fetched "
+                      "into the weights cache, spec.model.cache), pvc://CLAIM/PATH on the "
+                      "model's own claim, or an absolute path inside the image.", minLength=1),
+    }, required=["name", "uri"])
+    return _typed("array", "LoRA adapters of the model. Adding or removing one loads or unloads "
+                  "it on the running replicas (no restart); the router loads a registered "
+                  "adapter on demand. status.adapters says where each one is loaded.",
+                  items=adapter, maxItems=256,
+                  **{"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})
+
+
 def spec_schema() -> Schema:
     """The openAPIV3Schema of `spec` (defaults, enums, ranges, descriptions)."""
     props: dict[str, Schema] = {
@@ -290,6 +317,7 @@ def spec_schema() -> Schema:
                          "kind clusters (sized by resources.limits.memory).",
                          enum=["cuda", "cpu"], default="cuda"),
         "gpu": _gpu(),
+        "adapters": _adapters(),
         "replicas": _typed("integer", "Engine replicas (the HPA's target when autoscaling).",
                            minimum=0, maximum=1000, default=1),
         "autoscaling": _autoscaling(),
@@ -341,6 +369,15 @@ def status_schema() -> Schema:
             "deleted": _typed("array", "Kind/name of each object deleted.",
                               items={"type": "string"}),
         }),
+        "adapters": _typed("array", "Each adapter of spec.adapters and the engine pods that "
+                           "hold it now.", items=_obj("Where one adapter is loaded.", {
+                               "name": _typed("string", "The adapter."),
+                               "uri": _typed("string", "Its spec.adapters uri."),
+                               "loadedOn": _typed("array", "Engine pods holding it.",
+                                                  items={"type": "string"}),
+                               "message": _typed("string", "Why it is not loaded everywhere "
+                                                 "(a fetch in progress, a pod's refusal)."),
+                           })),
         "conditions": _typed("array", "Ready and friends.", items=condition,
                              **{"x-kubernetes-list-type": "map",
                                 "x-kubernetes-list-map-keys": ["type"]}),

@@ -3,6 +3,8 @@ revision, checksum) is missing or stale, so the second pod and every scale-up st
 
 `python -m kvserve.operator.fetch --uri hf://ORG/NAME --revision main --cache /weights`; a name
 `kvserve fetch-model` knows is fetched by running that command with KVSERVE_CACHE at the claim.
+`--adapter hf://ORG/NAME[:REV]` (repeatable) fetches LoRA adapters into <cache>/adapters/ (the
+adapter Job, operator/adapters.py).
 """
 
 from __future__ import annotations
@@ -81,14 +83,15 @@ def locked(path: Path) -> Iterator[None]:
 
 
 def ensure(location: ModelURI, cache: Path,
-           fetchers: dict[str, Fetcher] | None = None) -> bool:
-    """Make <cache>/models/<slug> hold the weights; True when it had to fetch them."""
+           fetchers: dict[str, Fetcher] | None = None, kind: str = "models") -> bool:
+    """Make <cache>/<kind>/<slug> hold the weights (kind: models or adapters); True when it had
+    to fetch them."""
     fetchers = fetchers or FETCHERS
     if location.scheme not in fetchers:
-        raise InvalidSpecError(f"{location.scheme} models cannot be fetched into a cache")
-    target = cache / "models" / location.slug
+        raise InvalidSpecError(f"{location.scheme} {kind} cannot be fetched into a cache")
+    target = cache / kind / location.slug
     target.parent.mkdir(parents=True, exist_ok=True)
-    with locked(cache / "models" / f".{location.slug}.lock"):
+    with locked(cache / kind / f".{location.slug}.lock"):
         if is_current(location, target):
             logger.info("weights of %s@%s already cached in %s", location.path,
                         location.revision, target)
@@ -103,8 +106,11 @@ def ensure(location: ModelURI, cache: Path,
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kvserve.operator.fetch",
                                      description="Fill a weights cache once (init container).")
-    parser.add_argument("--uri", required=True, help="hf://ORG/NAME[:REV], ORG/NAME or a name "
+    parser.add_argument("--uri", default=None, help="hf://ORG/NAME[:REV], ORG/NAME or a name "
                         "`kvserve fetch-model` knows")
+    parser.add_argument("--adapter", action="append", default=[],
+                        help="a LoRA adapter, hf://ORG/NAME[:REV], into <cache>/adapters/ "
+                             "(repeatable)")
     parser.add_argument("--revision", default=None, help="hub revision (default main)")
     parser.add_argument("--cache", required=True, type=Path, help="the mounted cache claim")
     return parser
@@ -113,8 +119,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.uri is None and not args.adapter:
+        print("fetch-weights: pass --uri and/or --adapter", file=sys.stderr)
+        return 2
     try:
-        ensure(parse_model_uri(args.uri, args.revision), args.cache)
+        if args.uri is not None:
+            ensure(parse_model_uri(args.uri, args.revision), args.cache)
+        for uri in args.adapter:
+            location = parse_model_uri(uri)
+            if location.scheme != "hf":
+                raise InvalidSpecError(f"--adapter {uri}: only hub adapters are fetched")
+            ensure(location, args.cache, kind="adapters")
     except (InvalidSpecError, RuntimeError, OSError) as exc:
         print(f"fetch-weights: {exc}", file=sys.stderr)
         return 1

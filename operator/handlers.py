@@ -11,6 +11,7 @@ from typing import Any
 
 import kopf
 
+from kvserve.operator import adapter_sync
 from kvserve.operator.children import Children, build_children
 from kvserve.operator.conditions import (
     Condition, merge_conditions, now, readiness, same_conditions,
@@ -20,7 +21,7 @@ from kvserve.operator.kube import FIELD_MANAGER, KubeClient, KubeError, KubeTran
 from kvserve.operator.model_files import ModelReader, ModelReadError
 from kvserve.operator.reconcile import ApplyResult, apply_objects, create_missing, prune
 from kvserve.operator.resources import engine_replicas, names, selector_string
-from kvserve.operator.spec import InvalidSpecError, ServiceSpec
+from kvserve.operator.spec import InvalidSpecError, ServiceSpec, parse_spec
 
 STATUS_INTERVAL = 30.0
 RETRY_DELAY = 15.0
@@ -161,6 +162,40 @@ def resync(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: kopf.Log
     if result.changed:
         logger.warning("repaired drift: applied=%s deleted=%s", result.applied, result.deleted)
     _write_status(body, patch, built.spec, result)
+    if adapter_sync.wanted(built.spec):  # new pods (scale-up, restart) get the adapters too
+        _sync_adapters(body, patch, memo, built.spec)
+
+
+def _sync_adapters(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo,
+                   spec: ServiceSpec) -> adapter_sync.SyncResult:
+    pod_url = getattr(memo, "pod_url", None) or adapter_sync.default_pod_url
+    try:
+        result = adapter_sync.sync(spec, memo.kube, pod_url)
+    except KubeError as exc:
+        raise kopf.TemporaryError(f"listing the engine pods failed: {exc}",
+                                  delay=RETRY_DELAY) from exc
+    entries = adapter_sync.status_entries(spec, result.held, result.problems)
+    if body.get("status", {}).get("adapters") != entries:
+        patch.status["adapters"] = entries
+    return result
+
+
+def adapters_changed(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: kopf.Logger,
+                     **_: Any) -> None:
+    """spec.adapters changed: load and unload on the running engine pods (no restart). What is
+    left (a fetch still running, a pod still starting) the resync timer finishes: no retry
+    loop here, whose progress kopf would keep in the object."""
+    try:
+        spec = parse_spec(dict(body), getattr(memo, "models", None))
+    except InvalidSpecError:
+        return  # the reconcile handler says why
+    if not adapter_sync.wanted(spec):
+        return
+    result = _sync_adapters(body, patch, memo, spec)
+    logger.info("adapters: %s", {pod: sorted(have) for pod, have in result.held.items()})
+    if not result.complete:
+        logger.warning("adapters not everywhere yet (the resync timer retries): %s", "; ".join(
+            f"{k}: {v}" for k, v in sorted(result.problems.items())))
 
 
 def build_registry(status_interval: float = STATUS_INTERVAL,
@@ -176,4 +211,6 @@ def build_registry(status_interval: float = STATUS_INTERVAL,
         decorator(*resource, registry=registry, id="reconcile")(reconcile)
     kopf.timer(*resource, registry=registry, interval=status_interval, initial_delay=1.0,
                id="resync")(resync)
+    kopf.on.field(*resource, field="spec.adapters", registry=registry,
+                  id="adapters")(adapters_changed)
     return registry

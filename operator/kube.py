@@ -31,10 +31,13 @@ PLURALS: dict[tuple[str, str], str] = {
     ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitors",
     ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
+    ("batch/v1", "Job"): "jobs",
 }
 # Kinds the operator creates and reads one by one, never lists (RBAC: create, get): the
 # registration Secret, and the hub token Secret a service names in spec.model.tokenSecretRef.
 CREATE_ONLY: dict[tuple[str, str], str] = {("v1", "Secret"): "secrets"}
+# Kinds the operator only reads (RBAC: get, list): the engine pods, whose adapters it syncs.
+READ_ONLY: dict[tuple[str, str], str] = {("v1", "Pod"): "pods"}
 MERGE_PATCH = "application/merge-patch+json"
 APPLY_PATCH = "application/apply-patch+yaml"  # JSON is YAML: the body is sent as JSON
 FIELD_MANAGER = "kvserve-operator"
@@ -54,7 +57,7 @@ class KubeTransientError(KubeError):
 
 def collection_path(api_version: str, kind: str, namespace: str) -> str:
     try:
-        plural = {**PLURALS, **CREATE_ONLY}[api_version, kind]
+        plural = {**PLURALS, **CREATE_ONLY, **READ_ONLY}[api_version, kind]
     except KeyError:
         raise KubeError(f"the operator does not manage {api_version} {kind}", 400) from None
     base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"

@@ -6,7 +6,8 @@ import hashlib
 import json
 from typing import Any
 
-from kvserve.operator import monitoring, network_policy, offload, traffic, trust, weights
+from kvserve.operator import (adapters, monitoring, network_policy, offload, traffic, trust,
+                              weights)
 from kvserve.operator.crd import API_VERSION, KIND
 from kvserve.operator.sizing import Sizing
 from kvserve.operator.spec import ServiceSpec
@@ -74,7 +75,8 @@ def engine_args(spec: ServiceSpec, sizing: Sizing) -> list[str]:
             "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching",
             "--dtype", sizing.weight_dtype,
             "--tensor-parallel-size", str(max(sizing.gpus_per_replica, 1)),
-            "--served-model-name", spec.model.served_name, *offload.engine_args(e.kv_offloading)]
+            "--served-model-name", spec.model.served_name, *offload.engine_args(e.kv_offloading),
+            *adapters.engine_args(spec)]
     # Only a pinned revision: "main" is the engine's default, and an unchanged pod template
     # across operator versions is what keeps an operator upgrade from restarting engines.
     if weights.serves_hub_revision(spec) and spec.model.location.revision != "main":
@@ -124,7 +126,7 @@ def engine_env(spec: ServiceSpec) -> list[Obj]:
             {"name": "TRITON_CACHE_DIR", "value": "/tmp/triton"},
             {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
             {"name": "KVSERVE_SIZING_FILE", "value": "/etc/kvserve/sizing.json"},
-            *secret_env(spec), *spec.env]
+            *adapters.engine_env(spec), *secret_env(spec), *spec.env]
 
 
 def secret_env(spec: ServiceSpec) -> list[Obj]:
@@ -267,7 +269,7 @@ def router_deployment(spec: ServiceSpec) -> Obj:
     # The engine Service is the static fallback: without Redis the router routes by load alone.
     args += ["--service-name", spec.name, "--policy", spec.router_policy,
              "--tokenizer", router_tokenizer(spec),
-             "--replicas", f"http://{names(spec)['engine']}:{PORT}",
+             "--replicas", f"http://{names(spec)['engine']}:{PORT}", *adapters.router_args(spec),
              # The router drains too: new requests get 503 while in-flight streams finish.
              "--shutdown-grace-period", str(DRAIN_SECONDS - 20)]
     container = {
@@ -382,6 +384,7 @@ def desired_objects(spec: ServiceSpec, sizing: Sizing) -> list[Obj]:
     objs += _present(weights.claim(spec, metadata(spec, weights_claim(spec), "engine")))
     if spec.redis_deploy:
         objs += [redis_deployment(spec), service(spec, n["redis"], "redis", "redis", REDIS_PORT)]
+    objs += _present(adapter_fetch_job(spec))
     objs += [engine_deployment(spec, sizing),
              service(spec, n["engine"], "engine", "engine", PORT), pdb(spec)]
     entry_target = "router" if spec.router_enabled else "engine"
@@ -401,6 +404,31 @@ def desired_objects(spec: ServiceSpec, sizing: Sizing) -> list[Obj]:
     objs += network_policy.policies(spec, lambda name, c: metadata(spec, name, c),
                                     lambda c: selector(spec, c), n, PORT, REDIS_PORT)
     return objs
+
+
+def adapter_fetch_job(spec: ServiceSpec) -> Obj | None:
+    """The Job that fetches hub adapters into the weights cache (operator/adapters.py)."""
+    name = adapters.fetch_job_name(spec)
+    if name is None:
+        return None
+    ref = spec.model.token_secret
+    token = [] if ref is None else [trust.secret_env("HF_TOKEN", ref)]
+    container = {
+        "name": "fetch-adapters", "image": spec.image,
+        "command": adapters.fetch_command(spec, weights.WEIGHTS_DIR),
+        "env": [{"name": "HF_HOME", "value": "/tmp/hf"}, {"name": "XDG_CACHE_HOME",
+                                                          "value": "/tmp"}, *token, *spec.env],
+        "securityContext": container_security(),
+        "resources": {"requests": {"cpu": "250m", "memory": "512Mi"},
+                      "limits": {"memory": "2Gi"}},
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"},
+                         {"name": weights.VOLUME, "mountPath": weights.WEIGHTS_DIR}]}
+    pod = {"securityContext": pod_security(), "automountServiceAccountToken": False,
+           "restartPolicy": "OnFailure", "containers": [container],
+           "volumes": [{"name": "tmp", "emptyDir": {}}, weights.volume(spec)]}
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata(spec, name, "fetch"),
+            "spec": {"backoffLimit": 6, "template": {
+                "metadata": {"labels": labels(spec, "fetch")}, "spec": pod}}}
 
 
 def registration_secret(spec: ServiceSpec, token: str) -> Obj:

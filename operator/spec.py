@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvserve.operator.adapters import AdapterSpec, LoraSpec, parse_adapters
 from kvserve.operator.catalog import GPUS, MODELS, ModelArch, lookup_model
 from kvserve.operator.crd import DEFAULT_IMAGE, spec_schema
 from kvserve.operator.errors import InvalidSpecError
@@ -206,6 +207,8 @@ class ServiceSpec:
     monitoring: MonitoringSpec = MonitoringSpec()
     redis_password: SecretRef | None = None
     network_policy: NetworkPolicySpec = NetworkPolicySpec()
+    adapters: tuple[AdapterSpec, ...] = ()  # spec.adapters (operator/adapters.py)
+    lora: LoraSpec = LoraSpec()  # spec.engine.lora
 
 
 def _arch_from_spec(a: dict, source: str) -> ModelArch:
@@ -383,6 +386,10 @@ def parse_spec(body: dict, reader: ModelReader | None = None) -> ServiceSpec:
     redis_url, redis_deploy, redis_password = _redis(spec["redis"])
     ingress, gateway, monitoring = _traffic(spec)
     autoscaling = _autoscaling(spec)
+    from kvserve.operator.weights import WEIGHTS_DIR  # weights.py reads ServiceSpec
+
+    adapters = parse_adapters(spec.get("adapters", []), model, WEIGHTS_DIR)
+    lora = spec["engine"]["lora"]
     max_replicas = spec["replicas"] if autoscaling is None else autoscaling.max_replicas
     return ServiceSpec(
         name=meta.get("name", ""), namespace=meta.get("namespace", "default"),
@@ -396,4 +403,6 @@ def parse_spec(body: dict, reader: ModelReader | None = None) -> ServiceSpec:
         network_policy=_network_policy(spec["networkPolicy"]),
         image=spec["image"], resources=spec.get("resources", {}),
         node_selector=spec.get("nodeSelector", {}), tolerations=spec.get("tolerations", []),
-        env=spec.get("env", []), ingress=ingress, gateway=gateway, monitoring=monitoring)
+        env=spec.get("env", []), ingress=ingress, gateway=gateway, monitoring=monitoring,
+        adapters=adapters, lora=LoraSpec(lora["enabled"], lora["maxLoras"],
+                                         lora["maxLoraRank"]))

@@ -7,7 +7,13 @@ least-load. A block a replica holds only in host memory (offloaded) counts `host
 block in `matched_fraction`: restoring it is a copy, far cheaper than a prefill but not free, so a
 device hit ranks above a host hit above a miss. `least-load`, `round-robin` and `session`
 (rendezvous hash on a header value) ignore the index. Every ranking lists all candidates, so the
-router retries the next one when a replica fails."""
+router retries the next one when a replica fails.
+
+A request for a LoRA adapter is ranked by the policy first, then `prefer_adapter` moves the
+replicas holding the adapter to the front (adapter, then prefix, then load); when no holder can
+take it (none, or all overloaded or `lora_spread_slack` busier than the least-loaded replica) and
+the router may load the adapter, it names the replica to load it on: the best-ranked one that is
+not overloaded."""
 
 from __future__ import annotations
 
@@ -46,6 +52,11 @@ class PolicyConfig:
     # memcpy) instead of recomputing it, so it is worth most of a hit; the rest of the weight
     # keeps a device holder ahead of a host holder at equal load.
     host_weight: float = 0.7
+    # A LoRA adapter's holder more than this many requests busier than the least-loaded replica
+    # counts as busy: the adapter is loaded on a cooler replica (a load costs less than that
+    # queue). 0: off, holders are left only when overloaded (docs/perf/router.md: spreading
+    # early costs hit rate).
+    lora_spread_slack: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.host_weight <= 1.0:
@@ -142,3 +153,28 @@ def decide(policy: str, cands: Sequence[Candidate], *, num_blocks: int = 0, bloc
     else:  # least-load, or session without a key
         ranked, applied = rank_least_load(cands, counter), "least-load"
     return Decision(tuple(ranked), policy, applied)
+
+
+def prefer_adapter(ranking: Sequence[Candidate], holders: set[str] | frozenset[str],
+                   cfg: PolicyConfig = PolicyConfig(), can_load: bool = True
+                   ) -> tuple[list[Candidate], Candidate | None]:
+    """`ranking` (a policy's, best first) with the adapter's holders that are not overloaded in
+    front, in their order; then the replica to load the adapter on, or None. A load is asked for
+    when no holder is usable and `can_load` (the router knows the adapter's source): the best
+    ranked replica that is not overloaded goes first and is returned. Without `can_load` the
+    holders lead even when overloaded (any other replica would answer 404)."""
+    hot = overloaded(ranking, cfg)
+    if can_load and ranking and cfg.lora_spread_slack > 0:
+        floor = min(c.load for c in ranking)
+        hot |= {c.replica_id for c in ranking if c.load - floor > cfg.lora_spread_slack}
+    usable = [c for c in ranking if c.replica_id in holders and c.replica_id not in hot]
+    if not usable and not can_load:
+        usable = [c for c in ranking if c.replica_id in holders]
+    if usable or not can_load:
+        first = {c.replica_id for c in usable}
+        return usable + [c for c in ranking if c.replica_id not in first], None
+    cool = [c for c in ranking if c.replica_id not in hot] or list(ranking)
+    if not cool:
+        return [], None
+    target = cool[0]
+    return [target] + [c for c in ranking if c.replica_id != target.replica_id], target

@@ -7,7 +7,8 @@ scripts work on a Cluster, and different services spread over the nodes.
     replica:<id>          HASH  url, model, block_size, num_running, num_waiting, kv_cache_usage,
                                 heartbeat_at, draining ("1" while the replica drains: routers
                                 skip it), signature (hex HMAC-SHA256 of id, url and heartbeat_at
-                                under KVSERVE_REGISTRATION_TOKEN; replica_info.py);
+                                under KVSERVE_REGISTRATION_TOKEN; replica_info.py),
+                                adapters (JSON list of the LoRA adapters it holds; absent: none);
                                 EXPIREs after `ttl` (3 heartbeats) without a refresh
     h:<hash>              SET   the inverted index: who holds block <hash> (engine.block_hash,
                                 32 hex digits), as integers 2*slot (device pool) and 2*slot+1

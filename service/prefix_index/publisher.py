@@ -26,7 +26,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +35,8 @@ from redis.exceptions import RedisError
 
 from kvserve.service.prefix_index.keys import IndexKeys
 from kvserve.service.prefix_index.redis_client import async_redis, redact_url
-from kvserve.service.prefix_index.replica_info import (REGISTRATION_TOKEN_ENV, SIGNATURE_FIELD,
+from kvserve.service.prefix_index.replica_info import (ADAPTERS_FIELD, REGISTRATION_TOKEN_ENV,
+                                                       SIGNATURE_FIELD, encode_adapters,
                                                        sign_heartbeat)
 from kvserve.service.prefix_index.scripts import (CLEAR_SCRIPT, SWEEP_BUDGET, UPDATE_SCRIPT,
                                                   write_calls)
@@ -59,8 +60,12 @@ class PrefixIndexPublisher:
     def __init__(self, redis_url: str, service: str, replica_id: str, url: str, model: str,
                  block_size: int, heartbeat_interval: float = 1.0, *,
                  max_pending_hashes: int = 200_000, ttl: float | None = None,
-                 timeout: float = 0.5, registration_token: str | None = None) -> None:
+                 timeout: float = 0.5, registration_token: str | None = None,
+                 adapters: Callable[[], Iterable[str]] | None = None) -> None:
         self.redis_url, self.replica_id, self.url = redis_url, replica_id, url
+        # The LoRA adapters resident now, read at each heartbeat (None: a replica without LoRA).
+        self._adapters = adapters
+        self._last_adapters = "[]"
         # Signs each heartbeat so routers holding the same token accept this replica.
         self._token = registration_token or os.environ.get(REGISTRATION_TOKEN_ENV) or None
         self.model, self.block_size = model, block_size
@@ -248,6 +253,8 @@ class PrefixIndexPublisher:
         fields = {"url": self.url, "model": self.model, "block_size": self.block_size,
                   "num_running": running, "num_waiting": waiting, "kv_cache_usage": usage,
                   "heartbeat_at": beat_at}
+        if self._adapters is not None:
+            fields[ADAPTERS_FIELD] = self._adapter_names()
         if self._token is not None:
             fields[SIGNATURE_FIELD] = sign_heartbeat(self._token, self.replica_id, self.url,
                                                      beat_at)
@@ -264,6 +271,15 @@ class PrefixIndexPublisher:
             logger.warning("prefix index: entry of replica %s had expired; republishing", rid)
             with self._lock:
                 self._want_snapshot = True
+
+    def _adapter_names(self) -> str:
+        """The heartbeat's adapter list; a failing callback publishes the last good list."""
+        assert self._adapters is not None
+        try:
+            self._last_adapters = encode_adapters(self._adapters())
+        except Exception as exc:  # noqa: BLE001 -- the heartbeat must go out regardless
+            logger.warning("prefix index: reading the resident adapters failed: %s", exc)
+        return self._last_adapters
 
     async def _flush(self) -> None:
         assert self._client is not None

@@ -1,28 +1,35 @@
-"""What a replica's heartbeat tells the router (URL, model, block size, load, draining) and the
-registration signature that proves the replica holds the service's shared token."""
+"""What a replica's heartbeat tells the router (URL, model, block size, load, draining, resident
+LoRA adapters) and the registration signature that proves the replica holds the service's shared
+token."""
 
 from __future__ import annotations
 
 import functools
 import hashlib
 import hmac
+import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 # The heartbeat hash's fields (service/prefix_index/keys.py), in the order the lookup returns them.
 INFO_FIELDS = ("url", "model", "block_size", "num_running", "num_waiting", "kv_cache_usage",
-               "heartbeat_at", "draining", "signature")
+               "heartbeat_at", "draining", "signature", "adapters")
 # `draining` = "1" while the replica drains (SIGTERM): routers stop sending to it at once.
 DRAINING_FIELD = "draining"
 DRAINING_VALUE = "1"
 # HMAC-SHA256 (hex) of `signed_message(...)` under KVSERVE_REGISTRATION_TOKEN.
 SIGNATURE_FIELD = "signature"
 REGISTRATION_TOKEN_ENV = "KVSERVE_REGISTRATION_TOKEN"
+# `adapters` = a JSON list of the LoRA adapter names the replica holds now (absent in heartbeats of
+# replicas without LoRA, or from before the field existed: read as none).
+ADAPTERS_FIELD = "adapters"
 # Field values a replica could plausibly send; anything larger is garbage, not a heartbeat.
 _MAX_FIELD_CHARS = 2048
+# The adapter list is longer: a replica may hold hundreds of adapters in host memory.
+_MAX_ADAPTERS_CHARS = 1 << 16
 
 
 class MalformedHeartbeatError(ValueError):
@@ -55,6 +62,7 @@ class ReplicaInfo:
     draining: bool = False
     heartbeat_at_raw: str = ""  # the stored string, which the signature covers
     signature: str = ""
+    adapters: frozenset[str] = frozenset()  # LoRA adapters resident on the replica
 
     @property
     def load(self) -> int:
@@ -71,7 +79,8 @@ class ReplicaInfo:
         MalformedHeartbeatError for anything a replica would not write."""
         if len(values) != len(INFO_FIELDS):
             raise MalformedHeartbeatError(f"expected {len(INFO_FIELDS)} fields, got {len(values)}")
-        f = dict(zip(INFO_FIELDS, (_text(v) for v in values)))
+        f = {name: _text(v, _MAX_ADAPTERS_CHARS if name == ADAPTERS_FIELD else _MAX_FIELD_CHARS)
+             for name, v in zip(INFO_FIELDS, values)}
         url = f["url"]
         if not _is_http_url(url):
             raise MalformedHeartbeatError(f"url {url[:80]!r} is not http(s)://host[:port]")
@@ -81,7 +90,26 @@ class ReplicaInfo:
             num_waiting=_int(f, "num_waiting", 0),
             kv_cache_usage=_float(f, "kv_cache_usage"), heartbeat_at=_float(f, "heartbeat_at"),
             draining=f["draining"] == DRAINING_VALUE, heartbeat_at_raw=f["heartbeat_at"],
-            signature=f["signature"])
+            signature=f["signature"], adapters=parse_adapters(f[ADAPTERS_FIELD]))
+
+
+def encode_adapters(names: Iterable[str]) -> str:
+    """The heartbeat's `adapters` value: a sorted JSON list (so an unchanged set writes the same
+    string)."""
+    return json.dumps(sorted(set(names)), separators=(",", ":"))
+
+
+def parse_adapters(text: str) -> frozenset[str]:
+    """The adapter names of a heartbeat's `adapters` value ("" = none)."""
+    if not text:
+        return frozenset()
+    try:
+        names = json.loads(text)
+    except ValueError:
+        raise MalformedHeartbeatError(f"adapters {text[:40]!r} is not a JSON list") from None
+    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+        raise MalformedHeartbeatError("adapters is not a JSON list of adapter names")
+    return frozenset(names)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -91,11 +119,11 @@ def _is_http_url(url: str) -> bool:
     return parts.scheme in ("http", "https") and bool(parts.hostname)
 
 
-def _text(value: Any) -> str:
+def _text(value: Any, limit: int = _MAX_FIELD_CHARS) -> str:
     if value is None:
         return ""
     text = value.decode() if isinstance(value, bytes) else str(value)  # UnicodeDecodeError: bad
-    if len(text) > _MAX_FIELD_CHARS:
+    if len(text) > limit:
         raise MalformedHeartbeatError(f"a field of {len(text)} characters")
     return text
 

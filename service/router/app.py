@@ -1,10 +1,13 @@
-"""The router's FastAPI app: /health, /metrics, the merged /v1/models, and every other path
-proxied; completions and chat completions are validated as the replicas would, then routed by
-their prompt."""
+"""The router's FastAPI app: /health, /metrics, the merged /v1/models (with the registered LoRA
+adapters), and every other path proxied; completions and chat completions are validated as the
+replicas would, then routed by their prompt and adapter (loaded on a replica first if needed)."""
 
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
+import logging
+import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -17,11 +20,14 @@ from kvserve.service.openai_errors import APIError, error_response
 from kvserve.service.chat_request import ChatCompletionRequest
 from kvserve.service.request_models import CompletionRequest
 from kvserve.service.request_validation import read_json_body, validate_request
+from kvserve.service.router.adapters import AdapterLoadError
 from kvserve.service.router.config import RouterConfig
 from kvserve.service.router.drain import DrainMiddleware, DrainState
 from kvserve.service.router.proxy import ClientGoneError, ClientWatch, NoReplicaError, Proxy
-from kvserve.service.router.routing import Router
+from kvserve.service.router.routing import RouteInfo, Router
+from kvserve.service.routing_policy import Candidate
 
+logger = logging.getLogger("kvserve.router")
 _REQUEST_MODELS = {"/v1/completions": CompletionRequest,
                    "/v1/chat/completions": ChatCompletionRequest}
 
@@ -60,7 +66,8 @@ def _add_routes(app: FastAPI, router: Router, proxy: Proxy) -> None:
         body = {"status": "ok" if up else "no replicas", "redis_up": replicas.redis_up,
                 "policy": router.cfg.policy,
                 "replicas": [{"id": i.replica_id, "url": i.url, "load": i.load,
-                              "inflight": replicas.inflight.get(i.replica_id, 0)} for i in up]}
+                              "inflight": replicas.inflight.get(i.replica_id, 0),
+                              "adapters": sorted(i.adapters)} for i in up]}
         return JSONResponse(body, status_code=200 if up else 503)
 
     @app.get("/metrics")
@@ -72,6 +79,7 @@ def _add_routes(app: FastAPI, router: Router, proxy: Proxy) -> None:
         merged = await proxy.merged_models(request.headers)
         if not merged["data"]:
             return _unavailable("no replica answered /v1/models")
+        _add_registered_adapters(merged, router)
         return JSONResponse(merged)
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE"])
@@ -101,10 +109,18 @@ async def _forward(router: Router, proxy: Proxy, path: str, request: Request) ->
     if not ranking:
         return _unavailable("no replica is available; check that replicas heartbeat to Redis "
                             "(--redis-url, --service-name) or pass --replicas")
+    on_missing = None
+    if route is not None and route.adapter is not None:
+        try:
+            ranking = await _adapter_ranking(router, route, ranking, request.headers)
+        except AdapterLoadError as exc:
+            return _unavailable(str(exc))
+        if router.adapters.registered(route.adapter):
+            on_missing = _reloader(router, route.adapter, request.headers)
     watch = ClientWatch(request.receive)
     try:
         return await proxy.forward(request.method, path, request.url.query, body,
-                                   request.headers, ranking, policy, route, watch)
+                                   request.headers, ranking, policy, route, watch, on_missing)
     except NoReplicaError as exc:
         return _unavailable(str(exc))
     except ClientGoneError:
@@ -112,6 +128,47 @@ async def _forward(router: Router, proxy: Proxy, path: str, request: Request) ->
         return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
     finally:
         await watch.stop()
+
+
+async def _adapter_ranking(router: Router, route: RouteInfo, ranking: list[Candidate],
+                           headers: Any) -> list[Candidate]:
+    """The ranking of an adapter request, after the adapter was loaded where the route says
+    (or where a load already in flight puts it: concurrent requests share one load)."""
+    adapter = route.adapter
+    assert adapter is not None
+    if route.load_on is None:
+        outcome = "resident" if route.resident else "unknown"
+    else:
+        rid = await router.adapters.ensure(adapter, route.load_on, headers)
+        ranking = sorted(ranking, key=lambda c: c.replica_id != rid)  # stable: rid first
+        outcome = "loaded"
+    router.metrics.adapter_requests.labels(router.adapters.label(adapter), outcome).inc()
+    return ranking
+
+
+def _reloader(router: Router, adapter: str, headers: Any
+              ) -> Callable[[Candidate], Awaitable[bool]]:
+    """The proxy's hook for a replica that answers 404 to a registered adapter (it evicted it
+    since its last heartbeat): load it there again; False when that fails (try the next)."""
+    async def reload(cand: Candidate) -> bool:
+        try:
+            await router.adapters.ensure(adapter, cand, headers, join=False)
+        except AdapterLoadError as exc:
+            logger.warning("%s; trying the next replica", exc)
+            return False
+        return True
+    return reload
+
+
+def _add_registered_adapters(merged: dict[str, Any], router: Router) -> None:
+    """Registered adapters no replica lists yet, as vLLM lists an adapter (with its parent)."""
+    ids = {m.get("id") for m in merged["data"]}
+    base = router.replicas.announced_model() or next(
+        (m["id"] for m in merged["data"] if not m.get("parent")), None)
+    for name, path in router.adapters.paths.items():
+        if name not in ids:
+            merged["data"].append({"id": name, "object": "model", "created": int(time.time()),
+                                   "owned_by": "kvserve", "root": path, "parent": base})
 
 
 def _unavailable(message: str) -> JSONResponse:

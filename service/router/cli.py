@@ -6,6 +6,7 @@ finds through Redis heartbeats (`--redis-url`) or a static `--replicas url,url`.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 from collections.abc import Sequence
@@ -77,6 +78,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "may be off from this router's clock (older: a replay, left out)")
     p.add_argument("--shutdown-grace-period", type=float, default=d.shutdown_grace_period,
                    help="seconds requests in flight get to finish after SIGTERM")
+    p.add_argument("--lora-modules", nargs="+", action="extend", default=[],
+                   metavar="NAME=PATH",
+                   help="LoRA adapters the router may have replicas load: NAME=PATH (or vLLM's "
+                        "JSON form '{\"name\": ..., \"path\": ...}'), PATH as the replicas see "
+                        "it; a request whose `model` is NAME goes to a replica holding it, and "
+                        "when none does the least-loaded one is asked to load it "
+                        "(POST /v1/load_lora_adapter; replicas need --enable-lora and "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true). Repeatable")
+    p.add_argument("--lora-spread-slack", type=int, default=pc.lora_spread_slack,
+                   help="a LoRA adapter whose least-busy holder has more than this many requests "
+                        "above the least-loaded replica is loaded on that replica too (0: only "
+                        "when its holders are overloaded)")
+    p.add_argument("--lora-load-timeout", type=float, default=d.lora_load_timeout,
+                   help="seconds a replica gets to load a LoRA adapter the router asked for")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS,
                    help="log level of the router and uvicorn")
     add_limit_args(p)
@@ -92,7 +107,8 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
     replicas = tuple(u.strip() for u in ns.replicas.split(",") if u.strip())
     pc = PolicyConfig(load_weight=ns.load_weight, overload_factor=ns.overload_factor,
                       overload_slack=ns.overload_slack, min_match_tokens=ns.min_match_tokens,
-                      host_weight=_fraction(ns.host_weight, "--host-weight"))
+                      host_weight=_fraction(ns.host_weight, "--host-weight"),
+                      lora_spread_slack=max(ns.lora_spread_slack, 0))
     return RouterConfig(host=ns.host, port=ns.port, redis_url=ns.redis_url,
                         service_name=ns.service_name, replicas=replicas, policy=ns.policy,
                         tokenizer=ns.tokenizer, session_header=ns.session_header.lower(),
@@ -108,7 +124,35 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
                         heartbeat_max_age=_positive(ns.heartbeat_max_age, "--heartbeat-max-age"),
                         shutdown_grace_period=max(ns.shutdown_grace_period, 0.0),
                         shared_load_interval=_non_negative(ns.shared_load_interval,
-                                                           "--shared-load-interval"))
+                                                           "--shared-load-interval"),
+                        lora_modules=parse_lora_modules(ns.lora_modules),
+                        lora_load_timeout=_positive(ns.lora_load_timeout, "--lora-load-timeout"))
+
+
+def parse_lora_modules(items: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """--lora-modules values (NAME=PATH or vLLM's JSON object) as (name, path) pairs; SystemExit
+    naming the bad one."""
+    out: dict[str, str] = {}
+    for item in items:
+        if item.lstrip().startswith("{"):
+            try:
+                obj = json.loads(item)
+                name, path = obj["name"], obj["path"]
+            except (ValueError, KeyError, TypeError):
+                raise SystemExit(f"kvserve router: --lora-modules {item!r}: the JSON form needs "
+                                 '"name" and "path"') from None
+        else:
+            name, sep, path = item.partition("=")
+            if not sep:
+                raise SystemExit(f"kvserve router: --lora-modules {item!r}: write NAME=PATH")
+        if not isinstance(name, str) or not isinstance(path, str) or not name.strip() \
+                or not path.strip():
+            raise SystemExit(f"kvserve router: --lora-modules {item!r}: the name and the path "
+                             "must not be empty")
+        if name in out:
+            raise SystemExit(f"kvserve router: --lora-modules names adapter {name!r} twice")
+        out[name.strip()] = path.strip()
+    return tuple(out.items())
 
 
 def _positive(value: float, flag: str) -> float:

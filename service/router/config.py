@@ -45,3 +45,7 @@ class RouterConfig:
     # is off: left out (--heartbeat-max-age; only checked with a registration token).
     heartbeat_max_age: float = 30.0
     shutdown_grace_period: float = 30.0  # SIGTERM: in-flight requests get this long to finish
+    # --lora-modules: the LoRA adapters the router may have replicas load, name -> the path a
+    # replica loads it from (the same on every replica: the weights cache's mount).
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    lora_load_timeout: float = 120.0  # --lora-load-timeout: one replica's load of one adapter

@@ -43,6 +43,19 @@ class RouterMetrics:
         self.client_disconnects = Counter(
             "kvserve_router:client_disconnects", "Requests whose client left before the end; "
             "the replica's connection is closed so it aborts", registry=r)
+        self.adapter_requests = Counter(
+            "kvserve_router:adapter_requests", "Requests naming a LoRA adapter, by outcome: "
+            "resident (sent to a replica holding it), loaded (the router had it loaded first), "
+            "unknown (not registered and held by no replica: the replica answers 404); adapters "
+            "not registered with --lora-modules count under adapter=\"unregistered\"",
+            ["adapter", "outcome"], registry=r)
+        self.adapter_loads = Counter(
+            "kvserve_router:adapter_loads", "Adapter loads the router asked a replica for, by "
+            "result (ok, failed)", ["adapter", "result"], registry=r)
+        self.adapter_load_seconds = Histogram(
+            "kvserve_router:adapter_load_seconds", "Time for a replica to load an adapter the "
+            "router asked for", registry=r,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0))
         self.draining = Gauge("kvserve_router:draining", "1 while the router drains (SIGTERM)",
                               registry=r)
 

@@ -93,16 +93,30 @@ class Proxy:
 
     async def forward(self, method: str, path: str, query: str, body: bytes, headers: Any,
                       ranking: Sequence[Candidate], policy: str,
-                      route: RouteInfo | None = None, watch: ClientWatch | None = None
+                      route: RouteInfo | None = None, watch: ClientWatch | None = None,
+                      on_missing: Callable[[Candidate], Awaitable[bool]] | None = None
                       ) -> Response:
         """Send to the first candidate that answers; retry the next one on failure before byte 1.
-        ClientGoneError when `watch` sees the client leave first."""
+        ClientGoneError when `watch` sees the client leave first. `on_missing` (a registered LoRA
+        adapter's request): a replica answering 404 has the adapter loaded again by it and gets
+        the request once more; when that load fails (or the adapter is gone again) the next replica
+        is tried."""
         fwd = {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
         for cand in ranking:
             opened = await self._open(cand, method, path, query, body, fwd, watch)
             if opened is None and not self.replicas.is_down(cand.replica_id):
                 # A dropped connection, not a dead replica: one more try on a fresh connection.
                 opened = await self._open(cand, method, path, query, body, fwd, watch)
+            if opened is not None and opened[0].status_code == 404 and on_missing is not None:
+                await self._discard(cand, opened[0])
+                opened = None
+                if await on_missing(cand):
+                    opened = await self._open(cand, method, path, query, body, fwd, watch)
+                if opened is not None and opened[0].status_code == 404:
+                    # Evicted again before the request got there (more adapters in demand than
+                    # the replica holds): the next replica, never the 404 of a registered one.
+                    await self._discard(cand, opened[0])
+                    opened = None
             if opened is None:
                 continue
             resp, first, chunks = opened
@@ -115,6 +129,11 @@ class Proxy:
                 self.metrics.prompt_tokens.inc(route.prompt_tokens)
             return self._stream_back(cand, resp, first, chunks, route)
         raise NoReplicaError(f"no replica could take the request ({len(ranking)} tried)")
+
+    async def _discard(self, cand: Candidate, resp: httpx.Response) -> None:
+        """Drop an opened response that will not be relayed."""
+        self.replicas.release(cand.replica_id)
+        await resp.aclose()
 
     async def _open(self, cand: Candidate, method: str, path: str, query: str, body: bytes,
                     headers: dict[str, str], watch: ClientWatch | None = None

@@ -1,5 +1,6 @@
 """The routing decision of one request: tokenize like the engine, ask Redis once how much of the
-prompt each live replica holds, rank the replicas by the policy (service/routing_policy.py)."""
+prompt each live replica holds, rank the replicas by the policy (service/routing_policy.py); a
+request naming a LoRA adapter goes to its holders first, or says where to load it."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.service.prefix_index.extra_keys import block_extra_keys
+from kvserve.service.router.adapters import Adapters
 from kvserve.service.router.config import RouterConfig
 from kvserve.service.router.metrics import RouterMetrics
 from kvserve.service.router.replicas import ReplicaSet
 from kvserve.service.router.tokenizer import RouterTokenizer
-from kvserve.service.routing_policy import POLICIES, Candidate, Decision, decide
+from kvserve.service.routing_policy import (POLICIES, Candidate, Decision, decide,
+                                            prefer_adapter)
 
 
 @dataclass
@@ -21,6 +25,9 @@ class RouteInfo:
     prompt_tokens: int
     matched: dict[str, int]  # replica id -> predicted matched tokens (either tier)
     host_matched: dict[str, int] = field(default_factory=dict)  # of those, host-tier tokens
+    adapter: str | None = None  # the LoRA adapter the request names
+    load_on: Candidate | None = None  # where to load it first (no usable replica holds it)
+    resident: bool = False  # the first-ranked replica holds the adapter
 
     def split(self, replica_id: str) -> tuple[int, int]:
         """(device, host) predicted matched tokens of a replica, capped at the prompt."""
@@ -41,6 +48,7 @@ class Router:
         self.metrics = RouterMetrics()
         self.replicas = ReplicaSet(cfg, self.metrics)
         self.prompts = RouterTokenizer(cfg.tokenizer, self.replicas, cfg.refresh_interval)
+        self.adapters = Adapters(cfg.lora_modules, self.metrics, cfg.lora_load_timeout)
         # A random start, so several routers' tie-break rotations are not in lockstep.
         self.counter = random.randrange(1 << 30)
 
@@ -60,12 +68,14 @@ class Router:
         block_size = replicas.block_size()
         use_index = self.cfg.policy == "prefix" and replicas.index is not None and \
             replicas.redis_up
+        adapter = self.adapters.adapter_of(body.get("model"), replicas.known)
         tokens = self.prompts.prompt_tokens(path, body) if use_index else None
         hashes: list[str] = []
         if tokens:
             from kvserve.engine.core.block_hash import block_hashes
 
-            hashes = block_hashes(tokens, block_size, body.get("cache_salt"))
+            hashes = block_hashes(tokens, block_size,
+                                  block_extra_keys(body.get("cache_salt"), adapter))
         # Only prefix routing needs Redis per request; the others use the set refreshed each second.
         counts = await replicas.match_counts(hashes) if use_index else {}
         cands = replicas.candidates(counts)
@@ -75,10 +85,23 @@ class Router:
         self.counter += 1
         decision = decide(policy, cands, num_blocks=len(hashes), block_size=block_size,
                           cfg=self.cfg.policy_cfg, counter=self.counter, session_key=session)
+        route = RouteInfo(decision, len(tokens or ()),
+                          {rid: n * block_size for rid, (n, _) in counts.items()},
+                          {rid: h * block_size for rid, (_, h) in counts.items()})
+        if adapter is not None:
+            self._prefer_adapter(route, adapter)
         self.metrics.decision_seconds.observe(time.perf_counter() - start)
-        return RouteInfo(decision, len(tokens or ()),
-                         {rid: n * block_size for rid, (n, _) in counts.items()},
-                         {rid: h * block_size for rid, (_, h) in counts.items()})
+        return route
+
+    def _prefer_adapter(self, route: RouteInfo, adapter: str) -> None:
+        """The adapter's holders first; `load_on` when the router must have it loaded."""
+        holders = self.adapters.holders(adapter, self.replicas.known)
+        d = route.decision
+        ranked, load_on = prefer_adapter(d.ranking, holders, self.cfg.policy_cfg,
+                                         can_load=self.adapters.registered(adapter))
+        route.decision = Decision(tuple(ranked), d.policy, d.applied)
+        route.adapter, route.load_on = adapter, load_on
+        route.resident = bool(ranked) and ranked[0].replica_id in holders
 
     def least_load_ranking(self) -> list[Candidate]:
         """Every replica by load: for requests that are not routed by their prompt."""

@@ -3,7 +3,9 @@ path prefix (`/r<i>/v1/completions`, `/r<i>/health`, ...); a replica's URL is
 `http://host:port/r<i>` and the router joins URL + path as for any replica.
 
 It answers what the router and OpenAI clients call: `POST /v1/completions` and
-`/v1/chat/completions` (whole or streamed as server-sent events), `GET /health`, `/v1/models`.
+`/v1/chat/completions` (whole or streamed as server-sent events), `GET /health`, `/v1/models`,
+and vLLM's `POST /v1/load_lora_adapter` / `unload_lora_adapter`; `model` selects a resident
+adapter, and a name that is neither the model nor a resident adapter gets vLLM's 404.
 Prompts are token ids, or text / chat messages tokenized by the router's own function
 (service/router/prompt_tokens.py) with the fleet's tokenizer, so the sim hashes exactly the ids
 the router hashes. Raw ASGI rather than FastAPI: at hundreds of requests a second on two cores
@@ -18,7 +20,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kvserve.service.sim.replica import CapacityError, SimReplica, SimRequest
+from kvserve.service.sim.replica import (AdapterNotFoundError, CapacityError, SimReplica,
+                                         SimRequest)
 
 Send = Callable[[dict], Awaitable[None]]
 _ids = itertools.count()
@@ -42,10 +45,14 @@ class SimFleetApp:
             return await _json(send, 200, {"status": "ok"})
         if method == "GET" and path == "/v1/models":
             return await _json(send, 200, {"object": "list", "data": [
-                {"id": self.model, "object": "model", "owned_by": "kvserve-sim"}]})
+                {"id": self.model, "object": "model", "owned_by": "kvserve-sim"},
+                *({"id": name, "object": "model", "owned_by": "kvserve-sim", "root": root,
+                   "parent": self.model} for name, root in replica.adapters.items())]})
         if method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
             body = await _read_body(receive)
             return await self._generate(replica, path, body, send)
+        if method == "POST" and path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            return await self._adapter_call(replica, path, await _read_body(receive), send)
         return await _json(send, 404, _error(f"{method} {path} is not simulated"))
 
     def _replica_of(self, path: str) -> tuple[SimReplica | None, str]:
@@ -55,15 +62,52 @@ class SimFleetApp:
         i = int(head[1:])
         return (self.replicas[i] if i < len(self.replicas) else None), "/" + rest
 
+    async def _adapter_call(self, replica: SimReplica, path: str, raw: bytes,
+                            send: Send) -> None:
+        """vLLM's answers: 200 with a text, 400 for a bad body or a second load, 404 to unload
+        an adapter that is not there."""
+        try:
+            body = json.loads(raw)
+            name = body["lora_name"]
+            lora_path = body["lora_path"] if path.startswith("/v1/load") else ""
+            if not isinstance(name, str) or not name or not isinstance(lora_path, str):
+                raise ValueError
+        except (ValueError, TypeError, KeyError):
+            return await _json(send, 400, _error("send lora_name (and lora_path to load)"))
+        if path == "/v1/unload_lora_adapter":
+            try:
+                replica.unload_adapter(name)
+            except AdapterNotFoundError:
+                return await _json(send, 404, _not_found(f"The lora adapter '{name}' cannot "
+                                                         "be found."))
+            return await _text(send, f"Success: LoRA adapter '{name}' removed successfully.")
+        if not await replica.load_adapter(name, lora_path):
+            return await _json(send, 400, _error(f"The lora adapter '{name}' has already been "
+                                                 "loaded."))
+        return await _text(send, f"Success: LoRA adapter '{name}' added successfully.")
+
+    def _lora_of(self, replica: SimReplica, model: Any) -> str | None:
+        """The adapter `model` names (None: the base model); AdapterNotFoundError otherwise."""
+        if model is None or model == self.model:
+            return None
+        if isinstance(model, str) and model in replica.adapters:
+            return model
+        raise AdapterNotFoundError(model)
+
     async def _generate(self, replica: SimReplica, path: str, raw: bytes, send: Send) -> None:
         try:
             body = json.loads(raw)
+            lora = self._lora_of(replica, body.get("model"))
             prompt = self._prompt_tokens(path, body)
             max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
             max_tokens = 16 if max_tokens is None else int(max_tokens)
             if max_tokens < 1:
                 raise ValueError("max_tokens must be at least 1")
-            req = replica.submit(f"sim-{next(_ids)}", prompt, max_tokens, body.get("cache_salt"))
+            req = replica.submit(f"sim-{next(_ids)}", prompt, max_tokens, body.get("cache_salt"),
+                                 lora)
+        except AdapterNotFoundError as exc:
+            return await _json(send, 404, _not_found(f"The model `{exc.args[0]}` does not "
+                                                     "exist."))
         except (ValueError, TypeError, KeyError, AttributeError, CapacityError) as exc:
             return await _json(send, 400, _error(str(exc)))
         chat = path.endswith("/chat/completions")
@@ -104,6 +148,18 @@ async def _read_body(receive: Callable) -> bytes:
 
 def _error(message: str, status_type: str = "invalid_request_error") -> dict:
     return {"error": {"message": message, "type": status_type, "param": None, "code": None}}
+
+
+def _not_found(message: str) -> dict:
+    return {"error": {"message": message, "type": "NotFoundError", "param": None, "code": 404}}
+
+
+async def _text(send: Send, text: str) -> None:
+    data = text.encode()
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/plain; charset=utf-8"),
+                            (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})
 
 
 async def _json(send: Send, status: int, payload: dict) -> None:

@@ -39,7 +39,8 @@ class SimFleet:
     def __init__(self, num_replicas: int, timing: TimingModel, *, redis_url: str | None = None,
                  service: str = "default", model: str = "smollm2-135m-instruct",
                  tokenizer: Any = None, host: str = "127.0.0.1", port: int = 0,
-                 id_prefix: str = "sim", heartbeat_interval: float = 1.0) -> None:
+                 id_prefix: str = "sim", heartbeat_interval: float = 1.0,
+                 max_loras: int = 8, lora_load_s: float = 0.05) -> None:
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be at least 1, got {num_replicas}")
         self.timing, self.host = timing, host
@@ -47,10 +48,12 @@ class SimFleet:
         self.replicas: list[SimReplica] = []
         for i in range(num_replicas):
             rid = f"{id_prefix}-{i:03d}"
-            pub = PrefixIndexPublisher(redis_url, service, rid, self.url(i), model,
-                                       timing.block_size, heartbeat_interval) \
-                if redis_url else None
-            self.replicas.append(SimReplica(rid, timing, pub))
+            rep = SimReplica(rid, timing, max_loras=max_loras, lora_load_s=lora_load_s)
+            if redis_url:
+                rep.publisher = PrefixIndexPublisher(
+                    redis_url, service, rid, self.url(i), model, timing.block_size,
+                    heartbeat_interval, adapters=rep.resident_adapters)
+            self.replicas.append(rep)
         self.app = SimFleetApp(self.replicas, model, tokenizer)
         self._server: Any = None
         self._serve: asyncio.Task | None = None
@@ -106,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-blocks", type=int, default=None, help="KV blocks per replica")
     ap.add_argument("--model", default="smollm2-135m-instruct",
                     help="model announced (the router loads its tokenizer)")
+    ap.add_argument("--max-loras", type=int, default=8,
+                    help="LoRA adapters each replica keeps resident (LRU)")
+    ap.add_argument("--lora-load-seconds", type=float, default=0.05,
+                    help="simulated time to load one adapter")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=9000)
     return ap
@@ -119,7 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     async def run() -> None:
         fleet = SimFleet(args.replicas, timing, redis_url=args.redis_url,
                          service=args.service_name, model=args.model, host=args.host,
-                         port=args.port)
+                         port=args.port, max_loras=args.max_loras,
+                         lora_load_s=args.lora_load_seconds)
         await fleet.start()
         print(f"{args.replicas} simulated replicas ({timing.name}) at {fleet.url(0)} ... "
               f"{fleet.url(args.replicas - 1)}", flush=True)

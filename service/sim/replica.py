@@ -9,6 +9,11 @@ A run of decode-only steps is slept as one stretch, cut short by an arrival (the
 waits for the step in progress to end), so a replica wakes per event, not per token: 256 of them
 fit in one event loop. After every stretch the pool's KV events and the load go to Redis through
 the real `PrefixIndexPublisher`, so the router sees exactly what this replica caches.
+
+LoRA adapters as vLLM keeps them: a resident set of up to `max_loras`, loaded by name after a
+`lora_load_s` delay, the least recently used idle adapter evicted to make room (never one with
+requests in flight: the set may exceed `max_loras` until one is idle); a request for an adapter
+keys its blocks by the adapter (its KV is never shared with the base model's or another's).
 """
 
 from __future__ import annotations
@@ -17,12 +22,14 @@ import asyncio
 import itertools
 import math
 import time
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.engine.core.kv_cache_manager import KVCacheManager
 from kvserve.engine.core.sequence import Sequence
 from kvserve.engine.sample.sampling_params import SamplingParams
+from kvserve.service.prefix_index.extra_keys import block_extra_keys
 from kvserve.service.sim.timing import TimingModel
 
 _OUTPUT_TOKEN = 29  # the token every simulated output is made of (its text is " x")
@@ -56,6 +63,7 @@ class SimRequest:
     error: str | None = None
     # Tokens produced per event (first token, then decode stretches); None ends the stream.
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    lora: str | None = None  # the adapter it runs with
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -83,14 +91,27 @@ class ReplicaCounters:
     cached_tokens: int = 0  # of those, found in this replica's cache (the true hit count)
     preemptions: int = 0
     busy_s: float = 0.0  # simulated seconds spent in steps
+    adapter_requests: int = 0  # requests naming a resident adapter
+    adapter_loads: int = 0  # adapters loaded (a load of a resident one is not counted)
+    adapter_evictions: int = 0
+
+
+class AdapterNotFoundError(KeyError):
+    """A request for an adapter this replica does not hold (vLLM's 404)."""
 
 
 class SimReplica:
     """One simulated replica; `publisher` (a PrefixIndexPublisher or None) is started by the
     fleet and fed here after every stretch of steps."""
 
-    def __init__(self, replica_id: str, timing: TimingModel, publisher: Any = None) -> None:
+    def __init__(self, replica_id: str, timing: TimingModel, publisher: Any = None, *,
+                 max_loras: int = 8, lora_load_s: float = 0.05) -> None:
+        if max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {max_loras}")
         self.replica_id, self.timing, self.publisher = replica_id, timing, publisher
+        self.max_loras, self.lora_load_s = max_loras, lora_load_s
+        self.adapters: OrderedDict[str, str] = OrderedDict()  # name -> path, LRU first
+        self._adapter_use: Counter[str] = Counter()  # requests in flight per adapter
         self.kv = KVCacheManager(timing.num_blocks, timing.block_size)
         self.waiting: list[SimRequest] = []
         self.running: list[SimRequest] = []
@@ -112,26 +133,36 @@ class SimReplica:
             self._finish(r, error="replica stopped")
 
     def reset(self) -> None:
-        """Forget every cached block and the counters (between benchmark runs); needs an idle
+        """Forget every cached block, adapter and counter (between benchmark runs); needs an idle
         replica. The publisher replaces the replica's sets with the empty snapshot."""
         if self.waiting or self.running:
             raise RuntimeError(f"replica {self.replica_id} is busy; reset it when idle")
         self.kv = KVCacheManager(self.timing.num_blocks, self.timing.block_size)
         self.counters = ReplicaCounters()
+        self.adapters.clear()
         if self.publisher is not None:
             self.publisher.on_step([], self.load(), snapshot=[], host_snapshot=[])
 
     # ---- what the HTTP side and the benchmark's oracle read -----------------------------------
     def submit(self, request_id: str, prompt: list[int], max_tokens: int,
-               cache_salt: str | None = None) -> SimRequest:
-        """Queue a request; CapacityError when it could never fit the pool."""
+               cache_salt: str | None = None, lora: str | None = None) -> SimRequest:
+        """Queue a request; CapacityError when it could never fit the pool,
+        AdapterNotFoundError when `lora` is not resident."""
+        if lora is not None and lora not in self.adapters:
+            raise AdapterNotFoundError(lora)
         blocks = -(-(len(prompt) + max_tokens) // self.timing.block_size)
         if blocks > self.timing.num_blocks:
             raise CapacityError(f"prompt + max_tokens need {blocks} KV blocks; this replica has "
                                 f"{self.timing.num_blocks}")
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        seq = Sequence(next(_seq_ids), request_id, 0, list(prompt), params, cache_salt=cache_salt)
-        req = SimRequest(seq, max_tokens)
+        # The engine keys an adapter's blocks by its name: the same extra keys here.
+        seq = Sequence(next(_seq_ids), request_id, 0, list(prompt), params,
+                       cache_salt=block_extra_keys(cache_salt, lora))  # type: ignore[arg-type]
+        req = SimRequest(seq, max_tokens, lora=lora)
+        if lora is not None:
+            self.adapters.move_to_end(lora)
+            self._adapter_use[lora] += 1
+            self.counters.adapter_requests += 1
         self.waiting.append(req)
         self.counters.requests += 1
         self._wake.set()
@@ -146,6 +177,40 @@ class SimReplica:
             self.running.remove(req)
             self.kv.free(req.seq)
         self._finish(req, error="aborted")
+
+    async def load_adapter(self, name: str, path: str) -> bool:
+        """Load `name` after the load delay; False when it was resident already."""
+        if name in self.adapters:
+            self.adapters.move_to_end(name)
+            return False
+        await asyncio.sleep(self.lora_load_s)
+        if name in self.adapters:  # a concurrent load of the same name finished first
+            return False
+        self.adapters[name] = path
+        self.counters.adapter_loads += 1
+        self._evict_adapters()
+        self._publish()
+        return True
+
+    def unload_adapter(self, name: str) -> None:
+        """AdapterNotFoundError when it is not resident."""
+        if name not in self.adapters:
+            raise AdapterNotFoundError(name)
+        del self.adapters[name]
+        self._publish()
+
+    def _evict_adapters(self) -> None:
+        """Least recently used idle adapters out until `max_loras` remain (or none is idle)."""
+        for name in list(self.adapters):
+            if len(self.adapters) <= self.max_loras:
+                return
+            if not self._adapter_use[name]:
+                del self.adapters[name]
+                self.counters.adapter_evictions += 1
+
+    def resident_adapters(self) -> list[str]:
+        """What the heartbeat publishes."""
+        return list(self.adapters)
 
     def load(self) -> SimLoad:
         return SimLoad(len(self.running), len(self.waiting), self.kv.usage())
@@ -330,6 +395,8 @@ class SimReplica:
         if r.finished:
             return
         r.finished, r.error = True, error
+        if r.lora is not None:
+            self._adapter_use[r.lora] -= 1
         r.events.put_nowait(None)
 
     def _publish(self) -> None:

@@ -42,6 +42,7 @@ OWNED = {
     "keda.sh/v1alpha1/scaledobjects": "ScaledObject",
     "networking.k8s.io/v1/networkpolicies": "NetworkPolicy",
     "v1/secrets": "Secret",
+    "batch/v1/jobs": "Job",
 }
 SECRETS = "v1/secrets"
 
@@ -57,6 +58,7 @@ def declare_resources(kmock: Any) -> None:
         kind=KIND, namespaced=True, verbs=VERBS, subresources=["status", "scale"])
     for resource, kind in OWNED.items():
         kmock.resources[resource] = info(kind=kind, namespaced=True, verbs=VERBS)
+    kmock.resources["v1/pods"] = info(kind="Pod", namespaced=True, verbs=VERBS)  # read only
 
 
 @dataclass
@@ -565,3 +567,94 @@ async def test_prune_deletes_what_left_the_desired_set_but_keeps_the_weights_cla
         if o["kind"] == "Deployment" and o["metadata"]["name"] != "keep-engine")
     assert stored(kmock, DEPLOYMENTS, "keep-router") is None
     assert stored(kmock, DEPLOYMENTS, "keep-engine") is not None
+
+
+# ---------------------------------------------------------------------------- LoRA adapters
+
+
+async def test_adapters_are_loaded_and_unloaded_on_running_pods_without_a_restart(
+        kmock: Any) -> None:
+    """Two engine pods are simulated replicas (service/sim/: vLLM's adapter endpoints). The
+    operator loads the spec's adapters on both, a hub adapter only once its fetch Job succeeded;
+    an edit of spec.adapters unloads and loads on the same pods and leaves the engine
+    Deployment as it was; status.adapters says where each one is. The resync timer (every
+    second here) finishes what a change could not (the fetch)."""
+    from kvserve.service.sim.fleet import SimFleet
+    from kvserve.service.sim.timing import TimingModel
+
+    timing = TimingModel("t", prefill_s_per_token=0.0, decode_step_s=0.001,
+                         decode_s_per_seq=0.0, decode_s_per_ctx_token=0.0, num_blocks=64)
+    fleet = SimFleet(2, timing, model="smollm2-135m", lora_load_s=0.01)
+    await fleet.start()
+    pods = {f"lora-engine-{i}": fleet.url(i) for i in range(2)}
+    w = "/var/lib/kvserve/weights"
+    cr = service_cr("lora", model={"name": "smollm2-135m", "cache": {"pvc": {"size": "5Gi"}}},
+                    adapters=[{"name": "local", "uri": "/opt/adapters/local"},
+                              {"name": "hub", "uri": "hf://org/hub-lora"}])
+
+    def held(i: int) -> dict[str, str]:
+        return dict(fleet.replicas[i].adapters)
+
+    def adapters_status() -> list[dict]:
+        return stored(kmock, PLURAL_KEY, "lora").get("status", {}).get("adapters", [])
+
+    try:
+        async with running_operator(kmock, status_interval=1.0) as h:
+            h.memo.pod_url = lambda pod: pods.get(pod["metadata"]["name"])
+            for name in pods:
+                await create_pod(kmock, name, "lora")
+            await create_pod(kmock, "other-engine-0", "other")  # another service's pod
+            await create(kmock, cr)
+            await wait_for(lambda: all(held(i) == {"local": "/opt/adapters/local"}
+                                       for i in range(2)), "the local adapter on both pods")
+            await wait_for(lambda: adapters_status() and adapters_status()[1].get("message"),
+                           "status saying the hub adapter is being fetched")
+            assert adapters_status()[0] == {"name": "local", "uri": "/opt/adapters/local",
+                                            "loadedOn": sorted(pods)}
+            job = next(o.raw for (res, _, _), o in kmock.objects.items()
+                       if res == kmock_lib.resource("batch/v1/jobs") and not o.deleted)
+            engine_before = stored(kmock, DEPLOYMENTS, "lora-engine")["spec"]
+            await patch_status(kmock, "apis/batch/v1", "jobs", job["metadata"]["name"],
+                               {"status": {"succeeded": 1}})
+            hub = f"{w}/adapters/org--hub-lora"
+            await wait_for(lambda: all(held(i).get("hub") == hub for i in range(2)),
+                           "the hub adapter on both pods once fetched")
+            await patch_cr(kmock, "lora", {"spec": {"adapters": [
+                {"name": "hub", "uri": "hf://org/hub-lora"},
+                {"name": "new", "uri": "/opt/adapters/new"}]}})
+            await wait_for(lambda: all(held(i) == {"hub": hub, "new": "/opt/adapters/new"}
+                                       for i in range(2)), "local unloaded, new loaded")
+            await wait_for(lambda: [a["name"] for a in adapters_status()] == ["hub", "new"]
+                           and all(a["loadedOn"] == sorted(pods) for a in adapters_status()),
+                           "status.adapters after the edit")
+
+            def router_modules() -> list[str]:
+                args = stored(kmock, DEPLOYMENTS, "lora-router")["spec"]["template"]["spec"][
+                    "containers"][0]["args"]
+                i = args.index("--lora-modules")
+                return args[i + 1:i + 3]
+
+            # The router gets the new registry (its pods roll; they hold no state).
+            await wait_for(lambda: router_modules() == [f"hub={hub}", "new=/opt/adapters/new"],
+                           "the router's --lora-modules after the edit")
+        engine_after = stored(kmock, DEPLOYMENTS, "lora-engine")["spec"]
+        assert engine_after["template"] == engine_before["template"]  # no restart
+        assert fleet.replicas[0].counters.adapter_loads == 3  # local, hub, new: once each
+    finally:
+        await fleet.close()
+
+
+async def create_pod(kmock: Any, name: str, service: str) -> None:
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": name, "namespace": NS, "labels": {
+               "app.kubernetes.io/instance": service, "app.kubernetes.io/component": "engine"}},
+           "spec": {"containers": [{"name": "engine", "image": "x"}]},
+           "status": {"phase": "Running", "podIP": "10.0.0.1"}}
+    async with kmock.post(f"/api/v1/namespaces/{NS}/pods", json=pod) as resp:
+        assert resp.status < 300, await resp.text()
+
+
+async def patch_status(kmock: Any, base: str, plural: str, name: str, patch: dict) -> None:
+    async with kmock.patch(f"/{base}/namespaces/{NS}/{plural}/{name}", json=patch,
+                           headers={"Content-Type": "application/merge-patch+json"}) as resp:
+        assert resp.status < 300, await resp.text()

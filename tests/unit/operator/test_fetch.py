@@ -87,3 +87,21 @@ def test_known_names_go_through_kvserve_fetch_model(tmp_path: Path,
 def test_cli_reports_unfetchable_uris(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert fetch.main(["--uri", "s3://bucket/x", "--cache", str(tmp_path)]) == 1
     assert "s3:// is planned" in capsys.readouterr().err
+
+
+def test_adapters_go_to_their_own_folder_with_a_marker(tmp_path: Path) -> None:
+    """The adapter Job's fetch: <cache>/adapters/<slug>, once; a model of the same hub id is a
+    different folder."""
+    hub = FakeHub()
+    loc = parse_model_uri("hf://org/sql-lora:v2")
+    assert fetch.ensure(loc, tmp_path, {"hf": hub}, kind="adapters") is True
+    assert fetch.ensure(loc, tmp_path, {"hf": hub}, kind="adapters") is False
+    assert (tmp_path / "adapters" / "org--sql-lora" / fetch.MARKER).is_file()
+    assert not (tmp_path / "models").exists()
+    assert hub.calls == [("org/sql-lora", "v2")]
+
+
+def test_the_cli_refuses_adapters_it_cannot_fetch(tmp_path: Path, capsys) -> None:
+    assert fetch.main(["--cache", str(tmp_path), "--adapter", "/opt/adapters/x"]) == 1
+    assert "only hub adapters are fetched" in capsys.readouterr().err
+    assert fetch.main(["--cache", str(tmp_path)]) == 2  # nothing to fetch: a wrong Job

@@ -73,6 +73,53 @@ async def test_lookup_returns_leading_match_per_live_replica(redis_server):
         await a.close(), await b.close(), await index.close()
 
 
+async def test_heartbeats_carry_the_resident_adapters(redis_server):
+    """The callback is read at every heartbeat; a replica without it (or a heartbeat written
+    before the field existed) reads as holding no adapter; a failing callback keeps the last
+    list; a garbage list is a malformed heartbeat, not a crash."""
+    resident = {"sql-lora"}
+    calls = []
+
+    def adapters():
+        calls.append(1)
+        if resident == {"boom"}:
+            raise RuntimeError("engine busy")
+        return list(resident)
+
+    a = publisher(redis_server.url, "a", adapters=adapters)
+    b = publisher(redis_server.url, "b")
+    index = PrefixIndex.from_url(redis_server.url, "svc")
+    await a.start(), await b.start()
+
+    async def held() -> dict[str, frozenset[str]]:
+        return {i.replica_id: i.adapters for i in await index.replicas()}
+
+    try:
+        await until(lambda: _eq(held(), {"a": frozenset({"sql-lora"}), "b": frozenset()}),
+                    what="first heartbeats")
+        resident.add("chat-lora")
+        await until(lambda: _eq(held(), {"a": frozenset({"sql-lora", "chat-lora"}),
+                                         "b": frozenset()}), what="the next heartbeat")
+        resident.clear()
+        resident.add("boom")
+        n = len(calls)
+        await until(lambda: len(calls) > n + 1, what="two failing reads")
+        assert (await held())["a"] == frozenset({"sql-lora", "chat-lora"})
+        r = redis.Redis.from_url(redis_server.url)
+        old = IndexKeys("svc").replica("old")  # an old replica's heartbeat: no adapters field
+        r.hset(old, mapping={"url": "http://old:8000", "heartbeat_at": "1"})
+        r.sadd(IndexKeys("svc").replicas, "old")
+        await b.close()
+        assert (await held())["old"] == frozenset()
+        r.hset(old, "adapters", '{"not": "a list"}')
+        scan = await index.scan()
+        assert [rid for rid, _ in scan.malformed] == ["old"]
+        assert "adapters" in scan.malformed[0][1]
+        r.close()
+    finally:
+        await a.close(), await b.close(), await index.close()
+
+
 async def _loads(index: PrefixIndex) -> dict[str, int]:
     return {i.replica_id: i.load for i in await index.replicas()}
 

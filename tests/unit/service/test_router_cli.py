@@ -48,3 +48,21 @@ def test_host_weight_flag():
     for bad in ("-0.1", "1.5"):
         with pytest.raises(SystemExit, match="--host-weight must be between 0 and 1"):
             parse("--host-weight", bad)
+
+
+def test_lora_modules_in_both_of_vllms_forms():
+    cfg = parse("--lora-modules", "sql=/w/adapters/sql",
+                '{"name": "chat", "path": "/w/adapters/chat", "base_model_name": "m"}',
+                "--lora-modules", "code=/w/a=b", "--lora-load-timeout", "9")
+    assert cfg.lora_modules == (("sql", "/w/adapters/sql"), ("chat", "/w/adapters/chat"),
+                                ("code", "/w/a=b"))
+    assert cfg.lora_load_timeout == 9 and parse().lora_modules == ()
+
+
+@pytest.mark.parametrize("bad, reason", [
+    (["sql"], "write NAME=PATH"), (["=/p"], "must not be empty"), (["sql="], "must not be"),
+    (['{"name": "x"}'], '"name" and "path"'), (["a=/x", "a=/y"], "twice"),
+])
+def test_bad_lora_modules_name_the_reason(bad, reason):
+    with pytest.raises(SystemExit, match=reason):
+        parse("--lora-modules", *bad)

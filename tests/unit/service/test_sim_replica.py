@@ -172,3 +172,47 @@ def test_an_arrival_cuts_a_decode_stretch_short_after_the_step_in_progress():
     wait = 3 * m.decode_step_s - 2.5 * m.decode_step_s  # the rest of the step in progress
     assert late.first_token_at - late.arrival == pytest.approx(wait + m.step_seconds(32, 1, 0))
     assert late.arrival - long.first_token_at == pytest.approx(2.5 * m.decode_step_s)
+
+
+def test_adapters_are_an_lru_that_never_evicts_one_in_use():
+    async def main() -> None:
+        rep = SimReplica("a", FAST, max_loras=2, lora_load_s=0.2)
+        rep.start()
+        t0 = asyncio.get_running_loop().time()
+        assert await rep.load_adapter("x", "/x") and await rep.load_adapter("y", "/y")
+        assert asyncio.get_running_loop().time() - t0 == pytest.approx(0.4)  # the load delay
+        assert not await rep.load_adapter("x", "/x")  # resident: no load, x is now recent
+        # y runs (900 decode steps: ~1 s, past the two loads below), and is the most recent.
+        busy = rep.submit("b", prompt(1), 900, lora="y")
+        assert await rep.load_adapter("z", "/z")
+        assert rep.resident_adapters() == ["y", "z"]  # x (idle, least recent) went
+        assert await rep.load_adapter("w", "/w")
+        # y is in use and z is idle: z goes, though y is the least recently used.
+        assert rep.resident_adapters() == ["y", "w"]
+        with pytest.raises(KeyError):
+            rep.submit("c", prompt(2), 4, lora="x")
+        while await busy.events.get() is not None:
+            pass
+        assert await rep.load_adapter("v", "/v")
+        assert rep.resident_adapters() == ["w", "v"]
+        assert (rep.counters.adapter_loads, rep.counters.adapter_evictions) == (5, 3)
+        await rep.close()
+
+    in_sim_time(main)
+
+
+def test_an_adapters_blocks_are_never_shared_with_the_base_model():
+    async def main() -> None:
+        rep = SimReplica("a", FAST)
+        rep.start()
+        await rep.load_adapter("x", "/x")
+        for lora in (None, "x", None, "x"):
+            r = rep.submit("r", prompt(3), 2, lora=lora)
+            while await r.events.get() is not None:
+                pass
+        # The second base request and the second adapter request hit (3 of the 4 blocks: the
+        # last prompt token is always computed); the first adapter request misses.
+        assert rep.counters.cached_tokens == 2 * 48 and rep.counters.prompt_tokens == 4 * 64
+        await rep.close()
+
+    in_sim_time(main)
