@@ -32,7 +32,7 @@ def run_server(engine_config: Any, config: ServerConfig) -> int:
     # The server is a guarded entry point: its tensor-parallel workers spawn, as they did before
     # scripts could fork them, so no lock held by a server thread is ever inherited by a worker.
     os.environ.setdefault("KVSERVE_WORKER_MULTIPROC_METHOD", "spawn")
-    if config.engine_core == "process":  # the core (and its TP workers) in its own process
+    if engine_core_mode(config.engine_core, engine_config) == "process":  # and its TP workers
         engine: Any = CoreClient(engine_config)
         info: Any = engine.info
     else:
@@ -51,6 +51,18 @@ def run_server(engine_config: Any, config: ServerConfig) -> int:
     finally:
         (engine.close if isinstance(engine, CoreClient) else engine.shutdown)()
     return 1 if died else 0
+
+
+def engine_core_mode(asked: str, engine_config: Any) -> str:
+    """--engine-core resolved: auto is process on a GPU, thread on the CPU (measured in
+    docs/perf/server.md: on a 2-core CPU the core's compute threads and the API process
+    compete for the same cores)."""
+    if asked != "auto":
+        return asked
+    import torch
+
+    gpu = engine_config.device != "cpu" and torch.cuda.is_available()
+    return "process" if gpu else "thread"
 
 
 def _exit_soon(server: Any, died: list[BaseException], exc: BaseException) -> None:

@@ -15,7 +15,8 @@ from server_process import api_server_process
 def test_sigterm_drains_then_exits(tiny_model_dir, tmp_path):
     log = tmp_path / "server.log"
     with api_server_process(tiny_model_dir, log, "--max-model-len", "512",
-                            "--shutdown-grace-period", "60") as (proc, url):
+                            "--shutdown-grace-period", "60", "--engine-core", "process"
+                            ) as (proc, url):
         body = {"model": "tiny", "prompt": "The quick", "max_tokens": 400, "temperature": 0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         with httpx.Client(timeout=120) as http:
@@ -31,7 +32,6 @@ def test_sigterm_drains_then_exits(tiny_model_dir, tmp_path):
                 except httpx.ConnectError:
                     pass
                 data = [line for line in lines if line.startswith("data: ")]
-        open("/tmp/core-proc-sigterm.txt", "w").write("\n".join(data) + log.read_text())
         assert data[-1] == "data: [DONE]", (data[-3:], log.read_text()[-3000:])
         assert json.loads(data[-2][6:]).get("usage", {}).get("completion_tokens") == 400, (
             data[-3:], log.read_text()[-3000:])
@@ -44,12 +44,13 @@ def test_sigterm_drains_then_exits(tiny_model_dir, tmp_path):
 
 
 def test_engine_core_death_ends_streams_and_the_server(tiny_model_dir, tmp_path, monkeypatch):
-    """The engine core runs in its own process (the default): when it dies, an open stream ends
-    with an SSE error event, /health answers 503 with the reason, and the server exits
+    """The engine core in its own process (--engine-core process): when it dies, an open stream
+    ends with an SSE error event, /health answers 503 with the reason, and the server exits
     (non-zero) so that Kubernetes restarts the pod."""
     monkeypatch.setenv("KVSERVE_EXIT_AFTER_CORE_DEATH_S", "5")
     log = tmp_path / "server.log"
-    with api_server_process(tiny_model_dir, log, "--max-model-len", "512") as (proc, url):
+    with api_server_process(tiny_model_dir, log, "--max-model-len", "512",
+                            "--engine-core", "process") as (proc, url):
         match = re.search(r"engine core: process (\d+)", log.read_text())
         assert match, log.read_text()[-2000:]
         core_pid = int(match.group(1))
