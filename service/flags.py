@@ -272,11 +272,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds running requests get to finish after SIGTERM")
     g.add_argument("--log-level", default="info", choices=LOG_LEVELS,
                    help="log level of kvserve and uvicorn")
-    g.add_argument("--engine-core", default="auto", choices=["auto", "process", "thread"],
-                   help="process: the engine steps in its own process and this one tokenises, "
-                   "detokenises and streams (vLLM v1's split); thread: the engine steps in a "
-                   "thread of the server's process; auto (default): process on a GPU, thread "
-                   "on the CPU (where the two processes compete for the same cores)")
+    g.add_argument("--engine-core", default="thread", choices=["thread", "process", "auto"],
+                   help="thread (default): the engine steps in a thread of the server's "
+                   "process; process: in its own process, this one tokenising, detokenising "
+                   "and streaming (vLLM v1's split; measured slower on a CPU so far, see "
+                   "docs/perf/server.md); auto: process on a GPU, thread on the CPU")
     add_limit_args(parser)
     r = parser.add_argument_group("prefix index (Redis, read by the router)")
     r.add_argument("--redis-url", default=None,
