@@ -13,7 +13,7 @@ MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
 # int8 | fp8 quantise a dense checkpoint at load; the others name a checkpoint's own format
-QUANTIZATION_METHODS = ("int8", "fp8", "compressed-tensors", "gptq", "awq")
+QUANTIZATION_METHODS = ("int8", "fp8", "compressed-tensors", "gptq", "awq", "gguf")
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     block_size: int = 16
     gpu_memory_utilization: float = 0.90
-    kv_cache_memory: int | None = None  # bytes for the KV cache on CPU (None = safe share of RAM)
+    kv_cache_memory: int | None = None  # CPU KV bytes, whole server (None = safe share of RAM)
     num_gpu_blocks_override: int | None = None
     swap_space: float = 4.0  # GiB of CPU memory for swapped-out blocks
     preemption_mode: str = "auto"  # "auto" (swap where cheaper) | "recompute" | "swap"
@@ -58,7 +58,8 @@ class EngineConfig:
     # --structured-outputs-config.backend.
     structured_outputs_backend: str = "auto"
     # None: the checkpoint's own quantization_config (or dense); "int8" | "fp8": quantise a dense
-    # checkpoint's linears per channel at load (engine/layers/quantization/).
+    # checkpoint's linears per channel at load (engine/layers/quantization/); "gguf": load the
+    # model folder's .gguf file, its quantised linears kept quantised.
     quantization: str | None = None
     # vLLM's hf_overrides: a dict merged into the HF config (a JSON object string from the CLI),
     # or a callable taking and returning it; applied before the model is built, on every rank.

@@ -58,10 +58,10 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget every cached prefix block (device, host and disk tiers); False while running
         requests still hold blocks (as vLLM)."""
-        return self.llm_engine.reset_prefix_cache()
+        return self.llm_engine.reset_prefix_cache(reset_running_requests)
 
     def start_profile(self) -> None:
         """Start the torch profiler (vLLM's); the trace goes to $KVSERVE_TORCH_PROFILER_DIR or

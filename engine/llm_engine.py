@@ -75,6 +75,7 @@ class LLMEngine:
         self.max_model_len = setup.max_model_len
         self.block_size = config.block_size
         self.memory_budget = setup.budget
+        self.host_plan = setup.host_plan  # the whole server's memory on this host (None: dry run)
         self.eos_token_ids = setup.eos_token_ids
         self.vocab_size = setup.vocab_size
         self.disk = _disk_tier(config, setup, str(model_path))
@@ -122,7 +123,8 @@ class LLMEngine:
                     self.runner.backend)
         self.model_weight_bytes = setup.budget.weight_bytes * config.tensor_parallel_size
         logger.info("%s", weights_log_line(self.model_weight_bytes, model_path,
-                                           torch.finfo(self.dtype).bits // 8))
+                                           torch.finfo(self.dtype).bits // 8,
+                                           config.quantization))
         if self.kv.groups.is_hybrid or self.kv.groups.slides:
             logger.info("KV-cache groups: %s; a block is a page of %d layers, sliding groups "
                         "free blocks that left their window",
@@ -238,13 +240,10 @@ class LLMEngine:
                 f"the prompt has {len(ids)} tokens but this model's context (max_model_len) is "
                 f"{limit}; shorten the prompt or start the engine with a larger max_model_len",
                 "prompt")
-        if params.max_tokens is None:
+        if params.max_tokens is None or len(ids) + params.max_tokens > limit:
+            # As vLLM v1's engine: the output stops at the context (finish_reason "length");
+            # the server refuses such a request with a 400 before it gets here.
             params = _replace(params, max_tokens=limit - len(ids))
-        elif len(ids) + params.max_tokens > limit:
-            raise InvalidRequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"max_model_len {limit}; lower max_tokens to at most {limit - len(ids)}",
-                "max_tokens")
         bias = [t for t in params.logit_bias or {} if t >= self.vocab_size]
         if bias:
             raise InvalidRequestError(
@@ -591,7 +590,12 @@ class LLMEngine:
         """Durations of the batched host -> device restores since the last call."""
         return self.tiers.take_restore_seconds()
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached prefix block (device, host and disk tiers); False while running
+        requests hold blocks, unless `reset_running_requests` preempts them first (they
+        recompute), as vLLM's."""
+        if reset_running_requests:
+            self.scheduler.preempt_running()
         if not self.kv.pool.reset_prefix_cache():
             return False
         if self.kv.host is not None:

@@ -168,11 +168,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=d("gpu_memory_utilization"),
                    help="share of GPU memory for weights + activations + KV cache")
     g.add_argument("--kv-cache-memory", type=byte_size, default=None,
-                   help="KV-cache size on CPU, e.g. 2GiB (default: a safe share of RAM)")
+                   help="KV-cache size on CPU for the whole server, split across the "
+                        "tensor-parallel ranks, e.g. 2GiB (default: a quarter of the memory "
+                        "available, at most 4 GiB)")
     g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="use exactly this many KV blocks (testing)")
     g.add_argument("--swap-space", type=float, default=d("swap_space"),
-                   help="GiB of CPU memory for swapped-out KV blocks")
+                   help="GiB of CPU memory for swapped-out KV blocks, for the whole server "
+                        "(split across the tensor-parallel ranks, at most the KV cache; "
+                        "allocated as blocks are swapped)")
     g.add_argument("--preemption-mode", default=d("preemption_mode"), choices=PREEMPTION_MODES,
                    help="what to do with a preempted request (auto: swap when the CPU pool has "
                         "room and copying is cheaper than recomputing)")
@@ -192,7 +196,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
                    help="int8 or fp8: quantise an unquantised checkpoint's linears per channel "
                         "at load (int8 runs W8A8 on the CPU's int8 units); a quantised "
-                        "checkpoint is read from its own quantization_config without the flag")
+                        "checkpoint is read from its own quantization_config without the flag; "
+                        "gguf: serve the model folder's .gguf file (Q8_0/Q4_0/Q4_1/Q4_K kept "
+                        "quantised; the default model's own GGUF is fetched on first use)")
     g.add_argument("--calculate-kv-scales", action="store_true",
                    help="compute fp8 KV scales from the first batch")
     g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",

@@ -121,6 +121,20 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         add_waiting(self.waiting, seq, self.config.policy, front=True)
 
+    def preempt_running(self) -> int:
+        """Preempt every running seq by recompute (their blocks freed; vLLM's
+        `reset_prefix_cache(reset_running_requests=True)`); returns how many."""
+        seqs = list(self.running)
+        for seq in reversed(seqs):  # the oldest ends up first in the waiting queue
+            self.running.remove(seq)
+            seq.num_preemptions += 1
+            self.num_preemptions += 1
+            self.kv.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            add_waiting(self.waiting, seq, self.config.policy, front=True)
+        return len(seqs)
+
     def _should_swap(self, seq: Sequence) -> bool:
         """swap: whenever the CPU pool has room; auto: when it has room and the cost model
         says copying the seq's blocks out and back beats recomputing its tokens."""

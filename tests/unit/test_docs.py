@@ -366,3 +366,14 @@ def test_every_registered_architecture_has_a_row_in_the_models_page():
     page = (DOCS / "guides" / "models.md").read_text()
     rows = set(re.findall(r"^\| `(\w+ForCausalLM)` \|", page, flags=re.M))
     assert set(MODEL_REGISTRY) <= rows, sorted(set(MODEL_REGISTRY) - rows)
+
+
+def test_vllm_examples_tally_refuses_a_run_claim_without_its_script(ref, tmp_path, monkeypatch):
+    fake = tmp_path / "examples.yaml"
+    fake.write_text("offline:\n  - {name: basic/basic.py, status: runs, script: offline/none.py}\n")
+    monkeypatch.setattr(ref, "EXAMPLES", fake)
+    with pytest.raises(ValueError, match="offline/none.py does not exist"):
+        ref.example_rows()
+    fake.write_text("online:\n  - {name: api_client.py, status: missing}\n")
+    with pytest.raises(ValueError, match="say why"):
+        ref.example_rows()
