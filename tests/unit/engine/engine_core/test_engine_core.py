@@ -77,9 +77,9 @@ def test_stop_strings_checked_by_the_client_match_the_engine(both):
 
 def test_refusals_raise_as_in_process(both):
     _, remote = both
-    with pytest.raises(InvalidRequestError) as err:
-        remote.generate(["hi"], SamplingParams(max_tokens=100_000), use_tqdm=False)
-    assert err.value.param == "max_tokens"
+    with pytest.raises(InvalidRequestError) as err:  # a token id past the vocabulary
+        remote.generate([[1, 10_000_000]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert err.value.param == "prompt"
     assert remote.generate(["hi"], SamplingParams(max_tokens=2, ignore_eos=True),
                            use_tqdm=False)[0].outputs[0].token_ids  # still serving
 
@@ -130,7 +130,7 @@ def test_async_engine_streams_and_core_death(tiny_model_dir):
         assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 5
         assert outs[-1].outputs[0].text  # detokenised here, in the client
         with pytest.raises(InvalidRequestError):
-            await engine.add_request("b", "x", SamplingParams(max_tokens=10_000))
+            await engine.add_request("b", [1, 10_000_000], SamplingParams(max_tokens=2))
         long = await engine.add_request("c", "The quick", SamplingParams(
             temperature=0, max_tokens=200, ignore_eos=True))
         it = aiter(long)
