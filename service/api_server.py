@@ -39,7 +39,11 @@ def run_server(engine_config: Any, config: ServerConfig) -> int:
         engine = info = LLMEngine.from_config(engine_config)
     logger.info("memory budget: %s", info.memory_budget.describe())
     model = (config.served_model_names or [info.model_name])[0]
-    publisher = make_publisher(config, model, info.block_size)
+    # The router's adapter affinity: each heartbeat carries the adapters this replica holds now
+    # (`app` is bound below, before the publisher's first heartbeat).
+    adapters = ((lambda: app.state.engine.resident_loras())
+                if getattr(info.config, "enable_lora", False) else None)
+    publisher = make_publisher(config, model, info.block_size, adapters=adapters)
     app = create_app(engine, config, publisher)
     server = DrainingServer.for_app(app, config.host, config.port, config.log_level.lower())
     died: list[BaseException] = []

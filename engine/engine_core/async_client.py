@@ -44,6 +44,7 @@ class AsyncMPEngine(AsyncEngine):
         self._state = _State()
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
+        self.resident_adapters: tuple[str, ...] = ()  # refreshed after each adapter call
 
     @property
     def tokenizer(self) -> Any:
@@ -119,6 +120,20 @@ class AsyncMPEngine(AsyncEngine):
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped after an error: {self.error}")
         super().check_accepting()
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        """An engine method (add_lora, remove_lora, list_loras ...) run in the core, off the
+        event loop; the resident-adapter snapshot the heartbeat reads is refreshed with it."""
+        self.check_accepting()
+
+        def call() -> Any:
+            try:
+                return self.client.call_utility(method, *args)
+            finally:
+                if self.config.enable_lora:
+                    self.resident_adapters = tuple(self.client.call_utility("resident_loras"))
+
+        return await asyncio.to_thread(call)
 
     def abort(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,8 +43,10 @@ async def stop_advertising(publisher: Any) -> None:
         logger.exception("prefix index: could not deregister this replica")
 
 
-def make_publisher(config: ServerConfig, model: str, block_size: int) -> Any:
-    """The Redis prefix-index publisher when --redis-url is set (None otherwise)."""
+def make_publisher(config: ServerConfig, model: str, block_size: int,
+                   adapters: Callable[[], Iterable[str]] | None = None) -> Any:
+    """The Redis prefix-index publisher when --redis-url is set (None otherwise); `adapters`
+    names the LoRA adapters held now, read at each heartbeat."""
     if not config.redis_url:
         return None
     try:
@@ -59,5 +62,5 @@ def make_publisher(config: ServerConfig, model: str, block_size: int) -> Any:
         redis_url=config.redis_url, service=config.service_name,
         replica_id=config.replica_id or f"{host}-{config.port}",
         url=config.advertise_url or f"http://{host}:{config.port}", model=model,
-        block_size=block_size)
+        block_size=block_size, adapters=adapters)
 
