@@ -1,0 +1,123 @@
+"""Scheduler paths the step-loop tests of test_scheduler.py leave open (mutation survivors, see
+docs/mutation.md): the swap-or-recompute choice with a cost model, the priority order of the
+running set, a prompt exactly at the budget without chunking, the cached-token figure of a
+re-admitted request, and a two-token prefill chunk that completes a shared block."""
+
+from __future__ import annotations
+
+from test_scheduler import Sim, prompt
+
+from kvserve.engine.core.scheduler import Scheduler, SchedulerConfig
+from kvserve.engine.core.sequence import Sequence, SequenceStatus
+from kvserve.engine.sample.sampling_params import SamplingParams
+
+
+class Advisor:
+    """A swap cost model with a fixed answer that records what it was asked."""
+
+    def __init__(self, swap: bool) -> None:
+        self.swap = swap
+        self.asked: list[tuple[int, int]] = []
+
+    def prefer_swap(self, num_blocks: int, num_tokens: int) -> bool:
+        self.asked.append((num_blocks, num_tokens))
+        return self.swap
+
+
+def _pressure_with(mode: str, advisor: Advisor | None) -> tuple[Sim, list[Sequence]]:
+    """test_scheduler's three requests outgrowing a 10-block pool, with a CPU pool with room."""
+    sim = Sim(num_blocks=10, max_num_seqs=4, mode=mode, num_cpu_blocks=8)
+    sim.sched = Scheduler(sim.config, sim.kv, swap_advisor=advisor)
+    seqs = [sim.add(prompt(7, 30 * i), max_tokens=9) for i in range(3)]
+    return sim, seqs
+
+
+def _until_preempted(sim: Sim):
+    while sim.sched.num_preemptions == 0:
+        out = sim.step()
+    return out
+
+
+def test_auto_preemption_recomputes_when_the_cost_model_says_so():
+    sim, (a, b, c) = _pressure_with("auto", Advisor(swap=False))
+    held = None
+    while sim.sched.num_preemptions == 0:
+        held = c.num_computed_tokens
+        out = sim.step()
+    assert c.status == SequenceStatus.WAITING and out.blocks_to_swap_out == []
+    # Asked once, about the victim: its device blocks and its computed tokens.
+    assert sim.sched.swap_advisor.asked == [(-(-held // 4), held)]
+    sim.run()
+    assert len(sim.finished) == 3 and sim.kv.num_free_blocks == 10
+
+
+def test_auto_preemption_swaps_when_the_cost_model_says_so():
+    sim, (a, b, c) = _pressure_with("auto", Advisor(swap=True))
+    out = _until_preempted(sim)
+    assert c.status == SequenceStatus.SWAPPED and out.blocks_to_swap_out
+    assert len(sim.sched.swap_advisor.asked) == 1
+    sim.run()
+    assert sim.computed == sum(s.num_tokens - 1 for s in (a, b, c))  # nothing recomputed
+
+
+def test_swap_mode_swaps_whatever_a_cost_model_would_say():
+    sim, (a, b, c) = _pressure_with("swap", Advisor(swap=False))
+    out = _until_preempted(sim)
+    assert c.status == SequenceStatus.SWAPPED and out.blocks_to_swap_out
+    assert sim.sched.swap_advisor.asked == []
+
+
+def test_auto_preemption_without_a_cost_model_swaps():
+    sim, (a, b, c) = _pressure_with("auto", None)
+    _until_preempted(sim)
+    assert c.status == SequenceStatus.SWAPPED
+
+
+def test_priority_gives_the_running_budget_to_the_most_urgent_first():
+    sim = Sim(num_blocks=64, max_num_batched_tokens=8)
+    sim.config = SchedulerConfig(8, 8, 1024, True, "recompute", "priority")
+    sim.sched = Scheduler(sim.config, sim.kv)
+    late = Sequence(1, "late", 0, prompt(12), SamplingParams(max_tokens=4), priority=5)
+    sim.sched.add(late)
+    assert sim.step().num_tokens == [8]
+    urgent = Sequence(2, "urgent", 0, prompt(12, 40), SamplingParams(max_tokens=4), priority=0)
+    sim.sched.add(urgent)
+    second = sim.step()  # late's last 4 prompt tokens, then urgent's first 4
+    assert second.seqs == [late, urgent] and second.num_tokens == [4, 4]
+    third = sim.step()  # urgent's 8 remaining tokens take the whole budget before late's decode
+    assert third.seqs == [urgent] and third.num_tokens == [8]
+
+
+def test_without_chunking_a_prompt_of_exactly_the_budget_runs_at_once():
+    sim = Sim(num_blocks=64, max_num_batched_tokens=16, chunked=False)
+    a = sim.add(prompt(16))
+    first = sim.step()
+    assert first.seqs == [a] and first.num_tokens == [16]
+
+
+def test_a_re_admitted_request_keeps_the_cached_tokens_of_its_first_admission():
+    # c found nothing cached when first admitted; recomputed after its preemption, it finds its
+    # own blocks cached, but num_cached_tokens reports what the request got at admission.
+    sim = Sim(num_blocks=10, max_num_seqs=4)
+    a, b, c = (sim.add(prompt(7, 30 * i), max_tokens=9) for i in range(3))
+    _until_preempted(sim)
+    assert c.num_cached_tokens == 0
+    while c.status != SequenceStatus.RUNNING:
+        sim.step()
+    assert c.num_computed_tokens > 4  # re-admitted from its cached blocks
+    assert c.num_cached_tokens == 0
+
+
+def test_a_two_token_chunk_that_completes_a_block_defers_a_request_that_needs_it():
+    # a's prompt: 8 tokens over a budget of 6, so its second chunk is 2 tokens completing block 1.
+    # b shares both blocks and arrives then: it waits a step and hits block 1 instead of
+    # computing it again.
+    sim = Sim(num_blocks=64, max_num_batched_tokens=6)
+    shared = prompt(8)
+    a = sim.add(shared, max_tokens=2)
+    assert sim.step().num_tokens == [6]
+    b = sim.add(shared + prompt(4, 50), max_tokens=2)
+    second = sim.step()
+    assert second.seqs == [a] and second.num_tokens == [2]
+    sim.run()
+    assert b.num_cached_tokens == 8
