@@ -1,14 +1,18 @@
 """Scheduler paths the step-loop tests of test_scheduler.py leave open (mutation survivors, see
 docs/mutation.md): the swap-or-recompute choice with a cost model, the priority order of the
 running set, a prompt exactly at the budget without chunking, the cached-token figure of a
-re-admitted request, and a two-token prefill chunk that completes a shared block."""
+re-admitted request, a two-token prefill chunk that completes a shared block, and prefix hits
+from the host and disk tiers."""
 
 from __future__ import annotations
 
 from test_scheduler import Sim, prompt
 
+from kvserve.engine.core.kv_cache_manager import KVCacheManager
 from kvserve.engine.core.scheduler import Scheduler, SchedulerConfig
 from kvserve.engine.core.sequence import Sequence, SequenceStatus
+from kvserve.engine.kv_offload.disk_block_file import HEADER_SIZE as FILE_HEADER
+from kvserve.engine.kv_offload.disk_tier import DiskTier
 from kvserve.engine.sample.sampling_params import SamplingParams
 
 
@@ -121,3 +125,75 @@ def test_a_two_token_chunk_that_completes_a_block_defers_a_request_that_needs_it
     assert second.seqs == [a] and second.num_tokens == [2]
     sim.run()
     assert b.num_cached_tokens == 8
+
+
+# ---- the host and disk tiers under the scheduler -------------------------------------------
+
+class TierSim(Sim):
+    """Sim with a host tier (and a disk tier): the moves applied in the runner's order
+    (ModelRunner.apply_moves): spills, offloads, restores, loads, then the rest. A block's
+    payload on disk is its 4 token ids as bytes."""
+
+    def __init__(self, num_blocks: int, num_host_blocks: int, disk: DiskTier | None = None
+                 ) -> None:
+        super().__init__(num_blocks, block_size=4)
+        self.kv = KVCacheManager(num_blocks, 4, True, 0, num_host_blocks, disk)
+        self.sched = Scheduler(self.config, self.kv)
+        self.host: dict[int, int] = {}
+        self.disk = disk
+
+    def _block(self, mem: dict[int, int], index: int) -> list[int]:
+        return [mem[index * self.bs + o] for o in range(self.bs)]
+
+    def _move(self, out) -> None:
+        for medium, index, block_hash in out.blocks_to_spill:
+            toks = self._block(self.dev if medium == "device" else self.host, index)
+            assert self.disk.put(block_hash, bytearray(toks), wait=True)
+        for d, h in out.blocks_to_offload:
+            for o, tok in enumerate(self._block(self.dev, d)):
+                self.host[h * self.bs + o] = tok
+        for h, d in out.blocks_to_restore:
+            for o, tok in enumerate(self._block(self.host, h)):
+                self.dev[d * self.bs + o] = tok
+        for payload, d in out.blocks_to_load:
+            for o, tok in enumerate(payload):
+                self.dev[d * self.bs + o] = tok
+        super()._move(out)
+
+
+def test_prefix_hits_from_the_host_tier_are_counted_as_host_hits():
+    # a's two full blocks are evicted from a 4-block pool by b, kept by the host tier, and
+    # restored for c, which has a's prompt (Sim.step checks c reads back its own tokens).
+    sim = TierSim(num_blocks=4, num_host_blocks=8)
+    sim.add(prompt(9), max_tokens=2)
+    sim.run()
+    sim.add(prompt(13, 40), max_tokens=2)
+    sim.run()
+    assert len(sim.kv.host) >= 2
+    c = sim.add(prompt(9), max_tokens=2)
+    sim.run()
+    assert c.num_cached_tokens == 8
+    stats = sim.kv.prefix_stats
+    assert (stats.hits, stats.host_hits, stats.disk_hits) == (8, 8, 0)
+
+
+def test_prefix_hits_from_the_disk_tier_are_counted_as_disk_hits(tmp_path):
+    # As above with a 2-slot host tier: c's blocks push a's on to the disk tier, from where d,
+    # with a's prompt, loads them.
+    disk = DiskTier(tmp_path, 64 * (FILE_HEADER + 4), 4, "scheduler-test")
+    try:
+        sim = TierSim(num_blocks=4, num_host_blocks=2, disk=disk)
+        sim.add(prompt(9), max_tokens=2)
+        sim.run()
+        sim.add(prompt(13, 40), max_tokens=2)
+        sim.run()
+        sim.add(prompt(13, 60), max_tokens=2)
+        sim.run()
+        assert len(disk) >= 2
+        d = sim.add(prompt(9), max_tokens=2)
+        sim.run()
+        assert d.num_cached_tokens == 8
+        stats = sim.kv.prefix_stats
+        assert (stats.hits, stats.host_hits, stats.disk_hits) == (8, 0, 8)
+    finally:
+        disk.close()
