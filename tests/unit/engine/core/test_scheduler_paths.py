@@ -197,3 +197,12 @@ def test_prefix_hits_from_the_disk_tier_are_counted_as_disk_hits(tmp_path):
         assert (stats.hits, stats.host_hits, stats.disk_hits) == (8, 0, 8)
     finally:
         disk.close()
+
+
+def test_a_spent_budget_admits_nobody_with_zero_tokens():
+    sim = Sim(num_blocks=64, max_num_batched_tokens=8)
+    a = sim.add(prompt(8))
+    sim.add(prompt(4, 50))
+    first = sim.step()
+    assert first.seqs == [a] and first.num_tokens == [8]
+
