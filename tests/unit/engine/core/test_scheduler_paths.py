@@ -195,6 +195,8 @@ def test_prefix_hits_from_the_disk_tier_are_counted_as_disk_hits(tmp_path):
         assert d.num_cached_tokens == 8
         stats = sim.kv.prefix_stats
         assert (stats.hits, stats.host_hits, stats.disk_hits) == (8, 0, 8)
+        figures = sim.kv.make_stats()
+        assert figures.disk.restored == 2 and figures.prefix_cache_disk_hits == 8
     finally:
         disk.close()
 
