@@ -1,8 +1,8 @@
 """`make mutation`: cosmic-ray over the core modules, each against only the unit tests that cover
 it, in a scratch copy of the tree (build/mutation/tree) so the checkout is never left mutated.
 
-Usage: python scripts/mutation.py [MODULE ...] [--list] [--sample N] [--lines A-B]; results in
-build/mutation/<module>.*.
+Usage: python scripts/mutation.py [MODULE ...] [--list] [--sample N] [--lines A-B] [--recheck];
+results in build/mutation/<module>.*.
 """
 
 from __future__ import annotations
@@ -60,14 +60,17 @@ TARGETS = [
                                          "test_trust.py"))),
     Target("block_pool", "engine/core/block_pool.py", (_CORE + "test_block_pool.py",)),
     Target("kv_cache_manager", "engine/core/kv_cache_manager.py",
-           (_CORE + "test_kv_cache_manager.py", _CORE + "test_block_pool.py")),
+           tuple(_CORE + f for f in ("test_kv_cache_manager.py", "test_kv_cache_manager_paths.py",
+                                     "test_scheduler_paths.py", "test_kv_cache_groups.py",
+                                     "test_block_pool.py"))),
     Target("scheduler", "engine/core/scheduler.py",
            (_CORE + "test_scheduler.py", _CORE + "test_scheduler_paths.py")),
     Target("sampler", "engine/sample/sampler.py", ("tests/unit/engine/sample/test_sampler.py",),
            "not anywhere_in_any_batch", timeout=120.0),
     Target("host_tier", "engine/kv_offload/host_tier.py", (_CORE + "test_host_tier.py",),
            timeout=120.0),
-    Target("disk_tier", "engine/kv_offload/disk_tier.py", (_OFFLOAD + "test_disk_tier.py",)),
+    Target("disk_tier", "engine/kv_offload/disk_tier.py",
+           (_OFFLOAD + "test_disk_tier.py", _OFFLOAD + "test_disk_tier_paths.py")),
     Target("reconcile", "operator/reconcile.py",
            tuple(_OPERATOR + f for f in ("test_reconcile.py", "test_apply_prune.py",
                                          "test_trust.py")), plugins=("kmock._internal.pytest",)),
@@ -242,6 +245,41 @@ def run_cosmic_ray(t: Target, env: dict[str, str], subset: Subset = Subset()) ->
     subprocess.run([*cr, "exec", str(cfg), str(session)], cwd=TREE, env=env, check=True)
 
 
+def recheck(t: Target, env: dict[str, str]) -> None:
+    """Run the last run's survivors again, against the target's tests as they are now (after
+    tests were added for them): each one these tests kill is recorded as killed ("killed on
+    recheck"), so the summary scores the current tests without a full run. A survivor whose diff
+    no longer applies (the module changed since) is left as it was and named."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import TestOutcome, WorkerOutcome, WorkResult
+
+    with use_db(str(WORK / f"{t.name}.sqlite"), WorkDB.Mode.open) as db:
+        survivors = [(item, r) for item, r in db.completed_work_items
+                     if r.worker_outcome == WorkerOutcome.NORMAL and not r.is_killed]
+        for item, result in survivors:
+            path = TREE / item.mutations[0].module_path
+            source = path.read_text()
+            patch = subprocess.run(["patch", "-p1", "-s", "--no-backup-if-mismatch", "-d",
+                                    str(TREE)], input=result.diff, text=True,
+                                   capture_output=True)
+            try:
+                if patch.returncode != 0:
+                    print(f"{t.name}: survivor no longer applies: {item.mutations[0].operator_name}"
+                          f" at line {item.mutations[0].start_pos[0]}")
+                    continue
+                try:
+                    rc = subprocess.run(shlex.split(test_command(t)), cwd=TREE, env=env,
+                                        capture_output=True, timeout=t.timeout).returncode
+                except subprocess.TimeoutExpired:
+                    rc = -1
+            finally:
+                path.write_text(source)
+            if rc != 0:
+                db.set_result(item.job_id, WorkResult(
+                    worker_outcome=WorkerOutcome.NORMAL, output="killed on recheck",
+                    test_outcome=TestOutcome.KILLED, diff=result.diff))
+
+
 # Lua tokens and their mutants: comparison, arithmetic, logic, and small integer constants.
 _LUA_SWAPS = {"==": "~=", "~=": "==", "<=": "<", ">=": ">", "<": "<=", ">": ">=", "+": "-",
               "-": "+", " and ": " or ", " or ": " and ", "not ": ""}
@@ -333,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list", action="store_true", help="print the targets and their tests")
     ap.add_argument("--report", action="store_true", help="summarise the last run, run nothing")
     ap.add_argument("--no-lua", action="store_true", help="skip the Lua mutants (slow)")
+    ap.add_argument("--recheck", action="store_true",
+                    help="rerun only the last run's survivors against the tests as they are now")
     ap.add_argument("--lines", metavar="A-B", help="only the mutants on lines A to B")
     ap.add_argument("--sample", type=int, metavar="N",
                     help="a seeded random sample of N mutants (after --lines), for a slow module")
@@ -361,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
         copy_tree()
         env = test_env()
         for t in targets:
+            if args.recheck:
+                recheck(t, env)
+                continue
             run_cosmic_ray(t, env, subset)
             if t.lua and not args.no_lua:
                 run_lua(t, env)
