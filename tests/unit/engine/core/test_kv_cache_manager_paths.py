@@ -31,3 +31,24 @@ def test_a_manager_without_tiers_reports_no_tier_figures():
              stats.disk_bytes_read)
     assert tiers == (0,) * len(tiers)
     assert stats.host == TierCounters() and stats.disk == TierCounters()
+
+
+def test_can_swap_in_adds_only_the_blocks_the_next_tokens_lack():
+    kv = KVCacheManager(num_blocks=5, block_size=BS, num_cpu_blocks=4)
+    seq = make_seq(1, [1] * 8)
+    prefill(kv, seq)  # 2 full blocks
+    kv.swap_out(seq)
+    prefill(kv, make_seq(2, [2] * 5))  # 2 blocks: 3 left
+    seq.output_token_ids.append(3)
+    assert kv.can_swap_in(seq, 1)  # its 2 blocks and 1 for its next token: exactly 3
+
+
+def test_a_swapped_seqs_blocks_count_when_its_next_tokens_need_fewer():
+    # Slots for 8 tokens were allocated, none computed (a seq preempted in the step that
+    # allocated them): its next token needs 1 block, but both of its blocks come back.
+    kv = KVCacheManager(num_blocks=3, block_size=BS, num_cpu_blocks=4)
+    seq = make_seq(1, [1] * 8)
+    assert kv.allocate_slots(seq, 8)
+    kv.swap_out(seq)
+    prefill(kv, make_seq(2, [2] * 5))  # 2 blocks: 1 left
+    assert not kv.can_swap_in(seq, 1)
