@@ -208,3 +208,26 @@ def test_a_spent_budget_admits_nobody_with_zero_tokens():
     first = sim.step()
     assert first.seqs == [a] and first.num_tokens == [8]
 
+
+
+def test_the_last_token_of_the_budget_is_given_out():
+    # A budget of 2: a's decode takes 1 and b gets the last one, first as a new admission,
+    # then as a running prefill.
+    sim = Sim(num_blocks=64, max_num_batched_tokens=2)
+    a = sim.add(prompt(2), max_tokens=4)
+    sim.step()
+    b = sim.add(prompt(2, 50), max_tokens=2)
+    second, third = sim.step(), sim.step()
+    assert (second.seqs, second.num_tokens) == ([a, b], [1, 1])
+    assert (third.seqs, third.num_tokens) == ([a, b], [1, 1])
+
+
+def test_a_decode_completing_a_block_holds_back_no_admission():
+    # b's prompt is a's prompt and first output token: its next block is the one a's decode
+    # completes this step. Only prefill chunks defer a request; b is admitted at once.
+    sim = Sim(num_blocks=64, max_num_batched_tokens=64)
+    a = sim.add(prompt(7), max_tokens=3)
+    sim.step()
+    b = sim.add(a.all_token_ids + [80], max_tokens=2)
+    second = sim.step()
+    assert second.seqs == [a, b] and b.num_cached_tokens == 4
