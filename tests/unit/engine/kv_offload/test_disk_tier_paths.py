@@ -98,3 +98,30 @@ def test_close_releases_the_directory_once(tmp_path):
     again = DiskTier(tmp_path, 4 * FILE, PAYLOAD, LAYOUT)  # the lock was released
     assert again.is_open and len(again) == 1
     again.close()
+
+
+def test_events_after_a_clear_batch_the_stores_that_follow(tmp_path):
+    t = DiskTier(tmp_path, 4 * FILE, PAYLOAD, LAYOUT)
+    t.put(*block(0))
+    t.clear()
+    t.put(*block(1))
+    t.put(*block(2))
+    got = [(e.kind, e.block_hashes) for e in t.drain_events()]
+    assert got == [("cleared", ()), ("stored", (block(1)[0].hex(), block(2)[0].hex()))]
+    t.close()
+
+
+def test_a_block_file_name_that_is_not_hex_is_left_alone_at_start(tmp_path):
+    stray = tmp_path / ("zz" * 16 + fmt.SUFFIX)
+    stray.write_bytes(b"not a block")
+    t = DiskTier(tmp_path, 4 * FILE, PAYLOAD, LAYOUT)
+    assert len(t) == 0 and stray.exists()
+    t.close()
+
+
+def test_a_writer_queue_below_one_block_still_takes_one(tmp_path):
+    t = DiskTier(tmp_path, 4 * FILE, PAYLOAD, LAYOUT, queue_bytes=PAYLOAD // 2)
+    go = held_writer(t)
+    assert [t.put(*block(i)) for i in range(2)] == [True, False] and t.num_dropped == 1
+    go.set()
+    t.close()
