@@ -43,6 +43,7 @@ _INDEX_TESTS = ("tests/unit/service/test_prefix_index.py", "tests/unit/service/t
 _NO_ENGINE = "not real_engine_events and not never_logs_the_redis_password"
 _OPERATOR = "tests/unit/operator/"
 _CORE, _OFFLOAD = "tests/unit/engine/core/", "tests/unit/engine/kv_offload/"
+_SAMPLE = "tests/unit/engine/sample/"
 
 TARGETS = [
     Target("prefix_index_scripts", "service/prefix_index/scripts.py", _INDEX_TESTS, _NO_ENGINE,
@@ -65,7 +66,8 @@ TARGETS = [
                                      "test_block_pool.py"))),
     Target("scheduler", "engine/core/scheduler.py",
            (_CORE + "test_scheduler.py", _CORE + "test_scheduler_paths.py")),
-    Target("sampler", "engine/sample/sampler.py", ("tests/unit/engine/sample/test_sampler.py",),
+    Target("sampler", "engine/sample/sampler.py",
+           (_SAMPLE + "test_sampler.py", _SAMPLE + "test_sampler_paths.py"),
            "not anywhere_in_any_batch", timeout=120.0),
     Target("host_tier", "engine/kv_offload/host_tier.py", (_CORE + "test_host_tier.py",),
            timeout=120.0),
