@@ -125,3 +125,11 @@ def test_a_writer_queue_below_one_block_still_takes_one(tmp_path):
     assert [t.put(*block(i)) for i in range(2)] == [True, False] and t.num_dropped == 1
     go.set()
     t.close()
+
+
+def test_a_cap_over_the_free_space_is_warned_about_and_one_under_it_is_not(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="kvserve.engine"):
+        DiskTier(tmp_path / "small", 4 * FILE, PAYLOAD, LAYOUT).close()
+        assert not caplog.records
+        DiskTier(tmp_path / "huge", 1 << 60, PAYLOAD, LAYOUT).close()
+    assert [r for r in caplog.records if "exceeds the free space" in r.getMessage()]
