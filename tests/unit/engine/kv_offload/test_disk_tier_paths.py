@@ -133,3 +133,12 @@ def test_a_cap_over_the_free_space_is_warned_about_and_one_under_it_is_not(tmp_p
         assert not caplog.records
         DiskTier(tmp_path / "huge", 1 << 60, PAYLOAD, LAYOUT).close()
     assert [r for r in caplog.records if "exceeds the free space" in r.getMessage()]
+
+
+def test_usage_is_the_share_of_the_cap_in_use(tmp_path):
+    t = DiskTier(tmp_path, 4 * FILE, PAYLOAD, LAYOUT)
+    assert t.usage() == 0.0
+    for i in range(3):
+        t.put(*block(i))
+    assert t.usage() == 0.75
+    t.close()
