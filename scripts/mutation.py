@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import difflib
 import json
 import os
 import random
@@ -247,6 +248,24 @@ def run_cosmic_ray(t: Target, env: dict[str, str], subset: Subset = Subset()) ->
     subprocess.run([*cr, "exec", str(cfg), str(session)], cwd=TREE, env=env, check=True)
 
 
+def _changed_lines(diff: str) -> list[str]:
+    return [line for line in diff.splitlines() if line[:1] in "+-"
+            and not line.startswith(("+++", "---")) and line[1:].strip()]
+
+
+def _mutant_source(source: str, mutation, diff: str) -> str | None:
+    """The module with a recorded mutant applied again, or None when the module changed since
+    the run (the recorded diff's changed lines are not what the mutant changes now)."""
+    from cosmic_ray.mutating import mutate_code
+    from cosmic_ray.plugins import get_operator
+
+    op = get_operator(mutation.operator_name)(**(mutation.operator_args or {}))
+    mutated = mutate_code(source, op, mutation.occurrence)
+    now = "\n".join(difflib.unified_diff(source.splitlines(), mutated.splitlines(),
+                                        lineterm=""))
+    return mutated if _changed_lines(now) == _changed_lines(diff) else None
+
+
 def recheck(t: Target, env: dict[str, str]) -> None:
     """Run the last run's survivors again, against the target's tests as they are now (after
     tests were added for them): each one these tests kill is recorded as killed ("killed on
@@ -261,14 +280,13 @@ def recheck(t: Target, env: dict[str, str]) -> None:
         for item, result in survivors:
             path = TREE / item.mutations[0].module_path
             source = path.read_text()
-            patch = subprocess.run(["patch", "-p1", "-s", "--no-backup-if-mismatch", "-d",
-                                    str(TREE)], input=result.diff, text=True,
-                                   capture_output=True)
+            mutated = _mutant_source(source, item.mutations[0], result.diff)
             try:
-                if patch.returncode != 0:
+                if mutated is None:
                     print(f"{t.name}: survivor no longer applies: {item.mutations[0].operator_name}"
                           f" at line {item.mutations[0].start_pos[0]}")
                     continue
+                path.write_text(mutated)
                 try:
                     rc = subprocess.run(shlex.split(test_command(t)), cwd=TREE, env=env,
                                         capture_output=True, timeout=t.timeout).returncode
