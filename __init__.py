@@ -10,7 +10,7 @@ from typing import Any
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
            "StructuredOutputsParams", "GuidedDecodingParams", "AsyncLLMEngine", "EngineArgs",
-           "AsyncEngineArgs", "RequestOutputKind", "__version__"]
+           "AsyncEngineArgs", "RequestOutputKind", "LLMEngine", "__version__"]
 
 _LAZY = {
     "LLM": "kvserve.engine.llm",
@@ -24,6 +24,7 @@ _LAZY = {
     "EngineArgs": "kvserve.engine.arg_utils",
     "AsyncEngineArgs": "kvserve.engine.arg_utils",
     "RequestOutputKind": "kvserve.engine.sample.sampling_params",
+    "LLMEngine": "kvserve.engine.llm_engine",
 }
 
 

@@ -1,17 +1,22 @@
 """The body of bench/gpu_roofline.sh: decode and prefill of kvserve's ModelRunner against the
-device's measured bandwidth and GEMM peak, eager vs CUDA graphs, HF generate as the peer."""
+device's measured bandwidth and GEMM peak, eager vs CUDA graphs, with the profiler's device-busy
+share of each configuration; the default model's shape at batch 64 (the runner) and as a whole
+engine run of 64 requests; HF generate as the peer."""
 
 from __future__ import annotations
 
 import gc
 import os
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from transformers import LlamaConfig
 
 from kvserve.engine.models.llama import LlamaForCausalLM
 from kvserve.engine.worker.model_runner import BlockMoves, ModelRunner, StepInput
+from tensor_parallel import DEFAULT_SHAPE, random_model  # bench/ is sys.path[0]
 
 SMOKE = os.environ.get("KV_BENCH_SMOKE") == "1"
 DEV = torch.device("cpu" if SMOKE else "cuda")
@@ -28,6 +33,11 @@ LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256, max_position_embeddings=256,
             tie_word_embeddings=False)
+# The default model's shape (SmolLM2-135M) at 64 requests: the runner's decode at batch 64, and an
+# engine run (64 prompts of ENGINE_PROMPT tokens, ENGINE_NEW new tokens each).
+DEFAULT_BATCH = 2 if SMOKE else 64
+ENGINE_PROMPT, ENGINE_NEW = (8, 2) if SMOKE else (256, 128)
+PROFILE_REPS = 1 if SMOKE else 5
 
 
 def sync() -> None:
@@ -44,6 +54,28 @@ def timed(fn, reps: int = REPS) -> float:
         fn()
     sync()
     return (time.perf_counter() - t0) / reps
+
+
+def busy_share(fn, reps: int = PROFILE_REPS) -> float:
+    """The profiler's device time over the wall time of `reps` calls of fn (already warm):
+    how much of a run the GPU spends in kernels. CUDA activity only, so the host side is not
+    slowed by recording each op (CUPTI still costs a little). On the CPU (--smoke): the CPU ops'
+    self time over the wall, which only checks the code path."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CUDA] if DEV.type == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    if DEV.type == "cuda":
+        busy = sum(e.self_device_time_total for e in events) / 1e6
+    else:
+        busy = sum(e.self_cpu_time_total for e in events) / 1e6
+    return busy / wall
 
 
 def device_peaks() -> tuple[float, float]:
@@ -100,36 +132,46 @@ def kv_bytes(config: LlamaConfig, tokens: int) -> int:
             * torch.finfo(DTYPE).bits // 8)
 
 
-def bench_engine(config: LlamaConfig, bw: float, flops: float) -> None:
+def bench_runner(config: LlamaConfig, bw: float, flops: float, batches=BATCHES,
+                 prefill: int = PREFILL, label: str = "") -> None:
+    """The runner's decode at `batches` (eager, then from CUDA graphs) and a prefill; rows
+    prefixed with `label`."""
     width = -(-(CONTEXT + 1) // BS)
-    runner, weight_bytes = build_runner(config, max(BATCHES) * width + 1)
+    runner, weight_bytes = build_runner(config, max(batches) * width + 1)
     print(f"weights {weight_bytes / 1e9:.2f} GB, KV block {BS} tokens")
-    results, check = {}, decode_step(max(BATCHES), CONTEXT)
+    results, check = {}, decode_step(max(batches), CONTEXT)
     for mode in ("eager", "graphs"):
         if mode == "graphs":
             capture = (lambda fn: fn) if SMOKE else None  # the CPU has no CUDA graphs
-            runner.capture_decode_graphs(max(BATCHES), CONTEXT + BS, capture=capture)
+            runner.capture_decode_graphs(max(batches), CONTEXT + BS, capture=capture)
             err = (runner.run_step(check)[0].float() - want).abs().max().item()
-            print(f"graphs vs eager logits, batch {max(BATCHES)}: max err {err:.3g}")
+            print(f"{label}graphs vs eager logits, batch {max(batches)}: max err {err:.3g}")
         else:
             want = runner.run_step(check)[0].float()
-        for b in BATCHES:
+        for b in batches:
             step = decode_step(b, CONTEXT)
             sec = timed(lambda: runner.run_step(step))
             roof = (weight_bytes + kv_bytes(config, b * (CONTEXT + 1))) / bw
             results[mode, b] = sec
-            print(f"decode {mode:6} batch {b:4} ctx {CONTEXT}: {b / sec:10.1f} tok/s, "
-                  f"{1e3 * sec:8.3f} ms/step, {roof / sec:6.1%} of the bandwidth roofline")
-    for b in BATCHES:
-        print(f"graphs vs eager, batch {b}: {results['eager', b] / results['graphs', b]:.2f}x")
+            busy = busy_share(lambda: runner.run_step(step))
+            print(f"{label}decode {mode:6} batch {b:4} ctx {CONTEXT}: {b / sec:10.1f} tok/s, "
+                  f"{1e3 * sec:8.3f} ms/step, {roof / sec:6.1%} of the bandwidth roofline, "
+                  f"busy {busy:6.1%}")
+    for b in batches:
+        print(f"{label}graphs vs eager, batch {b}: "
+              f"{results['eager', b] / results['graphs', b]:.2f}x")
     runner.graphs = None
-    step = prefill_step(PREFILL)
+    step = prefill_step(prefill)
     sec = timed(lambda: runner.run_step(step), max(1, REPS // 4))
-    useful = 2 * (weight_bytes // (torch.finfo(DTYPE).bits // 8)) * PREFILL
-    print(f"prefill {PREFILL} tokens: {PREFILL / sec:10.1f} tok/s, "
-          f"{useful / sec / flops:6.1%} of the bf16 GEMM peak (weights' FLOPs only)")
+    busy = busy_share(lambda: runner.run_step(step), max(1, PROFILE_REPS // 2))
+    useful = 2 * (weight_bytes // (torch.finfo(DTYPE).bits // 8)) * prefill
+    print(f"{label}prefill {prefill} tokens: {prefill / sec:10.1f} tok/s, "
+          f"{useful / sec / flops:6.1%} of the bf16 GEMM peak (weights' FLOPs only), "
+          f"busy {busy:6.1%}")
     del runner
     gc.collect()
+    if DEV.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def bench_hf(config: LlamaConfig) -> None:
@@ -152,13 +194,56 @@ def bench_hf(config: LlamaConfig) -> None:
               f"(prefill included)")
 
 
+def bench_engine_run(folder: Path, vocab: int) -> None:
+    """The whole engine (scheduler, runner, sampler) on the default model's shape: DEFAULT_BATCH
+    requests at once, greedy, eager and with CUDA graphs, output tok/s and the device-busy
+    share of the run (the issue's goal: >= 80%; 11% before the graphs and fused kernels)."""
+    import random
+
+    from kvserve import LLM, SamplingParams
+
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(20, min(vocab, 300))
+                                     for _ in range(ENGINE_PROMPT)]}
+               for _ in range(DEFAULT_BATCH)]
+    params = SamplingParams(temperature=0, max_tokens=ENGINE_NEW, ignore_eos=True)
+    for eager in (True, False):
+        extra = {"kv_cache_memory": 1 << 26} if SMOKE else {"gpu_memory_utilization": 0.5}
+        llm = LLM(str(folder), dtype="float32" if SMOKE else "bfloat16", device=DEV.type,
+                  max_model_len=ENGINE_PROMPT + ENGINE_NEW + BS, enable_prefix_caching=False,
+                  max_num_seqs=DEFAULT_BATCH, enforce_eager=eager, attention_backend="triton",
+                  **extra)
+        graphs = llm.llm_engine.runner.graphs is not None
+
+        def run():
+            llm.generate(prompts, params, use_tqdm=False)
+        sec = timed(run, 1)
+        busy = busy_share(run, 1)
+        mode = "eager" if eager else "graphs" if graphs else "graphs (capture off: eager)"
+        print(f"engine default shape, {DEFAULT_BATCH} requests x {ENGINE_PROMPT} + {ENGINE_NEW}"
+              f" tokens, {mode}: {DEFAULT_BATCH * ENGINE_NEW / sec:10.1f} output tok/s, "
+              f"busy {busy:6.1%}")
+        llm.shutdown()
+        del llm
+        gc.collect()
+        if DEV.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 def main() -> None:
     config = LlamaConfig(**(TINY if SMOKE else LLAMA_8B))
     bw, flops = device_peaks()
     name = "cpu (smoke)" if SMOKE else torch.cuda.get_device_name()
     print(f"device {name}: copy {bw / 1e9:.1f} GB/s, matmul {flops / 1e12:.1f} TFLOP/s")
+    print("busy: the profiler's device (kernel) time / wall time of the same calls")
+    default = dict(DEFAULT_SHAPE, **({k: TINY[k] for k in TINY} if SMOKE else {}))
     with torch.inference_mode():
-        bench_engine(config, bw, flops)
+        bench_runner(config, bw, flops)
+        bench_runner(LlamaConfig(**default), bw, flops, (DEFAULT_BATCH,), PREFILL,
+                     label="default shape: ")
+    folder = random_model(default, Path(tempfile.mkdtemp(prefix="kvserve-roofline-")))
+    bench_engine_run(folder, default["vocab_size"])
+    with torch.inference_mode():
         bench_hf(config)
 
 

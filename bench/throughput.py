@@ -167,7 +167,8 @@ def main() -> None:
     which.add_argument("--model", default="default")
     which.add_argument("--tiny", metavar="ARCH")
     ap.add_argument("--quantization", default="",
-                    help="comma list of int8, fp8 (online) or quantised checkpoint folders")
+                    help="comma list of int8, fp8 (online), gguf (the model folder's GGUF) or "
+                         "quantised checkpoint folders")
     ap.add_argument("--quant-dtype", default="float32", help="activation dtype of those runs")
     args = ap.parse_args()
 
@@ -185,7 +186,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, model {model}")
     runs = [(d, model, None) for d in args.dtypes.split(",") if d]
     for q in filter(None, args.quantization.split(",")):
-        online = q in ("int8", "fp8")
+        online = q in ("int8", "fp8", "gguf")  # gguf: the default model's own GGUF file
         runs.append((args.quant_dtype, model if online else q, q if online else None))
     baseline: dict | None = None
     for dtype_name, run_model, quantization in runs:

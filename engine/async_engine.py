@@ -105,6 +105,17 @@ class _Add:
     arrival: float
     stream: RequestStream
     accepted: asyncio.Future
+    lora_request: Any = None
+
+
+@dataclass
+class _Call:
+    """Run an LLMEngine method on the engine thread (adapters: add_lora, remove_lora, ...)."""
+
+    method: str
+    args: tuple
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future
 
 
 @dataclass
@@ -138,6 +149,7 @@ class AsyncEngine:
         self.observers = list(observers)
         self.idle_tick = idle_tick  # wake up this often when idle (observers that poll), or never
         self.last_stats: EngineStats | None = None
+        self.resident_adapters: tuple[str, ...] = ()  # refreshed by the engine thread
         self.draining = False
         self.error: BaseException | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -227,7 +239,8 @@ class AsyncEngine:
     # ---- requests (event loop) ----------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                           *, priority: int = 0, cache_salt: str | None = None,
-                          arrival: float | None = None) -> RequestStream:
+                          arrival: float | None = None, lora_request: Any = None
+                          ) -> RequestStream:
         """Hand a request to the engine; returns once the engine accepted it (InvalidRequestError
         and friends are raised here, before any output)."""
         self.check_accepting()
@@ -241,9 +254,31 @@ class AsyncEngine:
         self._state.pending_adds += 1
         self._clear_idle()
         self._inbox.put(_Add(request_id, prompt, params, priority, cache_salt,
-                             time.monotonic() if arrival is None else arrival, stream, accepted))
+                             time.monotonic() if arrival is None else arrival, stream, accepted,
+                             lora_request))
         await accepted
         return stream
+
+    # ---- LoRA adapters (vLLM's engine client: run on the engine thread) -----------------------
+    async def add_lora(self, lora_request: Any) -> bool:
+        return await self._call("add_lora", lora_request)
+
+    async def remove_lora(self, name_or_id: str | int) -> bool:
+        return await self._call("remove_lora", name_or_id)
+
+    async def list_loras(self) -> list[Any]:
+        return await self._call("list_loras")
+
+    def resident_loras(self) -> list[str]:
+        """The adapters held in memory as of the last step (any thread: a snapshot)."""
+        return list(self.resident_adapters)
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        self.check_accepting()
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._inbox.put(_Call(method, args, loop, done))
+        return await done
 
     def check_accepting(self) -> None:
         if self.error is not None:
@@ -331,16 +366,39 @@ class AsyncEngine:
                 return False
             if isinstance(cmd, _Abort):
                 self._abort_in_engine(cmd.request_ids)
+            elif isinstance(cmd, _Call):
+                self._call_in_engine(cmd)
             else:
                 self._add_in_engine(cmd)
         return True
+
+    def _call_in_engine(self, cmd: _Call) -> None:
+        result: Any = None
+        exc: BaseException | None = None
+        try:
+            result = getattr(self.engine, cmd.method)(*cmd.args)
+        except Exception as e:  # noqa: BLE001 - handed to the caller (LoRAError, ...)
+            exc = e
+        self.resident_adapters = tuple(self.engine.resident_loras())
+
+        def resolve() -> None:
+            if cmd.done.cancelled():
+                return
+            if exc is None:
+                cmd.done.set_result(result)
+            else:
+                cmd.done.set_exception(exc)
+        try:
+            cmd.loop.call_soon_threadsafe(resolve)
+        except RuntimeError:  # loop closed
+            pass
 
     def _add_in_engine(self, cmd: _Add) -> None:
         exc: BaseException | None = None
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
                                     arrival_time=cmd.arrival, priority=cmd.priority,
-                                    cache_salt=cmd.cache_salt)
+                                    cache_salt=cmd.cache_salt, lora_request=cmd.lora_request)
         except Exception as e:  # noqa: BLE001 - handed to the caller (InvalidRequestError, ...)
             exc = e
         else:
@@ -390,6 +448,7 @@ class AsyncEngine:
         # Always drained, so events never pile up; the host tier's too, for tier-aware routing.
         events = self.engine.drain_kv_events(("device", "host"))
         self.last_stats = stats
+        self.resident_adapters = tuple(self.engine.resident_loras())
         for obs in self.observers:
             try:
                 obs.after_step(outputs, stats, events, self.engine)
@@ -412,5 +471,12 @@ class AsyncEngine:
                 try:
                     cmd.stream._loop.call_soon_threadsafe(
                         self._accepted, cmd, EngineDeadError(f"the engine failed: {self.error!r}"))
+                except RuntimeError:
+                    pass
+            elif isinstance(cmd, _Call):
+                dead = EngineDeadError(f"the engine failed: {self.error!r}")
+                try:
+                    cmd.loop.call_soon_threadsafe(
+                        lambda c=cmd: c.done.cancelled() or c.done.set_exception(dead))
                 except RuntimeError:
                     pass

@@ -38,16 +38,26 @@ class AsyncLLM:
     async def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    async def add_lora(self, lora_request: Any) -> bool:
+        return await self.engine.add_lora(lora_request)
+
+    async def remove_lora(self, name_or_id: str | int) -> bool:
+        return await self.engine.remove_lora(name_or_id)
+
+    async def list_loras(self) -> list[Any]:
+        return await self.engine.list_loras()
+
     async def generate(self, prompt: str | list[int] | dict[str, Any],
                        sampling_params: SamplingParams, request_id: str,
-                       *, priority: int = 0, **_: Any) -> AsyncIterator[RequestOutput]:
+                       *, priority: int = 0, lora_request: Any = None,
+                       **_: Any) -> AsyncIterator[RequestOutput]:
         """The request's outputs as they come, shaped by `sampling_params.output_kind`:
         CUMULATIVE (everything so far), DELTA (only the new tokens and text), FINAL_ONLY (one
         output, when it finishes). Leaving the loop early aborts the request."""
         if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
             prompt = prompt.get("prompt_token_ids") or prompt["prompt"]
         stream = await self.engine.add_request(request_id, prompt, sampling_params,
-                                               priority=priority)
+                                               priority=priority, lora_request=lora_request)
         kind = sampling_params.output_kind
         sent: dict[int, tuple[int, int, int]] = {}  # index -> tokens, chars, logprobs sent
         last: RequestOutput | None = None

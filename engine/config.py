@@ -13,7 +13,7 @@ MODEL_DTYPES = ("auto", "float32", "float16", "bfloat16")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
 # int8 | fp8 quantise a dense checkpoint at load; the others name a checkpoint's own format
-QUANTIZATION_METHODS = ("int8", "fp8", "compressed-tensors", "gptq", "awq")
+QUANTIZATION_METHODS = ("int8", "fp8", "compressed-tensors", "gptq", "awq", "gguf")
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     block_size: int = 16
     gpu_memory_utilization: float = 0.90
-    kv_cache_memory: int | None = None  # bytes for the KV cache on CPU (None = safe share of RAM)
+    kv_cache_memory: int | None = None  # CPU KV bytes, whole server (None = safe share of RAM)
     num_gpu_blocks_override: int | None = None
     swap_space: float = 4.0  # GiB of CPU memory for swapped-out blocks
     preemption_mode: str = "auto"  # "auto" (swap where cheaper) | "recompute" | "swap"
@@ -58,7 +58,8 @@ class EngineConfig:
     # --structured-outputs-config.backend.
     structured_outputs_backend: str = "auto"
     # None: the checkpoint's own quantization_config (or dense); "int8" | "fp8": quantise a dense
-    # checkpoint's linears per channel at load (engine/layers/quantization/).
+    # checkpoint's linears per channel at load (engine/layers/quantization/); "gguf": load the
+    # model folder's .gguf file, its quantised linears kept quantised.
     quantization: str | None = None
     # vLLM's hf_overrides: a dict merged into the HF config (a JSON object string from the CLI),
     # or a callable taking and returning it; applied before the model is built, on every rank.
@@ -66,6 +67,12 @@ class EngineConfig:
     # vLLM v1's custom logits processors: LogitsProcessor subclasses (or "module:Class" / dotted
     # names), each applied to the whole batch's logits once per step (sample/logits_processor.py).
     logits_processors: Any = ()
+    # Multi-LoRA (kvserve/lora/): adapters batched in one step; max_loras resident on the
+    # device, max_cpu_loras (None: max_loras) in host memory, ranks up to max_lora_rank.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.hf_overrides, str):
@@ -118,8 +125,18 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ConfigError(f"quantization must be one of {QUANTIZATION_METHODS}, got "
                               f"{self.quantization!r}")
+        if self.enable_lora:
+            self.lora_config()  # raises ConfigError on bad sizes
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+
+    def lora_config(self) -> Any:
+        """The LoRAConfig of enable_lora=True (None without LoRA)."""
+        if not self.enable_lora:
+            return None
+        from kvserve.lora.config import LoRAConfig
+
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     def _check_disk_tier(self) -> None:
         """The disk tier holds what the host tier evicts, so it needs one; its path and size come

@@ -42,3 +42,15 @@ class RequestFailedError(KVServeError):
     def __init__(self, message: str, outputs: list) -> None:
         super().__init__(message)
         self.outputs = outputs
+
+
+class LoRAError(InvalidRequestError):
+    """An adapter that cannot be served: not a PEFT adapter folder, a rank above max_lora_rank,
+    trained for another base model, or targeting a module the model does not have (HTTP 400)."""
+
+    def __init__(self, message: str, param: str | None = "lora_path") -> None:
+        super().__init__(message, param)
+
+
+class LoRANotFoundError(KVServeError):
+    """A request or an unload names an adapter this engine does not know (HTTP 404)."""

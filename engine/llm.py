@@ -58,10 +58,19 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
-    def reset_prefix_cache(self) -> bool:
+    def add_lora(self, lora_request: Any) -> bool:
+        return self.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, name_or_id: str | int) -> bool:
+        return self.llm_engine.remove_lora(name_or_id)
+
+    def list_loras(self) -> list[Any]:
+        return self.llm_engine.list_loras()
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget every cached prefix block (device, host and disk tiers); False while running
         requests still hold blocks (as vLLM)."""
-        return self.llm_engine.reset_prefix_cache()
+        return self.llm_engine.reset_prefix_cache(reset_running_requests)
 
     def start_profile(self) -> None:
         """Start the torch profiler (vLLM's); the trace goes to $KVSERVE_TORCH_PROFILER_DIR or
@@ -78,19 +87,21 @@ class LLM:
     def generate(self, prompts: PromptType | Seq[PromptType] | None = None,
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True, prompt_token_ids: list[list[int]] | None = None,
-                 priority: list[int] | None = None) -> list[RequestOutput]:
+                 priority: list[int] | None = None,
+                 lora_request: Any = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order. `priority` (one per
-        prompt, lower first) needs `scheduling_policy="priority"`."""
+        prompt, lower first) needs `scheduling_policy="priority"`. `lora_request`: a
+        LoRARequest for every prompt, or a list of one per prompt (None: the base model)."""
         items = _normalise_prompts(prompts, prompt_token_ids)
         if priority is not None and len(priority) != len(items):
             raise InvalidRequestError(f"got {len(priority)} priorities for {len(items)} prompts",
                                       "priority")
-        return self._run(items, sampling_params, use_tqdm, priority)
+        return self._run(items, sampling_params, use_tqdm, priority, lora_request)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: str | None = None) -> list[RequestOutput]:
+             chat_template: str | None = None, lora_request: Any = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them."""
         convs = messages if messages and isinstance(messages[0], list) else [messages]
         tok = self.get_tokenizer()
@@ -98,20 +109,23 @@ class LLM:
         for conv in convs:
             ids = chat_token_ids(tok, conv, add_generation_prompt, chat_template)  # type: ignore[arg-type]
             items.append((tok.decode(ids), ids))
-        return self._run(items, sampling_params, use_tqdm)
+        return self._run(items, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _run(self, items: list[tuple[str | None, str | list[int]]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None,
-             use_tqdm: bool, priority: list[int] | None = None) -> list[RequestOutput]:
+             use_tqdm: bool, priority: list[int] | None = None,
+             lora_request: Any = None) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = _per_prompt_params(sampling_params, len(items))
+        loras = _per_prompt_loras(lora_request, len(items))
         engine = self.llm_engine
         ids: list[str] = []
         try:
             for k, ((text, prompt), p) in enumerate(zip(items, params)):
                 rid = str(next(self._counter))
-                engine.add_request(rid, prompt, p, priority=priority[k] if priority else 0)
+                engine.add_request(rid, prompt, p, priority=priority[k] if priority else 0,
+                                   lora_request=loras[k])
                 ids.append(rid)
                 if text is not None and not isinstance(prompt, str):
                     engine.requests[rid].prompt = text
@@ -187,6 +201,17 @@ def _per_prompt_params(sp: SamplingParams | Seq[SamplingParams] | None, n: int
             f"got {len(sp)} SamplingParams for {n} prompts; pass one, or one per prompt",
             "sampling_params")
     return sp
+
+
+def _per_prompt_loras(lora: Any, n: int) -> list[Any]:
+    """One LoRARequest (or None) per prompt from one, None, or a list of one per prompt."""
+    if lora is None or not isinstance(lora, (list, tuple)):
+        return [lora] * n
+    if len(lora) != n:
+        raise InvalidRequestError(
+            f"got {len(lora)} LoRA requests for {n} prompts; pass one, or one per prompt",
+            "lora_request")
+    return list(lora)
 
 
 def _structured_outputs_kwargs(kwargs: dict[str, Any]) -> None:

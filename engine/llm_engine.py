@@ -73,6 +73,7 @@ class LLMEngine:
         self.max_model_len = setup.max_model_len
         self.block_size = config.block_size
         self.memory_budget = setup.budget
+        self.host_plan = setup.host_plan  # the whole server's memory on this host (None: dry run)
         self.eos_token_ids = setup.eos_token_ids
         self.vocab_size = setup.vocab_size
         self.disk = _disk_tier(config, setup, str(model_path))
@@ -83,8 +84,8 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=setup.max_num_batched_tokens,
             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
-            preemption_mode=config.preemption_mode, policy=config.scheduling_policy), self.kv,
-            self.swap_cost)
+            preemption_mode=config.preemption_mode, policy=config.scheduling_policy,
+            max_loras=config.max_loras if config.enable_lora else 0), self.kv, self.swap_cost)
         self.runner = ModelRunner(
             setup.model, num_layers=setup.num_layers, num_kv_heads=setup.num_kv_heads,
             head_dim=setup.head_dim, num_blocks=setup.budget.num_blocks,
@@ -93,11 +94,12 @@ class LLMEngine:
             workers=setup.workers, num_host_blocks=setup.num_host_blocks, disk=self.disk,
             kv_groups=setup.kv_groups)
         self.tiers = TierFigures()
+        self.lora = _make_lora_manager(config, self.runner)
         if config.calculate_kv_scales and setup.kv_dtype == FP8_DTYPE:
             self._calibrate_kv_scales()
         # Captured batches are planned once, with no host look at their lengths: Triton only.
         if self.device.type == "cuda" and not config.enforce_eager and setup.workers is None \
-                and self.runner.backend == "triton":
+                and self.runner.backend == "triton" and not config.enable_lora:
             self._capture_decode_graphs()
         # Sampling values a request leaves out (the server and LLM read them; the engine does not).
         self.sampling_defaults = sampling_defaults(model_path, config.generation_config)
@@ -116,7 +118,8 @@ class LLMEngine:
                     self.runner.backend)
         self.model_weight_bytes = setup.budget.weight_bytes * config.tensor_parallel_size
         logger.info("%s", weights_log_line(self.model_weight_bytes, model_path,
-                                           torch.finfo(self.dtype).bits // 8))
+                                           torch.finfo(self.dtype).bits // 8,
+                                           config.quantization))
         if self.kv.groups.is_hybrid or self.kv.groups.slides:
             logger.info("KV-cache groups: %s; a block is a page of %d layers, sliding groups "
                         "free blocks that left their window",
@@ -185,8 +188,9 @@ class LLMEngine:
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                     arrival_time: float | None = None, priority: int = 0,
-                    cache_salt: str | None = None) -> None:
-        """Queue a request; InvalidRequestError (with `.param`) if it can never be served."""
+                    cache_salt: str | None = None, lora_request: Any = None) -> None:
+        """Queue a request; InvalidRequestError (with `.param`) if it can never be served.
+        `lora_request` (a LoRARequest): the adapter it runs with, read now if not yet known."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         if priority != 0 and self.config.scheduling_policy != "priority":
@@ -194,13 +198,14 @@ class LLMEngine:
                 f"priority {priority} needs the priority scheduling policy "
                 "(--scheduling-policy priority); this engine serves first come, first served",
                 "priority")
+        lora_name = self._lora_for(lora_request)
         text = prompt if isinstance(prompt, str) else None
         ids = prompt_token_ids(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
         params, best_of = expand(params)
         params = self._check_request(ids, params)
         grammar = self.grammars.compile(params.constraint) if params.constraint else None
         now = arrival_time if arrival_time is not None else time.monotonic()
-        seq = self._new_seq(request_id, 0, ids, params, now, priority, cache_salt)
+        seq = self._new_seq(request_id, 0, ids, params, now, priority, cache_salt, lora_name)
         seq.pending_forks = params.n - 1
         state = RequestState(request_id, text, ids, params, [seq], [self._detok(ids, params)],
                              RequestMetrics(arrival_time=now), grammar=grammar, best_of=best_of)
@@ -222,13 +227,10 @@ class LLMEngine:
                 f"the prompt has {len(ids)} tokens but this model's context (max_model_len) is "
                 f"{limit}; shorten the prompt or start the engine with a larger max_model_len",
                 "prompt")
-        if params.max_tokens is None:
+        if params.max_tokens is None or len(ids) + params.max_tokens > limit:
+            # As vLLM v1's engine: the output stops at the context (finish_reason "length");
+            # the server refuses such a request with a 400 before it gets here.
             params = _replace(params, max_tokens=limit - len(ids))
-        elif len(ids) + params.max_tokens > limit:
-            raise InvalidRequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"max_model_len {limit}; lower max_tokens to at most {limit - len(ids)}",
-                "max_tokens")
         bias = [t for t in params.logit_bias or {} if t >= self.vocab_size]
         if bias:
             raise InvalidRequestError(
@@ -254,10 +256,11 @@ class LLMEngine:
         return params
 
     def _new_seq(self, request_id: str, index: int, ids: list[int], params: SamplingParams,
-                 arrival: float, priority: int, cache_salt: str | None) -> Sequence:
+                 arrival: float, priority: int, cache_salt: str | None,
+                 lora_name: str | None = None) -> Sequence:
         self._next_seq_id += 1
         return Sequence(self._next_seq_id, request_id, index, ids, params, arrival_time=arrival,
-                        priority=priority, cache_salt=cache_salt)
+                        priority=priority, cache_salt=cache_salt, lora_name=lora_name)
 
     def _detok(self, ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
@@ -306,7 +309,8 @@ class LLMEngine:
         if self.logits_processors is not None:
             self.runner.logits_hook = self._logits_hook(sched, rows)
         prompt_plan = plan_prompt_logprobs(sched.seqs, sched.num_tokens)
-        result, prompt_result = self.runner.execute(sched, self.kv, rows, sampling, prompt_plan)
+        result, prompt_result = self.runner.execute(sched, self.kv, rows, sampling, prompt_plan,
+                                                    self._lora_slots(sched))
         now = time.monotonic()
         if prompt_result is not None:  # before the seqs move on: the plan read their progress
             append_entries(prompt_plan, prompt_result, self.tokenizer)  # type: ignore[arg-type]
@@ -419,7 +423,7 @@ class LLMEngine:
         parent.pending_forks -= 1
         child = self._new_seq(parent.request_id, len(state.seqs), parent.prompt_token_ids,
                               parent.params, parent.arrival_time, parent.priority,
-                              parent.cache_salt)
+                              parent.cache_salt, parent.lora_name)
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
         child.output_token_ids = list(parent.output_token_ids)
@@ -493,6 +497,68 @@ class LLMEngine:
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs,
                              finished=finished, num_cached_tokens=cached, metrics=state.metrics,
                              prompt_logprobs=prompt_lps)
+
+    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ---------------------------
+    def add_lora(self, lora_request: Any) -> bool:
+        """Read and check an adapter and keep it in host memory; False if already loaded.
+        LoRAError (a 400) when it cannot be served; ConfigError without enable_lora."""
+        return self._lora_manager().add(lora_request)
+
+    def remove_lora(self, name_or_id: str | int) -> bool:
+        """Forget an adapter by name or lora_int_id; False if unknown. LoRAError while
+        requests still run on it."""
+        busy = {s.lora_name for s in self._all_seqs() if s.lora_name is not None}
+        return self._lora_manager().remove(name_or_id, busy)
+
+    def list_loras(self) -> list[Any]:
+        """The LoRARequests of every loaded adapter."""
+        return self.lora.list() if self.lora is not None else []
+
+    def resident_loras(self) -> list[str]:
+        """Names of the adapters held in memory (device slots, then host): what a replica
+        publishes to the router."""
+        return self.lora.resident() if self.lora is not None else []
+
+    def lora_request(self, name: str) -> Any:
+        """The loaded adapter called `name` (LoRANotFoundError: none)."""
+        return self._lora_manager().get(name)
+
+    def lora_requests_info(self) -> tuple[list[str], list[str]]:
+        """(adapters of running requests, adapters of waiting ones): vLLM's
+        vllm:lora_requests_info labels."""
+        sch = self.scheduler
+        running = {s.lora_name for s in sch.running if s.lora_name is not None}
+        waiting = {s.lora_name for s in [*sch.waiting, *sch.swapped] if s.lora_name is not None}
+        return sorted(running), sorted(waiting)
+
+    def _lora_manager(self) -> Any:
+        if self.lora is None:
+            raise ConfigError("LoRA adapters need an engine started with enable_lora=True "
+                              "(kvserve serve --enable-lora)")
+        return self.lora
+
+    def _all_seqs(self) -> list[Sequence]:
+        return [s for state in self.requests.values() for s in state.seqs]
+
+    def _lora_for(self, lora_request: Any) -> str | None:
+        if lora_request is None:
+            return None
+        if self.lora is None:
+            raise InvalidRequestError("this request names a LoRA adapter but the engine was "
+                                      "started without enable_lora=True", "lora_request")
+        self.lora.add(lora_request)
+        return lora_request.lora_name
+
+    def _lora_slots(self, sched: SchedulerOutput) -> list[int] | None:
+        """Each scheduled seq's adapter slot (-1: base model), loading adapters into slots."""
+        if self.lora is None:
+            return None
+        names = [s.lora_name for s in sched.seqs]
+        if not any(n is not None for n in names):
+            return None
+        slots = self.lora.activate([n for n in names if n is not None],
+                                   self.scheduler.running_loras())
+        return [slots[n] if n is not None else -1 for n in names]
 
     # ---- figures ------------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
@@ -571,7 +637,12 @@ class LLMEngine:
         """Durations of the batched host -> device restores since the last call."""
         return self.tiers.take_restore_seconds()
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached prefix block (device, host and disk tiers); False while running
+        requests hold blocks, unless `reset_running_requests` preempts them first (they
+        recompute), as vLLM's."""
+        if reset_running_requests:
+            self.scheduler.preempt_running()
         if not self.kv.pool.reset_prefix_cache():
             return False
         if self.kv.host is not None:
@@ -579,6 +650,16 @@ class LLMEngine:
         if self.kv.disk is not None:
             self.kv.disk.clear()
         return True
+
+
+def _make_lora_manager(config: EngineConfig, runner: ModelRunner) -> Any:
+    """The LoRAManager of enable_lora=True (None otherwise)."""
+    if not config.enable_lora:
+        return None
+    from kvserve.lora.manager import LoRAManager
+
+    return LoRAManager(config.lora_config(), runner.load_lora,
+                       lambda weights: runner.lora.resolve(weights))
 
 
 def _plain_keys(event: KVEvent) -> KVEvent | None:

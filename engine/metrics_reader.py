@@ -1,4 +1,4 @@
-"""`LLM.get_metrics()`: the engine's figures as vLLM's metric reader objects (`Counter`, `Gauge`,
+"""`LLM.get_metrics()`: the engine's figures as vLLM's metric reader objects (`Counter`, `Gauge`; `Vector` and `Histogram` for isinstance checks,
 from `vllm.v1.metrics.reader`), under the Prometheus names the server exports."""
 
 from __future__ import annotations
@@ -22,6 +22,22 @@ class Counter(Metric):
 @dataclass
 class Gauge(Metric):
     value: float = 0.0
+
+
+@dataclass
+class Vector(Metric):
+    """vLLM's per-position counters; no kvserve figure is one yet (isinstance checks work)."""
+
+    values: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Histogram(Metric):
+    """vLLM's histogram reader; no kvserve figure is one yet (isinstance checks work)."""
+
+    count: int = 0
+    sum: float = 0.0
+    buckets: dict[str, int] = field(default_factory=dict)
 
 
 def metrics_of(stats: EngineStats, model_name: str) -> list[Metric]:

@@ -22,6 +22,13 @@ class KernelInputError(ValueError):
         self.argument = argument
 
 
+def host_readable(t: torch.Tensor) -> bool:
+    """Whether reading t's values on the host is free: a CPU tensor. A device's values are not
+    read back in a step (a sync that idles the GPU, and illegal while a CUDA graph captures);
+    tests/unit/engine/worker/test_step_host_sync.py swaps this to mark stand-in device tensors."""
+    return t.device.type == "cpu"
+
+
 def require(ok: bool, argument: str, problem: str) -> None:
     if not ok:
         raise KernelInputError(argument, problem)
@@ -98,8 +105,11 @@ def check_write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
 
 
 def _check_slot_range(slot_mapping: torch.Tensor, k_cache: torch.Tensor) -> None:
+    """Slots past the pool are refused on the CPU. A device's slots are not read back (a host
+    sync per layer, and illegal while a CUDA graph captures): the engine checks them on the host
+    before the copy (ModelRunner.to_device)."""
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    if slot_mapping.numel():
+    if slot_mapping.numel() and host_readable(slot_mapping):
         top = int(slot_mapping.max())
         require(top < num_slots, "slot_mapping", f"slot {top} is past the pool's {num_slots} slots")
 
@@ -119,7 +129,8 @@ def check_layer_options(sliding_window: int | None, logits_soft_cap: float | Non
                 and (q is None or (sinks.shape[0] == q.shape[1] and sinks.device == q.device)),
                 "sinks", "expected a float tensor [num_heads] on the query's device, got "
                 f"{getattr(sinks, 'shape', sinks)!r}")
-        require(bool(torch.isfinite(sinks).all()), "sinks", "must be finite")
+        if host_readable(sinks):  # a device's are checked at load (Attention.load_sinks)
+            require(bool(torch.isfinite(sinks).all()), "sinks", "must be finite")
 
 
 def check_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -160,3 +171,15 @@ def check_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     check_scale(scale, "scale")
     check_scale(k_scale, "k_scale")
     check_scale(v_scale, "v_scale")
+
+
+def check_new_kv(key: torch.Tensor | None, value: torch.Tensor | None, q: torch.Tensor,
+                 k_cache: torch.Tensor) -> None:
+    """paged_attention's `key`/`value`: both given, one row per query token, the cache's heads."""
+    require(key is not None and value is not None, "key",
+            "key and value are passed together (the step's new K/V) or not at all")
+    want = (q.shape[0], k_cache.shape[2], k_cache.shape[3])
+    for name, t in (("key", key), ("value", value)):
+        require(tuple(t.shape) == want, name, f"expected shape {want}, got {tuple(t.shape)}")
+        require(t.device == q.device, name, f"is on {t.device}, q on {q.device}")
+        require(t.dtype in QUERY_DTYPES, name, f"unsupported dtype {t.dtype}")

@@ -111,6 +111,14 @@ def rotary_embedding(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Te
     return torch_rope(q, cos, sin), torch_rope(k, cos, sin)
 
 
+def rotate_queries(q: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """q [T, Hq, D] rotated alone (its keys are rotated in the KV write, rope_write_kv): in
+    place by Triton on the GPU, the torch expression elsewhere."""
+    if use_triton(q) and q.stride(-1) == 1:
+        return _triton_fused().rotate_inplace(q, cos, sin)
+    return torch_rope(q, cos, sin)
+
+
 def argmax(x: Tensor) -> Tensor:
     """int64 [S]: each row's first largest value of x [S, V] (the first NaN, if any), as
     torch.argmax(x, -1). The fused path reads bf16 logits as they are, with no float32 copy."""

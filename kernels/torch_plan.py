@@ -81,7 +81,9 @@ def torch_plan(plan: AttentionPlan, bytes_per_token: int,
         tables = plan.block_tables.long()
         decode = [s for s in range(plan.num_seqs) if plan.query_lens[s] == 1 and with_decode]
         prefill = [s for s in range(plan.num_seqs) if plan.query_lens[s] > 1]
-        starts = plan.query_start_loc.tolist()
+        starts = [0]  # from the plan's host lists: the offsets tensor may be on a device
+        for q_len in plan.query_lens:
+            starts.append(starts[-1] + q_len)
         plan.parts[key] = TorchPlan(
             _decode_chunks(plan, tables, decode, starts, bytes_per_token, chunk_bytes, window),
             [_prefill_seq(plan, tables, s, starts[s]) for s in prefill])

@@ -33,23 +33,26 @@ def _tanh(x):
 
 
 @triton.jit
-def _attend_range(q, k_ptr, v_ptr, bt_row_ptr, kv_head, q_pos, lo, hi, qk_scale,
+def _attend_range(m_i, l_i, acc, q, k_ptr, v_ptr, bt_row_ptr, kv_head, q_pos, lo, hi, qk_scale,
                   sliding_window, soft_cap_log2,
                   stride_kb, stride_ks, stride_kh, d, d_ok,
-                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                  HEAD_DIM_P2: tl.constexpr, IS_FP8: tl.constexpr, DOT_FP32: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  IS_FP8: tl.constexpr, DOT_FP32: tl.constexpr,
                   PRECISION: tl.constexpr, USE_WINDOW: tl.constexpr,
-                  USE_SOFT_CAP: tl.constexpr):
-    """Online softmax of q's rows over keys [lo, hi): returns (running max, sum, weighted V)."""
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
+                  USE_SOFT_CAP: tl.constexpr, MASKED: tl.constexpr):
+    """Online softmax of q's rows over keys [lo, hi), continuing (m_i, l_i, acc). MASKED=False:
+    the caller guarantees every key of the range is visible to every row (whole tiles below the
+    causal diagonal, no window), so no bound or causal mask is built or applied."""
     for start in range(lo, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
-        j_ok = j < hi
-        block = tl.load(bt_row_ptr + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)
+        if MASKED:
+            j_ok = j < hi
+            block = tl.load(bt_row_ptr + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)
+            kv_mask = j_ok[:, None] & d_ok[None, :]
+        else:
+            block = tl.load(bt_row_ptr + j // BLOCK_SIZE).to(tl.int64)
+            kv_mask = d_ok[None, :]
         offs = block * stride_kb + (j % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
-        kv_mask = j_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if IS_FP8 or DOT_FP32:
@@ -58,10 +61,11 @@ def _attend_range(q, k_ptr, v_ptr, bt_row_ptr, kv_head, q_pos, lo, hi, qk_scale,
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         if USE_SOFT_CAP:
             s = soft_cap_log2 * _tanh(s / soft_cap_log2)
-        visible = (j[None, :] <= q_pos[:, None]) & j_ok[None, :]
-        if USE_WINDOW:
-            visible = visible & (j[None, :] > q_pos[:, None] - sliding_window)
-        s = tl.where(visible, s, float("-inf"))
+        if MASKED:
+            visible = (j[None, :] <= q_pos[:, None]) & j_ok[None, :]
+            if USE_WINDOW:
+                visible = visible & (j[None, :] > q_pos[:, None] - sliding_window)
+            s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
@@ -108,13 +112,28 @@ def _paged_attention_kernel(
         kv_end = tl.minimum(seq_len, seq_len - q_len + (q_tile + 1) * BLOCK_Q)
         lo = split * split_len
         hi = tl.minimum(kv_end, lo + split_len)
+        first_pos = seq_len - q_len + q_tile * BLOCK_Q  # the tile's first row's position
+        m_i = tl.full([BLOCK_Q * GROUP_P2], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_Q * GROUP_P2], tl.float32)
+        acc = tl.zeros([BLOCK_Q * GROUP_P2, HEAD_DIM_P2], tl.float32)
+        bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
         if USE_WINDOW:  # no row of this tile sees a key before its first row's window
-            lo = tl.maximum(lo, seq_len - q_len + q_tile * BLOCK_Q - sliding_window + 1)
+            lo = tl.maximum(lo, first_pos - sliding_window + 1)
+        else:
+            # Whole key tiles at or before the first row's position are visible to every row
+            # of the tile: no mask there. Tiles past the last row's position were already cut
+            # off by kv_end; only the tiles across the diagonal (and a ragged end) are masked.
+            full = tl.maximum(tl.minimum(hi, first_pos + 1) - lo, 0) // BLOCK_N * BLOCK_N
+            m_i, l_i, acc = _attend_range(
+                m_i, l_i, acc, q, k_ptr, v_ptr, bt_row, kv_head, q_pos, lo, lo + full,
+                qk_scale, sliding_window, soft_cap_log2, stride_kb, stride_ks, stride_kh, d,
+                d_ok, BLOCK_SIZE, BLOCK_N, IS_FP8, DOT_FP32, PRECISION, USE_WINDOW,
+                USE_SOFT_CAP, False)
+            lo = lo + full
         m_i, l_i, acc = _attend_range(
-            q, k_ptr, v_ptr, bt_ptr + seq.to(tl.int64) * stride_bt, kv_head, q_pos, lo, hi,
+            m_i, l_i, acc, q, k_ptr, v_ptr, bt_row, kv_head, q_pos, lo, hi,
             qk_scale, sliding_window, soft_cap_log2, stride_kb, stride_ks, stride_kh, d, d_ok,
-            BLOCK_SIZE, BLOCK_N, BLOCK_Q * GROUP_P2, HEAD_DIM_P2, IS_FP8, DOT_FP32, PRECISION,
-            USE_WINDOW, USE_SOFT_CAP)
+            BLOCK_SIZE, BLOCK_N, IS_FP8, DOT_FP32, PRECISION, USE_WINDOW, USE_SOFT_CAP, True)
         if HAS_SINKS:  # one more logit in the denominator, with no value: in split 0 only
             sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0)
             sink = tl.where(split == 0, sink, float("-inf"))
@@ -171,6 +190,35 @@ class TritonConfig:
     num_splits: int
     split_len: int
     q_tiles: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Rows (query tokens x heads of a group) and keys per program step, and the launch shape."""
+
+    rows: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def tiles(capability: tuple[int, int] | None, decode: bool, head_dim: int,
+          block_size: int) -> Tiles:
+    """The tile shape for a device of compute `capability` (None: the CPU interpreter).
+
+    tl.dot needs >= 16 rows on a GPU; a decode batch has one token per sequence, so its tile is
+    16 rows (the GQA group, padded). Prefill tiles are 64 x 64; on Hopper (sm_90+, 228 KiB of
+    shared memory per SM and wgmma) 128 query rows x 64 keys with 8 warps and 3 stages, as
+    FlashAttention-2's Hopper forward, while the head fits (head_dim <= 128).
+    """
+    min_n = max(16, block_size) if capability is None else max(64, block_size)
+    if decode:
+        return Tiles(16, min_n, 4, 2)
+    if capability is not None and capability[0] >= 9 and head_dim <= 128:
+        return Tiles(128, min_n, 8, 3)
+    return Tiles(64, min_n, 4, 2 if capability is None or capability[0] < 8 else 3)
 
 
 @functools.cache
@@ -178,13 +226,19 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
 def triton_config(plan: AttentionPlan, group: int, num_kv_heads: int,
-                  device: torch.device) -> TritonConfig:
+                  device: torch.device, head_dim: int = 128) -> TritonConfig:
     """Tile sizes and the KV split: split only decode batches too small to fill the device."""
     group_p2 = triton.next_power_of_2(group)
-    rows = 16 if plan.max_query_len == 1 else 64  # tl.dot needs >= 16 rows on a GPU
-    block_q = max(1, rows // group_p2)
-    block_n = max(16, plan.block_size) if device.type != "cuda" else max(64, plan.block_size)
+    capability = _capability(device.index or 0) if device.type == "cuda" else None
+    t = tiles(capability, plan.max_query_len == 1, head_dim, plan.block_size)
+    block_q = max(1, t.rows // group_p2)
+    block_n = t.block_n
     num_splits = 1
     if plan.max_query_len == 1 and device.type == "cuda" and plan.max_seq_len > 1024:
         programs = max(1, plan.num_seqs * num_kv_heads)
@@ -192,7 +246,8 @@ def triton_config(plan: AttentionPlan, group: int, num_kv_heads: int,
         num_splits = max(1, min(wanted, triton.cdiv(plan.max_seq_len, 512), 64))
     split_len = triton.cdiv(triton.cdiv(max(plan.max_seq_len, 1), num_splits), block_n) * block_n
     q_tiles = max(1, triton.cdiv(plan.max_query_len, block_q))
-    return TritonConfig(block_q, block_n, num_splits, split_len, q_tiles)
+    return TritonConfig(block_q, block_n, num_splits, split_len, q_tiles, t.num_warps,
+                        t.num_stages)
 
 
 def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -212,11 +267,11 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     cfg = plan.parts.get(("triton", kv_heads, heads))
     if cfg is None:
         cfg = plan.parts[("triton", kv_heads, heads)] = triton_config(
-            plan, heads // kv_heads, kv_heads, q.device)
+            plan, heads // kv_heads, kv_heads, q.device, q.shape[2])
     if num_splits is not None:
         split_len = triton.cdiv(triton.cdiv(max(plan.max_seq_len, 1), num_splits), cfg.block_n)
         cfg = TritonConfig(cfg.block_q, cfg.block_n, num_splits, split_len * cfg.block_n,
-                           cfg.q_tiles)
+                           cfg.q_tiles, cfg.num_warps, cfg.num_stages)
     sinks_log2 = None if sinks is None else sinks.float().mul(LOG2E).contiguous()
     layer = LayerOptions(sliding_window, logits_soft_cap, sinks_log2)
     return _launch(q, k_cache, v_cache, plan, cfg, scale * k_scale * LOG2E, v_scale, is_fp8,
@@ -266,7 +321,8 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan:
         # The interpreter's tl.dot is wrong for bf16 operands: on the CPU the dots run in fp32.
         DOT_FP32=q.device.type != "cuda",
         # tl.dot rounds fp32 operands to TF32 by default; an fp32 model asks for fp32 accuracy.
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **layer.kernel_args(out))
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **layer.kernel_args(out))
     if cfg.num_splits > 1:
         _merge_splits_kernel[(plan.num_tokens, heads)](
             out, ws_acc, ws_lse, v_scale, out.stride(0), out.stride(1), NUM_HEADS=heads,

@@ -103,6 +103,14 @@ def _rope_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None
                            HALF_P2=triton.next_power_of_2(dim // 2))
 
 
+def rotate_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] (unit last stride) in place by cos, sin [T, D/2]; returns x."""
+    if x.stride(-1) != 1:
+        raise ValueError("rotate_inplace needs x with a unit last stride")
+    _rope_inplace(x, cos.contiguous(), sin.contiguous())
+    return x
+
+
 def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, Hq, D] and k [T, Hk, D] in place (views with unit last stride are fine)
@@ -147,7 +155,7 @@ def rope_write_kv(key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin
                   slot_mapping: torch.Tensor) -> None:
     """RoPE applied in the KV write: the rotated key [T, Hk, D] and the value go straight into
     their cache slots (contiguous caches of the rows' dtype), with no rotated copy of k kept.
-    Not wired into the layers yet: their attention still rotates k before write_kv."""
+    The layers call it through kernels/write_kv.py's rope_write_kv on decode steps."""
     t, kv_heads, dim = key.shape
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()
             and k_cache.dtype == v_cache.dtype == value.dtype

@@ -47,3 +47,21 @@ def torch_write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
         value = quantize(value, v_scale, v_cache.dtype).view(torch.uint8)
     flat_k.index_copy_(0, slots, key.to(flat_k.dtype))
     flat_v.index_copy_(0, slots, value.to(flat_v.dtype))
+
+
+def rope_write_kv(key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                  k_scale: float = 1.0, v_scale: float = 1.0, backend: str = "auto") -> bool:
+    """RoPE applied in the KV write: rope(key) and value stored at their slots by one Triton
+    kernel (triton_fused.rope_write_kv), where it serves: the Triton backend, the fused ops on
+    (cpu_ops.use_triton), caches of the key's dtype (not fp8). Returns False, having written
+    nothing, elsewhere: the caller then rotates the key and calls write_kv."""
+    if not (resolve_backend(backend, k_cache.device) == "triton" and cpu_ops.use_triton(key)
+            and k_cache.dtype == key.dtype == value.dtype and cos.shape[-1] * 2 == key.shape[-1]
+            and key.stride(-1) == 1 and value.stride(-1) == 1):
+        return False
+    check_write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    from kvserve.kernels.triton_fused import rope_write_kv as fused
+
+    fused(key, value, cos, sin, k_cache, v_cache, slot_mapping)
+    return True

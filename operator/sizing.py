@@ -16,6 +16,7 @@ from kvserve.engine.memory import (
     GiB, MemoryBudget, activation_peak_bytes, dtype_bytes, kv_heads_per_rank, plan_memory,
     rank_weight_bytes,
 )
+from kvserve.engine.host_memory import cpu_kv_bytes
 from kvserve.operator import offload
 from kvserve.operator.catalog import ModelArch
 from kvserve.operator.spec import InvalidSpecError, ServiceSpec
@@ -108,12 +109,27 @@ def activation_bytes(spec: ServiceSpec, gpus: int = 1) -> int:
         act_dtype_bytes=dtype_bytes(weight_dtype(spec)), tensor_parallel_size=max(gpus, 1))
 
 
+def cpu_swap_bytes(spec: ServiceSpec) -> int:
+    """The swap pool a CPU pod's engine may fill (spec.engine.swapSpaceGiB): in the pod's RAM."""
+    return int(spec.engine.swap_space_gib * GiB) if spec.device == "cpu" else 0
+
+
 def budget_per_gpu(spec: ServiceSpec, gpus: int) -> MemoryBudget:
-    """The engine's budget on each of `gpus` GPUs holding 1/gpus of the weights and KV heads."""
+    """The engine's budget on each of `gpus` GPUs holding 1/gpus of the weights and KV heads.
+    On a CPU pod, the engine's host plan (engine/host_memory.py): the pod's memory x utilisation
+    holds weights, activations, the KV cache and the swap pool (at most the KV cache); the host
+    tier comes on top of the user's limit (offload.py)."""
     arch, eng = spec.model.arch, spec.engine
     weights = arch.weight_bytes(dtype_bytes(weight_dtype(spec)))
+    total, util = spec.gpu_memory_bytes, eng.gpu_memory_utilization
+    if spec.device == "cpu":
+        act = activation_bytes(spec, gpus)
+        kv = cpu_kv_bytes(available_bytes=int(total * util), ranks=1, weight_bytes=weights,
+                          activation_bytes=act, swap_bytes=cpu_swap_bytes(spec),
+                          host_tier_bytes=0)
+        total, util = weights + act + kv, 1.0
     return plan_memory(
-        total_bytes=spec.gpu_memory_bytes, gpu_memory_utilization=eng.gpu_memory_utilization,
+        total_bytes=total, gpu_memory_utilization=util,
         weight_bytes=rank_weight_bytes(weights, gpus), activation_peak=activation_bytes(spec, gpus),
         num_layers=arch.layers, num_kv_heads=kv_heads_per_rank(arch.kv_heads, gpus),
         head_dim=arch.head_dim, kv_dtype_bytes=dtype_bytes(kv_dtype(spec)),
@@ -162,12 +178,17 @@ def _sizing(spec: ServiceSpec, gpus: int, b: MemoryBudget) -> Sizing:
     eng, arch = spec.engine, spec.model.arch
     wdt, kdt = weight_dtype(spec), kv_dtype(spec)
     weights = arch.weight_bytes(dtype_bytes(wdt))
+    usable = spec.gpu_memory_bytes * eng.gpu_memory_utilization
+    swap = min(cpu_swap_bytes(spec), max(b.kv_bytes, 0))
     explanation = (
         f"{_device_words(spec, gpus)} x {eng.gpu_memory_utilization:.2f} utilisation; "
         f"{'per pod' if spec.device == 'cpu' else 'per GPU'}: "
-        f"{b.total_bytes * b.gpu_memory_utilization / GiB:.2f} GiB - weights "
+        f"{usable / GiB:.2f} GiB - weights "
         f"{b.weight_bytes / GiB:.2f} GiB ({_weight_words(arch, wdt)} / {gpus}) - activations "
-        f"{b.activation_peak_bytes / GiB:.2f} GiB = KV {b.kv_bytes / GiB:.2f} GiB; "
+        f"{b.activation_peak_bytes / GiB:.2f} GiB"
+        + (f" - swap {swap / GiB:.2f} GiB (swapSpaceGiB, at most the KV cache)"
+           if spec.device == "cpu" else "")
+        + f" = KV {b.kv_bytes / GiB:.2f} GiB; "
         f"{b.bytes_per_block / 1024:.0f} KiB per block of {eng.block_size} tokens ({kdt}) -> "
         f"{b.num_blocks} blocks = {b.num_blocks * eng.block_size} tokens -> max concurrency "
         f"{b.max_concurrency} requests of {eng.max_model_len} tokens")
@@ -213,9 +234,10 @@ def _refusal(spec: ServiceSpec, gpus: int, b: MemoryBudget) -> str:
     return (
         f"{spec.model.key} does not fit in {_device_words(spec, gpus)} at "
         f"gpu_memory_utilization {eng.gpu_memory_utilization:.2f}: per GPU "
-        f"{b.total_bytes * b.gpu_memory_utilization / GiB:.2f} GiB - weights "
+        f"{spec.gpu_memory_bytes * eng.gpu_memory_utilization / GiB:.2f} GiB - weights "
         f"{b.weight_bytes / GiB:.2f} GiB - activations {b.activation_peak_bytes / GiB:.2f} GiB "
-        f"leaves {b.kv_bytes / GiB:.2f} GiB for KV = {b.num_blocks} blocks, but "
+        + ("- swap (swapSpaceGiB, at most the KV cache) " if spec.device == "cpu" else "")
+        + f"leaves {b.kv_bytes / GiB:.2f} GiB for KV = {b.num_blocks} blocks, but "
         f"{eng.max_num_seqs or 1} x {eng.max_model_len} tokens need {need} blocks "
         f"({need * b.bytes_per_block / GiB:.2f} GiB). Raise spec.gpu.maxPerReplica, pick a "
         f"bigger spec.gpu.type, lower maxModelLen/maxNumSeqs, or use kvCacheDtype fp8")

@@ -72,7 +72,15 @@ def server_config_from_args(args: argparse.Namespace) -> Any:
         allowed_origins=list(args.allowed_origins),
         shutdown_grace_period=args.shutdown_grace_period, log_level=args.log_level,
         redis_url=args.redis_url, service_name=args.service_name,
-        advertise_url=args.advertise_url, replica_id=args.replica_id, print_banner=True)
+        advertise_url=args.advertise_url, replica_id=args.replica_id, print_banner=True,
+        lora_modules=_lora_modules(args))
+
+
+def _lora_modules(args: argparse.Namespace) -> list[Any]:
+    modules = list(getattr(args, "lora_modules", None) or [])
+    if modules and not getattr(args, "enable_lora", False):
+        raise ConfigError("--lora-modules needs --enable-lora")
+    return modules
 
 
 def tool_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from typing import Any
 from kvserve.engine.config import DEFAULT_MODEL, KV_CACHE_DTYPES, MODEL_DTYPES, PREEMPTION_MODES, \
     QUANTIZATION_METHODS, STRUCTURED_OUTPUTS_BACKENDS, EngineConfig
 from kvserve.service.limits import RequestLimits
+from kvserve.service.server.lora_models import lora_module
 from kvserve.service.tool_parsers import TOOL_PARSERS
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -168,11 +169,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=d("gpu_memory_utilization"),
                    help="share of GPU memory for weights + activations + KV cache")
     g.add_argument("--kv-cache-memory", type=byte_size, default=None,
-                   help="KV-cache size on CPU, e.g. 2GiB (default: a safe share of RAM)")
+                   help="KV-cache size on CPU for the whole server, split across the "
+                        "tensor-parallel ranks, e.g. 2GiB (default: a quarter of the memory "
+                        "available, at most 4 GiB)")
     g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="use exactly this many KV blocks (testing)")
     g.add_argument("--swap-space", type=float, default=d("swap_space"),
-                   help="GiB of CPU memory for swapped-out KV blocks")
+                   help="GiB of CPU memory for swapped-out KV blocks, for the whole server "
+                        "(split across the tensor-parallel ranks, at most the KV cache; "
+                        "allocated as blocks are swapped)")
     g.add_argument("--preemption-mode", default=d("preemption_mode"), choices=PREEMPTION_MODES,
                    help="what to do with a preempted request (auto: swap when the CPU pool has "
                         "room and copying is cheaper than recomputing)")
@@ -192,7 +197,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
                    help="int8 or fp8: quantise an unquantised checkpoint's linears per channel "
                         "at load (int8 runs W8A8 on the CPU's int8 units); a quantised "
-                        "checkpoint is read from its own quantization_config without the flag")
+                        "checkpoint is read from its own quantization_config without the flag; "
+                        "gguf: serve the model folder's .gguf file (Q8_0/Q4_0/Q4_1/Q4_K kept "
+                        "quantised; the default model's own GGUF is fetched on first use)")
     g.add_argument("--calculate-kv-scales", action="store_true",
                    help="compute fp8 KV scales from the first batch")
     g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
@@ -228,6 +235,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "older spelling")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="allow model code from the hub (off: only built-in architectures)")
+    lora = parser.add_argument_group("LoRA adapters")
+    lora.add_argument("--enable-lora", action="store_true", default=d("enable_lora"),
+                      help="serve PEFT LoRA adapters of the model, requests of several adapters "
+                           "and the base model batched in one step")
+    lora.add_argument("--max-loras", type=positive_int, default=d("max_loras"),
+                      help="adapters resident on the device at once (the batch mixes up to "
+                           "this many; the least recently used idle one makes room)")
+    lora.add_argument("--max-lora-rank", type=int, default=d("max_lora_rank"),
+                      help="largest adapter rank served (1, 8, 16, 32, 64, ...); sizes the "
+                           "device buffers")
+    lora.add_argument("--max-cpu-loras", type=positive_int, default=None,
+                      help="adapters kept in host memory (default: --max-loras); others are "
+                           "read from disk again when next used")
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -272,6 +292,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds running requests get to finish after SIGTERM")
     g.add_argument("--log-level", default="info", choices=LOG_LEVELS,
                    help="log level of kvserve and uvicorn")
+    g.add_argument("--lora-modules", nargs="+", type=lora_module, default=[],
+                   metavar="NAME=PATH",
+                   help='LoRA adapters loaded at start, each a model name: name=path or vLLM\'s '
+                   'JSON {"name": ..., "path": ..., "base_model_name": ...} (needs '
+                   "--enable-lora)")
     add_limit_args(parser)
     r = parser.add_argument_group("prefix index (Redis, read by the router)")
     r.add_argument("--redis-url", default=None,

@@ -486,11 +486,56 @@ def vllm_page() -> str:
         lines += table(["vLLM", "kvserve", "note"], [
             [code(r["name"]), f"**{r['status']}**" if r["status"] == "implemented"
              else r["status"], cell(r["note"])] for r in entries])
+    lines += examples_section()
     vllm_flags = {r["name"] for r in rows.get("serve_flags", [])}
     own = sorted(kvserve_names()["serve_flags"] - vllm_flags - {"-h", "--help"})
     lines += ["## `kvserve serve` flags vLLM does not have", "",
               ", ".join(f"[{code(f)}](cli.md#kvserve-serve)" for f in own), ""]
     return "\n".join(lines)
+
+
+EXAMPLES = Path(__file__).with_name("vllm_examples.yaml")
+EXAMPLE_STATUSES = ("runs", "needs a larger model", "missing", "not applicable")
+UPSTREAM = "https://github.com/vllm-project/vllm/blob/main/examples"
+
+
+def example_rows() -> dict[str, list[dict[str, str]]]:
+    """vllm_examples.yaml, checked: a `runs` entry's script exists under examples/vllm/ (the
+    test runs each), every other entry says why in its note."""
+    data = yaml.safe_load(EXAMPLES.read_text())
+    for kind, entries in data.items():
+        for e in entries:
+            if e["status"] not in EXAMPLE_STATUSES:
+                raise ValueError(f"vllm_examples.yaml: {e['name']}: unknown status {e['status']}")
+            if e["status"] == "runs" and not (ROOT / "examples" / "vllm" / e["script"]).is_file():
+                raise ValueError(f"vllm_examples.yaml: {e['name']} runs, but examples/vllm/"
+                                 f"{e.get('script')} does not exist")
+            if e["status"] != "runs" and not e.get("note"):
+                raise ValueError(f"vllm_examples.yaml: {e['name']}: say why it does not run")
+    return data
+
+
+def examples_section() -> list[str]:
+    data = example_rows()
+    entries = [e for kind in data.values() for e in kind]
+    ran = sum(e["status"] == "runs" for e in entries)
+    ours = sum(e["status"] in ("runs", "needs a larger model") for e in entries)
+    counts = ", ".join(f"{sum(e['status'] == k for e in entries)} {k}" for k in EXAMPLE_STATUSES)
+    lines = ["## vLLM's examples", "",
+             f"**{ran} of {ours}** of vLLM's documented examples for features kvserve has run "
+             f"unchanged but for the import, the model and the URL ({len(entries)} listed: "
+             f"{counts}). Each runnable one is kept in `examples/vllm/` and run by "
+             "`tests/integration/test_vllm_examples.py` (offline ones in-process, online ones "
+             "against one `kvserve serve`); the list is `docs/gen/vllm_examples.yaml`.", ""]
+    folders = {"offline": "offline_inference", "online": "online_serving"}
+    for kind, rows in data.items():
+        lines += [f"### {folders[kind]}", ""]
+        lines += table(["vLLM example", "status", "kvserve's copy", "note"], [
+            [f"[{code(e['name'])}]({UPSTREAM}/{folders[kind]}/{e['name']})",
+             f"**{e['status']}**" if e["status"] == "runs" else e["status"],
+             code("examples/vllm/" + e["script"]) if e.get("script") else "",
+             cell(e.get("note", ""))] for e in rows])
+    return lines
 
 
 PAGES: dict[str, Callable[[], str]] = {

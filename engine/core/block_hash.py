@@ -24,6 +24,15 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: objec
     return h.digest()
 
 
+def extra_keys_for(cache_salt: str | None, lora_name: str | None = None) -> object:
+    """A request's extra keys: its cache_salt, and the LoRA adapter it runs with, so blocks
+    computed with two adapters (or one and the base model) are never shared. The router passes
+    the same (the adapter is the request's `model` when that names an adapter)."""
+    if lora_name is None:
+        return cache_salt
+    return ("lora", lora_name, cache_salt)
+
+
 def _canonical(key: object) -> object:
     """`key` with sets and dicts in a fixed order, so its repr is the same in every process
     (a set's iteration order follows the per-process string hash seed)."""

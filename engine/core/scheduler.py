@@ -44,6 +44,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"  # "recompute" | "swap" | "auto"
     policy: str = "fcfs"  # engine/core/scheduling_policy.py
+    max_loras: int = 0  # LoRA adapters among the running seqs at most (0: no LoRA)
 
 
 class SwapAdvisor(Protocol):
@@ -121,6 +122,20 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         add_waiting(self.waiting, seq, self.config.policy, front=True)
 
+    def preempt_running(self) -> int:
+        """Preempt every running seq by recompute (their blocks freed; vLLM's
+        `reset_prefix_cache(reset_running_requests=True)`); returns how many."""
+        seqs = list(self.running)
+        for seq in reversed(seqs):  # the oldest ends up first in the waiting queue
+            self.running.remove(seq)
+            seq.num_preemptions += 1
+            self.num_preemptions += 1
+            self.kv.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            add_waiting(self.waiting, seq, self.config.policy, front=True)
+        return len(seqs)
+
     def _should_swap(self, seq: Sequence) -> bool:
         """swap: whenever the CPU pool has room; auto: when it has room and the cost model
         says copying the seq's blocks out and back beats recomputing its tokens."""
@@ -148,9 +163,25 @@ class Scheduler:
         taken = len(self.running) + sum(s.pending_forks for s in self.running)
         return taken + 1 + seq.pending_forks <= self.config.max_num_seqs
 
+    def running_loras(self) -> set[str]:
+        """The LoRA adapters of the running seqs (each holds a device slot)."""
+        return {s.lora_name for s in self.running if s.lora_name is not None}
+
+    def _lora_fits(self, seq: Sequence, loras: set[str]) -> bool:
+        """Whether `seq`'s adapter is running already or a slot is left for it (`loras` grows)."""
+        if seq.lora_name is None or seq.lora_name in loras:
+            return True
+        if len(loras) >= self.config.max_loras:
+            return False
+        loras.add(seq.lora_name)
+        return True
+
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        loras = self.running_loras()
         while self.swapped and budget > 0 and self._has_seq_room(self.swapped[0]):
             seq = self.swapped[0]
+            if not self._lora_fits(seq, loras):
+                break
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             # Room for its next tokens too: swapped in without it, it would be swapped out again.
             if not self.kv.can_swap_in(seq, n):
@@ -175,8 +206,12 @@ class Scheduler:
         # again: a shared system prompt is computed once, not once per request of the step.
         pending = self._pending_hashes(out)
         deferred: list[Sequence] = []
+        loras = self.running_loras()
         while self.waiting and budget > 0 and self._has_seq_room(self.waiting[0]):
             seq = self.waiting[0]
+            if not self._lora_fits(seq, set(loras)):  # its adapter waits for a free slot
+                deferred.append(self.waiting.popleft())
+                continue
             # A seq still owed prompt logprobs computes its whole prompt: a cached block has
             # no hidden states (engine/sample/prompt_logprobs.py), so waiting for one gains nothing.
             owed = seq.wants_prompt_logprobs
@@ -204,6 +239,8 @@ class Scheduler:
             pending.update(self.kv.full_block_hashes(
                 seq, len(hits), (cached + n) // self.kv.block_size))
             self.running.append(seq)
+            if seq.lora_name is not None:
+                loras.add(seq.lora_name)
             out.seqs.append(seq)
             out.num_tokens.append(n)
             budget -= n

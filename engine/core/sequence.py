@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvserve.engine.core.block_hash import extra_keys_for
 from kvserve.engine.sample.sampling_params import SamplingParams
 
 
@@ -32,6 +33,7 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
     cache_salt: str | None = None
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache (-1 = not looked up)
@@ -80,4 +82,4 @@ class Sequence:
 
     @property
     def extra_keys(self) -> object:
-        return self.cache_salt
+        return extra_keys_for(self.cache_salt, self.lora_name)

@@ -50,16 +50,21 @@ def _pack(linear: nn.Linear) -> PackedLinear:
     return module
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, pack_tied: bool = True) -> int:
     """Replace every nn.Linear of a CPU fp32/bf16 model by a PackedLinear; returns how many.
 
     Tied weights (an lm_head sharing the embedding) are packed as a copy: the embedding keeps
-    the plain weight for its lookups. Nothing is changed when oneDNN cannot pack here.
+    the plain weight for its lookups. `pack_tied=False` leaves them unpacked (one copy: what a
+    quantised model, whose point is memory, wants). Nothing is changed when oneDNN cannot pack.
     """
     if not hasattr(torch.ops.mkldnn, "_linear_pointwise") or not torch.backends.mkldnn.is_available():
         return 0
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if type(child) is nn.Linear]
+    if not pack_tied:
+        embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)
+                      or type(m).__name__ == "VocabParallelEmbedding"}
+        targets = [t for t in targets if id(t[2].weight) not in embeddings]
     if not targets or targets[0][2].weight.device.type != "cpu" or \
             targets[0][2].weight.dtype not in (torch.float32, torch.bfloat16):
         return 0

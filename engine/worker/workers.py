@@ -53,6 +53,7 @@ class WorkerSpec:
     max_model_len: int | None = None  # the engine's, when the user set one
     quantization: str | None = None  # online quantisation of a dense checkpoint (int8 | fp8)
     hf_overrides: Any = None  # vLLM's: a dict or callable over the HF config (every rank)
+    lora: Any = None  # a LoRAConfig: wrap the linears for adapters (enable_lora)
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,10 @@ def worker_main(rank: int, spec: WorkerSpec, conn: Connection) -> None:
                               revision=spec.revision, tp=tp, max_model_len=spec.max_model_len,
                               quantization=spec.quantization,
                               hf_overrides=spec.hf_overrides)
+        if spec.lora is not None:
+            from kvserve.lora.model import attach_lora
+
+            attach_lora(model, spec.lora)
         conn.send(("ready", None))
         _serve(rank, model, spec, conn)
     except BaseException:  # noqa: BLE001 - tell the driver why, then die
@@ -139,6 +144,8 @@ def _serve(rank: int, model: torch.nn.Module, spec: WorkerSpec, conn: Connection
             runner.apply_moves(arg)  # type: ignore[union-attr]
         elif cmd == "calibrate":
             runner.calibrate_kv_scales(*arg)  # type: ignore[union-attr]
+        elif cmd == "lora":
+            runner.apply_lora(*arg)  # type: ignore[union-attr]
         else:
             raise RuntimeError(f"unknown command {cmd!r}")
 
@@ -207,7 +214,7 @@ class WorkerGroup:
               device_type: str, size: int,
               max_model_len: int | None = None,
               quantization: str | None = None,
-              hf_overrides: Any = None) -> tuple["WorkerGroup", TPGroup]:
+              hf_overrides: Any = None, lora: Any = None) -> tuple["WorkerGroup", TPGroup]:
         """Spawn the workers and join the group as rank 0 (returns once all ranks joined)."""
         if torch.distributed.is_initialized():
             raise WorkerDiedError(
@@ -217,7 +224,7 @@ class WorkerGroup:
         threads = max(1, (os.cpu_count() or 1) // size)
         spec = WorkerSpec(str(model_path), revision, dtype, device_type, size,
                           f"file://{store}", threads, max_model_len, quantization,
-                          hf_overrides)
+                          hf_overrides, lora)
         group = cls(spec)
         try:
             try:

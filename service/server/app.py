@@ -11,11 +11,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import kvserve
 from kvserve.engine.async_engine import AsyncEngine
-from kvserve.engine.errors import KVServeError
+from kvserve.engine.errors import ConfigError, KVServeError, LoRANotFoundError
 from kvserve.engine.sample.tokenizer import prompt_token_ids
 from kvserve.service.chat_request import ChatCompletionRequest
 from kvserve.service.middleware import APIKeyMiddleware, BodyLimitMiddleware
@@ -32,6 +32,9 @@ from kvserve.service.server.responses import create_response
 from kvserve.service.server.config import ServerConfig
 from kvserve.service.server.context import ServingContext
 from kvserve.service.server.engine_streams import ClientDisconnected
+from kvserve.service.server.lora_models import (LoadLoRAAdapterRequest, LoRAModels,
+                                                UnloadLoRAAdapterRequest, not_found,
+                                                runtime_updating_allowed)
 from kvserve.service.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvserve.service.server.openapi import install_openapi
 from kvserve.service.server.publishing import PublisherObserver, stop_advertising
@@ -44,6 +47,8 @@ REQUEST_BODIES: dict[str, Any] = {
     "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
     "/v1/responses": ResponsesRequest,
     "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+LORA_BODIES: dict[str, Any] = {"/v1/load_lora_adapter": LoadLoRAAdapterRequest,
+                               "/v1/unload_lora_adapter": UnloadLoRAAdapterRequest}
 
 
 def create_app(llm_engine: Any, config: ServerConfig, publisher: Any = None) -> FastAPI:
@@ -71,6 +76,10 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics,
         chat_template_time_limit=config.chat_template_time_limit,
         prompt_tokens_details=config.enable_prompt_tokens_details,
         chat_template=config.chat_template, tool_parser=config.tool_call_parser)
+    if engine.config.enable_lora:
+        ctx.loras = LoRAModels(engine, names)
+    elif config.lora_modules:
+        raise ConfigError("--lora-modules needs --enable-lora")
     metrics.set_cache_config(engine.memory_budget.block_size, engine.memory_budget.num_blocks)
     metrics.set_model_weight_bytes(
         engine.memory_budget.weight_bytes * engine.config.tensor_parallel_size)
@@ -78,6 +87,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics,
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        for module in config.lora_modules:  # a bad adapter stops the start, naming why
+            await ctx.loras.load(module.name, module.path, module.base_model_name)
         if publisher is not None:
             await publisher.start()
         if config.print_banner:
@@ -100,7 +111,11 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics,
     app.state.drain_hooks = [] if publisher is None else [lambda: stop_advertising(publisher)]
     install_error_handlers(app)
     _add_routes(app, ctx, metrics)
-    install_openapi(app, REQUEST_BODIES)
+    bodies = dict(REQUEST_BODIES)
+    if ctx.loras is not None and runtime_updating_allowed():
+        add_lora_routes(app, ctx)
+        bodies.update(LORA_BODIES)
+    install_openapi(app, bodies)
     app.add_middleware(BodyLimitMiddleware, limit=config.max_body_bytes)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key,
@@ -116,7 +131,8 @@ def openapi_document() -> dict[str, Any]:
     docs site's HTTP reference; a live server serves the same at /openapi.json)."""
     app = FastAPI(title="kvserve", version=kvserve.__version__, docs_url=None, redoc_url=None)
     _add_routes(app, None, None)  # type: ignore[arg-type]  # handlers run only in a real app
-    install_openapi(app, REQUEST_BODIES)
+    add_lora_routes(app, None)  # type: ignore[arg-type]
+    install_openapi(app, {**REQUEST_BODIES, **LORA_BODIES})
     return app.openapi()
 
 
@@ -140,6 +156,9 @@ def _add_routes(app: FastAPI, ctx: ServingContext, metrics: ServerMetrics) -> No
     async def models() -> JSONResponse:
         cards = [ModelCard(id=n, root=str(ctx.engine.config.model),
                            max_model_len=ctx.max_model_len) for n in ctx.served_model_names]
+        loras = ctx.loras.requests.values() if ctx.loras is not None else []
+        cards += [ModelCard(id=r.lora_name, root=r.lora_path, parent=ctx.model_name,
+                            max_model_len=ctx.max_model_len) for r in loras]
         return JSONResponse(ModelList(data=cards).model_dump())
 
     @app.get("/health")
@@ -184,6 +203,30 @@ def _add_routes(app: FastAPI, ctx: ServingContext, metrics: ServerMetrics) -> No
             raise APIError(400, f"tokens must be ids in [0, {vocab}), got {max(req.tokens)}",
                            param="tokens", code="invalid_value")
         return JSONResponse(DetokenizeResponse(prompt=await ctx.decode(req.tokens)).model_dump())
+
+
+def add_lora_routes(app: FastAPI, ctx: ServingContext) -> None:
+    """vLLM's runtime adapter endpoints (only with VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)."""
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        """Load a PEFT LoRA adapter folder as model `lora_name` (only with
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING=true and --enable-lora); 400 naming why it cannot be
+        served."""
+        req = await parse_body(request, LoadLoRAAdapterRequest, ctx)
+        await ctx.loras.load(req.lora_name, req.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        """Unload adapter `lora_name`; 404 when it is not loaded."""
+        req = await parse_body(request, UnloadLoRAAdapterRequest, ctx)
+        try:
+            await ctx.loras.unload(req.lora_name)
+        except LoRANotFoundError as exc:
+            raise not_found(exc) from None
+        return PlainTextResponse(
+            f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
 
 def _tokenize(tokenizer: Any, prompt: str, add_special_tokens: bool) -> list[int]:

@@ -57,7 +57,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             params.skip_special_tokens = False  # the parser's opener is a special token
     request_id = random_id("chatcmpl")  # from here the engine counts it as waiting
     streams = await before(deadline, start_requests(
-        ctx, request_id, [prompt], [params], priority=req.priority, cache_salt=req.cache_salt))
+        ctx, request_id, [prompt], [params], priority=req.priority, cache_salt=req.cache_salt,
+        lora_request=ctx.lora_request(req.model)))
     if req.stream:
         body = _stream(ctx, req, request_id, model, streams, stop_hold(params), deadline)
         return StreamingResponse(body, media_type="text/event-stream")

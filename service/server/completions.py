@@ -39,7 +39,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest,
         echoes = [await ctx.decode(p) for p in prompts] if req.echo else [""] * len(prompts)
     request_id = random_id("cmpl")  # from here the engine counts it as waiting
     streams = await before(deadline, start_requests(
-        ctx, request_id, prompts, params, priority=req.priority, cache_salt=req.cache_salt))
+        ctx, request_id, prompts, params, priority=req.priority, cache_salt=req.cache_salt,
+        lora_request=ctx.lora_request(req.model)))
     if req.stream:
         body = _stream(ctx, req, request_id, model, streams, params[0], echoes, deadline)
         return StreamingResponse(body, media_type="text/event-stream")

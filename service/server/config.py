@@ -42,6 +42,7 @@ class ServerConfig:
     advertise_url: str | None = None
     replica_id: str | None = None
     print_banner: bool = False  # print the curl line and Python snippet once started
+    lora_modules: list = field(default_factory=list)  # LoRAModulePath: adapters loaded at start
 
     def waiting_limit(self, max_num_seqs: int) -> int | None:
         """--max-waiting resolved against the engine's batch size."""

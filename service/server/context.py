@@ -40,6 +40,7 @@ class ServingContext:
     tool_parser: str = DEFAULT_TOOL_PARSER  # --tool-call-parser
     tokenizers: TokenizerPool = field(default=None)  # type: ignore[assignment]
     admitting: int = 0  # admitted requests not yet handed to the engine (tokenizing)
+    loras: Any = None  # LoRAModels (service/server/lora_models.py) when LoRA is enabled
 
     def __post_init__(self) -> None:
         if self.tokenizers is None:
@@ -54,11 +55,20 @@ class ServingContext:
         return self.engine.max_model_len
 
     def resolve_model(self, requested: str | None) -> str:
-        """The name to answer with; 404 for a model this server does not serve."""
+        """The name to answer with (a LoRA adapter's own); 404 for a model this server does not
+        serve."""
         if requested is None or requested in self.served_model_names:
             return self.model_name
+        if self.lora_request(requested) is not None:
+            return requested
+        adapters = list(self.loras.requests) if self.loras is not None else []
         raise APIError(404, f"The model `{requested}` does not exist; this server serves "
-                       f"{self.served_model_names}.", param="model", code="model_not_found")
+                       f"{self.served_model_names + adapters}.", param="model",
+                       code="model_not_found")
+
+    def lora_request(self, requested: str | None) -> Any:
+        """The LoRARequest a request's `model` names (None: the base model)."""
+        return self.loras.get(requested) if self.loras is not None else None
 
     def admit(self) -> None:
         """503 while draining or dead, 429 when the waiting queue is full."""

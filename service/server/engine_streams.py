@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 
@@ -24,7 +24,8 @@ T = TypeVar("T")
 
 async def start_requests(ctx: ServingContext, base_id: str, prompts: Sequence[list[int]],
                          params: Sequence[SamplingParams], *, priority: int = 0,
-                         cache_salt: str | None = None) -> list[RequestStream]:
+                         cache_salt: str | None = None,
+                         lora_request: Any = None) -> list[RequestStream]:
     """One engine request per prompt; if one is refused, the ones already started are aborted."""
     arrival = time.monotonic()
     streams: list[RequestStream] = []
@@ -32,7 +33,7 @@ async def start_requests(ctx: ServingContext, base_id: str, prompts: Sequence[li
         for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
             streams.append(await ctx.engine.add_request(
                 f"{base_id}-{i}", ids, p, priority=priority, cache_salt=cache_salt,
-                arrival=arrival))
+                arrival=arrival, lora_request=lora_request))
     except BaseException as exc:
         ctx.engine.abort([s.request_id for s in streams])
         if isinstance(exc, (EngineDrainingError, EngineDeadError)):

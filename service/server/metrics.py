@@ -56,6 +56,12 @@ class ServerMetrics:
         self._build_engine_metrics()
         self._build_request_metrics()
         self._build_tier_metrics()
+        # vLLM's: one series, its labels the adapters of running and waiting requests, its
+        # value the time of the last change
+        self.lora_info = Gauge("vllm:lora_requests_info", "Running stats on LoRA requests.",
+                               ("max_lora", "waiting_lora_adapters", "running_lora_adapters"),
+                               registry=self.registry)
+        self._lora_labels: tuple[str, str, str] | None = None
 
     def _gauge(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
         return Gauge(name, doc, ("model_name", *labels), registry=self.registry)
@@ -259,6 +265,16 @@ class ServerMetrics:
         restores = getattr(engine, "drain_restore_seconds", None)
         for seconds in restores() if restores is not None else ():
             self.restore_seconds.observe(seconds)
+        if getattr(engine, "lora", None) is not None:
+            running, waiting = engine.lora_requests_info()
+            self.observe_loras(engine.config.max_loras, running, waiting)
+
+    def observe_loras(self, max_lora: int, running: list[str], waiting: list[str]) -> None:
+        labels = (str(max_lora), ",".join(waiting), ",".join(running))
+        if labels != self._lora_labels:
+            self.lora_info.clear()
+            self.lora_info.labels(*labels).set(time.time())
+            self._lora_labels = labels
 
     def request_aborted(self, request_id: str) -> None:
         self.request_finished(request_id, "abort")

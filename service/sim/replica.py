@@ -33,6 +33,7 @@ from kvserve.service.prefix_index.extra_keys import block_extra_keys
 from kvserve.service.sim.timing import TimingModel
 
 _OUTPUT_TOKEN = 29  # the token every simulated output is made of (its text is " x")
+PREEMPTION_MODES = ("recompute", "swap", "auto")  # the engine's (EngineConfig.preemption_mode)
 _seq_ids = itertools.count()
 
 
@@ -90,6 +91,7 @@ class ReplicaCounters:
     prompt_tokens: int = 0  # looked up at first admission
     cached_tokens: int = 0  # of those, found in this replica's cache (the true hit count)
     preemptions: int = 0
+    swaps: int = 0  # of the preemptions, those that swapped the sequence out (not recompute)
     busy_s: float = 0.0  # simulated seconds spent in steps
     adapter_requests: int = 0  # requests naming a resident adapter
     adapter_loads: int = 0  # adapters loaded (a load of a resident one is not counted)
@@ -105,19 +107,31 @@ class SimReplica:
     fleet and fed here after every stretch of steps."""
 
     def __init__(self, replica_id: str, timing: TimingModel, publisher: Any = None, *,
-                 max_loras: int = 8, lora_load_s: float = 0.05) -> None:
+                 max_loras: int = 8, lora_load_s: float = 0.05,
+                 preemption_mode: str = "auto") -> None:
         if max_loras < 1:
             raise ValueError(f"max_loras must be at least 1, got {max_loras}")
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode {preemption_mode!r}: expected one of "
+                             f"{PREEMPTION_MODES}")
         self.replica_id, self.timing, self.publisher = replica_id, timing, publisher
         self.max_loras, self.lora_load_s = max_loras, lora_load_s
+        self.preemption_mode = preemption_mode
         self.adapters: OrderedDict[str, str] = OrderedDict()  # name -> path, LRU first
         self._adapter_use: Counter[str] = Counter()  # requests in flight per adapter
-        self.kv = KVCacheManager(timing.num_blocks, timing.block_size)
+        self.kv = self._new_kv()
         self.waiting: list[SimRequest] = []
         self.running: list[SimRequest] = []
+        self.swapped: list[SimRequest] = []  # preempted to the CPU pool, oldest swap last
+        self._preempted = False  # in the step just simulated: no swap-in or admission after it
+        self._swap_blocks = 0  # blocks copied (out or in) since the last step, costed in it
         self.counters = ReplicaCounters()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+
+    def _new_kv(self) -> KVCacheManager:
+        return KVCacheManager(self.timing.num_blocks, self.timing.block_size,
+                              num_cpu_blocks=self.timing.num_cpu_blocks)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -129,15 +143,15 @@ class SimReplica:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
-        for r in self.waiting + self.running:
+        for r in self.waiting + self.running + self.swapped:
             self._finish(r, error="replica stopped")
 
     def reset(self) -> None:
         """Forget every cached block, adapter and counter (between benchmark runs); needs an idle
         replica. The publisher replaces the replica's sets with the empty snapshot."""
-        if self.waiting or self.running:
+        if self.waiting or self.running or self.swapped:
             raise RuntimeError(f"replica {self.replica_id} is busy; reset it when idle")
-        self.kv = KVCacheManager(self.timing.num_blocks, self.timing.block_size)
+        self.kv = self._new_kv()
         self.counters = ReplicaCounters()
         self.adapters.clear()
         if self.publisher is not None:
@@ -176,6 +190,9 @@ class SimReplica:
         if req in self.running:
             self.running.remove(req)
             self.kv.free(req.seq)
+        if req in self.swapped:
+            self.swapped.remove(req)
+            self.kv.free(req.seq)
         self._finish(req, error="aborted")
 
     async def load_adapter(self, name: str, path: str) -> bool:
@@ -213,7 +230,7 @@ class SimReplica:
         return list(self.adapters)
 
     def load(self) -> SimLoad:
-        return SimLoad(len(self.running), len(self.waiting), self.kv.usage())
+        return SimLoad(len(self.running), len(self.waiting) + len(self.swapped), self.kv.usage())
 
     def cached_prefix_blocks(self, hashes: list[bytes]) -> int:
         """Leading blocks of a hash chain (engine.block_hash's bytes) this replica's pool holds
@@ -234,10 +251,14 @@ class SimReplica:
     # ---- the step loop ------------------------------------------------------------------------
     async def _loop(self) -> None:
         while True:
-            if not self.waiting and not self.running:
+            if not self.waiting and not self.running and not self.swapped:
                 self._wake.clear()
                 await self._wake.wait()
-            self._admit()
+            if not self._preempted:  # as the engine: a step that preempted admits no one
+                self._swap_in()
+                if not self.swapped:
+                    self._admit()
+            self._preempted = False
             if not self.running:  # the head of the queue waits for blocks no one will free
                 self._wake.clear()
                 await self._wake.wait()
@@ -284,6 +305,20 @@ class SimReplica:
                 seq, len(hits), (seq.num_computed_tokens + n) // self.kv.block_size))
             self.running.append(req)
 
+    def _swap_in(self) -> None:
+        """Swapped sequences back to the device, oldest preemption first, as the engine's
+        scheduler does: while the seq limit, the token budget and the free blocks (its own and
+        its next token's) allow; the blocks' copy is costed in the next step."""
+        budget, _ = self._running_budget()
+        while self.swapped and budget > 0 and len(self.running) < self.timing.max_num_seqs:
+            req = self.swapped[0]
+            if not self.kv.can_swap_in(req.seq, 1):
+                return
+            self._swap_blocks += len(self.kv.swap_in(req.seq))
+            self.swapped.pop(0)
+            self.running.append(req)
+            budget -= 1
+
     def _running_budget(self) -> tuple[int, set[bytes]]:
         """The step's token budget left after the running sequences (a prefill chunk or one
         decode token each), and the hashes of the full blocks their chunks compute."""
@@ -309,7 +344,8 @@ class SimReplica:
                 budget -= n
                 chunks.append((r, n))
         context = sum(r.seq.num_tokens for r in decoding)
-        dt = self.timing.step_seconds(sum(n for _, n in chunks), len(decoding), context)
+        dt = self.timing.step_seconds(sum(n for _, n in chunks), len(decoding), context) + \
+            self._take_swap_seconds()
         await asyncio.sleep(dt)
         self.counters.busy_s += dt
         now = _now()
@@ -326,6 +362,10 @@ class SimReplica:
         steps = max(self._steps_that_fit(seqs, min(r.max_tokens - r.num_output_tokens
                                                    for r in seqs)), 1)
         dt = self.timing.step_seconds(0, len(seqs), sum(r.seq.num_tokens for r in seqs))
+        swap_s = self._take_swap_seconds()
+        if swap_s:  # the copies of a swap-in delay the first step of the stretch
+            await asyncio.sleep(swap_s)
+            self.counters.busy_s += swap_s
         self._wake.clear()
         t0 = _now()
         try:  # not asyncio.wait_for: on 3.11 it can swallow a cancel
@@ -373,12 +413,31 @@ class SimReplica:
                 self._emit(r, steps, now)
 
     def _preempt(self, r: SimRequest) -> None:
-        """Recompute preemption: blocks freed, back to the head of the queue."""
+        """As the engine's scheduler: swap the blocks out to the CPU pool when the mode and the
+        pool allow it ("auto": when the timing model says copying beats recomputing), else
+        free them to recompute, back at the head of the queue."""
         self.running.remove(r)
+        self._preempted = True
+        self.counters.preemptions += 1
+        if self._should_swap(r):
+            self._swap_blocks += len(self.kv.swap_out(r.seq))
+            self.swapped.insert(0, r)
+            self.counters.swaps += 1
+            return
         self.kv.free(r.seq)
         r.seq.num_computed_tokens = 0
         self.waiting.insert(0, r)
-        self.counters.preemptions += 1
+
+    def _should_swap(self, r: SimRequest) -> bool:
+        if self.preemption_mode == "recompute" or not self.kv.can_swap_out(r.seq):
+            return False
+        return self.preemption_mode == "swap" or self.timing.prefer_swap(
+            self.kv.num_blocks_of(r.seq), r.seq.num_computed_tokens)
+
+    def _take_swap_seconds(self) -> float:
+        """The cost of the blocks swapped since the last step (charged to this one)."""
+        n, self._swap_blocks = self._swap_blocks, 0
+        return n * self.timing.swap_s_per_block
 
     def _emit(self, r: SimRequest, n: int, now: float) -> None:
         r.seq.output_token_ids.extend([_OUTPUT_TOKEN] * n)

@@ -24,10 +24,15 @@ class TimingModel:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192  # prefill tokens per step (chunked prefill's budget)
     source: str = ""
+    # The CPU swap pool (the engine's swap_space) and one block's copy, one way: a preempted
+    # sequence is swapped out and back when the pool has room and ("auto") copying beats
+    # recomputing its tokens, as the engine's SwapCostModel decides. 0 blocks: recompute only.
+    num_cpu_blocks: int = 0
+    swap_s_per_block: float = 0.0
 
     def __post_init__(self) -> None:
         for f in ("prefill_s_per_token", "decode_step_s", "decode_s_per_seq",
-                  "decode_s_per_ctx_token"):
+                  "decode_s_per_ctx_token", "swap_s_per_block", "num_cpu_blocks"):
             if getattr(self, f) < 0:
                 raise ValueError(f"TimingModel.{f} must be >= 0, got {getattr(self, f)}")
         for f in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -43,6 +48,13 @@ class TimingModel:
                 + decode_seqs * self.decode_s_per_seq
                 + context_tokens * self.decode_s_per_ctx_token)
 
+    def prefer_swap(self, num_blocks: int, num_tokens: int) -> bool:
+        """The engine's "auto" choice (engine/kv_offload/swap_cost.py) on this model's rates:
+        copying the blocks out and back beats recomputing the tokens; with no recompute cost
+        known (prefill_s_per_token 0) it swaps, as the engine does before it has measured one."""
+        recompute = num_tokens * self.prefill_s_per_token
+        return recompute == 0 or 2 * num_blocks * self.swap_s_per_block < recompute
+
     def scaled(self, time_scale: float = 1.0, num_blocks: int | None = None) -> TimingModel:
         """Every duration x `time_scale` (a slower fleet, so 2 cores can saturate it), and an
         optional other KV capacity."""
@@ -52,6 +64,7 @@ class TimingModel:
                        decode_step_s=self.decode_step_s * time_scale,
                        decode_s_per_seq=self.decode_s_per_seq * time_scale,
                        decode_s_per_ctx_token=self.decode_s_per_ctx_token * time_scale,
+                       swap_s_per_block=self.swap_s_per_block * time_scale,
                        num_blocks=num_blocks or self.num_blocks)
 
 

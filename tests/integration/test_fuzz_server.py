@@ -26,7 +26,8 @@ from kvserve.service.limits import RequestLimits
 from kvserve.service.server.app import create_app
 from kvserve.service.server.config import ServerConfig
 
-POST_PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"]
+POST_PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize",
+              "/v1/load_lora_adapter", "/v1/unload_lora_adapter"]
 FUZZ = settings(max_examples=60, deadline=None, database=None, derandomize=True,
                 suppress_health_check=list(HealthCheck))
 
@@ -34,11 +35,15 @@ FUZZ = settings(max_examples=60, deadline=None, database=None, derandomize=True,
 @pytest.fixture(scope="module")
 def server(tiny_model_dir) -> Iterator[ServerThread]:
     engine = LLMEngine.from_config(EngineConfig(model=str(tiny_model_dir), max_model_len=64,
-                                                kv_cache_memory=4 << 20, dtype="float32"))
+                                                kv_cache_memory=4 << 20, dtype="float32",
+                                                enable_lora=True))
     config = ServerConfig(served_model_names=["tiny"], max_body_bytes=256 << 10,
                           limits=RequestLimits(max_n=2, max_prompts=4, max_json_depth=16),
                           request_timeout=20.0)
-    srv = ServerThread(create_app(engine, config)).start()
+    with pytest.MonkeyPatch.context() as mp:  # the runtime LoRA routes exist with it set
+        mp.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
+        app = create_app(engine, config)
+    srv = ServerThread(app).start()
     yield srv
     srv.stop()
 

@@ -305,15 +305,17 @@ def test_metric_types_and_help_come_from_the_registry(ref):
 # -------------------------------------------------------------------------------- HTTP API
 
 
-def test_http_reference_matches_a_live_servers_openapi(ref, tiny_model_dir):
+def test_http_reference_matches_a_live_servers_openapi(ref, tiny_model_dir, monkeypatch):
     from kvserve.engine.config import EngineConfig
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.service.server.app import create_app
     from kvserve.service.server.config import ServerConfig
 
+    # every route documented: the runtime LoRA ones exist with LoRA and vLLM's switch on
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
     engine = LLMEngine.from_config(EngineConfig(model=str(tiny_model_dir), max_model_len=64,
                                                 kv_cache_memory=1 << 20, dtype="float32",
-                                                attention_backend="torch"))
+                                                attention_backend="torch", enable_lora=True))
     try:
         live = create_app(engine, ServerConfig()).openapi()
     finally:
@@ -366,3 +368,14 @@ def test_every_registered_architecture_has_a_row_in_the_models_page():
     page = (DOCS / "guides" / "models.md").read_text()
     rows = set(re.findall(r"^\| `(\w+ForCausalLM)` \|", page, flags=re.M))
     assert set(MODEL_REGISTRY) <= rows, sorted(set(MODEL_REGISTRY) - rows)
+
+
+def test_vllm_examples_tally_refuses_a_run_claim_without_its_script(ref, tmp_path, monkeypatch):
+    fake = tmp_path / "examples.yaml"
+    fake.write_text("offline:\n  - {name: basic/basic.py, status: runs, script: offline/none.py}\n")
+    monkeypatch.setattr(ref, "EXAMPLES", fake)
+    with pytest.raises(ValueError, match="offline/none.py does not exist"):
+        ref.example_rows()
+    fake.write_text("online:\n  - {name: api_client.py, status: missing}\n")
+    with pytest.raises(ValueError, match="say why"):
+        ref.example_rows()

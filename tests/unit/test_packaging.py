@@ -38,11 +38,12 @@ def test_the_kernels_folder_does_not_shadow_hf_kernels_from_the_repo_root() -> N
     assert Path(out.stdout.strip()) != ROOT / "kernels" / "__init__.py"
 
 
-COMPONENTS = ("engine", "kernels", "service", "operator")
+COMPONENTS = ("engine", "kernels", "lora", "service", "operator")
 
 
 def test_component_packages_map_to_their_folders() -> None:
-    out = run("-c", "import kvserve.engine, kvserve.kernels, kvserve.service, kvserve.operator;"
+    out = run("-c", "import kvserve.engine, kvserve.kernels, kvserve.lora, kvserve.service, "
+              "kvserve.operator;"
               "print(*(list(getattr(kvserve, c).__path__)[0] for c in "
               f"{COMPONENTS!r}))")
     assert out.returncode == 0, out.stderr

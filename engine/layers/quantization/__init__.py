@@ -12,7 +12,7 @@ from kvserve.engine.layers.quantization.quant_linear import QuantLinear, finish_
 
 # quant_method -> reader of its quantization_config
 _CHECKPOINT_FORMATS = ("compressed-tensors", "gptq", "awq", "fp8")
-QUANTIZATION_CHOICES = ("int8", "fp8", "compressed-tensors", "gptq", "awq")  # = EngineConfig's
+QUANTIZATION_CHOICES = ("int8", "fp8", "compressed-tensors", "gptq", "awq", "gguf")  # = EngineConfig's
 
 
 def quant_config_for(hf_config: Any, quantization: str | None = None) -> QuantConfig | None:

@@ -20,8 +20,27 @@ class ActivationScheme:
     static: bool = False
 
 
+def fused_rows(x: Tensor) -> bool:
+    """Whether x takes the C++ one-pass row ops (kernels/csrc/cpu_quant.cpp): a CPU float32 or
+    bfloat16 matrix with contiguous rows, where the C++ build is available."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 \
+            or x.stride(-1) != 1:
+        return False
+    from kvserve.kernels.cpu_ops import fused_available
+
+    return fused_available()
+
+
 def int8_per_token(x: Tensor, static_scale: float | None = None) -> tuple[Tensor, Tensor]:
-    """(int8 codes [T, K], float32 scales [T, 1]) with x ~= codes * scales."""
+    """(int8 codes [T, K], float32 scales [T, 1]) with x ~= codes * scales; dynamic scales of
+    a CPU matrix in one C++ pass (the same codes and scales as the torch expression below)."""
+    if static_scale is None and fused_rows(x):
+        return torch.ops.kvserve_ops.quant_int8_rows(x)
+    return torch_int8_per_token(x, static_scale)
+
+
+def torch_int8_per_token(x: Tensor, static_scale: float | None = None) -> tuple[Tensor, Tensor]:
+    """int8_per_token as torch ops: the reference, and the path off the CPU."""
     xf = x.float()
     if static_scale is not None:
         scale = torch.full((x.shape[0], 1), static_scale, dtype=torch.float32, device=x.device)

@@ -44,6 +44,10 @@ class LinearMethod(ABC):
     def kernel(self, w: QuantizedWeight, dtype: torch.dtype) -> nn.Module:
         """The fastest matmul this device has for `w` and this method's activations."""
         act = self.activation
+        if w.values.is_cuda:
+            gpu = _gpu_kernel(w, dtype, act)
+            if gpu is not None:
+                return gpu
         if act is not None and act.kind == "int8" and w.zero is None and w.scale.shape[1] == 1 \
                 and w.g_idx is None and not w.is_float:
             return Int8W8A8Linear(w, w.input_scale if act.static else None)
@@ -52,6 +56,19 @@ class LinearMethod(ABC):
         if act is None and int8_supported(w):
             return Int8WeightLinear(w, dtype)
         return DequantLinear(w, dtype, act, w.input_scale if act and act.static else None)
+
+
+def _gpu_kernel(w: QuantizedWeight, dtype: torch.dtype,
+                act: ActivationScheme | None) -> nn.Module | None:
+    from kvserve.engine.layers.quantization.gpu_linear import ScaledMMFp8Linear, \
+        TritonW4A16Linear, gpu_kernel_choice
+
+    choice = gpu_kernel_choice(w, act, torch.cuda.get_device_capability(w.values.device))
+    if choice == "scaled_mm_fp8":
+        return ScaledMMFp8Linear(w, dtype, w.input_scale if act and act.static else None)
+    if choice == "triton_w4a16":
+        return TritonW4A16Linear(w, dtype)
+    return None
 
 
 class QuantConfig(ABC):

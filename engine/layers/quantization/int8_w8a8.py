@@ -7,7 +7,7 @@ import torch
 from torch import Tensor, nn
 
 from kvserve.engine.errors import QuantizationError
-from kvserve.engine.layers.quantization.activation import int8_per_token
+from kvserve.engine.layers.quantization.activation import fused_rows, int8_per_token
 from kvserve.engine.layers.quantization.qweight import QuantizedWeight
 
 
@@ -61,6 +61,8 @@ class Int8W8A8Linear(nn.Module):
             y = torch.ops.onednn.qlinear_pointwise(
                 codes, 1.0, 0, self.weight, self.weight_scale, self.weight_zero, None, 1.0, 0,
                 torch.float32, "none", [None], "")
+            if fused_rows(x):  # the per-token rescale and the cast in one pass
+                return torch.ops.kvserve_ops.scale_rows(y, x_scale, x.dtype)
         else:
             y = _int_mm(codes, self.weight).float() * self.weight_scale
         return (y * x_scale).to(x.dtype)

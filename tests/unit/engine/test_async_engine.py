@@ -87,7 +87,7 @@ async def test_invalid_request_is_raised_by_add_request(engine):
     ae = AsyncEngine(engine)
     ae.start()
     with pytest.raises(InvalidRequestError):
-        await ae.add_request("bad", "x", params(10_000))
+        await ae.add_request("bad", [], params(2))  # an empty prompt
     ok = await drain(await ae.add_request("ok", "x", params(2)))  # still serving
     await ae.shutdown(1)
     assert ok[-1].finished

@@ -77,3 +77,50 @@ def test_hf_overrides_reach_every_tensor_parallel_rank(tiny_model_dir):
     got = tp.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     tp.shutdown()
     assert got == hf_greedy(tiny_model_dir, rms_norm_eps=10.0)
+
+
+def test_output_past_the_context_stops_there_as_vllm_v1(tiny_model_dir):
+    """prompt + max_tokens > max_model_len: the output ends at the context, finish_reason
+    "length" (vLLM v1's engine); a prompt that fills the context is still refused."""
+    llm = make_llm(tiny_model_dir, max_model_len=32)
+    prompt = llm.get_tokenizer()(PROMPT).input_ids
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+        temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 32 - len(prompt) and out.finish_reason == "length"
+    with pytest.raises(Exception, match="max_model_len"):
+        llm.generate({"prompt_token_ids": prompt * 8}, GREEDY, use_tqdm=False)
+
+
+def test_reset_prefix_cache_with_running_requests_preempts_them(tiny_model_dir):
+    llm = make_llm(tiny_model_dir)
+    engine = llm.llm_engine
+    engine.add_request("a", PROMPT * 4, GREEDY)
+    engine.step()  # prefilled: its full blocks are cached and held
+    assert not llm.reset_prefix_cache()  # a running request holds blocks (as vLLM)
+    assert llm.reset_prefix_cache(reset_running_requests=True)
+    assert engine.scheduler.num_preemptions == 1 and not engine.kv.pool.cached
+    expected = tokens_of(make_llm(tiny_model_dir).generate(PROMPT * 4, GREEDY, use_tqdm=False))
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    assert tokens_of(done) == expected  # recomputed, same greedy tokens
+
+
+def test_engine_seed_sets_the_global_generators_as_vllm():
+    """LLM(seed=...) seeds Python's, numpy's and torch's generators at start, so a script that
+    draws after building its LLM draws the same numbers every run."""
+    import random
+
+    import numpy as np
+
+    from kvserve.engine.worker.platform import set_random_seed
+
+    draws = []
+    for _ in range(2):
+        set_random_seed(42)
+        draws.append((random.random(), float(np.random.rand()), torch.rand(1).item()))
+    assert draws[0] == draws[1]
+
+
+def tokens_of(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]

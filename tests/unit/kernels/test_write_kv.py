@@ -109,3 +109,17 @@ def test_fused_cpu_copy_of_strided_qkv_views_equals_the_reference(dtype):
     # rows of another dtype than the cache are not the fused copy's: the torch path casts them
     assert not cpu_ops.fused_write_kv(key.float() if dtype != torch.float32 else key.double(),
                                       value, k_cache, v_cache, slots)
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference", "auto"])
+def test_rope_write_kv_declines_off_the_triton_path(backend):
+    """On the CPU's backends the fused RoPE write declines and writes nothing: the layer then
+    rotates k itself and calls write_kv (the Triton path: tests/unit/engine/worker/
+    test_gpu_step.py and test_triton_fused.py)."""
+    from kvserve.kernels.write_kv import rope_write_kv
+
+    k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    cos, sin = torch.ones(3, 4), torch.zeros(3, 4)
+    kc, vc = torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8)
+    assert rope_write_kv(k, v, cos, sin, kc, vc, torch.tensor([0, 5, 7]), backend=backend) is False
+    assert not kc.any() and not vc.any()

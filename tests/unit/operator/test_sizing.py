@@ -103,3 +103,22 @@ def test_long_context_batches_at_most_8192_tokens_like_the_engine() -> None:
     mlp = 8192 * (3 * 18944 + 4 * 3584 + 3 * 28 * 128) * 2
     logits = 256 * 152064 * 4 * 2
     assert s.activation_peak_bytes == mlp + logits
+
+
+def test_cpu_pod_plan_is_the_engines_host_plan_with_the_swap_pool_in_it() -> None:
+    """A CPU pod's RAM holds the swap pool too: swapSpaceGiB comes out of the KV cache, and the
+    engine's host plan (engine/host_memory.py) over the operator's figures fills the pod."""
+    from kvserve.engine.host_memory import plan_host
+
+    base = {"model": {"name": "smollm2-135m"}, "device": "cpu",
+            "resources": {"limits": {"memory": "4Gi"}}}
+    no_swap = sized(**base, engine={"maxModelLen": 2048, "swapSpaceGiB": 0})
+    swap = sized(**base, engine={"maxModelLen": 2048, "swapSpaceGiB": 0.5})
+    assert no_swap.kv_bytes - swap.kv_bytes == GiB // 2
+    assert "- swap 0.50 GiB (swapSpaceGiB" in swap.explanation
+    usable = int(4 * GiB * 0.9)
+    for s, gib in ((no_swap, 0), (swap, 0.5)):
+        host = plan_host(ranks=1, on_cpu=True, weight_bytes=s.weight_bytes,
+                         activation_bytes=s.activation_peak_bytes, kv_bytes=s.kv_bytes,
+                         swap_bytes=int(gib * GiB), host_tier_bytes=0)
+        assert usable - 1 <= host.host_bytes <= usable

@@ -6,6 +6,7 @@ request's cached tokens, the preemptions and the number of steps (timing aside);
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import looptime
 import pytest
@@ -41,15 +42,19 @@ def engine_run(model_dir, num_blocks: int, preemption_mode: str = "auto"
     return steps, engine.get_stats().num_preemptions, cached
 
 
-def sim_run(num_blocks: int) -> tuple[int, int, dict[str, int]]:
+def sim_run(num_blocks: int, preemption_mode: str = "recompute", **timing
+            ) -> tuple[int, int, dict[str, int]]:
     """The same for a SimReplica whose every step costs one simulated second, so its busy time
-    counts its steps (on looptime's fast-forwarding loop: no wall-clock time passes)."""
+    counts its steps (on looptime's fast-forwarding loop: no wall-clock time passes); swaps
+    cost no time, and the CPU pool has room for them all (the engine's 4 GiB default)."""
     unit = TimingModel("unit-steps", prefill_s_per_token=0.0, decode_step_s=1.0,
                        decode_s_per_seq=0.0, decode_s_per_ctx_token=0.0, num_blocks=num_blocks,
-                       block_size=BS, max_num_seqs=MAX_SEQS, max_num_batched_tokens=BUDGET)
+                       block_size=BS, max_num_seqs=MAX_SEQS, max_num_batched_tokens=BUDGET,
+                       num_cpu_blocks=4 * num_blocks)
+    unit = replace(unit, **timing)
 
     async def main():
-        rep = SimReplica("sim", unit)
+        rep = SimReplica("sim", unit, preemption_mode=preemption_mode)
         rep.start()
         try:
             reqs = [rep.submit(f"r{i}", p, n) for i, (p, n) in enumerate(zip(PROMPTS,
@@ -67,7 +72,9 @@ def sim_run(num_blocks: int) -> tuple[int, int, dict[str, int]]:
         rep, reqs = loop.run_until_complete(main())
     finally:
         loop.close()
-    assert rep.counters.busy_s == int(rep.counters.busy_s)
+    sim_run.counters = rep.counters
+    if not timing:
+        assert rep.counters.busy_s == int(rep.counters.busy_s)
     return (int(rep.counters.busy_s), rep.counters.preemptions,
             {r.seq.request_id: r.cached_tokens for r in reqs})
 
@@ -82,15 +89,33 @@ def test_the_simulated_replica_steps_and_caches_as_the_engine(tiny_model_dir):
     assert preemptions == 0 and steps == 1 + max(MAX_TOKENS)  # r0 alone, then r1 from step 2
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("num_blocks", [7, 6])
-def test_the_simulated_replica_preempts_as_the_engine(tiny_model_dir, num_blocks):
-    """A pool too small for the burst: the engine preempts by recompute (the newest running
-    sequence, no admission in that step, back at the head of the queue) and so must the
-    simulator, step for step. The simulator models recompute only: the engine's default "auto"
-    mode swaps to the CPU pool instead, which it does not follow (docs/testing.md)."""
-    real = engine_run(tiny_model_dir, num_blocks, preemption_mode="recompute")
+def test_the_simulated_replica_preempts_as_the_engine(tiny_model_dir, num_blocks, mode):
+    """A pool too small for the burst: the engine preempts the newest running sequence (no
+    admission in that step), by recompute (back at the head of the queue) or by a swap to the
+    CPU pool (a swapped sequence comes back before anyone is admitted), and so must the
+    simulator, step for step."""
+    real = engine_run(tiny_model_dir, num_blocks, preemption_mode=mode)
     assert real[1] >= 1  # the case under test: at least one preemption
-    assert sim_run(num_blocks) == real
+    assert sim_run(num_blocks, mode) == real
+    assert sim_run.counters.swaps == (real[1] if mode == "swap" else 0)
+
+
+def test_auto_preemption_follows_the_timing_models_cost():
+    """"auto" swaps where copying a sequence's blocks out and back costs less than recomputing
+    its tokens (the engine's SwapCostModel rule on the model's rates), else recomputes; the runs
+    then equal the "swap" and "recompute" runs' preemptions and cached tokens."""
+    cheap_copy = dict(prefill_s_per_token=1e-3, swap_s_per_block=1e-5)
+    dear_copy = dict(prefill_s_per_token=1e-3, swap_s_per_block=1.0)
+    swap, recompute = sim_run(6, "swap", **cheap_copy), sim_run(6, "recompute", **cheap_copy)
+    assert swap[1:] != recompute[1:] or swap[0] != recompute[0]
+    assert sim_run(6, "auto", **cheap_copy)[1:] == swap[1:]
+    assert sim_run.counters.swaps == swap[1] >= 1
+    assert sim_run(6, "auto", **dear_copy)[1:] == sim_run(6, "recompute", **dear_copy)[1:]
+    assert sim_run.counters.swaps == 0
+    m = TimingModel("m", 1e-3, 1.0, 0.0, 0.0, num_blocks=8, swap_s_per_block=5e-3)
+    assert m.prefer_swap(1, 16) and not m.prefer_swap(2, 16)  # 10 ms < 16 ms; 20 ms > 16 ms
 
 
 # What bench/sim_calibrate.py measured on SPR, 2 cores (service/sim/timing.py's comment), as

@@ -139,14 +139,16 @@ def reference_kept(row: torch.Tensor, k: int, p: float) -> tuple[set[int], set[i
     ps=st.lists(st.sampled_from([0.05, 0.3, 0.7, 0.9, 0.999, 1.0]), min_size=3, max_size=3),
     scale=st.sampled_from([0.01, 1.0, 5.0]),
     width=st.sampled_from([4, 16, 1024]),
+    full_sort=st.booleans(),
 )
-def test_top_k_top_p_mask_matches_definition(seed, vocab, ks, ps, scale, width):
+def test_top_k_top_p_mask_matches_definition(seed, vocab, ks, ps, scale, width, full_sort):
     """Each row's kept set equals the definition for its own k and p, whether it is solved on
-    the candidates or by the full sort, whatever the other rows ask."""
+    the candidates or by the full sort, whatever the other rows ask; and with every row sorted in
+    full (a device's path: no host read of the unsolved rows)."""
     logits = seeded_logits(seed, 3, vocab, scale)
     ks = [min(k, vocab) for k in ks]
     top_p = torch.tensor(ps) if min(ps) < 1 else None
-    masked = apply_top_k_top_p(logits.clone(), torch.tensor(ks), top_p, width)
+    masked = apply_top_k_top_p(logits.clone(), torch.tensor(ks), top_p, width, full_sort)
     for r in range(3):
         kept = set(torch.isfinite(masked[r]).nonzero().squeeze(1).tolist())
         sure, maybe = reference_kept(logits[r], ks[r], ps[r])

@@ -78,13 +78,19 @@ def test_activation_quantised_schemes_agree_with_transformers_teacher_forced(den
 def test_resident_weight_bytes_count_the_quantised_kernels(dense_dir):
     """The engine's weight figure (startup log, `kvserve:model_weight_bytes`) counts what the
     quantised kernels hold as buffers: the dense model's figure with each fp32 linear replaced by
-    at least its int4 codes, and still less than the dense model."""
+    at least its int4 codes, and still less than the dense model. The quantised model keeps one
+    copy of its tied lm_head (the embedding's), not the dense model's second, packed one."""
+    from kvserve.engine.layers.packed_linear import PackedLinear
     from kvserve.engine.worker.platform import resident_weight_bytes
 
     quant, _ = build(dense_dir, "W4A16")
     model = make_llm(quant).llm_engine.runner.model
+    assert model.lm_head.weight is model.model.embed_tokens.weight
     sizes = [lin.in_features * lin.out_features
              for lin in model.modules() if isinstance(lin, QuantLinear)]
-    dense = resident_weight_bytes(make_llm(dense_dir).llm_engine.runner.model)
-    floor = dense - sum(4 * n for n in sizes) + sum(n // 2 for n in sizes)
-    assert floor <= resident_weight_bytes(model) < dense
+    dense_model = make_llm(dense_dir).llm_engine.runner.model
+    dense = resident_weight_bytes(dense_model)
+    head_copy = dense_model.lm_head.packed_weight.nbytes \
+        if isinstance(dense_model.lm_head, PackedLinear) else 0
+    floor = dense - head_copy - sum(4 * n for n in sizes) + sum(n // 2 for n in sizes)
+    assert floor <= resident_weight_bytes(model) < dense - head_copy

@@ -145,3 +145,33 @@ def test_kernel_choice_follows_the_weight_and_activations():
     kernel = M("w8g").kernel(w, torch.float32)
     assert isinstance(kernel, DequantLinear)
     close(kernel(x_batch()), reference(x_batch(), w), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_per_token_int8_gives_the_torch_expressions_codes_and_scales(dtype):
+    """The C++ one-pass quantiser (kernels/csrc/cpu_quant.cpp) against the torch reference,
+    bit for bit: ties round half to even, the range clamps to [-128, 127], a zero row gets eps."""
+    from kvserve.engine.layers.quantization.activation import fused_rows, torch_int8_per_token
+
+    x = (torch.randn(19, 200, generator=torch.Generator().manual_seed(4)) * 5).to(dtype)
+    x[2] = 0
+    x[3, :6] = torch.tensor([127.5, 0.5, 1.5, 2.5, -2.5, -127.5])  # scale 1: exact ties
+    if not fused_rows(x):
+        pytest.skip("the C++ ops are not built here")
+    codes, scale = int8_per_token(x)
+    want_codes, want_scale = torch_int8_per_token(x)
+    assert codes.dtype == torch.int8 and scale.shape == (19, 1)
+    assert torch.equal(scale, want_scale) and torch.equal(codes, want_codes)
+    assert codes[3, :6].tolist() == [127, 0, 2, 2, -2, -128]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rescale_after_the_int8_gemm_equals_multiply_then_cast(dtype):
+    from kvserve.engine.layers.quantization.activation import fused_rows
+
+    y = torch.randn(7, 300, generator=torch.Generator().manual_seed(5)) * 100
+    s = torch.rand(7, 1, generator=torch.Generator().manual_seed(6))
+    if not fused_rows(y):
+        pytest.skip("the C++ ops are not built here")
+    got = torch.ops.kvserve_ops.scale_rows(y, s, dtype)
+    assert got.dtype == dtype and torch.equal(got, (y * s).to(dtype))

@@ -1,0 +1,119 @@
+"""GGUF (llama.cpp) checkpoints: find the file in a model folder, map its tensor names to the HF
+names our model classes load, and stream its tensors: quantised linears as their raw blocks (the
+quantisation method decodes them), everything else dequantised to fp32."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvserve.engine.errors import ModelNotFoundError, QuantizationError
+from kvserve.engine.layers.quantization.gguf import GGML_DENSE_TYPES, GGML_QUANT_TYPES, \
+    GGUFConfig, dequantize_gguf, ggml_type_name
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+          "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+          "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_NOT_LINEAR = ("model.embed_tokens", "lm_head")
+
+
+def find_gguf(folder: Path) -> Path | None:
+    """The one *.gguf file of a model folder (None when there is none)."""
+    files = sorted(Path(folder).glob("*.gguf"))
+    if len(files) > 1:
+        raise ModelNotFoundError(f"{folder} holds {len(files)} GGUF files "
+                                 f"({', '.join(f.name for f in files)}); keep one per folder")
+    return files[0] if files else None
+
+
+def hf_name(gguf_name: str) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (llama's names)."""
+    base, _, leaf = gguf_name.rpartition(".")
+    if base in _TOP:
+        return f"{_TOP[base]}.{leaf}"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER:
+        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.{leaf}"
+    raise ModelNotFoundError(f"GGUF tensor {gguf_name!r} has no place in a llama model")
+
+
+class GGUFFile:
+    """One GGUF file, memory-mapped by the `gguf` package's reader."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            from gguf import GGUFReader
+        except ImportError as exc:
+            raise ModelNotFoundError("reading GGUF files needs the `gguf` package "
+                                     "(pip install gguf)") from exc
+        self.path = path
+        self.reader = GGUFReader(str(path))
+        arch = self.field("general.architecture")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise QuantizationError(f"GGUF architecture {arch!r} is not supported; supported: "
+                                    f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+
+    def field(self, key: str) -> Any:
+        f = self.reader.fields.get(key)
+        return None if f is None else f.contents()
+
+    def quant_config(self) -> GGUFConfig:
+        """Which linears are stored quantised (by HF projection name), and with which type."""
+        quantized = {}
+        for t in self.reader.tensors:
+            name = hf_name(t.name).rpartition(".")[0]
+            if int(t.tensor_type) in GGML_QUANT_TYPES and name not in _NOT_LINEAR:
+                quantized[name] = int(t.tensor_type)
+            elif int(t.tensor_type) not in GGML_DENSE_TYPES and int(t.tensor_type) not in \
+                    GGML_QUANT_TYPES:
+                raise QuantizationError(
+                    f"GGUF tensor {t.name} is {ggml_type_name(int(t.tensor_type))}; supported: "
+                    f"{', '.join(n for n, _, _ in GGML_QUANT_TYPES.values())}, F32, F16, BF16")
+        return GGUFConfig(quantized)
+
+    def weights(self, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor): quantised linears as `<proj>.qweight` (uint8 blocks, one row per
+        output feature) and `<proj>.qweight_type`; the rest as fp32. llama.cpp stores q_proj's
+        and k_proj's rows interleaved for its rotary kernel: they are put back in HF's order."""
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        for t in self.reader.tensors:
+            name = hf_name(t.name)
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # ggml's ne is reversed
+            type_id = int(t.tensor_type)
+            raw = torch.from_numpy(np.array(t.data))  # a copy: the map is read-only
+            base = name.rpartition(".")[0]
+            if type_id in GGML_QUANT_TYPES and base not in _NOT_LINEAR:
+                raw = raw.reshape(shape[0], -1)
+                if base.endswith(("q_proj", "k_proj")):
+                    raw = _unpermute(raw, kv_heads if base.endswith("k_proj") else heads)
+                yield f"{base}.qweight", raw
+                yield f"{base}.qweight_type", torch.tensor(type_id)
+                continue
+            dense = dequantize_gguf(raw, type_id, shape)
+            if base.endswith(("q_proj", "k_proj")) and dense.dim() == 2:
+                dense = _unpermute(dense, kv_heads if base.endswith("k_proj") else heads)
+            yield name, dense
+
+    def weight_bytes(self) -> dict[str, tuple[int, int]]:
+        """ggml type name -> (parameters, bytes) of every tensor in the file."""
+        out: dict[str, tuple[int, int]] = {}
+        for t in self.reader.tensors:
+            kind = ggml_type_name(int(t.tensor_type))
+            params, size = out.get(kind, (0, 0))
+            out[kind] = (params + int(t.n_elements), size + int(t.n_bytes))
+        return out
+
+
+def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order (each head's rows as (half, pair) -> (pair, half)); rows
+    are whole output features, so quantised blocks move intact."""
+    half = rows.shape[0] // heads // 2
+    return rows.reshape(heads, half, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)

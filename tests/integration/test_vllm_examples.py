@@ -1,0 +1,158 @@
+"""vLLM's documented examples as kvserve's acceptance suite: every `runs` entry of
+docs/gen/vllm_examples.yaml, examples/vllm/<script> (vLLM's example with only the import, the model
+and the URL changed). Offline ones run in-process (runpy, as `__main__`) on a tiny built model;
+online ones against one `kvserve serve` process shared by the module. Each is judged on what it
+printed, against what the example's own calls must give."""
+
+from __future__ import annotations
+
+import json
+import re
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import build_tiny_llama, build_tiny_tokenizer
+from server_process import api_server_process
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples" / "vllm"
+LISTED = yaml.safe_load((ROOT / "docs" / "gen" / "vllm_examples.yaml").read_text())
+
+
+def runs(kind: str) -> list[str]:
+    return [e["script"] for e in LISTED[kind] if e["status"] == "runs"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    # 8,192 positions: automatic_prefix_caching.py's table is ~4k tokens of the tiny tokenizer.
+    return build_tiny_llama(tmp_path_factory.mktemp("examples") / "tiny",
+                            max_position_embeddings=8192)
+
+
+def run_example(script: str, argv: list[str], capsys) -> str:
+    """Run examples/vllm/<script> as `python <script> argv...` in this process; its stdout."""
+    path = EXAMPLES / script
+    old = sys.argv
+    sys.argv = [str(path), *argv]
+    try:
+        capsys.readouterr()
+        runpy.run_path(str(path), run_name="__main__")
+    finally:
+        sys.argv = old
+    return capsys.readouterr().out
+
+
+@pytest.fixture
+def offline_env(monkeypatch, model_dir, tmp_path):
+    monkeypatch.setenv("KVSERVE_EXAMPLE_MODEL", str(model_dir))
+    monkeypatch.setenv("KVSERVE_KV_CACHE_MEMORY", str(32 << 20))  # not 1/4 of the host's RAM
+    monkeypatch.setenv("KVSERVE_EXAMPLE_SLEEP", "0")
+    monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path / "profile"))
+    monkeypatch.chdir(tmp_path)
+    return model_dir
+
+
+def check_offline(script: str, out: str, model_dir: Path, tmp_path: Path) -> None:
+    """What each example's own calls must print."""
+    prompts = len(re.findall(r"^Prompt:", out, flags=re.M))
+    if script in ("offline/basic.py", "offline/generate.py", "offline/metrics.py",
+                  "offline/reproducibility.py", "offline/simple_profiling.py",
+                  "offline/logits_processor_custom.py"):
+        assert prompts == 4, out
+    if script == "offline/chat.py":
+        assert prompts == 1 + 10, out
+    if script == "offline/logits_processor_custom.py":
+        outputs = re.findall(r"^Output:\s+(.*)$", out, flags=re.M)
+        tok = build_tiny_tokenizer()
+        for i, target in ((0, 128), (2, 67)):  # every token the target, up to max_tokens 16
+            assert eval(outputs[i]) == tok.decode([target] * 16), outputs[i]  # noqa: S307
+    if script == "offline/metrics.py":
+        tokens = re.search(r"^vllm:generation_tokens \(counter\) = (\d+)$", out, flags=re.M)
+        assert tokens and int(tokens.group(1)) == 4 * 16, out  # 4 prompts x max_tokens 16
+        assert "vllm:num_requests_running (gauge) = 0" in out
+    if script in ("offline/llm_engine_example.py", "offline/llm_engine_reset_kv.py"):
+        finished = re.findall(r"^RequestOutput\(request_id='(\d+)'", out, flags=re.M)
+        assert sorted(finished) == (["0", "1", "2"] if "example" in script else ["0"]), out
+    if script == "offline/llm_engine_reset_kv.py":
+        assert "Resetting prefix cache at 10" in out
+    if script == "offline/async_llm_streaming.py":
+        assert out.count("Generation complete!") == 3 and "All streaming examples" in out
+    if script == "offline/automatic_prefix_caching.py":
+        assert out.count("Generation time:") == 2
+    if script == "offline/structured_outputs.py":
+        # SamplingParams' default max_tokens is 16 (vLLM's too) and max_model_len=100 cuts the
+        # 96-token regex prompt of the tiny tokenizer at 4: outputs may stop early, so each must
+        # be a prefix of a string its constraint accepts.
+        found = dict(re.findall(r"^Structured outputs by (\w+): (.*)$", out, flags=re.M))
+        assert found["Choice"] in ("Positive", "Negative")
+        assert re.fullmatch(r"\w+(@(\w+(\.(c(om?)?)?)?)?)?", found["Regex"]), found
+        assert found["JSON"].startswith('{"brand": "'), found
+        sql = [f"SELECT {a}  from {t}  where {c} = {n} " for a in ("col_1", "col_2")
+               for t in ("table_1", "table_2") for c in ("col_1", "col_2") for n in "12"]
+        assert any(q.startswith(found["Grammar"]) for q in sql), found
+    if script == "offline/simple_profiling.py":
+        assert any((tmp_path / "profile").iterdir())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", runs("offline"))
+def test_offline_example(script, offline_env, capsys, tmp_path):
+    source = (EXAMPLES / script).read_text()
+    argv = ["--model", str(offline_env)] if "add_cli_args" in source else []
+    out = run_example(script, argv, capsys)
+    check_offline(script, out, offline_env, tmp_path)
+    if script == "offline/reproducibility.py":  # the same run, the same samples
+        assert run_example(script, argv, capsys) == out
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    with api_server_process(model_dir, log, "--enable-auto-tool-choice", "--tool-call-parser",
+                            "hermes") as (_, url):
+        yield url
+
+
+def check_online(script: str, out: str) -> None:
+    if script == "online/openai_completion_client.py":
+        assert out.startswith("Completion results:") and out.count("Completion(") >= 2
+    if script == "online/openai_chat_completion_client.py":
+        assert "ChatCompletion(id=" in out and "role='assistant'" in out
+    if script == "online/openai_chat_completion_client_with_tools_required.py":
+        last = out.strip().splitlines()[-1]  # the non-streamed call's tool calls
+        assert "ChatCompletionMessageFunctionToolCall(" in last or "ToolCall(" in last, last
+        assert re.search(r"name='get_(current_weather|forecast)'", last), last
+    if script == "online/openai_chat_completion_structured_outputs.py":
+        choice, email, car, sql = out.strip().split("\n", 3)
+        assert choice in ("positive", "negative")
+        assert re.fullmatch(r"\w+@\w+\.com", email), email
+        assert json.loads(car)["car_type"] in ("sedan", "SUV", "Truck", "Coupe")
+        assert re.fullmatch(r"SELECT [a-zA-Z_][a-zA-Z0-9_]*(,[a-zA-Z_][a-zA-Z0-9_]*)* FROM "
+                            r"[a-zA-Z_][a-zA-Z0-9_]*", sql), sql
+    if script == "online/openai_chat_completion_structured_outputs_structural_tag.py":
+        assert "ChatCompletion(id=" in out
+    if script in ("online/openai_responses_client.py",
+                  "online/openai_responses_client_with_tools.py"):
+        assert out.strip(), "output_text of the second response"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", runs("online"))
+def test_online_example(script, server, monkeypatch, capsys):
+    monkeypatch.setenv("KVSERVE_EXAMPLE_BASE_URL", server + "/v1")
+    monkeypatch.setenv("KVSERVE_EXAMPLE_MODEL", "tiny")
+    check_online(script, run_example(script, [], capsys))
+
+
+def test_every_listed_script_exists_and_every_script_is_listed():
+    listed = {e["script"] for kind in LISTED.values() for e in kind if "script" in e}
+    present = {str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob("*.py")}
+    assert listed == present
+    for kind in LISTED.values():
+        for e in kind:
+            assert e["status"] in ("runs", "needs a larger model", "missing", "not applicable")
+            assert e["status"] == "runs" or e.get("note"), e

@@ -1,0 +1,201 @@
+"""The GPU step's code path, run on the CPU: the Triton backend and elementwise kernels under
+TRITON_INTERPRET=1 (RoPE in the KV write on decode steps, fresh prefills through SDPA) give the
+CPU path's tokens; and no host sync happens in a step before its outputs are needed (issue 28):
+the forward, the logits and the sampler queue device work without reading a device value back.
+
+A CPU has no device to wait for, so the test marks what would live on a GPU: the model's weights,
+the KV cache and the step tensors the runner copies to its device (ModelRunner._dev) become
+`OnDevice` tensors, and so does every result computed from one. A read of an `OnDevice` value on
+the host (`.item()`, `.tolist()`, `bool()`/`int()`/`float()`, `nonzero`, boolean-mask indexing,
+`unique`, `multinomial`, `.cpu()`, `.numpy()`) is recorded with its caller. The engine runs a
+mixed workload (prefills, decodes, sampling with top-k/top-p/min-p, penalties, seeds, logprobs,
+min_tokens) with the whole runner.execute under watch; the sampled tokens are read (the step's
+outputs) only after it returns.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import traceback
+
+import pytest
+import torch
+
+from conftest import make_llm
+
+HOST_READS = {
+    torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
+    torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero,
+    torch.Tensor.unique, torch.unique, torch.Tensor.multinomial, torch.multinomial,
+    torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.masked_select, torch.masked_select,
+    torch.Tensor.argwhere, torch.argwhere, torch.Tensor.__len__,
+}
+_ROOT = "kvserve"
+
+
+class OnDevice(torch.Tensor):
+    """A CPU tensor standing for one on a GPU; results computed from it stay OnDevice."""
+
+    reads: list[str] = []
+    watching = False
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if cls.watching and (func in HOST_READS or _bool_mask_index(func, args)):
+            stack = traceback.extract_stack()[:-1]
+            if any(f"{os.sep}triton{os.sep}" in f.filename for f in stack):
+                return super().__torch_function__(func, types, args, kwargs or {})
+            frames = [f for f in stack if _ROOT in f.filename and "/tests/" not in f.filename]
+            where = f"{frames[-1].filename.split(_ROOT)[-1]}:{frames[-1].lineno} " \
+                    f"{frames[-1].name}" if frames else "?"
+            cls.reads.append(f"{getattr(func, '__name__', func)} at {where}")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _bool_mask_index(func, args) -> bool:
+    """x[mask] with a boolean tensor mask: its output size is read from the device."""
+    if func is not torch.Tensor.__getitem__ or len(args) < 2:
+        return False
+    index = args[1] if isinstance(args[1], tuple) else (args[1],)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
+
+
+def _on_device(t: torch.Tensor) -> torch.Tensor:
+    return t.as_subclass(OnDevice)
+
+
+def put_on_device(llm) -> None:
+    """Weights, buffers, the KV cache and the runner's copies to its device become OnDevice."""
+    runner = llm.llm_engine.runner
+    for module in runner.model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[name] = torch.nn.Parameter(_on_device(p.data),
+                                                               requires_grad=False)
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[name] = _on_device(b)
+    runner.kv_caches = [(_on_device(k), _on_device(v)) for k, v in runner.kv_caches]
+    runner._dev = lambda t: _on_device(t)
+
+
+@pytest.fixture(scope="module")
+def interpreter():
+    """The GPU path's Triton kernels under TRITON_INTERPRET=1 (reloaded under it, and back)."""
+    import kvserve.kernels.triton_attention as attention
+    import kvserve.kernels.triton_cache as cache
+    import kvserve.kernels.triton_fused as fused
+
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    for module in (attention, cache, fused):
+        importlib.reload(module)
+    yield
+    if old is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = old
+    for module in (attention, cache, fused):
+        importlib.reload(module)
+
+
+@pytest.fixture
+def watched(interpreter, tiny_model_dir, monkeypatch):
+    """An engine on the GPU's code path (the Triton attention backend and the Triton elementwise
+    ops, plain linears), with OnDevice tensors as the device's; every step's runner.execute
+    watched. The interpreter's own reads of kernel arguments are not counted: on a GPU a launch
+    passes pointers."""
+    from kvserve.engine.layers import packed_linear
+    from kvserve.kernels import checks, cpu_ops
+
+    monkeypatch.setattr(cpu_ops, "_fused", lambda x: False)
+    monkeypatch.setattr(cpu_ops, "use_triton", lambda x: True)
+    monkeypatch.setattr(packed_linear, "pack_linears", lambda model: 0)
+    monkeypatch.setattr(checks, "host_readable", lambda t: not isinstance(t, OnDevice))
+    llm = make_llm(tiny_model_dir, attention_backend="triton", max_num_seqs=4,
+                   max_model_len=96, enforce_eager=True)
+    put_on_device(llm)
+    runner = llm.llm_engine.runner
+    execute = runner.execute
+
+    def watched_execute(*args, **kwargs):
+        OnDevice.watching = True
+        try:
+            return execute(*args, **kwargs)
+        finally:
+            OnDevice.watching = False
+
+    runner.execute = watched_execute
+    OnDevice.reads = []
+    yield llm
+    OnDevice.reads = []
+
+
+def _workload():
+    from kvserve import SamplingParams
+
+    prompts = ["the cat sat on the mat", "a dog", "hello there", "one two three four five six"]
+    params = [
+        SamplingParams(max_tokens=6, temperature=0.0, logprobs=2),
+        SamplingParams(max_tokens=6, temperature=0.8, top_k=5, top_p=0.9, seed=3,
+                       ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=1.0, min_p=0.05, presence_penalty=0.5,
+                       frequency_penalty=0.3, repetition_penalty=1.2, min_tokens=3,
+                       ignore_eos=False),
+        SamplingParams(max_tokens=6, temperature=0.7, top_p=0.5, ignore_eos=True),
+    ]
+    return prompts, params
+
+
+def test_the_step_reads_nothing_back_from_the_device(watched):
+    prompts, params = _workload()
+    outputs = watched.generate(prompts, params)
+    assert all(o.outputs[0].token_ids for o in outputs)
+    assert OnDevice.reads == [], sorted(set(OnDevice.reads))
+
+
+def test_a_host_read_in_the_step_is_caught(watched, monkeypatch):
+    """The detector fails meaningfully: a `.item()` put back into the sampler is reported."""
+    from kvserve.engine.sample import sampler
+
+    real = sampler.exponential_race
+    monkeypatch.setattr(sampler, "exponential_race",
+                        lambda probs, gens: probs.max().item() and real(probs, gens))
+    prompts, params = _workload()
+    watched.generate(prompts, params)
+    assert any(r.startswith("item at ") for r in OnDevice.reads), OnDevice.reads
+
+
+def test_gpu_path_gives_the_cpu_paths_tokens(interpreter, tiny_model_dir, monkeypatch):
+    """Greedy tokens and logprobs of the GPU path (rope_write_kv on decode steps, fresh prompts
+    through SDPA, a prompt over a cached prefix through the paged kernel) equal the CPU's."""
+    from kvserve import SamplingParams
+    from kvserve.engine.layers import packed_linear
+    from kvserve.kernels import cpu_ops, fresh_prefill, triton_fused
+
+    prefix = "one two three four five six seven eight nine ten eleven twelve"
+    first = ["the cat sat on the mat", prefix + "fourteen", "hello"]
+    second = [prefix + "and then", "a dog ran"]  # over the first call's cached prefix
+    params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=1, ignore_eos=True)
+    cpu = make_llm(tiny_model_dir, max_model_len=96)
+    want = cpu.generate(first, params) + cpu.generate(second, params)
+
+    calls: list[str] = []
+    monkeypatch.setattr(cpu_ops, "_fused", lambda x: False)
+    monkeypatch.setattr(cpu_ops, "use_triton", lambda x: True)
+    monkeypatch.setattr(packed_linear, "pack_linears", lambda model: 0)
+    for module, name in ((triton_fused, "rope_write_kv"), (fresh_prefill, "fresh_attention")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _r=real, _n=name, **k:
+                            calls.append(_n) or _r(*a, **k))
+    gpu = make_llm(tiny_model_dir, attention_backend="triton", max_model_len=96,
+                   enforce_eager=True)
+    got = gpu.generate(first, params) + gpu.generate(second, params)
+    assert got[3].num_cached_tokens > 0  # the paged kernel served it, on a sub-plan
+    assert "rope_write_kv" in calls and "fresh_attention" in calls
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for lg, lw in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            tok = next(iter(lw))
+            assert abs(lg[tok].logprob - lw[tok].logprob) < 1e-3

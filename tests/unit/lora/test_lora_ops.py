@@ -1,0 +1,87 @@
+"""The batched LoRA op: the CPU path (dense over slots, masked per row) and the Triton kernels
+(kernels/triton_lora.py, under TRITON_INTERPRET=1 on CPU tensors) against the row-by-row
+definition, in batches mixing slots, rows with no adapter (-1), and fused slices."""
+
+import importlib
+import os
+
+import pytest
+import torch
+
+from kvserve.lora.layers import LoRABatch, LoRALinear, lora_delta, lora_delta_reference
+
+WIDTHS = ([48], [32, 16, 16], [40, 40])  # one slice, q/k/v, gate/up (40: not a power of two)
+
+
+def _case(widths, t=7, k=24, slots=3, r=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    s = len(widths)
+    a = torch.randn(s, slots, r, k, generator=g)
+    b = torch.zeros(s, slots, r, max(widths))
+    for i, w in enumerate(widths):
+        b[i, :, :, :w] = torch.randn(slots, r, w, generator=g)
+    x = torch.randn(t, k, generator=g)
+    idx = torch.tensor([0, -1, 2, 1, 2, -1, 0][:t])
+    return x, a, b, idx
+
+
+@pytest.fixture(scope="module")
+def triton_lora():
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    import kvserve.kernels.triton_lora as module
+
+    yield importlib.reload(module)
+    if old is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = old
+
+
+@pytest.mark.parametrize("widths", WIDTHS)
+def test_torch_path_matches_row_by_row(widths):
+    x, a, b, idx = _case(widths)
+    onehot = (idx[:, None] == torch.arange(a.shape[1])[None]).float()
+    got = lora_delta(x, a, b, onehot, widths)
+    want = lora_delta_reference(x, a, b, idx, widths)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert got[idx < 0].abs().max() == 0  # rows with no adapter are untouched
+
+
+@pytest.mark.parametrize("widths", WIDTHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_kernels_match_torch_path(triton_lora, widths, dtype):
+    x, a, b, idx = _case(widths, k=200)  # K past one 128-wide block
+    y0 = torch.randn(x.shape[0], sum(widths), generator=torch.Generator().manual_seed(3))
+    y = y0.to(dtype).clone()
+    triton_lora.add_lora(y, x.to(dtype), a.to(dtype), b.to(dtype), idx,
+                         torch.tensor([sum(widths[:i]) for i in range(len(widths))],
+                                      dtype=torch.int32),
+                         torch.tensor(widths, dtype=torch.int32))
+    want = y0.to(dtype).float() + lora_delta_reference(x.to(dtype), a.to(dtype), b.to(dtype),
+                                                       idx, widths)
+    tol = 1e-4 if dtype == torch.float32 else 0.15
+    torch.testing.assert_close(y.float(), want, atol=tol * float(want.abs().max()), rtol=tol)
+    torch.testing.assert_close(y[idx < 0], y0.to(dtype)[idx < 0])  # untouched, bit for bit
+
+
+def test_lora_linear_adds_each_rows_adapter_to_the_base():
+    base = torch.nn.Linear(24, 80, bias=True)
+    batch = LoRABatch(num_slots=2)
+    layer = LoRALinear(base, 24, [40, 40], batch, rank=8, dtype=torch.float32,
+                       device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(4, 24, generator=g)  # rank 4 < the buffers' 8: zero padded
+    b = torch.randn(40, 4, generator=g)
+    layer.set_slot(1, 0, a, b)  # slot 1, gate slice only
+    x = torch.randn(3, 24, generator=g)
+    batch.set(torch.tensor([1, -1, 0]), torch.float32)
+    with torch.no_grad():
+        y = layer(x)
+        ref = base(x)
+    torch.testing.assert_close(y[0, :40], ref[0, :40] + (x[0] @ a.t()) @ b.t())
+    torch.testing.assert_close(y[0, 40:], ref[0, 40:])
+    torch.testing.assert_close(y[1:], ref[1:])  # no adapter, and slot 0 is empty
+    batch.set(None, torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), ref)
