@@ -9,6 +9,7 @@ carries several. Prints TTFT p50/p99, ITL p50/p99, output tok/s and the ratio to
 
     python bench/serve.py                         # 16 and 64 clients, default model
     python bench/serve.py --concurrency 64 --json-out /tmp/serve.json
+    python bench/serve.py --engine-core thread process --dtype bfloat16   # before / after the split
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def percentile(values: list[float], q: float) -> float:
 def run_offline(args: argparse.Namespace, convs: list) -> Result:
     from kvserve import LLM, SamplingParams
 
-    llm = LLM(model=args.model, max_model_len=args.max_model_len, seed=0,
+    llm = LLM(model=args.model, max_model_len=args.max_model_len, seed=0, dtype=args.dtype,
               kv_cache_memory=args.kv_cache_memory)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.chat(convs[:2], params, use_tqdm=False)  # warm-up (and the system prompt is cached)
@@ -113,10 +114,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
+def start_server(args: argparse.Namespace, port: int, engine_core: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "kvserve.service.api_server", "--model", args.model,
+           "--engine-core", engine_core,
            "--host", "127.0.0.1", "--port", str(port), "--max-model-len",
-           str(args.max_model_len), "--log-level", "warning"]
+           str(args.max_model_len), "--log-level", "warning", "--dtype", args.dtype]
     if args.kv_cache_memory:
         cmd += ["--kv-cache-memory", str(args.kv_cache_memory)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
@@ -177,9 +179,9 @@ async def run_clients(url: str, model: str, convs: list, concurrency: int,
         return list(timings), time.perf_counter() - start
 
 
-def run_server_bench(args: argparse.Namespace, convs: list) -> list[Result]:
+def run_server_bench(args: argparse.Namespace, convs: list, engine_core: str) -> list[Result]:
     port = free_port()
-    proc = start_server(args, port)
+    proc = start_server(args, port, engine_core)
     base = f"http://127.0.0.1:{port}"
     url = base + "/v1/chat/completions"
     model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
@@ -194,7 +196,7 @@ def run_server_bench(args: argparse.Namespace, convs: list) -> list[Result]:
                 raise AssertionError(f"expected {expected} tokens, got {tokens}")
             itls = [x for t in timings for x in t.itls]
             ttfts = [t.ttft for t in timings]
-            results.append(Result(f"server, {n} clients", n, len(convs), tokens, seconds,
+            results.append(Result(f"server ({engine_core}), {n} clients", n, len(convs), tokens, seconds,
                                   percentile(ttfts, 50), percentile(ttfts, 99),
                                   percentile(itls, 50), percentile(itls, 99)))
     finally:
@@ -226,11 +228,18 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--dtype", default="auto", help="model dtype for both sides (auto, "
+                   "bfloat16, float32, ...)")
     p.add_argument("--kv-cache-memory", default="1GiB",
                    help="KV-cache size on CPU (the workload needs ~0.9 GiB in fp32)")
     p.add_argument("--threads", type=int, default=None,
                    help="OMP/torch threads for both the offline engine and the server process "
                    "(on a shared, oversubscribed CPU, 1 avoids OpenMP spin-wait stalls)")
+    p.add_argument("--engine-core", nargs="+", default=["process"],
+                   choices=["process", "thread"],
+                   help="server modes to run, each against the same offline peer: process (the "
+                   "engine core in its own process, the default of `kvserve serve`) and/or "
+                   "thread (the engine in a thread of the server, as before)")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--json-out", default=None)
     args = p.parse_args()
@@ -242,14 +251,14 @@ def main() -> None:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
     convs = chat_workload(args.num_requests)
     offline = None if args.skip_offline else run_offline(args, convs)
-    results = run_server_bench(args, convs)
+    results = [r for mode in args.engine_core for r in run_server_bench(args, convs, mode)]
     print(f"\nmachine: {os.cpu_count()} CPUs (load {os.getloadavg()[0]:.1f}), threads "
           f"{args.threads or 'default'}; model {args.model}; {args.num_requests} chat requests x "
-          f"{args.max_tokens} new tokens, greedy, ignore_eos\n")
+          f"{args.max_tokens} new tokens, greedy, ignore_eos, dtype {args.dtype}\n")
     print(report(offline, results))
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"offline": asdict(offline) if offline else None,
+            json.dump({"offline": asdict(offline) if offline else None, "load": os.getloadavg(),
                        "server": [asdict(r) for r in results]}, f, indent=2)
 
 

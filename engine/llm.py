@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -14,11 +15,11 @@ from kvserve.engine.errors import InvalidRequestError, RequestFailedError
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.metrics_reader import Metric, metrics_of
 from kvserve.engine.outputs import RequestOutput
-from kvserve.engine.profiler import TorchProfiler
 from kvserve.engine.sample.sampling_params import SamplingParams
 from kvserve.engine.sample.tokenizer import chat_token_ids
 
 PromptType = str | list[int] | dict[str, Any]
+MULTIPROCESSING_ENV = "KVSERVE_ENABLE_MULTIPROCESSING"  # vLLM's VLLM_ENABLE_V1_MULTIPROCESSING
 
 
 class LLM:
@@ -42,9 +43,8 @@ class LLM:
             swap_space=swap_space, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             block_size=block_size, enable_prefix_caching=enable_prefix_caching,
             kv_cache_dtype=kv_cache_dtype, **kwargs)
-        self.llm_engine = LLMEngine(config)
+        self.llm_engine = make_engine(config)
         self._counter = itertools.count()
-        self._profiler = TorchProfiler()
 
     def shutdown(self) -> None:
         """Stop the engine's tensor-parallel worker processes, and with a KV disk tier write the
@@ -75,10 +75,10 @@ class LLM:
     def start_profile(self) -> None:
         """Start the torch profiler (vLLM's); the trace goes to $KVSERVE_TORCH_PROFILER_DIR or
         $VLLM_TORCH_PROFILER_DIR at stop_profile(). ConfigError when neither is set."""
-        self._profiler.start()
+        self.llm_engine.start_profile()
 
     def stop_profile(self) -> None:
-        self._profiler.stop()
+        self.llm_engine.stop_profile()
 
     def get_metrics(self) -> list[Metric]:
         """The engine's figures as vLLM's metric objects (`.name`, `.value`, `.labels`)."""
@@ -129,6 +129,9 @@ class LLM:
                 ids.append(rid)
                 if text is not None and not isinstance(prompt, str):
                     engine.requests[rid].prompt = text
+            confirm = getattr(engine, "confirm_added", None)  # a core in its own process
+            if confirm is not None:
+                confirm(ids)
         except Exception:
             engine.abort_request(ids)
             while engine.has_unfinished_requests():  # drain the aborts
@@ -162,6 +165,16 @@ class LLM:
                 f"): {failed[first]!r}",
                 [None if i in failed else done.get(i) for i in ids]) from failed[first]
         return [done[i] for i in ids]
+
+
+def make_engine(config: EngineConfig) -> Any:
+    """The engine of `LLM`: in this process, or with `KVSERVE_ENABLE_MULTIPROCESSING=1` an
+    engine core process behind the client the server uses (engine/engine_core/)."""
+    if os.environ.get(MULTIPROCESSING_ENV, "0") == "1":
+        from kvserve.engine.engine_core.mp_engine import MPLLMEngine
+
+        return MPLLMEngine(config)
+    return LLMEngine(config)
 
 
 def _normalise_prompts(prompts: Any, prompt_token_ids: list[list[int]] | None

@@ -23,8 +23,9 @@ from kvserve.engine.kv_offload.disk_block_file import describe_layout
 from kvserve.engine.kv_offload.disk_tier import DiskTier
 from kvserve.engine.kv_offload.swap_cost import SwapCostModel
 from kvserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvserve.engine.profiler import TorchProfiler
 from kvserve.engine.sample.best_of import BestOf, expand, select
-from kvserve.engine.sample.detokenizer import IncrementalDetokenizer
+from kvserve.engine.sample.detokenizer import IncrementalDetokenizer, NoText, core_makes_text
 from kvserve.engine.sample.generation_config import sampling_defaults
 from kvserve.engine.sample.prompt_logprobs import append_entries
 from kvserve.engine.sample.prompt_logprobs import plan as plan_prompt_logprobs
@@ -49,12 +50,13 @@ class RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence]
-    detoks: list[IncrementalDetokenizer]
+    detoks: list[IncrementalDetokenizer | NoText]
     metrics: RequestMetrics
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # sample index -> gen
     grammar: Any = None  # the compiled constraint of a structured-output request
     matchers: dict[int, GrammarState] = field(default_factory=dict)  # sample index -> matcher
     best_of: BestOf | None = None  # show only the best n of params.n candidates
+    makes_text: bool = True  # False: the engine core's client detokenises (engine_core/)
 
     @property
     def finished(self) -> bool:
@@ -106,6 +108,9 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                         backend=config.structured_outputs_backend)
         self.requests: dict[str, RequestState] = {}
+        # False in the engine core process: its client detokenises and checks stop strings,
+        # except for the requests `core_makes_text` names.
+        self.detokenize = True
         self._next_seq_id = 0
         self.logits_processors = _logits_processors(config, self.device)
         self._aborted: list[RequestOutput] = []
@@ -113,6 +118,7 @@ class LLMEngine:
         self._failed_now: set[str] = set()  # ... of them, those that failed in this step
         self._prompt_tokens = 0
         self._generation_tokens = 0
+        self._profiler = TorchProfiler()
         logger.info("%s; device %s, dtype %s, kv dtype %s, attention backend %s",
                     self.memory_budget.describe(), self.device, self.dtype, setup.kv_dtype,
                     self.runner.backend)
@@ -164,6 +170,13 @@ class LLMEngine:
         if self.runner.workers is not None:
             self.runner.workers.check_alive()
 
+    def start_profile(self) -> None:
+        """Start the torch profiler around the steps (engine/profiler.py; vLLM's)."""
+        self._profiler.start()
+
+    def stop_profile(self) -> None:
+        self._profiler.stop()
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do with one rank); idempotent. Dropping
         the engine or leaving the interpreter stops them too."""
@@ -201,14 +214,17 @@ class LLMEngine:
         lora_name = self._lora_for(lora_request)
         text = prompt if isinstance(prompt, str) else None
         ids = prompt_token_ids(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+        makes_text = self.detokenize or core_makes_text(params)
         params, best_of = expand(params)
         params = self._check_request(ids, params)
         grammar = self.grammars.compile(params.constraint) if params.constraint else None
         now = arrival_time if arrival_time is not None else time.monotonic()
         seq = self._new_seq(request_id, 0, ids, params, now, priority, cache_salt, lora_name)
         seq.pending_forks = params.n - 1
-        state = RequestState(request_id, text, ids, params, [seq], [self._detok(ids, params)],
-                             RequestMetrics(arrival_time=now), grammar=grammar, best_of=best_of)
+        state = RequestState(request_id, text, ids, params, [seq],
+                             [self._detok(ids, params, makes_text)],
+                             RequestMetrics(arrival_time=now), grammar=grammar, best_of=best_of,
+                             makes_text=makes_text)
         self.requests[request_id] = state
         self.scheduler.add(seq)
         self._prompt_tokens += len(ids)
@@ -262,7 +278,10 @@ class LLMEngine:
         return Sequence(self._next_seq_id, request_id, index, ids, params, arrival_time=arrival,
                         priority=priority, cache_salt=cache_salt, lora_name=lora_name)
 
-    def _detok(self, ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
+    def _detok(self, ids: list[int], params: SamplingParams, makes_text: bool
+               ) -> IncrementalDetokenizer | NoText:
+        if not makes_text:
+            return NoText()
         return IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
                                       params.stop_strings, params.include_stop_str_in_output)
 
@@ -430,7 +449,8 @@ class LLMEngine:
         self.kv.fork(parent, child)
         self.scheduler.add_running(child)
         state.seqs.append(child)
-        state.detoks.append(self._detok(parent.prompt_token_ids, parent.params))
+        state.detoks.append(self._detok(parent.prompt_token_ids, parent.params,
+                                        state.makes_text))
         return child
 
     def _append_token(self, state: RequestState, seq: Sequence, tok: int,

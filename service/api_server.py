@@ -9,15 +9,20 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
+from kvserve.engine.engine_core.core_client import CoreClient
 from kvserve.service.server.app import create_app
 from kvserve.service.server.config import ServerConfig
 from kvserve.service.server.drain import DrainingServer
 from kvserve.service.server.publishing import make_publisher
 
 logger = logging.getLogger("kvserve.service.api_server")
+# Seconds between the engine core's death and the server's exit: open streams send their error
+# event, /health answers 503 with the reason.
+EXIT_AFTER_CORE_DEATH_S = float(os.environ.get("KVSERVE_EXIT_AFTER_CORE_DEATH_S", "1.0"))
 
 
 def run_server(engine_config: Any, config: ServerConfig) -> int:
@@ -27,18 +32,48 @@ def run_server(engine_config: Any, config: ServerConfig) -> int:
     # The server is a guarded entry point: its tensor-parallel workers spawn, as they did before
     # scripts could fork them, so no lock held by a server thread is ever inherited by a worker.
     os.environ.setdefault("KVSERVE_WORKER_MULTIPROC_METHOD", "spawn")
-    llm_engine = LLMEngine.from_config(engine_config)
-    logger.info("memory budget: %s", llm_engine.memory_budget.describe())
-    model = (config.served_model_names or [llm_engine.model_name])[0]
-    publisher = make_publisher(config, model, llm_engine.block_size)
-    app = create_app(llm_engine, config, publisher)
+    if engine_core_mode(config.engine_core, engine_config) == "process":  # and its TP workers
+        engine: Any = CoreClient(engine_config)
+        info: Any = engine.info
+    else:
+        engine = info = LLMEngine.from_config(engine_config)
+    logger.info("memory budget: %s", info.memory_budget.describe())
+    model = (config.served_model_names or [info.model_name])[0]
+    publisher = make_publisher(config, model, info.block_size)
+    app = create_app(engine, config, publisher)
     server = DrainingServer.for_app(app, config.host, config.port, config.log_level.lower())
+    died: list[BaseException] = []
+    if isinstance(engine, CoreClient):
+        app.state.engine.on_dead.append(lambda exc: _exit_soon(server, died, exc))
     logger.info("listening on http://%s:%d (OpenAI API under /v1)", config.host, config.port)
     try:
         server.run()
     finally:
-        llm_engine.shutdown()  # tensor-parallel workers go with the server
-    return 0
+        (engine.close if isinstance(engine, CoreClient) else engine.shutdown)()
+    return 1 if died else 0
+
+
+def engine_core_mode(asked: str, engine_config: Any) -> str:
+    """--engine-core resolved: auto is process on a GPU, thread on the CPU (measured in
+    docs/perf/server.md: on a 2-core CPU the core's compute threads and the API process
+    compete for the same cores)."""
+    if asked != "auto":
+        return asked
+    import torch
+
+    gpu = engine_config.device != "cpu" and torch.cuda.is_available()
+    return "process" if gpu else "thread"
+
+
+def _exit_soon(server: Any, died: list[BaseException], exc: BaseException) -> None:
+    """The engine core died: open streams got their error event; stop serving a moment later
+    so the pod restarts (/health answers 503 with the reason until then)."""
+    died.append(exc)
+
+    def stop() -> None:
+        server.should_exit = True
+
+    threading.Timer(EXIT_AFTER_CORE_DEATH_S, stop).start()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -71,7 +71,7 @@ def server_config_from_args(args: argparse.Namespace) -> Any:
         limits=limits_from_args(args),
         allowed_origins=list(args.allowed_origins),
         shutdown_grace_period=args.shutdown_grace_period, log_level=args.log_level,
-        redis_url=args.redis_url, service_name=args.service_name,
+        engine_core=args.engine_core, redis_url=args.redis_url, service_name=args.service_name,
         advertise_url=args.advertise_url, replica_id=args.replica_id, print_banner=True,
         lora_modules=_lora_modules(args))
 

@@ -297,6 +297,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help='LoRA adapters loaded at start, each a model name: name=path or vLLM\'s '
                    'JSON {"name": ..., "path": ..., "base_model_name": ...} (needs '
                    "--enable-lora)")
+    g.add_argument("--engine-core", default="thread", choices=["thread", "process", "auto"],
+                   help="thread (default): the engine steps in a thread of the server's "
+                   "process; process: in its own process, this one tokenising, detokenising "
+                   "and streaming (vLLM v1's split; measured slower on a CPU so far, see "
+                   "docs/perf/server.md); auto: process on a GPU, thread on the CPU")
     add_limit_args(parser)
     r = parser.add_argument_group("prefix index (Redis, read by the router)")
     r.add_argument("--redis-url", default=None,

@@ -1,4 +1,5 @@
-"""Incremental detokenization and stop-string detection for one output stream."""
+"""Incremental detokenization and stop-string detection for one output stream (in the engine, or
+in the engine core's client when the core runs in its own process)."""
 
 from __future__ import annotations
 
@@ -61,3 +62,23 @@ class IncrementalDetokenizer:
                 self.text = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]
                 return s
         return None
+
+
+class NoText:
+    """The detokenizer of a request whose text the engine core leaves to its client: no text,
+    no stop strings (the client checks them and aborts the request)."""
+
+    text = ""
+
+    def update(self, output_token_ids: list[int]) -> str | None:
+        return None
+
+    def flush(self, output_token_ids: list[int]) -> None:
+        pass
+
+
+def core_makes_text(params: Any) -> bool:
+    """Requests whose text the engine core makes even when its client detokenises: best_of (the
+    ranking sees whole candidates) and n > 1 with stop strings (one sample cannot be aborted
+    alone). `params` as the caller sent them (before best_of expands n)."""
+    return bool(params.stop_strings and params.n > 1) or (params.best_of or 0) > params.n

@@ -52,14 +52,24 @@ LORA_BODIES: dict[str, Any] = {"/v1/load_lora_adapter": LoadLoRAAdapterRequest,
 
 
 def create_app(llm_engine: Any, config: ServerConfig, publisher: Any = None) -> FastAPI:
-    """Wire an LLMEngine into a server: metrics, the optional publisher, the AsyncEngine, the app.
-    The AsyncEngine is `app.state.engine`."""
-    names = config.served_model_names or [llm_engine.model_name]
+    """Wire an engine into a server: metrics, the optional publisher, the AsyncEngine, the app.
+    `llm_engine` is an LLMEngine (stepped in a thread here) or a CoreClient (an engine core
+    process, engine/engine_core/). The AsyncEngine is `app.state.engine`."""
+    from kvserve.engine.engine_core.core_client import CoreClient
+
+    names = config.served_model_names or [llm_engine.model_name if not isinstance(
+        llm_engine, CoreClient) else llm_engine.info.model_name]
     metrics = ServerMetrics(names[0])
     observers: list[Any] = [metrics]
     if publisher is not None:
         observers.append(PublisherObserver(publisher))
-    engine = AsyncEngine(llm_engine, observers, idle_tick=1.0 if publisher is not None else None)
+    tick = 1.0 if publisher is not None else None
+    if isinstance(llm_engine, CoreClient):
+        from kvserve.engine.engine_core.async_client import AsyncMPEngine
+
+        engine: AsyncEngine = AsyncMPEngine(llm_engine, observers, idle_tick=tick)
+    else:
+        engine = AsyncEngine(llm_engine, observers, idle_tick=tick)
     return build_app(engine, config, metrics, publisher)
 
 
@@ -163,8 +173,9 @@ def _add_routes(app: FastAPI, ctx: ServingContext, metrics: ServerMetrics) -> No
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if ctx.engine.error is not None or (not ctx.engine.is_running) or _workers_dead(ctx):
-            return JSONResponse({"status": "dead"}, status_code=503)
+        reason = _dead_reason(ctx)
+        if reason is not None:
+            return JSONResponse({"status": "dead", "reason": reason}, status_code=503)
         if ctx.engine.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
@@ -235,13 +246,18 @@ def _tokenize(tokenizer: Any, prompt: str, add_special_tokens: bool) -> list[int
     return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
 
-def _workers_dead(ctx: ServingContext) -> bool:
-    """A tensor-parallel worker died (noticed even while no request runs)."""
+def _dead_reason(ctx: ServingContext) -> str | None:
+    """Why the engine cannot serve (failed, stopped, a tensor-parallel worker or the engine
+    core process gone, noticed even while no request runs), or None."""
+    if ctx.engine.error is not None:
+        return str(ctx.engine.error) or repr(ctx.engine.error)
+    if not ctx.engine.is_running:
+        return "the engine is not running"
     try:
         getattr(ctx.engine.engine, "check_health", lambda: None)()
-    except KVServeError:
-        return True
-    return False
+    except KVServeError as exc:
+        return str(exc)
+    return None
 
 
 async def _disconnect_safe(work: Any) -> Response:

@@ -4,6 +4,8 @@ curl line), serving, and SIGTERM draining the running request before a clean exi
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 
 import httpx
@@ -13,7 +15,8 @@ from server_process import api_server_process
 def test_sigterm_drains_then_exits(tiny_model_dir, tmp_path):
     log = tmp_path / "server.log"
     with api_server_process(tiny_model_dir, log, "--max-model-len", "512",
-                            "--shutdown-grace-period", "60") as (proc, url):
+                            "--shutdown-grace-period", "60", "--engine-core", "process"
+                            ) as (proc, url):
         body = {"model": "tiny", "prompt": "The quick", "max_tokens": 400, "temperature": 0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         with httpx.Client(timeout=120) as http:
@@ -29,11 +32,42 @@ def test_sigterm_drains_then_exits(tiny_model_dir, tmp_path):
                 except httpx.ConnectError:
                     pass
                 data = [line for line in lines if line.startswith("data: ")]
-        assert data[-1] == "data: [DONE]"
-        assert json.loads(data[-2][6:])["usage"]["completion_tokens"] == 400
+        assert data[-1] == "data: [DONE]", (data[-3:], log.read_text()[-3000:])
+        assert json.loads(data[-2][6:]).get("usage", {}).get("completion_tokens") == 400, (
+            data[-3:], log.read_text()[-3000:])
         assert proc.wait(60) == 0
     text = log.read_text()
     assert "drained (0 request(s) aborted)" in text
     assert "memory budget: KV cache: 512 blocks x 16 tokens" in text
     assert f"curl {url}/v1/chat/completions" in text
     assert "openai.Client(base_url=" in text
+
+
+def test_engine_core_death_ends_streams_and_the_server(tiny_model_dir, tmp_path, monkeypatch):
+    """The engine core in its own process (--engine-core process): when it dies, an open stream
+    ends with an SSE error event, /health answers 503 with the reason, and the server exits
+    (non-zero) so that Kubernetes restarts the pod."""
+    monkeypatch.setenv("KVSERVE_EXIT_AFTER_CORE_DEATH_S", "5")
+    log = tmp_path / "server.log"
+    with api_server_process(tiny_model_dir, log, "--max-model-len", "512",
+                            "--engine-core", "process") as (proc, url):
+        match = re.search(r"engine core: process (\d+)", log.read_text())
+        assert match, log.read_text()[-2000:]
+        core_pid = int(match.group(1))
+        body = {"model": "tiny", "prompt": "The quick", "max_tokens": 400, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=120) as http:
+            with http.stream("POST", url + "/v1/completions", json=body) as resp:
+                lines = resp.iter_lines()
+                first = next(line for line in lines if line.startswith("data: "))
+                assert json.loads(first[6:])["choices"]
+                os.kill(core_pid, signal.SIGKILL)
+                data = [line for line in lines if line.startswith("data: ")]
+            health = http.get(url + "/health")
+        errors = [json.loads(d[6:]) for d in data if d != "data: [DONE]" and "error" in d]
+        assert errors and "engine" in errors[-1]["error"]["message"], data[-3:]
+        assert health.status_code == 503
+        assert health.json()["status"] == "dead"
+        assert "exit code -9" in health.json()["reason"]
+        assert proc.wait(60) == 1
+    assert "engine core: " in log.read_text()
