@@ -46,13 +46,14 @@ bench: setup
 
 # Mutation testing (cosmic-ray), not part of `make test`: each core module's mutants against the
 # unit tests that cover it, in a scratch copy under build/mutation. MODULE=<name> runs one
-# (`$(PY) scripts/mutation.py --list` names them). Scores and triage: docs/mutation.md.
+# (`$(PY) scripts/mutation.py --list` names them); MUTATION_ARGS="--sample 40" or "--recheck"
+# for a slow module. Scores and triage: docs/mutation.md.
 $(VENV)/.mutation: $(STAMP)
 	$(PIP) install -q -e '.[test,mutation]'
 	touch $@
 
 mutation: $(VENV)/.mutation
-	nice -n 10 $(PY) scripts/mutation.py $(MODULE)
+	nice -n 10 $(PY) scripts/mutation.py $(MODULE) $(MUTATION_ARGS)
 
 # The docs site (mkdocs + Material) into site/; the reference pages are generated from the code.
 DOCS_PORT ?= 8001

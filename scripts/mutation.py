@@ -1,15 +1,18 @@
 """`make mutation`: cosmic-ray over the core modules, each against only the unit tests that cover
 it, in a scratch copy of the tree (build/mutation/tree) so the checkout is never left mutated.
 
-Usage: python scripts/mutation.py [MODULE ...] [--list]; results in build/mutation/<module>.*.
+Usage: python scripts/mutation.py [MODULE ...] [--list] [--sample N] [--lines A-B] [--recheck];
+results in build/mutation/<module>.*.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import difflib
 import json
 import os
+import random
 import re
 import shlex
 import shutil
@@ -41,6 +44,7 @@ _INDEX_TESTS = ("tests/unit/service/test_prefix_index.py", "tests/unit/service/t
 _NO_ENGINE = "not real_engine_events and not never_logs_the_redis_password"
 _OPERATOR = "tests/unit/operator/"
 _CORE, _OFFLOAD = "tests/unit/engine/core/", "tests/unit/engine/kv_offload/"
+_SAMPLE = "tests/unit/engine/sample/"
 
 TARGETS = [
     Target("prefix_index_scripts", "service/prefix_index/scripts.py", _INDEX_TESTS, _NO_ENGINE,
@@ -58,13 +62,20 @@ TARGETS = [
                                          "test_trust.py"))),
     Target("block_pool", "engine/core/block_pool.py", (_CORE + "test_block_pool.py",)),
     Target("kv_cache_manager", "engine/core/kv_cache_manager.py",
-           (_CORE + "test_kv_cache_manager.py", _CORE + "test_block_pool.py")),
-    Target("scheduler", "engine/core/scheduler.py", (_CORE + "test_scheduler.py",)),
-    Target("sampler", "engine/sample/sampler.py", ("tests/unit/engine/sample/test_sampler.py",),
+           tuple(_CORE + f for f in ("test_kv_cache_manager.py", "test_kv_cache_manager_paths.py",
+                                     "test_resumable.py", "test_scheduler_paths.py",
+                                     "test_kv_cache_groups.py", "test_block_pool.py"))),
+    Target("scheduler", "engine/core/scheduler.py",
+           (_CORE + "test_scheduler.py", _CORE + "test_scheduler_paths.py",
+            _CORE + "test_scheduler_lora.py",
+            "tests/unit/lora/test_manager.py::test_scheduler_admits_at_most_max_loras_adapters")),
+    Target("sampler", "engine/sample/sampler.py",
+           (_SAMPLE + "test_sampler.py", _SAMPLE + "test_sampler_paths.py"),
            "not anywhere_in_any_batch", timeout=120.0),
     Target("host_tier", "engine/kv_offload/host_tier.py", (_CORE + "test_host_tier.py",),
            timeout=120.0),
-    Target("disk_tier", "engine/kv_offload/disk_tier.py", (_OFFLOAD + "test_disk_tier.py",)),
+    Target("disk_tier", "engine/kv_offload/disk_tier.py",
+           (_OFFLOAD + "test_disk_tier.py", _OFFLOAD + "test_disk_tier_paths.py")),
     Target("reconcile", "operator/reconcile.py",
            tuple(_OPERATOR + f for f in ("test_reconcile.py", "test_apply_prune.py",
                                          "test_trust.py")), plugins=("kmock._internal.pytest",)),
@@ -188,22 +199,44 @@ def skip_reason(source: str, tree: ast.Module, mutation) -> str | None:
     return None
 
 
-def filter_session(session: Path) -> None:
+@dataclass(frozen=True)
+class Subset:
+    """A part of a module's mutants, for a module whose full run takes too long: the mutants on
+    lines [lo, hi], then a seeded random sample of n of them. The rest are recorded as skipped
+    ("outside the lines", "not in the sample"), so a score over a subset says so."""
+    lines: tuple[int, int] | None = None
+    sample: int | None = None
+    seed: int = 0
+
+
+def filter_session(session: Path, subset: Subset = Subset()) -> None:
     from cosmic_ray.work_db import WorkDB, use_db
     from cosmic_ray.work_item import WorkerOutcome, WorkResult
 
     with use_db(str(session), WorkDB.Mode.open) as db:
         trees: dict[str, ast.Module] = {}
+        kept = []
         for item in list(db.pending_work_items):
             (mutation,) = item.mutations
             source = (TREE / mutation.module_path).read_text()
             reason = skip_reason(source, trees.setdefault(source, ast.parse(source)), mutation)
+            line = mutation.start_pos[0]
+            if not reason and subset.lines and not subset.lines[0] <= line <= subset.lines[1]:
+                reason = "outside the lines"
             if reason:
                 db.set_result(item.job_id, WorkResult(output=reason,
                                                       worker_outcome=WorkerOutcome.SKIPPED))
+            else:
+                kept.append(item.job_id)
+        if subset.sample is not None and subset.sample < len(kept):
+            chosen = set(random.Random(subset.seed).sample(sorted(kept), subset.sample))
+            for job_id in kept:
+                if job_id not in chosen:
+                    db.set_result(job_id, WorkResult(output="not in the sample",
+                                                     worker_outcome=WorkerOutcome.SKIPPED))
 
 
-def run_cosmic_ray(t: Target, env: dict[str, str]) -> None:
+def run_cosmic_ray(t: Target, env: dict[str, str], subset: Subset = Subset()) -> None:
     """Baseline first: if the tests fail unmutated, every mutant would count as killed."""
     base = subprocess.run(shlex.split(test_command(t)), cwd=TREE, env=env, capture_output=True,
                           text=True)
@@ -213,8 +246,60 @@ def run_cosmic_ray(t: Target, env: dict[str, str]) -> None:
     session.unlink(missing_ok=True)
     cr = [sys.executable, "-m", "cosmic_ray.cli"]
     subprocess.run([*cr, "init", str(cfg), str(session)], cwd=TREE, env=env, check=True)
-    filter_session(session)
+    filter_session(session, subset)
     subprocess.run([*cr, "exec", str(cfg), str(session)], cwd=TREE, env=env, check=True)
+
+
+def _changed_lines(diff: str) -> list[str]:
+    return [line for line in diff.splitlines() if line[:1] in "+-"
+            and not line.startswith(("+++", "---")) and line[1:].strip()]
+
+
+def _mutant_source(source: str, mutation, diff: str) -> str | None:
+    """The module with a recorded mutant applied again, or None when the module changed since
+    the run (the recorded diff's changed lines are not what the mutant changes now)."""
+    from cosmic_ray.mutating import mutate_code
+    from cosmic_ray.plugins import get_operator
+
+    op = get_operator(mutation.operator_name)(**(mutation.operator_args or {}))
+    mutated = mutate_code(source, op, mutation.occurrence)
+    now = "\n".join(difflib.unified_diff(source.splitlines(), mutated.splitlines(),
+                                        lineterm=""))
+    return mutated if _changed_lines(now) == _changed_lines(diff) else None
+
+
+def recheck(t: Target, env: dict[str, str]) -> None:
+    """Run the last run's survivors again, against the target's tests as they are now (after
+    tests were added for them): each one these tests kill is recorded as killed ("killed on
+    recheck"), so the summary scores the current tests without a full run. A survivor whose diff
+    no longer applies (the module changed since) is left as it was and named."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import TestOutcome, WorkerOutcome, WorkResult
+
+    with use_db(str(WORK / f"{t.name}.sqlite"), WorkDB.Mode.open) as db:
+        survivors = [(item, r) for item, r in db.completed_work_items
+                     if r.worker_outcome == WorkerOutcome.NORMAL and not r.is_killed]
+        for item, result in survivors:
+            path = TREE / item.mutations[0].module_path
+            source = path.read_text()
+            mutated = _mutant_source(source, item.mutations[0], result.diff)
+            try:
+                if mutated is None:
+                    print(f"{t.name}: survivor no longer applies: {item.mutations[0].operator_name}"
+                          f" at line {item.mutations[0].start_pos[0]}")
+                    continue
+                path.write_text(mutated)
+                try:
+                    rc = subprocess.run(shlex.split(test_command(t)), cwd=TREE, env=env,
+                                        capture_output=True, timeout=t.timeout).returncode
+                except subprocess.TimeoutExpired:
+                    rc = -1
+            finally:
+                path.write_text(source)
+            if rc != 0:
+                db.set_result(item.job_id, WorkResult(
+                    worker_outcome=WorkerOutcome.NORMAL, output="killed on recheck",
+                    test_outcome=TestOutcome.KILLED, diff=result.diff))
 
 
 # Lua tokens and their mutants: comparison, arithmetic, logic, and small integer constants.
@@ -308,6 +393,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list", action="store_true", help="print the targets and their tests")
     ap.add_argument("--report", action="store_true", help="summarise the last run, run nothing")
     ap.add_argument("--no-lua", action="store_true", help="skip the Lua mutants (slow)")
+    ap.add_argument("--recheck", action="store_true",
+                    help="rerun only the last run's survivors against the tests as they are now")
+    ap.add_argument("--lines", metavar="A-B", help="only the mutants on lines A to B")
+    ap.add_argument("--sample", type=int, metavar="N",
+                    help="a seeded random sample of N mutants (after --lines), for a slow module")
+    ap.add_argument("--seed", type=int, default=0, help="the sample's seed (default 0)")
     args = ap.parse_args(argv)
     by_name = {t.name: t for t in TARGETS}
     if args.list:
@@ -318,12 +409,24 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown module(s) {unknown}; choose from {sorted(by_name)}")
     targets = [by_name[m] for m in args.modules] or TARGETS
+    lines = None
+    if args.lines:
+        m = re.fullmatch(r"(\d+)-(\d+)", args.lines)
+        if not m:
+            ap.error(f"--lines wants A-B (two line numbers), got {args.lines!r}")
+        lines = (int(m[1]), int(m[2]))
+    if args.sample is not None and args.sample < 1:
+        ap.error(f"--sample wants a positive count, got {args.sample}")
+    subset = Subset(lines, args.sample, args.seed)
     WORK.mkdir(parents=True, exist_ok=True)
     if not args.report:
         copy_tree()
         env = test_env()
         for t in targets:
-            run_cosmic_ray(t, env)
+            if args.recheck:
+                recheck(t, env)
+                continue
+            run_cosmic_ray(t, env, subset)
             if t.lua and not args.no_lua:
                 run_lua(t, env)
     print(f"{'module':24} {'killed':>7} {'total':>6} {'score':>6}  (skipped)")

@@ -1,0 +1,144 @@
+"""DiskTier paths test_disk_tier.py leaves open (mutation survivors, see docs/mutation.md): clear
+after the files are written, a block evicted and stored again while its first write waits, a
+write that fails, the event batching, and close."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from test_disk_tier import FILE, LAYOUT, PAYLOAD, block, files
+
+from kvserve.engine.kv_offload import disk_block_file as fmt
+from kvserve.engine.kv_offload.disk_tier import DiskTier
+
+
+def held_writer(t: DiskTier) -> threading.Event:
+    """Hold the writer thread before its next operation until the returned event is set."""
+    go, apply = threading.Event(), t._apply
+
+    def wait_then_apply(*args):
+        go.wait()
+        apply(*args)
+
+    t._apply = wait_then_apply
+    return go
+
+
+def test_clear_deletes_the_files_already_written(tmp_path):
+    t = DiskTier(tmp_path, 4 * FILE, PAYLOAD, LAYOUT)
+    for i in range(3):
+        t.put(*block(i))
+    t.flush()
+    assert len(files(tmp_path)) == 3
+    (tmp_path / (fmt.file_name(block(9)[0]) + ".tmp")).write_bytes(b"torn")
+    t.clear()
+    t.flush()
+    assert files(tmp_path) == [] and not list(tmp_path.glob("*.tmp"))
+    t.close()
+
+
+def test_a_block_stored_again_while_its_first_write_waits_is_written_once(tmp_path, caplog):
+    # A one-block tier: h is queued, evicted by g, then stored again with other bytes, all
+    # before the writer runs. The stale write and the unlink of a file never written are no-ops;
+    # the file holds the second bytes and the block is then served from it.
+    t = DiskTier(tmp_path, FILE, PAYLOAD, LAYOUT)
+    go = held_writer(t)
+    (h, first), (g, other) = block(1), block(2)
+    second = bytearray(reversed(first))
+    with caplog.at_level(logging.WARNING, logger="kvserve.engine"):
+        t.put(h, first)
+        t.put(g, other)
+        t.put(h, second)
+        go.set()
+        t.flush()
+    assert files(tmp_path) == [fmt.file_name(h)]
+    assert t.read([h]) == [second] and t.bytes_read == PAYLOAD  # from the file, not memory
+    assert not [r for r in caplog.records if "failed" in r.getMessage()]
+    t.close()
+
+
+def test_a_failed_write_frees_its_place_in_the_writer_queue(tmp_path, caplog):
+    # The temporary file's name is taken by a directory: the write fails, the block is a miss
+    # once read, and the queue (one block long) takes the next block.
+    t = DiskTier(tmp_path, 4 * FILE, PAYLOAD, LAYOUT, queue_bytes=PAYLOAD)
+    (h, p), (g, q) = block(1), block(2)
+    (tmp_path / (fmt.file_name(h) + ".tmp")).mkdir()
+    with caplog.at_level(logging.WARNING, logger="kvserve.engine"):
+        assert t.put(h, p)
+        t.flush()
+    assert any("write of block" in r.getMessage() for r in caplog.records)
+    assert t.put(g, q) and t.num_dropped == 0
+    t.flush()
+    assert t.read([h]) == [] and t.num_bad_files == 1
+    assert t.read([g]) == [q]
+    t.close()
+
+
+def test_drained_events_batch_only_consecutive_ones_of_a_kind(tmp_path):
+    t = DiskTier(tmp_path, FILE, PAYLOAD, LAYOUT)  # one block: each put evicts the last
+    hashes = [block(i)[0] for i in range(3)]
+    for i in range(3):
+        t.put(*block(i))
+    got = [(e.kind, e.block_hashes) for e in t.drain_events()]
+    assert got == [("stored", (hashes[0].hex(),)), ("removed", (hashes[0].hex(),)),
+                   ("stored", (hashes[1].hex(),)), ("removed", (hashes[1].hex(),)),
+                   ("stored", (hashes[2].hex(),))]
+    assert t.drain_events() == []
+    t.close()
+
+
+def test_close_releases_the_directory_once(tmp_path):
+    t = DiskTier(tmp_path, 4 * FILE, PAYLOAD, LAYOUT)
+    assert t.is_open
+    t.put(*block(1))
+    t.close()
+    assert not t.is_open and files(tmp_path) == [fmt.file_name(block(1)[0])]
+    t.close()  # a second close does nothing
+    again = DiskTier(tmp_path, 4 * FILE, PAYLOAD, LAYOUT)  # the lock was released
+    assert again.is_open and len(again) == 1
+    again.close()
+
+
+def test_events_after_a_clear_batch_the_stores_that_follow(tmp_path):
+    t = DiskTier(tmp_path, 4 * FILE, PAYLOAD, LAYOUT)
+    t.put(*block(0))
+    t.clear()
+    t.put(*block(1))
+    t.put(*block(2))
+    got = [(e.kind, e.block_hashes) for e in t.drain_events()]
+    assert got == [("cleared", ()), ("stored", (block(1)[0].hex(), block(2)[0].hex()))]
+    t.close()
+
+
+def test_a_block_file_name_that_is_not_hex_is_left_alone_at_start(tmp_path):
+    stray = tmp_path / ("zz" * 16 + fmt.SUFFIX)
+    stray.write_bytes(b"not a block")
+    t = DiskTier(tmp_path, 4 * FILE, PAYLOAD, LAYOUT)
+    assert len(t) == 0 and stray.exists()
+    t.close()
+
+
+def test_a_writer_queue_below_one_block_still_takes_one(tmp_path):
+    t = DiskTier(tmp_path, 4 * FILE, PAYLOAD, LAYOUT, queue_bytes=PAYLOAD // 2)
+    go = held_writer(t)
+    assert [t.put(*block(i)) for i in range(2)] == [True, False] and t.num_dropped == 1
+    go.set()
+    t.close()
+
+
+def test_a_cap_over_the_free_space_is_warned_about_and_one_under_it_is_not(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="kvserve.engine"):
+        DiskTier(tmp_path / "small", 4 * FILE, PAYLOAD, LAYOUT).close()
+        assert not caplog.records
+        DiskTier(tmp_path / "huge", 1 << 60, PAYLOAD, LAYOUT).close()
+    assert [r for r in caplog.records if "exceeds the free space" in r.getMessage()]
+
+
+def test_usage_is_the_share_of_the_cap_in_use(tmp_path):
+    t = DiskTier(tmp_path, 4 * FILE, PAYLOAD, LAYOUT)
+    assert t.usage() == 0.0
+    for i in range(3):
+        t.put(*block(i))
+    assert t.usage() == 0.75
+    t.close()
