@@ -111,7 +111,7 @@ def watched(interpreter, tiny_model_dir, monkeypatch):
 
     monkeypatch.setattr(cpu_ops, "_fused", lambda x: False)
     monkeypatch.setattr(cpu_ops, "use_triton", lambda x: True)
-    monkeypatch.setattr(packed_linear, "pack_linears", lambda model: 0)
+    monkeypatch.setattr(packed_linear, "pack_linears", lambda model, **kw: 0)
     monkeypatch.setattr(checks, "host_readable", lambda t: not isinstance(t, OnDevice))
     llm = make_llm(tiny_model_dir, attention_backend="triton", max_num_seqs=4,
                    max_model_len=96, enforce_eager=True)
@@ -184,7 +184,7 @@ def test_gpu_path_gives_the_cpu_paths_tokens(interpreter, tiny_model_dir, monkey
     calls: list[str] = []
     monkeypatch.setattr(cpu_ops, "_fused", lambda x: False)
     monkeypatch.setattr(cpu_ops, "use_triton", lambda x: True)
-    monkeypatch.setattr(packed_linear, "pack_linears", lambda model: 0)
+    monkeypatch.setattr(packed_linear, "pack_linears", lambda model, **kw: 0)
     for module, name in ((triton_fused, "rope_write_kv"), (fresh_prefill, "fresh_attention")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _r=real, _n=name, **k:
