@@ -7,6 +7,7 @@ their own so that a thread reading step messages may itself call a utility."""
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import multiprocessing
@@ -63,6 +64,9 @@ class CoreClient:
             self.close()
             raise
         self.engine = EngineCoreProxy(self)
+        # A script that never calls shutdown(): stop the core before multiprocessing's own exit
+        # hook joins it (atexit runs hooks last-registered first), or the exit would wait forever.
+        atexit.register(self.close, 5.0)
 
     def _wait_ready(self) -> CoreReady:
         while True:
@@ -125,6 +129,7 @@ class CoreClient:
         """Stop the core (and its tensor-parallel workers) and release the sockets; idempotent."""
         if self.closed:
             return
+        atexit.unregister(self.close)
         if self.process.is_alive():
             self.send(Shutdown())
             self.process.join(timeout_s)
@@ -165,6 +170,12 @@ class EngineCoreProxy:
         info = self._client.info
         if hasattr(info, name):
             return getattr(info, name)
+        from kvserve.engine.llm_engine import LLMEngine
+
+        # Only the engine's methods are calls into the core: `getattr(engine, "x", None)` must
+        # stay None for anything else (a lambda there would turn each such probe into an RPC).
+        if not callable(getattr(LLMEngine, name, None)):
+            raise AttributeError(f"the engine core has no method {name!r}")
         return lambda *args, **kwargs: self._client.call_utility(name, *args, **kwargs)
 
     def check_health(self) -> None:

@@ -150,3 +150,61 @@ def test_async_engine_streams_and_core_death(tiny_model_dir):
     assert dead and "exit code -9" in str(engine.error)
     with pytest.raises(EngineCoreDiedError):
         engine.engine.check_health()
+
+
+def test_only_engine_methods_are_calls_into_the_core(both):
+    """`getattr(engine, name, None)` probes (the metrics and publisher observers use them) stay
+    None for what the engine does not have, instead of becoming an RPC per step."""
+    _, remote = both
+    proxy = remote.llm_engine.client.engine
+    assert getattr(proxy, "lora", None) is None and getattr(proxy, "no_such_method", None) is None
+    assert callable(getattr(proxy, "reset_prefix_cache", None))
+    assert proxy.block_size == remote.llm_engine.client.info.block_size
+
+
+def test_a_script_that_never_shuts_down_exits(tiny_model_dir, tmp_path):
+    """An offline script over the core process that ends without `shutdown()` exits promptly:
+    the core is stopped before multiprocessing's exit hook waits for it."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "script.py"
+    script.write_text(
+        "from kvserve import LLM, SamplingParams\n"
+        "if __name__ == '__main__':\n"
+        f"    llm = LLM({str(tiny_model_dir)!r}, dtype='float32', kv_cache_memory=1 << 22)\n"
+        "    out = llm.generate(['Hello'], SamplingParams(max_tokens=3, ignore_eos=True),\n"
+        "                       use_tqdm=False)\n"
+        "    print('tokens', len(out[0].outputs[0].token_ids))\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=240, env={**__import__("os").environ, MULTIPROCESSING_ENV: "1"})
+    assert proc.returncode == 0 and "tokens 3" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_lora_requests_and_adapter_calls_cross_the_split(tiny_model_dir, tmp_path):
+    """A LoRARequest travels with its request and add_lora / resident_loras run in the core: the
+    adapter's tokens equal the in-process engine's."""
+    from lora_checks import build_adapter
+
+    from kvserve.lora.request import LoRARequest
+
+    adapter = build_adapter(tiny_model_dir, tmp_path / "a0", seed=10)
+    kw = dict(enable_lora=True, max_loras=1, max_lora_rank=8)
+    p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    req = LoRARequest("a0", 1, str(adapter))
+    local = make_llm(tiny_model_dir, **kw)
+    want = [o.outputs[0].token_ids for o in
+            local.generate(PROMPTS[:2], p, lora_request=req, use_tqdm=False)]
+    base = [o.outputs[0].token_ids for o in local.generate(PROMPTS[:2], p, use_tqdm=False)]
+    local.shutdown()
+    mp = pytest.MonkeyPatch()
+    mp.setenv(MULTIPROCESSING_ENV, "1")
+    remote = make_llm(tiny_model_dir, **kw)
+    mp.undo()
+    try:
+        got = [o.outputs[0].token_ids for o in
+               remote.generate(PROMPTS[:2], p, lora_request=req, use_tqdm=False)]
+        assert got == want and got != base
+        assert remote.llm_engine.client.call_utility("resident_loras") == ["a0"]
+    finally:
+        remote.shutdown()
