@@ -57,6 +57,7 @@ class RequestState:
     matchers: dict[int, GrammarState] = field(default_factory=dict)  # sample index -> matcher
     best_of: BestOf | None = None  # show only the best n of params.n candidates
     makes_text: bool = True  # False: the engine core's client detokenises (engine_core/)
+    lora_request: Any = None  # the LoRARequest it runs with, shown on its outputs
 
     @property
     def finished(self) -> bool:
@@ -224,7 +225,7 @@ class LLMEngine:
         state = RequestState(request_id, text, ids, params, [seq],
                              [self._detok(ids, params, makes_text)],
                              RequestMetrics(arrival_time=now), grammar=grammar, best_of=best_of,
-                             makes_text=makes_text)
+                             makes_text=makes_text, lora_request=lora_request)
         self.requests[request_id] = state
         self.scheduler.add(seq)
         self._prompt_tokens += len(ids)
@@ -516,7 +517,7 @@ class LLMEngine:
             if state.params.prompt_logprobs is not None else None  # [None]: a 1-token prompt
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs,
                              finished=finished, num_cached_tokens=cached, metrics=state.metrics,
-                             prompt_logprobs=prompt_lps)
+                             prompt_logprobs=prompt_lps, lora_request=state.lora_request)
 
     # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ---------------------------
     def add_lora(self, lora_request: Any) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -52,3 +53,4 @@ class RequestOutput:
     # the actual token and the k most likely (engine/sample/prompt_logprobs.py).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     extra: dict = field(default_factory=dict)
+    lora_request: Any = None  # the LoRARequest it ran with (None: the base model)

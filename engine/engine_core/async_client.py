@@ -110,7 +110,7 @@ class AsyncMPEngine(AsyncEngine):
         self._clear_idle()
         self._pending[request_id] = _Add(request_id, prompt, params, priority, cache_salt,
                                          arrival, stream, accepted)
-        self.outputs.add(request_id, prompt, params)
+        self.outputs.add(request_id, prompt, params, kwargs.get("lora_request"))
         self.client.send(AddRequest(request_id, prompt, params, dict(
             arrival_time=arrival, priority=priority, cache_salt=cache_salt, **kwargs)))
         await accepted

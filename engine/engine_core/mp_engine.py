@@ -49,7 +49,7 @@ class MPLLMEngine:
 
             raise InvalidRequestError(f"request id {request_id!r} is already in use",
                                       "request_id")
-        self.outputs.add(request_id, prompt, params)
+        self.outputs.add(request_id, prompt, params, kwargs.get("lora_request"))
         self._unanswered.add(request_id)
         self.client.send(AddRequest(request_id, prompt, params, kwargs))
 

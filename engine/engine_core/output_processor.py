@@ -37,6 +37,7 @@ class ClientRequest:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     finished: bool = False
+    lora_request: Any = None
 
 
 class OutputProcessor:
@@ -46,10 +47,11 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, ClientRequest] = {}
 
-    def add(self, request_id: str, prompt: str | list[int], params: Any) -> None:
+    def add(self, request_id: str, prompt: str | list[int], params: Any,
+            lora_request: Any = None) -> None:
         self.requests[request_id] = ClientRequest(
             request_id, prompt if isinstance(prompt, str) else None, params,
-            core_makes_text(params))
+            core_makes_text(params), lora_request=lora_request)
 
     def remove(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -121,4 +123,5 @@ class OutputProcessor:
                     for i, s in sorted(req.samples.items())]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs,
                              finished=req.finished, num_cached_tokens=req.num_cached_tokens,
-                             metrics=req.metrics, prompt_logprobs=req.prompt_logprobs)
+                             metrics=req.metrics, prompt_logprobs=req.prompt_logprobs,
+                             lora_request=req.lora_request)

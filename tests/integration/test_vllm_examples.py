@@ -7,6 +7,7 @@ printed, against what the example's own calls must give."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import runpy
 import sys
@@ -15,6 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import build_tiny_llama, build_tiny_tokenizer
+from family_checks import hf_logprobs
+from lora_checks import build_adapter, merged_model
 from server_process import api_server_process
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,6 +34,12 @@ def model_dir(tmp_path_factory) -> Path:
     # 8,192 positions: automatic_prefix_caching.py's table is ~4k tokens of the tiny tokenizer.
     return build_tiny_llama(tmp_path_factory.mktemp("examples") / "tiny",
                             max_position_embeddings=8192)
+
+
+@pytest.fixture(scope="module")
+def lora_dir(model_dir, tmp_path_factory) -> Path:
+    """A random PEFT adapter of the tiny model (what multilora_inference.py downloads)."""
+    return build_adapter(model_dir, tmp_path_factory.mktemp("lora") / "sql-lora", seed=10)
 
 
 def run_example(script: str, argv: list[str], capsys) -> str:
@@ -96,11 +105,37 @@ def check_offline(script: str, out: str, model_dir: Path, tmp_path: Path) -> Non
         assert any(q.startswith(found["Grammar"]) for q in sql), found
     if script == "offline/simple_profiling.py":
         assert any((tmp_path / "profile").iterdir())
+    if script == "offline/multilora_inference.py":
+        check_multilora(out, model_dir, Path(os.environ["KVSERVE_EXAMPLE_LORA"]))
+
+
+def check_multilora(out: str, model_dir: Path, adapter: Path) -> None:
+    """Two base requests, then the SQL prompt under two names of one adapter: both adapter
+    requests give the same greedy tokens, which are HF + peft's (adapter merged) argmax and not
+    the base model's, and with max_loras=1 the second name's request finishes after the
+    first's."""
+    found = re.findall(r"^RequestOutput\(request_id='(\d)', .*?prompt_token_ids=\[([\d, ]+)\]"
+                       r".*?CompletionOutput\(index=0, .*?, token_ids=\[([\d, ]+)\](.*)$",
+                       out, flags=re.M)
+    assert [f[0] for f in found if f[0] in "23"] == ["2", "3"], out
+    assert sorted(f[0] for f in found) == ["0", "1", "2", "3"], out
+    by_id = {rid: ([int(t) for t in p.split(",")], [int(t) for t in g.split(",")], rest)
+             for rid, p, g, rest in found}
+    assert "lora_request=None" in by_id["0"][2] and "lora_request=None" in by_id["1"][2]
+    assert "lora_name='sql-lora'" in by_id["2"][2] and "lora_name='sql-lora2'" in by_id["3"][2]
+    prompt, tokens, _ = by_id["2"]
+    assert by_id["3"][:2] == (prompt, tokens)
+    head = tokens[:16]  # greedy: a near-tie deep into 128 random-model tokens could flip
+    lora_argmax = hf_logprobs(merged_model(model_dir, adapter), prompt, head).argmax(-1).tolist()
+    base_argmax = hf_logprobs(merged_model(model_dir, None), prompt, head).argmax(-1).tolist()
+    assert head == lora_argmax and head != base_argmax
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", runs("offline"))
-def test_offline_example(script, offline_env, capsys, tmp_path):
+def test_offline_example(script, offline_env, capsys, tmp_path, monkeypatch, request):
+    if script == "offline/multilora_inference.py":
+        monkeypatch.setenv("KVSERVE_EXAMPLE_LORA", str(request.getfixturevalue("lora_dir")))
     source = (EXAMPLES / script).read_text()
     argv = ["--model", str(offline_env)] if "add_cli_args" in source else []
     out = run_example(script, argv, capsys)

@@ -58,6 +58,8 @@ def test_prefix_cache_is_keyed_by_adapter(llm, adapters):
     base = _generate(llm, prompt, None)[0]
     assert again.num_cached_tokens >= 32 and again.outputs[0].token_ids == first.outputs[0].token_ids
     assert other.num_cached_tokens == 0 and base.num_cached_tokens == 0
+    # vLLM's RequestOutput.lora_request: the adapter each output ran with
+    assert (first.lora_request, other.lora_request, base.lora_request) == (a0, a1, None)
     ids = prompt[0]
     assert block_hashes(ids, 8, extra_keys_for(None, "a0")) != \
         block_hashes(ids, 8, extra_keys_for(None, "a1"))

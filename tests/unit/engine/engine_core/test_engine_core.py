@@ -183,7 +183,7 @@ def test_a_script_that_never_shuts_down_exits(tiny_model_dir, tmp_path):
 
 def test_lora_requests_and_adapter_calls_cross_the_split(tiny_model_dir, tmp_path):
     """A LoRARequest travels with its request and add_lora / resident_loras run in the core: the
-    adapter's tokens equal the in-process engine's."""
+    adapter's tokens equal the in-process engine's, and each output names its LoRARequest."""
     from lora_checks import build_adapter
 
     from kvserve.lora.request import LoRARequest
@@ -202,9 +202,10 @@ def test_lora_requests_and_adapter_calls_cross_the_split(tiny_model_dir, tmp_pat
     remote = make_llm(tiny_model_dir, **kw)
     mp.undo()
     try:
-        got = [o.outputs[0].token_ids for o in
-               remote.generate(PROMPTS[:2], p, lora_request=req, use_tqdm=False)]
+        outs = remote.generate(PROMPTS[:2], p, lora_request=req, use_tqdm=False)
+        got = [o.outputs[0].token_ids for o in outs]
         assert got == want and got != base
+        assert [o.lora_request for o in outs] == [req, req]  # vLLM's RequestOutput.lora_request
         assert remote.llm_engine.client.call_utility("resident_loras") == ["a0"]
     finally:
         remote.shutdown()
