@@ -265,7 +265,7 @@ class ServerMetrics:
         restores = getattr(engine, "drain_restore_seconds", None)
         for seconds in restores() if restores is not None else ():
             self.restore_seconds.observe(seconds)
-        if getattr(engine.config, "enable_lora", False):  # (a utility call across the split)
+        if getattr(getattr(engine, "config", None), "enable_lora", False):  # (an RPC when split)
             running, waiting = engine.lora_requests_info()
             self.observe_loras(engine.config.max_loras, running, waiting)
 
