@@ -52,6 +52,7 @@ class CoreClient:
         self._call_ids = itertools.count()
         self.death: str | None = None  # why the core is gone, once it is
         self.closed = False
+        self._shutdown_sent = False
         ctx = multiprocessing.get_context("spawn")  # no lock of this process inherited
         self.process = ctx.Process(
             target=run_engine_core, name="kvserve-engine-core", daemon=False,
@@ -80,10 +81,19 @@ class CoreClient:
 
     # ---- messages --------------------------------------------------------------------------
     def send(self, message: Any) -> None:
+        """Queue `message` for the core. Never blocks on a core that is gone: a PUSH socket
+        without a peer waits for one forever, so a message to a dead core is dropped (its
+        requests are failed by the output thread, which sees the death)."""
         data = encode(message)
         with self._send_lock:
-            if not self.closed:
-                self._requests.send(data, copy=False)
+            while not self.closed:
+                try:
+                    self._requests.send(data, zmq.NOBLOCK, copy=False)
+                    return
+                except zmq.Again:  # the queue is full, or the core stopped reading
+                    if not self._check_alive():
+                        return
+                    self._requests.poll(POLL_S * 1000, zmq.POLLOUT)
 
     def recv(self, timeout_s: float) -> Any:
         """The next message from the core, or None after `timeout_s` (then `death` says
@@ -121,9 +131,13 @@ class CoreClient:
 
     # ---- lifecycle -------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Ask the core to stop (it answers CoreStopped on the step channel)."""
-        if self.is_alive():
-            self.send(Shutdown())
+        """Ask the core to stop (it answers CoreStopped on the step channel); once only: a core
+        that has answered closes its sockets, and a second request would wait (in `send`) until
+        it has exited."""
+        if self._shutdown_sent or not self.is_alive():
+            return
+        self._shutdown_sent = True
+        self.send(Shutdown())
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop the core (and its tensor-parallel workers) and release the sockets; idempotent."""
@@ -131,7 +145,7 @@ class CoreClient:
             return
         atexit.unregister(self.close)
         if self.process.is_alive():
-            self.send(Shutdown())
+            self.shutdown()
             self.process.join(timeout_s)
         if self.process.is_alive():
             logger.warning("the engine core did not stop in %.0f s: terminating it", timeout_s)

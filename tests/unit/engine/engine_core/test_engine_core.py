@@ -209,3 +209,25 @@ def test_lora_requests_and_adapter_calls_cross_the_split(tiny_model_dir, tmp_pat
         assert remote.llm_engine.client.call_utility("resident_loras") == ["a0"]
     finally:
         remote.shutdown()
+
+
+def test_nothing_sent_to_a_dead_core_blocks(tiny_model_dir):
+    """A PUSH socket without a peer waits for one forever: an abort (a client hanging up) or a
+    shutdown sent after the core died must return at once, not freeze the event loop."""
+    import threading
+
+    from kvserve.engine.config import EngineConfig
+    from kvserve.engine.engine_core.messages import AbortRequests
+
+    client = CoreClient(EngineConfig(model=str(tiny_model_dir), dtype="float32",
+                                     kv_cache_memory=1 << 22, max_model_len=256))
+    client.process.kill()
+    client.process.join(30)
+    sender = threading.Thread(target=lambda: [client.send(AbortRequests([str(i)]))
+                                              for i in range(2000)], daemon=True)
+    sender.start()
+    sender.join(30)
+    assert not sender.is_alive(), "send() blocked on a dead core"
+    assert "exit code -9" in (client.death or "")
+    client.close()
+    assert client.closed
