@@ -7,10 +7,10 @@ TRITON_INTERPRET=1 (checks the script; times nothing meaningful). Run through be
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 import torch.nn.functional as F
+from gpu_roofline import timed  # bench/ is sys.path[0]
 
 from kvserve.engine.layers.quantization.activation import ActivationScheme
 from kvserve.engine.layers.quantization.gpu_linear import ScaledMMFp8Linear, TritonW4A16Linear, \
@@ -34,18 +34,6 @@ def weights(out: int, inp: int, device: torch.device) -> dict[str, QuantizedWeig
             "fp8": QuantizedWeight(fp8.to(torch.float8_e4m3fn),
                                    torch.rand(out, 1, generator=g, device=device) * 1e-4, None,
                                    inp, 8)}
-
-
-def timed(fn, reps: int) -> float:
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    for _ in range(3):
-        fn()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    sync()
-    return (time.perf_counter() - t0) / reps
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +81,27 @@ def bench_smoke_run(script: str, timeout: float) -> str:
                          capture_output=True, text=True, timeout=timeout, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout
+
+
+@contextmanager
+def triton_interpreted(*names: str) -> Iterator[list[Any]]:
+    """The kernel modules `names` reloaded under TRITON_INTERPRET=1 (a module fixture's body);
+    on the way out the variable is restored and they are reloaded again, so later tests on a GPU
+    get compiled kernels."""
+    import importlib
+
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    modules = [importlib.reload(importlib.import_module(name)) for name in names]
+    try:
+        yield modules
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+        for module in modules:
+            importlib.reload(module)
 
 
 def build_tiny_tokenizer():

@@ -2,11 +2,9 @@
 rest of the batch through the paged kernel: routing and numerics against the reference kernel,
 the Triton kernel under TRITON_INTERPRET=1 on CPU tensors."""
 
-import importlib
-import os
-
 import pytest
 import torch
+from conftest import triton_interpreted
 
 from kv_batches import FP8, Spec, assert_close_to, build_batch
 from kvserve.kernels import fresh_prefill
@@ -22,17 +20,8 @@ SEQS = ((37, 37), (70, 1), (64, 24), (21, 21), (1, 1))
 
 @pytest.fixture(scope="module", autouse=True)
 def interpreter():
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    import kvserve.kernels.triton_attention as attention
-
-    importlib.reload(attention)
-    yield attention
-    if old is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = old
-    importlib.reload(attention)
+    with triton_interpreted("kvserve.kernels.triton_attention") as (attention,):
+        yield attention
 
 
 def new_kv(batch, dtype):

@@ -5,11 +5,9 @@ so the fixture sets it for this module only, reloads the kernel modules under it
 them once more without it afterwards.
 """
 
-import importlib
-import os
-
 import pytest
 import torch
+from conftest import triton_interpreted
 from hypothesis import given, settings
 
 from kv_batches import FP8, Spec, assert_close_to, assert_matches_reference, build_batch, specs
@@ -21,20 +19,9 @@ from kvserve.kernels.reference import quantize
 
 @pytest.fixture(scope="module", autouse=True)
 def interpreter():
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    import kvserve.kernels.triton_attention as attention
-    import kvserve.kernels.triton_cache as cache
-
-    for module in (attention, cache):
-        importlib.reload(module)
-    yield attention
-    if old is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = old
-    for module in (attention, cache):  # later tests (on a GPU) get compiled kernels again
-        importlib.reload(module)
+    with triton_interpreted("kvserve.kernels.triton_attention",
+                            "kvserve.kernels.triton_cache") as (attention, _):
+        yield attention
 
 
 @settings(max_examples=8, deadline=None)

@@ -1,11 +1,9 @@
 """The fused Triton elementwise kernels (kernels/triton_fused.py) under TRITON_INTERPRET=1 on
 CPU tensors, against the torch expressions the layers run on the CPU."""
 
-import importlib
-import os
-
 import pytest
 import torch
+from conftest import triton_interpreted
 import torch.nn.functional as F
 
 from kvserve.engine.layers.layernorm import GemmaRMSNorm
@@ -19,16 +17,8 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 @pytest.fixture(scope="module")
 def fused():
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    import kvserve.kernels.triton_fused as module
-
-    yield importlib.reload(module)
-    if old is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = old
-    importlib.reload(module)
+    with triton_interpreted("kvserve.kernels.triton_fused") as (module,):
+        yield module
 
 
 def _x(shape, dtype, seed=0):

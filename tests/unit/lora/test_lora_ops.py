@@ -2,11 +2,9 @@
 (kernels/triton_lora.py, under TRITON_INTERPRET=1 on CPU tensors) against the row-by-row
 definition, in batches mixing slots, rows with no adapter (-1), and fused slices."""
 
-import importlib
-import os
-
 import pytest
 import torch
+from conftest import triton_interpreted
 
 from kvserve.lora.layers import LoRABatch, LoRALinear, lora_delta, lora_delta_reference
 
@@ -27,15 +25,8 @@ def _case(widths, t=7, k=24, slots=3, r=8, seed=0):
 
 @pytest.fixture(scope="module")
 def triton_lora():
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    import kvserve.kernels.triton_lora as module
-
-    yield importlib.reload(module)
-    if old is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = old
+    with triton_interpreted("kvserve.kernels.triton_lora") as (module,):
+        yield module
 
 
 @pytest.mark.parametrize("widths", WIDTHS)
