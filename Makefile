@@ -33,11 +33,13 @@ run-cluster: setup
 	$(VENV)/bin/kvserve fetch-model $(MODEL)
 	MODEL=$(MODEL) PORT=$(PORT) VENV=$(VENV) scripts/run_cluster.sh
 
+# -n auto: one pytest-xdist worker per core, each test module on one worker (its module fixtures
+# built once); the workers split the cores between them (tests/conftest.py).
 test: setup
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n auto --dist loadfile
 
 test-fast: setup
-	$(VENV)/bin/pytest -q -m "not slow"
+	$(VENV)/bin/pytest -q -n auto --dist loadfile -m "not slow"
 
 # bench/ imports a few packages the server does not need (matplotlib, lz4...): the `bench` extra.
 bench: setup

@@ -25,6 +25,16 @@ if TYPE_CHECKING:
 # Triton decides at `import triton` whether its own library functions (tl.max, ...) are compiled
 # or interpreted, so on a machine without CUDA the interpreter must be on before any test imports
 # triton, or the interpreted kernel tests fail after an earlier test imported it compiled.
+# Under pytest-xdist (`make test` runs -n auto) each worker gets its share of the cores, as do
+# the servers and scripts it starts: N workers each running torch on every core would
+# oversubscribe the CPU, and OpenMP's spinning threads slow down badly when they do.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    import torch
+
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 if "TRITON_INTERPRET" not in os.environ:
     import torch
 
