@@ -142,3 +142,23 @@ def test_usage_is_the_share_of_the_cap_in_use(tmp_path):
         t.put(*block(i))
     assert t.usage() == 0.75
     t.close()
+
+
+def test_a_failed_unlink_is_logged_and_the_writer_keeps_going(tmp_path, caplog):
+    # h's file is replaced by a directory: reading h is a miss, and unlinking the bad "file"
+    # fails. The failure is a warning; the writer thread lives on and writes the next block.
+    t = DiskTier(tmp_path, 4 * FILE, PAYLOAD, LAYOUT)
+    (h, p), (g, q) = block(1), block(2)
+    t.put(h, p)
+    t.flush()
+    (tmp_path / fmt.file_name(h)).unlink()
+    (tmp_path / fmt.file_name(h)).mkdir()
+    with caplog.at_level(logging.WARNING, logger="kvserve.engine"):
+        assert t.read([h]) == [] and h not in t
+        t.flush()
+    assert any(f"unlink of block {h.hex()} failed" in m.getMessage() for m in caplog.records)
+    assert t._writer.is_alive()
+    assert t.put(g, q)
+    t.flush()
+    assert t.read([g]) == [q] and t.bytes_read == PAYLOAD  # from g's file
+    t.close()
