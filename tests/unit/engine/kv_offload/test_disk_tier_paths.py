@@ -162,3 +162,53 @@ def test_a_failed_unlink_is_logged_and_the_writer_keeps_going(tmp_path, caplog):
     t.flush()
     assert t.read([g]) == [q] and t.bytes_read == PAYLOAD  # from g's file
     t.close()
+
+
+def test_a_file_with_a_byte_past_its_payload_is_a_miss(tmp_path):
+    # The header and payload verify; the extra byte shows the file is not what was written.
+    t = DiskTier(tmp_path, 4 * FILE, PAYLOAD, LAYOUT)
+    (h, p), (g, q) = block(1), block(2)
+    t.put(h, p)
+    t.put(g, q)
+    t.flush()
+    with open(tmp_path / fmt.file_name(h), "ab") as f:
+        f.write(b"\0")
+    assert t.read([h]) == [] and h not in t and t.num_bad_files == 1
+    assert t.read([g]) == [q] and t.bytes_read == PAYLOAD
+    t.close()
+
+
+def test_bytes_written_counts_the_queued_blocks_not_the_dropped_or_repeated(tmp_path):
+    t = DiskTier(tmp_path, 4 * FILE, PAYLOAD, LAYOUT, queue_bytes=PAYLOAD)
+    go = held_writer(t)
+    (h, p), (g, q) = block(1), block(2)
+    assert t.put(h, p) and t.put(h, p)  # the second is a hit: only made most recent
+    assert not t.put(g, q) and t.num_dropped == 1  # the one-block queue is full
+    go.set()
+    t.flush()
+    assert t.bytes_written == PAYLOAD
+    assert t.put(g, q)
+    t.flush()
+    assert t.bytes_written == 2 * PAYLOAD
+    t.close()
+
+
+def test_an_undrained_event_backlog_stays_bounded_and_replays_to_the_index(tmp_path):
+    # A one-block tier: each put stores one block and removes the last (two events). Undrained,
+    # the log is compacted to a clear and the blocks held, so a replay ends at the index.
+    t = DiskTier(tmp_path, FILE, PAYLOAD, LAYOUT)
+    limit = 2 * t.num_blocks + 1024
+    for i in range(limit):
+        t.put(*block(i))
+        assert len(t._events) <= limit
+    t.flush()
+    held: set[str] = set()
+    for e in t.drain_events():
+        if e.kind == "cleared":
+            held.clear()
+        elif e.kind == "stored":
+            held.update(e.block_hashes)
+        else:
+            held.difference_update(e.block_hashes)
+    assert held == {h.hex() for h in t.lru_hashes()} == {block(limit - 1)[0].hex()}
+    t.close()
