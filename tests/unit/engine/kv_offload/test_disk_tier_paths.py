@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from pathlib import Path
 
 from test_disk_tier import FILE, LAYOUT, PAYLOAD, block, files
 
@@ -212,3 +213,21 @@ def test_an_undrained_event_backlog_stays_bounded_and_replays_to_the_index(tmp_p
             held.difference_update(e.block_hashes)
     assert held == {h.hex() for h in t.lru_hashes()} == {block(limit - 1)[0].hex()}
     t.close()
+
+
+def test_an_unreadable_block_file_at_start_is_skipped_and_the_rest_are_indexed(tmp_path,
+                                                                              monkeypatch):
+    # A directory holds the first block file name (open fails). The scan goes on past it: listed
+    # first (names in order), it must not hide the files after it.
+    t = DiskTier(tmp_path, 4 * FILE, PAYLOAD, LAYOUT)
+    blocks = [block(i) for i in (1, 2, 3)]
+    for h, p in blocks:
+        t.put(h, p)
+    t.close()
+    (tmp_path / fmt.file_name(block(0)[0])).mkdir()
+    listed = Path.iterdir
+    monkeypatch.setattr(Path, "iterdir", lambda self: iter(sorted(listed(self))))
+    again = DiskTier(tmp_path, 4 * FILE, PAYLOAD, LAYOUT)
+    assert sorted(again.lru_hashes()) == [h for h, _ in blocks]
+    assert again.read([h for h, _ in blocks]) == [p for _, p in blocks]
+    again.close()
