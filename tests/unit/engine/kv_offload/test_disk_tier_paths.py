@@ -8,6 +8,8 @@ import logging
 import threading
 from pathlib import Path
 
+import pytest
+
 from test_disk_tier import FILE, LAYOUT, PAYLOAD, block, files
 
 from kvserve.engine.kv_offload import disk_block_file as fmt
@@ -231,3 +233,38 @@ def test_an_unreadable_block_file_at_start_is_skipped_and_the_rest_are_indexed(t
     assert sorted(again.lru_hashes()) == [h for h, _ in blocks]
     assert again.read([h for h, _ in blocks]) == [p for _, p in blocks]
     again.close()
+
+
+@pytest.mark.parametrize("write_fails", [False, True])
+def test_a_clear_while_the_first_write_runs_leaves_no_file_and_the_writer_goes_on(
+        tmp_path, monkeypatch, write_fails):
+    # The writer has taken h's bytes (the in-flight check passed) when the cache is reset; the
+    # write then ends (or fails) with h no longer in flight, and the queued clear removes it.
+    t = DiskTier(tmp_path, 4 * FILE, PAYLOAD, LAYOUT)
+    writing, go, header = threading.Event(), threading.Event(), fmt.header
+
+    def held_header(*args):
+        monkeypatch.setattr(fmt, "header", header)  # the first write only
+        writing.set()
+        go.wait()
+        if write_fails:
+            raise OSError(28, "No space left on device")
+        return header(*args)
+
+    monkeypatch.setattr(fmt, "header", held_header)
+    (h, p), (g, q) = block(1), block(2)
+    t.put(h, p)
+    assert writing.wait(60)  # a guard against a hang, not a speed bound
+    t.clear()
+    go.set()
+    # A writer that died would never drain the queued clear: fail (after a hang guard, not a
+    # speed bound) rather than wait forever in flush().
+    flusher = threading.Thread(target=t.flush, daemon=True)
+    flusher.start()
+    flusher.join(60)
+    assert not flusher.is_alive(), "the writer thread stopped with operations queued"
+    assert t._writer.is_alive() and files(tmp_path) == []
+    assert t.put(g, q)
+    t.flush()
+    assert files(tmp_path) == [fmt.file_name(g)] and t.read([g]) == [q] and t.bytes_read == PAYLOAD
+    t.close()
