@@ -7,6 +7,8 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import pytest
+
 from kvserve.engine.core.kv_cache_groups import KVCacheGroup, KVCacheGroups, group_key
 from kvserve.engine.core.kv_cache_manager import HostHit, KVCacheManager, PrefixMatch
 from kvserve.engine.core.sequence import Sequence
@@ -281,3 +283,28 @@ def test_the_budget_counts_pages_of_page_layers():
     # 64 tokens: 4 blocks in each of the 1 full group, and (W 7) 2 in each of the 5 sliding.
     assert paged.max_concurrency_windowed == paged.num_blocks // (4 + 5 * 2)
     assert page_budget(whole, KVCacheGroups.single(12), 12) == whole
+
+
+def test_a_prompt_of_whole_blocks_all_cached_leaves_its_last_block_to_compute():
+    # 40 tokens = 10 full blocks, all cached: the last token's logits are needed, so the hit
+    # stops at 9 blocks, as with one group.
+    kv = manager(200)
+    tokens = list(range(1, 41))
+    a = make_seq(1, tokens)
+    for _ in range(5):
+        compute(kv, a, 8)
+    kv.free(a)
+    b = make_seq(2, tokens)
+    hits = kv.lookup_prefix(b)
+    assert isinstance(hits, PrefixMatch) and len(hits) == 9
+    assert all(len(g) == 9 for g in hits.groups)
+    # A plain list of hits loses the other groups': a manager with several refuses it.
+    with pytest.raises(ValueError, match="PrefixMatch"):
+        kv.allocate_slots(b, b.num_tokens - 36, list(hits))
+    two = manager(200, windows=(7, None))
+    c = make_seq(3, tokens)
+    compute(two, c, 40)
+    two.free(c)
+    d = make_seq(4, tokens)
+    with pytest.raises(ValueError, match="PrefixMatch"):
+        two.allocate_slots(d, 4, list(two.lookup_prefix(d)))
