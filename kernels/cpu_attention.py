@@ -38,7 +38,7 @@ CSRC = Path(__file__).parent / "csrc"
 # One extension: the decode and prefill kernels and the fused elementwise ops (csrc/cpu_ops.cpp,
 # used through kernels/cpu_ops.py) are built and loaded together.
 SOURCES = (CSRC / "cpu_decode_attention.cpp", CSRC / "cpu_prefill_attention.cpp",
-           CSRC / "cpu_ops.cpp", CSRC / "cpu_quant.cpp")
+           CSRC / "cpu_ops.cpp", CSRC / "cpu_quant.cpp", CSRC / "cpu_lora.cpp")
 HEADERS = (CSRC / "fast_exp.h", CSRC / "bf16.h", CSRC / "cpu_attention_common.h")
 # -fno-trapping-math lets GCC if-convert (and so vectorise) loops with a select or a clamp in
 # them, such as silu's sigmoid: no result changes, we never read the FP exception flags.

@@ -7,10 +7,13 @@ widest slice, zero padded), L = max_loras slots, R = max_lora_rank rounded up to
 (a smaller adapter rank is zero padded). The step's per-row slot index lives in LoRABatch,
 shared by every wrapped linear of the model and set once per step (-1: no adapter).
 
-The delta on the CPU is two dense matmuls over every slot: x @ A_all^T masked to each row's
-slot, then one addmm by a block-diagonal B into the base output; that costs L * R columns per
-slice next to the base linear's N, and no gather of weights per row. On CUDA it is one Triton shrink and one expand launch
-(kernels/triton_lora.py) that read only each row's own adapter.
+Both devices keep B^T in one layout and read only each row's own adapter: on the CPU one C++
+call per linear for the whole batch (kernels/csrc/cpu_lora.cpp: shrink and expand per row, into
+the base output in place), on CUDA one Triton shrink and one expand launch (kernels/triton_lora.py).
+Dense matmuls over every slot (x @ A_all^T masked per row, then by a block-diagonal B) cost
+oneDNN's fixed per-call overhead twice a linear at decode sizes, as much as the base linear
+(docs/perf/lora.md); they remain only as the fallback where the C++ build is unavailable
+(`lora_delta`).
 """
 
 from __future__ import annotations
@@ -27,37 +30,30 @@ class LoRABatch:
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
         self.indices: Tensor | None = None  # [T] int64, -1 = base model; None: no adapter rows
-        self.onehot: Tensor | None = None  # [T, L] in the model's dtype (the CPU path's mask)
-        self._masks: dict[tuple[int, int], Tensor] = {}
+        self.dtype = torch.float32
+        self._onehot: Tensor | None = None
 
     def set(self, indices: Tensor | None, dtype: torch.dtype) -> None:
-        self._masks = {}
-        self.indices = self.onehot = None
+        self.indices, self.dtype, self._onehot = None, dtype, None
         if indices is None:  # the step has no adapter row: the base path only
             return
-        self.indices = indices
-        if not ops.use_triton(indices):
-            slots = torch.arange(self.num_slots, device=indices.device)
-            self.onehot = (indices[:, None] == slots[None, :]).to(dtype)
+        self.indices = indices.to(torch.int64).contiguous()
 
-    def mask(self, slices: int, rank: int) -> Tensor:
-        """[T, S * L * R]: 1 where the column belongs to the row's slot (made once a step for
-        each (S, R) the model's linears have)."""
-        key = (slices, rank)
-        m = self._masks.get(key)
-        if m is None:
-            t, l = self.onehot.shape  # type: ignore[union-attr]
-            m = self.onehot[:, None, :, None].expand(t, slices, l, rank).reshape(t, -1)  # type: ignore[index]
-            self._masks[key] = m
-        return m
+    @property
+    def onehot(self) -> Tensor:
+        """[T, L] in the model's dtype: 1 at each row's slot (the torch fallback's mask, made
+        once a step when a linear first asks)."""
+        if self._onehot is None:
+            slots = torch.arange(self.num_slots, device=self.indices.device)  # type: ignore[union-attr]
+            self._onehot = (self.indices[:, None] == slots[None, :]).to(self.dtype)  # type: ignore[index]
+        return self._onehot
 
 
 class LoRALinear(nn.Module):
     """base(x) + the LoRA delta of each row's adapter; `widths`: this rank's output slices.
 
-    A is [S, L, R, K]. B is kept in the layout its path reads: on CUDA B^T [S, L, R, N] for the
-    Triton kernels; on the CPU one block-diagonal [S * L * R, sum of widths] matrix, so the whole
-    delta is x @ A_all^T, masked, then one addmm into the base output (three ops a linear)."""
+    A is [S, L, R, K] and B^T [S, L, R, N] on every device; one kernel call adds the delta of
+    every row's adapter into the base output in place."""
 
     def __init__(self, base: nn.Module, in_features: int, widths: list[int], batch: LoRABatch,
                  rank: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -69,8 +65,7 @@ class LoRALinear(nn.Module):
         self.register_buffer("lora_a", torch.zeros(s, slots, rank, in_features, dtype=dtype,
                                                    device=device), persistent=False)
         self.gpu = torch.device(device).type == "cuda"
-        b_shape = (s, slots, rank, n) if self.gpu else (s * slots * rank, sum(widths))
-        self.register_buffer("lora_b", torch.zeros(b_shape, dtype=dtype, device=device),
+        self.register_buffer("lora_b", torch.zeros(s, slots, rank, n, dtype=dtype, device=device),
                              persistent=False)
         self.register_buffer("offsets", torch.tensor(self.offsets_list, dtype=torch.int32,
                                                      device=device), persistent=False)
@@ -90,42 +85,29 @@ class LoRALinear(nn.Module):
             triton_lora.add_lora(y, x, self.lora_a, self.lora_b, self.batch.indices,
                                  self.offsets, self.widths_t)
             return y
-        s, slots, r, k = self.lora_a.shape
-        shrink = x @ self.lora_a.view(s * slots * r, k).t()
-        shrink.mul_(self.batch.mask(s, r))
-        if y.dim() == 2 and y.is_contiguous():
-            return y.addmm_(shrink, self.lora_b)
-        return y + shrink @ self.lora_b
+        if y.dim() == 2 and y.stride(-1) == 1 and x.dim() == 2 and x.stride(-1) == 1 and \
+                x.dtype == y.dtype == self.lora_a.dtype and ops._fused(y):
+            torch.ops.kvserve_ops.lora_add(y, x, self.lora_a, self.lora_b, self.batch.indices,
+                                           self.offsets_list, self.widths)
+            return y
+        return y + lora_delta(x, self.lora_a, self.lora_b, self.batch.onehot,
+                              self.widths).to(y.dtype)
 
     @torch.no_grad()
     def set_slot(self, slot: int, slice_index: int, a: Tensor | None, b: Tensor | None) -> None:
         """Slot `slot`, slice `slice_index` := A [r, K], B [width, r] (None: zeros)."""
         self.lora_a[slice_index, slot].zero_()
-        rows, cols = self._b_block(slot, slice_index)
-        rows.zero_()
+        self.lora_b[slice_index, slot].zero_()
         if a is None or b is None:
             return
         r = a.shape[0]
         self.lora_a[slice_index, slot, :r].copy_(a)
-        if self.gpu:
-            rows[:r, : b.shape[0]].copy_(b.t())
-        else:
-            cols[:r].copy_(b.t())
-
-    def _b_block(self, slot: int, i: int) -> tuple[Tensor, Tensor]:
-        """(the part of lora_b to zero, the [R, width] block this slice's B^T goes into)."""
-        if self.gpu:
-            block = self.lora_b[i, slot]
-            return block, block
-        start = (i * self.batch.num_slots + slot) * self.rank
-        rows = self.lora_b[start : start + self.rank]
-        off = self.offsets_list[i]
-        return rows, rows[:, off : off + self.widths[i]]
+        self.lora_b[slice_index, slot, :r, : b.shape[0]].copy_(b.t())
 
 
 def lora_delta(x: Tensor, a: Tensor, b: Tensor, onehot: Tensor, widths: list[int]) -> Tensor:
-    """The CPU path's arithmetic on the Triton layout (B^T [S, L, R, N]), for tests: [T, K] ->
-    [T, sum widths]."""
+    """The torch fallback (no C++ build, or KVSERVE_FUSED_OPS=0 on CUDA): dense over every slot,
+    masked per row; [T, K] -> [T, sum widths]."""
     s, l, r, k = a.shape
     t = x.shape[0]
     shrink = (x @ a.view(s * l * r, k).t()).view(t, s, l, r) * onehot[:, None, :, None]
