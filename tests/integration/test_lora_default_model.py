@@ -12,6 +12,8 @@ from kvserve import LLM, SamplingParams
 from kvserve.lora.request import LoRARequest
 from lora_checks import ALL_TARGETS, merged_model
 
+pytestmark = pytest.mark.slow  # about 30 s idle, minutes under load (HF + peft loads 4 models)
+
 TOKENS = 4
 
 
