@@ -1,6 +1,8 @@
-"""vLLM's AsyncLLM (`vllm.v1.engine.async_llm.AsyncLLM`, also `vllm.AsyncLLMEngine`) over the
-AsyncEngine thread: `generate` as an async iterator with vLLM's RequestOutputKind, `abort`,
-`shutdown`."""
+"""vLLM's AsyncLLM (`vllm.v1.engine.async_llm.AsyncLLM`, also `vllm.AsyncLLMEngine`): `generate`
+as an async iterator with vLLM's RequestOutputKind, `abort`, `shutdown`. As vLLM v1's, the engine
+core runs in its own process (AsyncMPEngine over a CoreClient) where `--engine-core auto`'s rule
+picks it (on a GPU), or when `KVSERVE_ENABLE_MULTIPROCESSING=1`; with `=0`, or by default on a
+CPU, it steps in a thread of this process (AsyncEngine)."""
 
 from __future__ import annotations
 
@@ -28,11 +30,19 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(cls, engine_args: Any) -> AsyncLLM:
-        return cls(AsyncEngine.from_config(engine_args.create_engine_config()))
+        return cls.from_vllm_config(engine_args.create_engine_config())
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> AsyncLLM:
-        """From an EngineConfig (kvserve's counterpart of vLLM's VllmConfig)."""
+        """From an EngineConfig (kvserve's counterpart of vLLM's VllmConfig); the engine core in
+        its own process or in a thread as `KVSERVE_ENABLE_MULTIPROCESSING` (unset: auto) says."""
+        from kvserve.engine.engine_core import engine_core_mode, env_engine_core
+
+        if engine_core_mode(env_engine_core(), vllm_config) == "process":
+            from kvserve.engine.engine_core.async_client import AsyncMPEngine
+            from kvserve.engine.engine_core.core_client import CoreClient
+
+            return cls(AsyncMPEngine(CoreClient(vllm_config)))
         return cls(AsyncEngine.from_config(vllm_config))
 
     async def get_tokenizer(self) -> Any:
@@ -84,7 +94,8 @@ class AsyncLLM:
                 self._streams[rid].put(_Aborted(rid))
 
     def shutdown(self) -> None:
-        """Abort what runs and stop the engine thread (and its tensor-parallel workers)."""
+        """Abort what runs and stop the engine thread or core process (and its tensor-parallel
+        workers)."""
         self.engine.stop()
         self.engine.engine.shutdown()
 

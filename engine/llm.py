@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -11,6 +10,7 @@ from tqdm.auto import tqdm
 
 from kvserve.engine.arg_utils import split_vllm_kwargs
 from kvserve.engine.config import DEFAULT_MODEL, EngineConfig, structured_outputs_backend
+from kvserve.engine.engine_core import MULTIPROCESSING_ENV, env_engine_core  # noqa: F401
 from kvserve.engine.errors import InvalidRequestError, RequestFailedError
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.metrics_reader import Metric, metrics_of
@@ -19,7 +19,6 @@ from kvserve.engine.sample.sampling_params import SamplingParams
 from kvserve.engine.sample.tokenizer import chat_token_ids
 
 PromptType = str | list[int] | dict[str, Any]
-MULTIPROCESSING_ENV = "KVSERVE_ENABLE_MULTIPROCESSING"  # vLLM's VLLM_ENABLE_V1_MULTIPROCESSING
 
 
 class LLM:
@@ -170,7 +169,7 @@ class LLM:
 def make_engine(config: EngineConfig) -> Any:
     """The engine of `LLM`: in this process, or with `KVSERVE_ENABLE_MULTIPROCESSING=1` an
     engine core process behind the client the server uses (engine/engine_core/)."""
-    if os.environ.get(MULTIPROCESSING_ENV, "0") == "1":
+    if env_engine_core(default="thread") == "process":
         from kvserve.engine.engine_core.mp_engine import MPLLMEngine
 
         return MPLLMEngine(config)

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from kvserve.engine.engine_core import engine_core_mode
 from kvserve.engine.engine_core.core_client import CoreClient
 from kvserve.service.server.app import create_app
 from kvserve.service.server.config import ServerConfig
@@ -55,18 +56,6 @@ def run_server(engine_config: Any, config: ServerConfig) -> int:
     finally:
         (engine.close if isinstance(engine, CoreClient) else engine.shutdown)()
     return 1 if died else 0
-
-
-def engine_core_mode(asked: str, engine_config: Any) -> str:
-    """--engine-core resolved: auto is process on a GPU, thread on the CPU (measured in
-    docs/perf/server.md: on a 2-core CPU the core's compute threads and the API process
-    compete for the same cores)."""
-    if asked != "auto":
-        return asked
-    import torch
-
-    gpu = engine_config.device != "cpu" and torch.cuda.is_available()
-    return "process" if gpu else "thread"
 
 
 def _exit_soon(server: Any, died: list[BaseException], exc: BaseException) -> None:

@@ -1,15 +1,21 @@
 """vLLM's AsyncLLM on the tiny random Llama: from_engine_args, generate as an async iterator with
-RequestOutputKind CUMULATIVE / DELTA / FINAL_ONLY, abort, shutdown."""
+RequestOutputKind CUMULATIVE / DELTA / FINAL_ONLY, abort, shutdown; each with the engine stepped in
+a thread and with the engine core in its own process (KVSERVE_ENABLE_MULTIPROCESSING=0 / 1),
+against the offline LLM stepping in this process."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
 from kvserve import LLM, AsyncLLMEngine
 from kvserve.engine.arg_utils import AsyncEngineArgs
+from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.async_llm import AsyncLLM
+from kvserve.engine.engine_core import MULTIPROCESSING_ENV
+from kvserve.engine.engine_core.async_client import AsyncMPEngine
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
 PROMPT = "The quick brown fox"
@@ -19,12 +25,41 @@ def params(kind: RequestOutputKind, n: int = 6) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, output_kind=kind)
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
-        model=str(tiny_model_dir), dtype="float32", device="cpu", kv_cache_memory=1 << 22))
+def make_engine(model_dir) -> AsyncLLM:
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(
+        model=str(model_dir), dtype="float32", device="cpu", kv_cache_memory=1 << 22))
+
+
+@pytest.fixture(scope="module", params=["thread", "process"])
+def engine(request, tiny_model_dir):
+    mp = pytest.MonkeyPatch()
+    mp.setenv(MULTIPROCESSING_ENV, "1" if request.param == "process" else "0")
+    engine = make_engine(tiny_model_dir)
+    mp.undo()
+    if request.param == "process":  # vLLM v1's AsyncLLM: the core steps in another process
+        assert isinstance(engine.engine, AsyncMPEngine)
+        core = engine.engine.client.process
+        assert core.is_alive() and core.pid != os.getpid()
+    else:
+        assert type(engine.engine) is AsyncEngine
     yield engine
     engine.shutdown()
+    if request.param == "process":
+        assert not core.is_alive()
+
+
+def test_default_follows_engine_core_auto(tiny_model_dir, monkeypatch):
+    """Unset, the mode is `--engine-core auto`'s: the thread on a CPU (the process on a GPU);
+    a value that is neither 0 nor 1 is refused by name."""
+    monkeypatch.delenv(MULTIPROCESSING_ENV, raising=False)
+    engine = make_engine(tiny_model_dir)
+    try:
+        assert type(engine.engine) is AsyncEngine
+    finally:
+        engine.shutdown()
+    monkeypatch.setenv(MULTIPROCESSING_ENV, "yes")
+    with pytest.raises(ValueError, match=MULTIPROCESSING_ENV):
+        make_engine(tiny_model_dir)
 
 
 async def collect(engine: AsyncLLM, kind: RequestOutputKind, rid: str) -> list:
