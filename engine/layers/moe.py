@@ -5,7 +5,10 @@ plus the optional shared expert with its sigmoid gate (Qwen2-MoE).
 The batch is never walked per token: the T x k (token, expert) pairs are sorted by expert id
 (one argsort), so each expert's rows are one contiguous segment, and `F.grouped_mm` multiplies
 all segments in one call (one mm per non-empty segment where grouped_mm does not serve the
-device/dtype). Under tensor parallelism each rank holds its slice of every expert's intermediate
+device/dtype). Quantised experts (a compressed-tensors checkpoint, or --quantization int8|fp8) are
+one QuantLinear per expert and projection, their weights kept quantised: each expert's segment goes
+through its own quantised kernel, the same loop over experts as segment_mm's fallback. The router
+stays dense (as vLLM and llm-compressor's `ignore` of `mlp.gate` keep it). Under tensor parallelism each rank holds its slice of every expert's intermediate
 dimension (gate/up by output rows, down by input columns, as the dense MLP), so the layer's
 output is a partial sum: one all-reduce after the routed and shared experts together.
 """
@@ -21,7 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvserve.engine.errors import ConfigError, ModelNotFoundError
-from kvserve.engine.layers.linear import skip_init_linear
+from kvserve.engine.errors import QuantizationError
+from kvserve.engine.layers.linear import RankSlice, skip_init_linear
 from kvserve.engine.layers.mlp import GatedMLP
 from kvserve.kernels import cpu_ops as ops
 
@@ -89,6 +93,32 @@ def segment_mm(a: Tensor, b: Tensor, ends: Tensor) -> Tensor:
     return out
 
 
+class ExpertLinears(nn.ModuleList):
+    """One projection (gate|up fused, or down) of every routed expert as a quantised linear per
+    expert (QuantLinear); `segments` runs each expert's rows of the expert-sorted batch through
+    its own kernel."""
+
+    def __init__(self, linears: list[nn.Module], out_features: int) -> None:
+        super().__init__(linears)
+        self.out_features = out_features
+
+    def segments(self, a: Tensor, ends: Tensor) -> Tensor:
+        """Rows ends[e-1]:ends[e] of a through expert e's linear -> [M, out_features]."""
+        out = a.new_empty(a.shape[0], self.out_features)
+        start = 0
+        for e, end in enumerate(ends.tolist()):  # one call per expert, not per token
+            if end > start:
+                out[start:end] = self[e](a[start:end])
+            start = end
+        return out
+
+
+def _experts_mm(a: Tensor, w: "Tensor | ExpertLinears", ends: Tensor) -> Tensor:
+    if isinstance(w, ExpertLinears):
+        return w.segments(a, ends)
+    return segment_mm(a, w.transpose(1, 2), ends)
+
+
 def swiglu_clamped(h: Tensor, alpha: float, limit: float) -> Tensor:
     """gpt-oss's activation on [M, 2I] (gate | up): (clamp(up) + 1) * g * sigmoid(alpha * g),
     g = min(gate, limit)."""
@@ -98,27 +128,29 @@ def swiglu_clamped(h: Tensor, alpha: float, limit: float) -> Tensor:
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
-def fused_experts(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, ids: Tensor,
+def fused_experts(x: Tensor, w13: "Tensor | ExpertLinears", w2: "Tensor | ExpertLinears",
+                  weights: Tensor, ids: Tensor,
                   spec: MoESpec, b13: Tensor | None = None,
                   b2: Tensor | None = None) -> Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for x [T, H] -> [T, H] in x's dtype.
 
     w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], b13 [E, 2I], b2 [E, H]: the stacked
-    layout of nn.Linear weights, transposed (a view) for the grouped matmuls.
+    layout of nn.Linear weights, transposed (a view) for the grouped matmuls; or quantised, one
+    linear per expert (ExpertLinears).
     """
     t, k = ids.shape
     flat = ids.reshape(-1)
     order = flat.argsort(stable=True)  # pairs grouped by expert, tokens in order inside
     experts = flat.index_select(0, order)
-    ends = torch.bincount(flat, minlength=w13.shape[0]).cumsum(0).to(torch.int32)
-    h = segment_mm(x.index_select(0, order // k), w13.transpose(1, 2), ends)
+    ends = torch.bincount(flat, minlength=spec.num_experts).cumsum(0).to(torch.int32)
+    h = _experts_mm(x.index_select(0, order // k), w13, ends)
     if b13 is not None:
         h += b13.index_select(0, experts)
     if spec.activation == "silu":
         h = ops.silu_and_mul(h)
     else:
         h = swiglu_clamped(h, spec.swiglu_alpha, spec.swiglu_limit)
-    y = segment_mm(h, w2.transpose(1, 2), ends)
+    y = _experts_mm(h, w2, ends)
     if b2 is not None:
         y += b2.index_select(0, experts)
     y *= weights.reshape(-1).index_select(0, order).to(y.dtype).unsqueeze(1)
@@ -136,7 +168,10 @@ class FusedMoE(nn.Module):
 
     Parameters hold this rank's slice: w13 [E, 2 * I/n, H] (gate rows, then up rows),
     w2 [E, H, I/n]; the router (`gate`) and the shared expert's gate are whole on every rank.
+    With quantised experts (`quantize_experts`), w13 and w2 are ExpertLinears instead.
     """
+
+    dense_linears = ("gate", "shared_expert_gate")  # never quantised: the routing stays exact
 
     def __init__(self, spec: MoESpec, tp: "TPGroup | None", dtype: torch.dtype,
                  device=None) -> None:
@@ -164,6 +199,20 @@ class FusedMoE(nn.Module):
                                           dtype, device)
             self.shared_expert_gate = skip_init_linear(h, 1, False, dtype, device)
 
+    @property
+    def quantized(self) -> bool:
+        return isinstance(self.w13, ExpertLinears)
+
+    def quantize_experts(self, w13: list[nn.Module], w2: list[nn.Module]) -> None:
+        """Replace the stacked dense experts by quantised linears, one per expert: `w13[e]` of
+        [2 * I/n, H] (gate shard 0, up shard 1), `w2[e]` of [H, I/n] (QuantLinears, before
+        loading; the checkpoint's tensors reach them through load_expert)."""
+        if self.spec.expert_bias:
+            raise QuantizationError("quantised experts with biases (gpt-oss) are not supported")
+        del self.w13, self.w2
+        self.w13 = ExpertLinears(w13, 2 * self.local_intermediate)
+        self.w2 = ExpertLinears(w2, self.spec.hidden)
+
     def forward(self, x: Tensor) -> Tensor:
         """x [T, hidden] -> [T, hidden], summed over the ranks."""
         weights, ids = route(self.gate(x), self.spec.top_k, self.spec.renormalize)
@@ -179,13 +228,26 @@ class FusedMoE(nn.Module):
         rank = self.tp.rank if self.tp is not None else 0
         return rank * self.local_intermediate, self.local_intermediate
 
-    def load_expert(self, expert: int, proj: str, source, name: str) -> None:
+    def load_expert(self, expert: int, proj: str, source, name: str,
+                    leaf: str = "weight") -> None:
         """One expert's nn.Linear weight as HF stores it per expert: proj "gate" or "up"
-        [I, H], "down" [H, I] (Mixtral's w1 / w3 / w2)."""
+        [I, H], "down" [H, I] (Mixtral's w1 / w3 / w2). Quantised experts take every leaf of
+        their format (weight_packed, weight_scale, ...); this rank's rows (gate / up) or columns
+        (down) are cut after decoding, so scales and zero points follow them."""
         spec, (start, n) = self.spec, self._rank_cols()
         if not 0 <= expert < spec.num_experts:
             raise ModelNotFoundError(f"checkpoint tensor {name!r}: expert {expert} is past the "
                                      f"config's {spec.num_experts} experts")
+        if self.quantized:
+            linears = self.w2 if proj == "down" else self.w13
+            shard = None if proj == "down" else (0 if proj == "gate" else 1)
+            cut = None if self.tp is None else RankSlice(1 if proj == "down" else 0, start, n)
+            linears[expert].take(leaf, shard, source, cut)
+            return
+        if leaf != "weight":
+            raise QuantizationError(
+                f"checkpoint tensor {name!r} is a quantised expert's, but config.json's "
+                "quantization_config does not quantise this layer's experts")
         full = (spec.hidden, spec.intermediate) if proj == "down" else (spec.intermediate,
                                                                         spec.hidden)
         _check_shape(name, source, full)
@@ -196,11 +258,23 @@ class FusedMoE(nn.Module):
                 rows = self.w13[expert].narrow(0, 0 if proj == "gate" else n, n)
                 rows.copy_(source.narrow(0, start, n))
 
-    def load_shared(self, proj: str, source, name: str) -> None:
-        """The shared expert's HF weight: proj "gate" or "up" [Is, H], "down" [H, Is]."""
+    def load_shared(self, proj: str, source, name: str, leaf: str = "weight") -> None:
+        """The shared expert's HF weight: proj "gate" or "up" [Is, H], "down" [H, Is] (or, its
+        linears quantised, any leaf of their format)."""
         spec, size = self.spec, self.tp.size if self.tp is not None else 1
         n = spec.shared_intermediate // size
         start = (self.tp.rank if self.tp is not None else 0) * n
+        linear = self.shared_expert.down_proj if proj == "down" else \
+            self.shared_expert.gate_up_proj
+        if hasattr(linear, "take"):  # a QuantLinear
+            cut = None if self.tp is None else RankSlice(1 if proj == "down" else 0, start, n)
+            linear.take(leaf, None if proj == "down" else (0 if proj == "gate" else 1), source,
+                        cut)
+            return
+        if leaf != "weight":
+            raise QuantizationError(
+                f"checkpoint tensor {name!r} is quantised, but config.json's quantization_config "
+                "does not quantise the shared expert")
         full = (spec.hidden, spec.shared_intermediate) if proj == "down" else \
             (spec.shared_intermediate, spec.hidden)
         _check_shape(name, source, full)

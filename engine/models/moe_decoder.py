@@ -9,7 +9,7 @@ from collections.abc import Iterable, Iterator
 
 from torch import Tensor
 
-from kvserve.engine.errors import ConfigError, ModelNotFoundError
+from kvserve.engine.errors import ConfigError, ModelNotFoundError, QuantizationError
 from kvserve.engine.layers.moe import FusedMoE
 from kvserve.engine.models.config_keys import check_config_keys, require_value
 from kvserve.engine.models.decoder import DecoderForCausalLM
@@ -17,11 +17,12 @@ from kvserve.engine.models.decoder import DecoderForCausalLM
 # Checkpoint names are first brought to ours: Mixtral's block_sparse_moe and gpt-oss's router.
 _RENAMES = ((".block_sparse_moe.", ".mlp."), (".mlp.router.", ".mlp.gate."))
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\."
-                     r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
+                     r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.(\w+)")
 _STACKED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\."
                       r"(gate_up_proj|gate_up_proj_bias|down_proj|down_proj_bias)")
 _SHARED = re.compile(r"model\.layers\.(\d+)\.mlp\.shared_expert\.(gate_proj|up_proj|down_proj)"
-                     r"\.weight")
+                     r"\.(\w+)")
+_ROUTER = re.compile(r"model\.layers\.\d+\.mlp\.(gate|shared_expert_gate)\.(\w+)")
 _SINKS = re.compile(r"model\.layers\.(\d+)\.self_attn\.sinks")
 _PROJ = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up",
          "down_proj": "down"}
@@ -39,22 +40,32 @@ def sparse_layers(config, num_experts: int) -> tuple[bool, ...]:
                  for i in range(config.num_hidden_layers))
 
 
-def refuse_quantized(config, family: str) -> None:
-    """Quantised experts (gpt-oss's MXFP4, GPTQ/AWQ MoE checkpoints) are not implemented."""
+# quant_method of the quantised MoE checkpoints served (their experts kept quantised)
+MOE_QUANT_METHODS = ("compressed-tensors",)
+
+
+def refuse_quantized(config, family: str, supported: tuple[str, ...] = ()) -> None:
+    """A quantization_config whose quant_method is not in `supported` is refused (gpt-oss's
+    MXFP4, GPTQ / AWQ / block-FP8 MoE checkpoints)."""
     quant = getattr(config, "quantization_config", None)
     if quant:
         method = quant.get("quant_method") if isinstance(quant, dict) else \
             getattr(quant, "quant_method", quant)
+        if method in supported:
+            return
+        served = (f"supported: {', '.join(supported)} checkpoints (W4A16 / W8A16 pack-quantized, "
+                  "W8A8 int8, FP8), --quantization int8|fp8 on the dense checkpoint, or "
+                  if supported else "use ")
         raise ConfigError(
             f"{family}: quantization_config (quant_method {method!r}) is not supported for "
-            "mixture-of-experts models; use the bf16 (or fp16/fp32) checkpoint of this model")
+            f"this mixture-of-experts model; {served}the bf16 (or fp16/fp32) checkpoint")
 
 
 def check_swiglu_moe_config(config, family: str, understood: frozenset[str]) -> None:
     """The checks the SwiGLU MoE families (Mixtral, Qwen2/3-MoE) make first: every config key
     understood, no quantised experts, silu experts."""
     check_config_keys(config, family, understood)
-    refuse_quantized(config, family)
+    refuse_quantized(config, family, MOE_QUANT_METHODS)
     require_value(config, "hidden_act", ("silu",), family)
 
 
@@ -95,15 +106,20 @@ class MoEDecoderForCausalLM(DecoderForCausalLM):
         """Load `name` if it is ours; the canonical key it filled, or None (not ours)."""
         if m := _EXPERT.fullmatch(name):
             proj = _PROJ[m[3]]
-            self._moe(m[1], name).load_expert(int(m[2]), proj, tensor, name)
+            self._moe(m[1], name).load_expert(int(m[2]), proj, tensor, name, m[4])
             return f"model.layers.{m[1]}.mlp.experts.{m[2]}.{proj}"
         if m := _STACKED.fullmatch(name):
             self._moe(m[1], name).load_stacked(m[2], tensor, name)
             return name
         if m := _SHARED.fullmatch(name):
             proj = _PROJ[m[2]]
-            self._moe(m[1], name).load_shared(proj, tensor, name)
+            self._moe(m[1], name).load_shared(proj, tensor, name, m[3])
             return f"model.layers.{m[1]}.mlp.shared_expert.{proj}"
+        if (m := _ROUTER.fullmatch(name)) and m[2] not in ("weight", "bias"):
+            raise QuantizationError(
+                f"checkpoint tensor {name!r}: this checkpoint quantises the MoE router, which "
+                "kvserve keeps dense (as vLLM does); quantise it with the router ignored "
+                "(llm-compressor: ignore=['lm_head', 're:.*mlp.gate$'])")
         if m := _SINKS.fullmatch(name):
             self._load_sinks(int(m[1]), tensor, name)
             return name

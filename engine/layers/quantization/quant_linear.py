@@ -89,16 +89,23 @@ def _to(w: QuantizedWeight, device: torch.device) -> QuantizedWeight:
 
 def quantize_linears(model: nn.Module, config: QuantConfig, dtype: torch.dtype) -> int:
     """Replace each nn.Linear the config quantises by a QuantLinear (before loading); returns
-    how many. A tied lm_head stays dense: it is the embedding."""
+    how many. A tied lm_head stays dense: it is the embedding. A mixture-of-experts layer's
+    routed experts become one QuantLinear per expert and projection; its router stays dense.
+    The config is asked with the checkpoint's module names (the model's
+    `checkpoint_module_name`, e.g. Mixtral's block_sparse_moe.experts.N.w1)."""
     packed = getattr(model, "packed_modules_mapping", DEFAULT_PACKED_MODULES)
+    ckpt = getattr(model, "checkpoint_module_name", None) or (lambda name: name)
     tied = _tied_weights(model)
     count = 0
     for parent_name, parent in list(model.named_modules()):
+        head = f"{parent_name}." if parent_name else ""
+        if hasattr(parent, "quantize_experts") and not getattr(model, "stacked_experts", False):
+            count += _quantize_experts(parent, head, config, ckpt, dtype)
+        keep_dense = getattr(parent, "dense_linears", ())
         for child_name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear:
+            if type(child) is not nn.Linear or child_name in keep_dense:
                 continue
-            head = f"{parent_name}." if parent_name else ""
-            hf_names = [head + p for p in packed.get(child_name, (child_name,))]
+            hf_names = [ckpt(head + p) for p in packed.get(child_name, (child_name,))]
             method = _one_method(config, hf_names)
             if method is None or id(child.weight) in tied:
                 continue
@@ -110,6 +117,34 @@ def quantize_linears(model: nn.Module, config: QuantConfig, dtype: torch.dtype) 
                                                     child.out_features, child.bias, dtype))
             count += 1
     return count
+
+
+def _quantize_experts(moe: nn.Module, head: str, config: QuantConfig, ckpt,
+                      dtype: torch.dtype) -> int:
+    """The routed experts of FusedMoE `moe` as QuantLinears when the config quantises them
+    (all of a layer's experts, or none); returns how many linears."""
+    spec, local = moe.spec, moe.local_intermediate
+
+    def names(e: int, projs: tuple[str, ...]) -> list[str]:
+        return [ckpt(f"{head}experts.{e}.{p}") for p in projs]
+
+    gate_up = [names(e, ("gate_proj", "up_proj")) for e in range(spec.num_experts)]
+    down = [names(e, ("down_proj",)) for e in range(spec.num_experts)]
+    methods = [_one_method(config, n) for n in gate_up + down]
+    if all(m is None for m in methods):
+        return 0
+    dense = [n[0] for n, m in zip(gate_up + down, methods, strict=True) if m is None]
+    if dense:
+        raise QuantizationError(
+            f"{head}experts: the checkpoint quantises some experts' projections and not others "
+            f"(e.g. {dense[0]} is dense); a layer's experts are served all quantised or all dense")
+    e = spec.num_experts
+    moe.quantize_experts(
+        [QuantLinear(m, n, spec.hidden, 2 * local, None, dtype)
+         for m, n in zip(methods[:e], gate_up, strict=True)],
+        [QuantLinear(m, n, local, spec.hidden, None, dtype)
+         for m, n in zip(methods[e:], down, strict=True)])
+    return 2 * e
 
 
 def _one_method(config: QuantConfig, hf_names: list[str]) -> LinearMethod | None:

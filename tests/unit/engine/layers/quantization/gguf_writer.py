@@ -1,6 +1,8 @@
-"""GGUF files written from a tiny dense Llama with the `gguf` package's own writer and quantisers
-(llama.cpp's q/k row permutation applied, as its converter does), plus the dense reference whose
-weights are the `gguf` package's dequantisation of the same blocks."""
+"""GGUF files written from a tiny dense Llama, Qwen2 or Qwen3 with the `gguf` package's own writer
+and quantisers (llama.cpp's q/k row permutation applied to llama files, as its converter does;
+its Qwen2 / Qwen3 converters keep HF's order), with the metadata transformers reads a GGUF's
+config from, plus the dense reference whose weights are the `gguf` package's dequantisation of
+the same blocks."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import torch
 _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 
 
 def gguf_name(hf: str) -> str:
@@ -47,24 +50,47 @@ def q4_k_blocks(rows: int, cols: int, seed: int, flat_block: bool = True) -> np.
     return blocks.reshape(rows, -1)
 
 
-def write_gguf(dense: Path, out: Path, types: dict[str, str], reference: Path) -> Path:
-    """`types`: HF module suffix (e.g. "mlp.down_proj", "embed_tokens") -> ggml type name;
-    tensors not named stay F32. `out` gets config.json, the tokenizer and model.gguf."""
+def _metadata(writer, config: dict) -> None:
+    """The architecture keys llama.cpp's converter writes (transformers reads the config back
+    from them)."""
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta")
+    if theta:
+        writer.add_rope_freq_base(float(theta))
+    writer.add_vocab_size(config["vocab_size"])
+
+
+def write_gguf(dense: Path, out: Path, types: dict[str, str], reference: Path,
+               arch: str = "llama") -> Path:
+    """`types`: HF module suffix (e.g. "mlp.down_proj", "embed_tokens") -> ggml type name of
+    its weight; tensors not named (and biases, norms) stay F32. `out` gets config.json, the
+    tokenizer and model.gguf."""
     import gguf
     from safetensors.torch import load_file, save_file
 
     config = json.loads((dense / "config.json").read_text())
     state = load_file(dense / "model.safetensors")
     out.mkdir(parents=True)
-    writer = gguf.GGUFWriter(str(out / "model.gguf"), "llama")
+    writer = gguf.GGUFWriter(str(out / "model.gguf"), arch)
+    _metadata(writer, config)
     ref_state = {}
     for i, (name, tensor) in enumerate(sorted(state.items())):
         w = tensor.float().numpy()
         heads = {"q_proj": config["num_attention_heads"],
                  "k_proj": config["num_key_value_heads"]}.get(name.split(".")[-2])
+        if arch != "llama" or w.ndim != 2:
+            heads = None
         if heads:
             w = llama_cpp_permute(w, heads)
         kind = next((t for k, t in types.items() if name.rsplit(".", 1)[0].endswith(k)), "F32")
+        if w.ndim != 2:
+            kind = "F32"
         qtype = gguf.GGMLQuantizationType[kind]
         if kind == "F32":
             data = w

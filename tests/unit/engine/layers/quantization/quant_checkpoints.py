@@ -49,9 +49,11 @@ def _qparams(weight: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def write_quantized(dense_dir: Path, out_dir: Path, scheme: str,
-                    reference_dir: Path | None = None) -> Path:
-    """Quantise `dense_dir`'s linears (lm_head ignored) into a compressed-tensors checkpoint;
-    with `reference_dir`, also save the dense model whose weights are the dequantised ones."""
+                    reference_dir: Path | None = None,
+                    ignore: tuple[str, ...] = ("lm_head",)) -> Path:
+    """Quantise `dense_dir`'s linears (those of LINEARS: an MoE's experts too, not its router
+    `mlp.gate`) into a compressed-tensors checkpoint whose config ignores `ignore`; with
+    `reference_dir`, also save the dense model whose weights are the dequantised ones."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, \
         QuantizationScheme, QuantizationStatus
@@ -76,7 +78,7 @@ def write_quantized(dense_dir: Path, out_dir: Path, scheme: str,
         ref_state[name] = fake_quantize(tensor, scale, zero, q_scheme.weights)
     _save(dense_dir, out_dir, out_state, save_file)
     config = QuantizationConfig(config_groups={"group_0": q_scheme}, format=fmt,
-                                ignore=["lm_head"],
+                                ignore=list(ignore),
                                 quantization_status=QuantizationStatus.COMPRESSED)
     raw = json.loads((out_dir / "config.json").read_text())
     raw["quantization_config"] = {**config.model_dump(mode="json"),

@@ -107,3 +107,51 @@ def test_tensor_parallel_ranks_keep_their_rows_and_groups_of_a_gguf(dense_dir, t
         assert_matches_reference(llm, hf_model(tmp_path / "ref"), atol=2e-4)
     finally:
         llm.llm_engine.shutdown()
+
+
+QWEN_TYPES = {"q_proj": "Q4_0", "k_proj": "Q8_0", "v_proj": "Q4_1", "o_proj": "Q8_0",
+              "gate_proj": "Q4_1", "up_proj": "Q4_0", "down_proj": "Q4_K"}
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_ggufs_serve_quantised_as_transformers_reads_them(arch, tmp_path):
+    """qwen2 (q/k/v biases) and qwen3 (q/k norms) files keep HF's q/k row order; served
+    quantised they give the greedy tokens and logprobs of the package-dequantised dense model
+    and of transformers' own GGUF loader on the same file."""
+    from family_checks import build_family
+    from transformers import AutoModelForCausalLM
+
+    hf_arch = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
+    dense = build_family(tmp_path / "dense", hf_arch, seed=4, intermediate_size=256)
+    folder = write_gguf(dense, tmp_path / "q", QWEN_TYPES, tmp_path / "ref", arch=arch)
+    llm = make_llm(folder)
+    linears = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, QuantLinear)]
+    assert len(linears) == 3 * 4
+    assert_matches_reference(llm, hf_model(tmp_path / "ref"), atol=2e-4)
+    theirs = AutoModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf",
+                                                  dtype=torch.float32,
+                                                  attn_implementation="eager").eval()
+    assert_matches_reference(llm, theirs, atol=2e-4)
+
+
+def test_other_gguf_architectures_are_refused_naming_the_supported(tmp_path):
+    folder = tmp_path / "q"
+    folder.mkdir()
+    writer = gguf.GGUFWriter(str(folder / "model.gguf"), "gemma2")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    from kvserve.engine.worker.gguf_loader import GGUFFile
+
+    with pytest.raises(QuantizationError, match=r"'gemma2' is not supported; supported: llama, "
+                                                r"qwen2, qwen3"):
+        GGUFFile(folder / "model.gguf")
+
+
+def test_a_gguf_whose_config_json_is_another_family_is_refused(dense_dir, tmp_path):
+    folder = write_gguf(dense_dir, tmp_path / "q", TYPES, tmp_path / "ref", arch="qwen2")
+    with pytest.raises(QuantizationError, match=r"GGUF 'qwen2' model but config.json's "
+                                                r"model_type is 'llama'"):
+        make_llm(folder)

@@ -1,0 +1,167 @@
+"""Quantised MoE experts: a tiny Qwen3-MoE (transformers' own classes) quantised by
+compressed-tensors' compressors, its router left dense as llm-compressor's ignore of `mlp.gate`
+leaves it, served with every expert's weight kept quantised. Weight-only schemes give the greedy
+tokens and logprobs of the dense model holding the dequantised weights; W8A8 int8 and FP8 with
+per-token activations agree, teacher-forced, with that model whose linear and expert inputs are
+fake-quantised per token by compressed-tensors; tensor parallelism cuts the experts' rows and
+groups with their scales."""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from family_checks import build_family
+from quant_checkpoints import SCHEMES, PROMPTS, engine_greedy, hf_model, teacher_forced, \
+    write_quantized
+from test_compressed_tensors import assert_matches_reference
+
+from conftest import make_llm
+from kvserve.engine.errors import ConfigError, QuantizationError
+from kvserve.engine.layers.moe import ExpertLinears, FusedMoE
+from kvserve.engine.layers.quantization import QuantLinear
+
+IGNORE = ("lm_head", "re:.*mlp.gate$")  # llm-compressor's MoE recipes
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory) -> Path:
+    # layer 0 dense (mlp_only_layers), layers 1-2 sparse: 4 experts of [64, 64], top 2
+    return build_family(tmp_path_factory.mktemp("qmoe") / "dense", "Qwen3MoeForCausalLM",
+                        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                        mlp_only_layers=[0], norm_topk_prob=True, initializer_range=0.3)
+
+
+def build(dense: Path, scheme: str, ignore=IGNORE) -> tuple[Path, Path]:
+    base = dense.parent
+    tag = scheme + ("" if ignore == IGNORE else "-router")
+    if not (base / tag).exists():
+        write_quantized(dense, base / tag, scheme, base / f"{tag}-ref", ignore=ignore)
+    return base / tag, base / f"{tag}-ref"
+
+
+def moe_layers(llm) -> list[FusedMoE]:
+    return [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, FusedMoE)]
+
+
+@pytest.mark.parametrize("scheme", ["W4A16", "W4A16_ASYM", "W8A16", "FP8_BLOCK"])
+def test_weight_only_experts_match_the_dequantised_model(dense_dir, scheme):
+    quant, ref = build(dense_dir, scheme)
+    llm = make_llm(quant)
+    layers = moe_layers(llm)
+    assert len(layers) == 2
+    for moe in layers:
+        assert isinstance(moe.w13, ExpertLinears) and isinstance(moe.w2, ExpertLinears)
+        assert not isinstance(moe.gate, QuantLinear)  # the router stays dense
+        for lin in [*moe.w13, *moe.w2]:  # kept quantised: under a 16-bit dense weight's bytes
+            assert isinstance(lin, QuantLinear)
+            held = sum(b.numel() * b.element_size() for b in lin.kernel.buffers())
+            assert held < 2 * lin.in_features * lin.out_features
+    assert_matches_reference(llm, hf_model(ref), atol=2e-4)
+
+
+def per_token_fake_quant(scheme: str):
+    """x -> x rounded per token through the scheme's activation grid, by compressed-tensors."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = QuantizationArgs(**SCHEMES[scheme][2])
+
+    def fq(x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        scale, zero = calculate_qparams(flat.amin(-1, keepdim=True), flat.amax(-1, keepdim=True),
+                                        args)
+        return fake_quantize(flat, scale, zero, args).reshape(x.shape)
+
+    return fq
+
+
+def activation_quantised(model, scheme: str):
+    """`model` (HF, dequantised weights) with the inputs of every quantised linear and of every
+    expert projection fake-quantised per token; the router and lm_head left exact."""
+    fq = per_token_fake_quant(scheme)
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and not name.endswith(("lm_head", "mlp.gate")):
+            module.register_forward_pre_hook(lambda m, args: (fq(args[0]),))
+
+    def experts_forward(self, hidden, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden)
+        for e in range(self.num_experts):
+            tok, pos = torch.where(top_k_index == e)
+            if len(tok):
+                gate, up = F.linear(fq(hidden[tok]), self.gate_up_proj[e]).chunk(2, dim=-1)
+                y = F.linear(fq(self.act_fn(gate) * up), self.down_proj[e])
+                out.index_add_(0, tok, y * top_k_weights[tok, pos, None])
+        return out
+
+    experts = [m for n, m in model.named_modules() if n.endswith("mlp.experts")]
+    assert experts and all(hasattr(m, "gate_up_proj") for m in experts)
+    for m in experts:
+        m.forward = types.MethodType(experts_forward, m)
+    return model
+
+
+@pytest.mark.parametrize("scheme", ["W8A8", "FP8_DYNAMIC"])
+def test_activation_quantised_experts_agree_teacher_forced(dense_dir, scheme):
+    quant, ref = build(dense_dir, scheme)
+    llm = make_llm(quant)
+    assert all(isinstance(m.w13, ExpertLinears) for m in moe_layers(llm))
+    hf_quant, hf_dense = activation_quantised(hf_model(ref), scheme), hf_model(ref)
+    agree = total = 0
+    quant_err = dense_err = 0.0
+    for prompt, (ids, logprobs) in zip(PROMPTS, engine_greedy(llm), strict=True):
+        got, chosen = torch.tensor(logprobs), torch.tensor(ids)[:, None]
+        ref_q = teacher_forced(hf_quant, prompt, ids)
+        agree += int((ref_q.argmax(-1) == chosen[:, 0]).sum())
+        total += len(ids)
+        quant_err += float((got - ref_q.gather(1, chosen)[:, 0]).abs().max())
+        dense = teacher_forced(hf_dense, prompt, ids)
+        dense_err += float((got - dense.gather(1, chosen)[:, 0]).abs().max())
+    assert agree / total >= 0.9, f"{agree}/{total} greedy tokens agree"
+    # the activations really are rounded, experts' included: closer to the fake-quantised model
+    assert quant_err < dense_err
+
+
+def test_two_ranks_cut_the_experts_rows_and_groups_with_their_scales(dense_dir):
+    """Each rank keeps 32 of every expert's 64 intermediate rows of gate / up and the matching
+    32-column group of down (asymmetric: zero points too); one all-reduce."""
+    quant, ref = build(dense_dir, "W4A16_ASYM")
+    llm = make_llm(quant, tensor_parallel_size=2)
+    try:
+        assert_matches_reference(llm, hf_model(ref), atol=2e-4)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_a_quantised_router_is_refused_naming_the_fix(dense_dir, tmp_path):
+    quant, _ = build(dense_dir, "W8A16", ignore=("lm_head",))
+    # the checkpoint also quantises mlp.gate: our writer leaves it dense, so quantise it here
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(quant / "model.safetensors")
+    name = "model.layers.1.mlp.gate"
+    w = state.pop(f"{name}.weight")
+    scale = w.abs().amax(1, keepdim=True) / 127
+    state[f"{name}.weight"] = torch.round(w / scale).to(torch.int8)
+    state[f"{name}.weight_scale"] = scale
+    save_file(state, quant / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(QuantizationError, match=r"mlp\.gate\.weight_scale.*router.*ignore"):
+        make_llm(quant)
+
+
+def test_other_quantised_moe_formats_are_refused_naming_the_supported(dense_dir, tmp_path):
+    folder = tmp_path / "gptq"
+    quant, _ = build(dense_dir, "W4A16")
+    import shutil
+
+    shutil.copytree(quant, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"'gptq'.*supported: compressed-tensors"):
+        make_llm(folder)
