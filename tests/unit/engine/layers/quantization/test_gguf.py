@@ -109,7 +109,7 @@ def test_tensor_parallel_ranks_keep_their_rows_and_groups_of_a_gguf(dense_dir, t
         llm.llm_engine.shutdown()
 
 
-QWEN_TYPES = {"q_proj": "Q4_0", "k_proj": "Q8_0", "v_proj": "Q4_1", "o_proj": "Q8_0",
+QWEN_TYPES = {"q_proj": "Q8_0", "k_proj": "Q8_0", "v_proj": "Q8_0", "o_proj": "Q4_0",
               "gate_proj": "Q4_1", "up_proj": "Q4_0", "down_proj": "Q4_K"}
 
 

@@ -127,6 +127,22 @@ def test_activation_quantised_experts_agree_teacher_forced(dense_dir, scheme):
     assert quant_err < dense_err
 
 
+@pytest.mark.parametrize("scheme", ["W8A8", "FP8_DYNAMIC"])
+def test_each_experts_inputs_are_quantised_per_token(dense_dir, scheme):
+    """One MoE layer alone on 40 random tokens: our quantised experts give the output of HF's
+    sparse block with every expert input fake-quantised per token (tight), not the output of
+    the same dequantised weights on exact activations (off by the rounding)."""
+    quant, ref = build(dense_dir, scheme)
+    moe = moe_layers(make_llm(quant))[0]
+    block = activation_quantised(hf_model(ref), scheme).model.layers[1].mlp
+    exact = hf_model(ref).model.layers[1].mlp
+    x = torch.randn(1, 40, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, want, dense = moe(x[0]), block(x)[0], exact(x)[0]
+    off = (ours - want).abs().max()
+    assert off < 0.05 * (dense - want).abs().max(), (off, (dense - want).abs().max())
+
+
 def test_two_ranks_cut_the_experts_rows_and_groups_with_their_scales(dense_dir):
     """Each rank keeps 32 of every expert's 64 intermediate rows of gate / up and the matching
     32-column group of down (asymmetric: zero points too); one all-reduce."""
