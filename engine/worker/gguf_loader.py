@@ -105,7 +105,7 @@ class GGUFFile:
             base = name.rpartition(".")[0]
             if type_id in GGML_QUANT_TYPES and base not in _NOT_LINEAR:
                 raw = raw.reshape(shape[0], -1)
-                if permuted and base.endswith(("q_proj", "k_proj")) and dense.dim() == 2:
+                if permuted and base.endswith(("q_proj", "k_proj")):
                     raw = _unpermute(raw, kv_heads if base.endswith("k_proj") else heads)
                 yield f"{base}.qweight", raw
                 yield f"{base}.qweight_type", torch.tensor(type_id)

@@ -110,14 +110,14 @@ def test_tensor_parallel_ranks_keep_their_rows_and_groups_of_a_gguf(dense_dir, t
 
 
 QWEN_TYPES = {"q_proj": "Q8_0", "k_proj": "Q8_0", "v_proj": "Q8_0", "o_proj": "Q4_0",
-              "gate_proj": "Q4_1", "up_proj": "Q4_0", "down_proj": "Q4_K"}
+              "gate_proj": "Q4_1", "up_proj": "Q4_1", "down_proj": "Q4_K"}
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_qwen_ggufs_serve_quantised_as_transformers_reads_them(arch, tmp_path):
     """qwen2 (q/k/v biases) and qwen3 (q/k norms) files keep HF's q/k row order; served
     quantised they give the greedy tokens and logprobs of the package-dequantised dense model
-    and of transformers' own GGUF loader on the same file."""
+    and (qwen2) of transformers' own GGUF loader on the same file."""
     from family_checks import build_family
     from transformers import AutoModelForCausalLM
 
@@ -128,6 +128,8 @@ def test_qwen_ggufs_serve_quantised_as_transformers_reads_them(arch, tmp_path):
     linears = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, QuantLinear)]
     assert len(linears) == 3 * 4
     assert_matches_reference(llm, hf_model(tmp_path / "ref"), atol=2e-4)
+    if arch == "qwen3":  # transformers' GGUF config reader leaves qwen3's head_dim at 128
+        return
     theirs = AutoModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf",
                                                   dtype=torch.float32,
                                                   attn_implementation="eager").eval()
