@@ -3,6 +3,8 @@ packed weight and scale it inside the GEMM; the weight is repacked once at load.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -91,16 +93,34 @@ class Int4WeightLinear(nn.Module):
         return codes * scale + offset
 
 
-def unpack_int4pack(packed: Tensor, in_features: int) -> Tensor:
-    """Codes [out, in] from `_convert_weight_to_int4pack_for_cpu`'s layout (torch 2.13, x86):
-    blocks of 64 output rows; within a block, byte j of input column k holds row j in its low
-    nibble and row 32 + j in its high nibble."""
+@functools.cache
+def int4pack_block() -> int:
+    """The output rows per block of `_convert_weight_to_int4pack_for_cpu`'s layout on this CPU
+    (torch 2.13, x86: 64 where AVX-512 is used, 32 on AVX2), found by packing a known pattern
+    once; 0 for a layout neither reads back."""
+    codes = torch.arange(64 * 64, dtype=torch.int32).view(64, 64) % 16
+    packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
+    for block in (64, 32):
+        if torch.equal(_unpack_blocks(packed, 64, block), codes):
+            return block
+    return 0
+
+
+def _unpack_blocks(packed: Tensor, in_features: int, block: int) -> Tensor:
     out = packed.shape[0]
-    if out % 64:
-        return torch.empty(0)
-    blocks = packed.view(out // 64, in_features, 32)
-    rows = torch.cat((blocks & 0xF, blocks >> 4), dim=2)  # [out / 64, in, 64]
+    blocks = packed.view(out // block, in_features, block // 2)
+    rows = torch.cat((blocks & 0xF, blocks >> 4), dim=2)  # [out / block, in, block]
     return rows.transpose(1, 2).reshape(out, in_features).to(torch.int32)
+
+
+def unpack_int4pack(packed: Tensor, in_features: int) -> Tensor:
+    """Codes [out, in] from `_convert_weight_to_int4pack_for_cpu`'s layout: blocks of
+    `int4pack_block()` output rows; within a block, byte j of input column k holds row j in its
+    low nibble and row block/2 + j in its high nibble. Empty where the layout is not known."""
+    block = int4pack_block()
+    if not block or packed.shape[0] % block:
+        return torch.empty(0)
+    return _unpack_blocks(packed, in_features, block)
 
 
 def int8_supported(w: QuantizedWeight) -> bool:
