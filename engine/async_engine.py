@@ -204,9 +204,9 @@ class AsyncEngine:
             self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
             self._thread.start()
 
-    async def shutdown(self, grace_period: float = 30.0) -> int:
-        """Refuse new requests, let running ones finish for up to `grace_period` seconds, abort
-        the rest and stop the thread. Returns how many requests were aborted."""
+    async def _drain(self, grace_period: float) -> int:
+        """Refuse new requests and wait up to `grace_period` seconds for the running ones to
+        finish; how many are still running (to be aborted)."""
         self.draining = True
         idle = self._idle_event()
         if self.num_active and grace_period > 0:
@@ -215,7 +215,12 @@ class AsyncEngine:
             except TimeoutError:
                 logger.warning("grace period of %.0f s over: aborting %d request(s)",
                                grace_period, self.num_active)
-        aborted = self.num_active
+        return self.num_active
+
+    async def shutdown(self, grace_period: float = 30.0) -> int:
+        """Refuse new requests, let running ones finish for up to `grace_period` seconds, abort
+        the rest and stop the thread. Returns how many requests were aborted."""
+        aborted = await self._drain(grace_period)
         self._inbox.put(_Stop())
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)

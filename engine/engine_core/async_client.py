@@ -71,15 +71,7 @@ class AsyncMPEngine(AsyncEngine):
 
     async def shutdown(self, grace_period: float = 30.0) -> int:
         """Drain as the in-thread engine does, then stop the core process."""
-        self.draining = True
-        idle = self._idle_event()
-        if self.num_active and grace_period > 0 and self.error is None:
-            try:
-                await asyncio.wait_for(idle.wait(), timeout=grace_period)
-            except TimeoutError:
-                logger.warning("grace period of %.0f s over: aborting %d request(s)",
-                               grace_period, self.num_active)
-        aborted = self.num_active
+        aborted = await self._drain(grace_period if self.error is None else 0)
         await asyncio.get_running_loop().run_in_executor(None, self._stop_core)
         return aborted
 

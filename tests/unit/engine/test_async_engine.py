@@ -201,14 +201,24 @@ async def test_shutdown_aborts_what_outlives_the_grace_period(engine):
 
 
 class FailingEngine(LLMEngine):
-    """A real engine whose forward pass breaks after a few steps (a device error, say)."""
+    """A real engine whose forward pass breaks (a device error, say) a few steps after both of
+    the test's requests have arrived: counted from then, not from the first step, so the
+    failure never comes before the second reader is in, however fast the engine steps."""
 
     fail_after = 3
+    readers = 2
+    added = 0
+
+    def add_request(self, *args, **kwargs):
+        out = super().add_request(*args, **kwargs)
+        self.added += 1
+        return out
 
     def step(self):
-        self.fail_after -= 1
-        if self.fail_after < 0:
-            raise RuntimeError("device lost")
+        if self.added >= self.readers:
+            self.fail_after -= 1
+            if self.fail_after < 0:
+                raise RuntimeError("device lost")
         return super().step()
 
 
