@@ -114,6 +114,19 @@ def triton_interpreted(*names: str) -> Iterator[list[Any]]:
             importlib.reload(module)
 
 
+def replay_kv_events(events: list[Any], state: set[str] | None = None) -> set[str]:
+    """What a consumer (the Redis prefix index) holds after applying `events`."""
+    state = set() if state is None else state
+    for e in events:
+        if e.kind == "cleared":
+            state.clear()
+        elif e.kind == "stored":
+            state.update(e.block_hashes)
+        else:
+            state.difference_update(e.block_hashes)
+    return state
+
+
 def build_tiny_tokenizer():
     """A byte-level BPE tokenizer trained in milliseconds, with SmolLM2's special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

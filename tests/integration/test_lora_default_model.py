@@ -10,7 +10,7 @@ import torch
 from family_checks import assert_matches_hf
 from kvserve import LLM, SamplingParams
 from kvserve.lora.request import LoRARequest
-from lora_checks import ALL_TARGETS, merged_model
+from lora_checks import build_adapter, merged_model
 
 pytestmark = pytest.mark.slow  # about 30 s idle, minutes under load (HF + peft loads 4 models)
 
@@ -19,27 +19,11 @@ TOKENS = 4
 
 @pytest.fixture(scope="module")
 def adapters(default_model_dir, tmp_path_factory):
-    """Three rank-8 adapters of the default model, one peft model re-randomised per seed (one
-    HF load instead of three); the second uses rsLoRA."""
-    import transformers
-    from peft import LoraConfig, get_peft_model
-
+    """Three random rank-8 adapters of the default model on all seven projections, large
+    enough that every adapter changes the greedy tokens; the second uses rsLoRA."""
     root = tmp_path_factory.mktemp("default-lora")
-    out = []
-    for i, rslora in enumerate((False, True, False)):
-        model = transformers.AutoModelForCausalLM.from_pretrained(default_model_dir,
-                                                                  dtype=torch.float32)
-        peft_model = get_peft_model(model, LoraConfig(
-            r=8, lora_alpha=16, target_modules=ALL_TARGETS, init_lora_weights=False,
-            use_rslora=rslora, lora_dropout=0.0))
-        torch.manual_seed(100 + i)
-        with torch.no_grad():  # large enough that every adapter changes the greedy tokens
-            for name, p in peft_model.named_parameters():
-                if "lora_" in name:
-                    p.copy_(torch.randn_like(p) * 0.04)
-        peft_model.save_pretrained(root / f"a{i}")
-        out.append(root / f"a{i}")
-    return out
+    return [build_adapter(default_model_dir, root / f"a{i}", seed=100 + i, rslora=rslora,
+                          scale=0.04) for i, rslora in enumerate((False, True, False))]
 
 
 def test_mixed_adapters_on_the_default_model_match_hf_peft_merged(default_model_dir, adapters):

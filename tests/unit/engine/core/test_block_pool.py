@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
+from conftest import replay_kv_events
 from hypothesis import strategies as st
 
 from kvserve.engine.core.block_pool import Block, BlockPool, FreeBlockQueue
@@ -13,19 +14,6 @@ from kvserve.engine.core.kv_events import KVEvent
 
 def h(i: int) -> bytes:
     return i.to_bytes(16, "little")
-
-
-def replay(events: list[KVEvent], state: set[str] | None = None) -> set[str]:
-    """What a consumer (the Redis prefix index) holds after applying `events`."""
-    state = set() if state is None else state
-    for e in events:
-        if e.kind == "cleared":
-            state.clear()
-        elif e.kind == "stored":
-            state.update(e.block_hashes)
-        else:
-            state.difference_update(e.block_hashes)
-    return state
 
 
 # ---- FreeBlockQueue -----------------------------------------------------------------------------
@@ -262,7 +250,7 @@ def test_events_are_ordered_and_consecutive_kinds_batched():
                       KVEvent("removed", (h(1).hex(), h(2).hex())),
                       KVEvent("stored", (h(3).hex(),))]
     assert pool.drain_events() == []
-    assert replay(events) == set(pool.cached_hashes()) == {h(3).hex()}
+    assert replay_kv_events(events) == set(pool.cached_hashes()) == {h(3).hex()}
 
 
 def test_the_same_hash_stored_again_after_eviction_is_announced_again():
@@ -288,14 +276,14 @@ def test_reset_prefix_cache_refuses_while_blocks_are_in_use():
 def test_reset_prefix_cache_forgets_every_hash_and_says_cleared():
     pool = BlockPool(3)
     _cached_and_freed(pool, 3)
-    before = replay(pool.drain_events())
+    before = replay_kv_events(pool.drain_events())
     assert len(before) == 3
     assert pool.reset_prefix_cache() is True
     assert pool.cached_hashes() == [] and pool.get_cached_block(h(0)) is None
     assert all(b.block_hash is None for b in pool.blocks)
     events = pool.drain_events()
     assert events == [KVEvent("cleared")]
-    assert replay(events, before) == set()
+    assert replay_kv_events(events, before) == set()
     # Later blocks evict nothing and announce nothing but their own storage.
     (a,) = pool.get_new_blocks(1)
     pool.cache_block(a, h(9))
@@ -309,7 +297,7 @@ def test_undrained_events_replay_to_the_right_state():
     pool.reset_prefix_cache()
     _cached_and_freed(pool, 3, first_hash=10)
     pool.get_new_blocks(1)
-    assert replay(pool.drain_events()) == set(pool.cached_hashes())
+    assert replay_kv_events(pool.drain_events()) == set(pool.cached_hashes())
 
 
 def test_an_undrained_event_backlog_stays_bounded_and_replays_to_the_cached_set():
@@ -321,7 +309,7 @@ def test_an_undrained_event_backlog_stays_bounded_and_replays_to_the_cached_set(
     events = pool.drain_events()
     # 10000 changes happened; what is handed over is bounded by the pool, not by history.
     assert sum(len(e.block_hashes) for e in events) <= 2 * pool.num_blocks + 1024
-    assert replay(events) == set(pool.cached_hashes())
+    assert replay_kv_events(events) == set(pool.cached_hashes())
     assert len(pool.cached_hashes()) == 4
     assert pool.num_evictions == 4996
 

@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from conftest import replay_kv_events
 
 from test_disk_tier import FILE, LAYOUT, PAYLOAD, block, files
 
@@ -205,14 +206,7 @@ def test_an_undrained_event_backlog_stays_bounded_and_replays_to_the_index(tmp_p
         t.put(*block(i))
         assert len(t._events) <= limit
     t.flush()
-    held: set[str] = set()
-    for e in t.drain_events():
-        if e.kind == "cleared":
-            held.clear()
-        elif e.kind == "stored":
-            held.update(e.block_hashes)
-        else:
-            held.difference_update(e.block_hashes)
+    held = replay_kv_events(t.drain_events())
     assert held == {h.hex() for h in t.lru_hashes()} == {block(limit - 1)[0].hex()}
     t.close()
 
