@@ -104,6 +104,19 @@ def test_int8_w8a8_kernel_is_the_integer_product_of_the_rounded_input():
     close(kernel(x), want, 1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_w8a8_fast_path_gives_the_general_paths_bits(dtype):
+    """The decode path bound once at load (C++ quantise, oneDNN, C++ rescale) against the
+    general forward (per-call checks), on rows both paths take."""
+    kernel = Int8W8A8Linear(random_weight(8, IN, False))
+    if not kernel._fast:
+        pytest.skip("no oneDNN int8 with the C++ row ops on this machine: one path only")
+    x = x_batch(19, dtype) * 3
+    fast = kernel(x)
+    kernel._fast = False
+    assert torch.equal(fast, kernel(x)) and fast.dtype == dtype
+
+
 def test_int8_w8a8_with_a_static_input_scale_clamps_to_it():
     w = random_weight(8, IN, False)
     x = x_batch() * 10
