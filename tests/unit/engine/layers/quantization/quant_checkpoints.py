@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+           "w1", "w2", "w3")  # w1 / w2 / w3: Mixtral's experts (block_sparse_moe.experts.N)
 
 SCHEMES = {  # name -> (format, weights args, input activation args)
     "W8A8": ("int-quantized", dict(num_bits=8, type="int", symmetric=True, strategy="channel"),
@@ -50,10 +51,12 @@ def _qparams(weight: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
 
 def write_quantized(dense_dir: Path, out_dir: Path, scheme: str,
                     reference_dir: Path | None = None,
-                    ignore: tuple[str, ...] = ("lm_head",)) -> Path:
+                    ignore: tuple[str, ...] = ("lm_head",),
+                    targets: tuple[str, ...] = ("Linear",)) -> Path:
     """Quantise `dense_dir`'s linears (those of LINEARS: an MoE's experts too, not its router
-    `mlp.gate`) into a compressed-tensors checkpoint whose config ignores `ignore`; with
-    `reference_dir`, also save the dense model whose weights are the dequantised ones."""
+    `mlp.gate`) into a compressed-tensors checkpoint whose config targets `targets` (which must
+    name every one of them) and ignores `ignore`; with `reference_dir`, also save the dense model
+    whose weights are the dequantised ones."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, \
         QuantizationScheme, QuantizationStatus
@@ -61,7 +64,7 @@ def write_quantized(dense_dir: Path, out_dir: Path, scheme: str,
     from safetensors.torch import load_file, save_file
 
     fmt, w_args, a_args = SCHEMES[scheme]
-    q_scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**w_args),
+    q_scheme = QuantizationScheme(targets=list(targets), weights=QuantizationArgs(**w_args),
                                   input_activations=a_args and QuantizationArgs(**a_args))
     compressor = BaseCompressor.load_from_registry(fmt)
     state = load_file(str(dense_dir / "model.safetensors"))

@@ -1,10 +1,11 @@
-"""Quantised MoE experts: a tiny Qwen3-MoE (transformers' own classes) quantised by
-compressed-tensors' compressors, its router left dense as llm-compressor's ignore of `mlp.gate`
-leaves it, served with every expert's weight kept quantised. Weight-only schemes give the greedy
-tokens and logprobs of the dense model holding the dequantised weights; W8A8 int8 and FP8 with
-per-token activations agree, teacher-forced, with that model whose linear and expert inputs are
-fake-quantised per token by compressed-tensors; tensor parallelism cuts the experts' rows and
-groups with their scales."""
+"""Quantised MoE experts: a tiny Qwen3-MoE and a tiny Mixtral (transformers' own classes)
+quantised by compressed-tensors' compressors, the router left dense as llm-compressor's ignore of
+`mlp.gate` (Mixtral: `block_sparse_moe.gate`) leaves it, served with every expert's weight kept
+quantised. Weight-only schemes give the greedy tokens and logprobs of the dense model holding the
+dequantised weights; W8A8 int8 and FP8 with per-token activations agree, teacher-forced, with that
+model whose linear and expert inputs are fake-quantised per token by compressed-tensors; tensor
+parallelism cuts the experts' rows and groups with their scales. Mixtral's config names its
+experts as its checkpoint does (block_sparse_moe.experts.N.w1 / w3 / w2)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ from kvserve.engine.layers.moe import ExpertLinears, FusedMoE
 from kvserve.engine.layers.quantization import QuantLinear
 
 IGNORE = ("lm_head", "re:.*mlp.gate$")  # llm-compressor's MoE recipes
+MIXTRAL_IGNORE = ("lm_head", "re:.*block_sparse_moe.gate$")
+# targets by the checkpoint's module names (as a mixed-precision recipe writes them): a Mixtral
+# expert is only recognised under its own name, block_sparse_moe.experts.N.w1 / w3 / w2
+MIXTRAL_TARGETS = (r"re:.*self_attn\.[qkvo]_proj$", r"re:.*block_sparse_moe\.experts\.\d+\.w[123]$")
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +41,26 @@ def dense_dir(tmp_path_factory) -> Path:
                         mlp_only_layers=[0], norm_topk_prob=True, initializer_range=0.3)
 
 
-def build(dense: Path, scheme: str, ignore=IGNORE) -> tuple[Path, Path]:
+@pytest.fixture(scope="module")
+def mixtral_dir(tmp_path_factory) -> Path:
+    # 3 sparse layers: 4 experts of [64, 64], top 2
+    return build_family(tmp_path_factory.mktemp("qmixtral") / "dense", "MixtralForCausalLM",
+                        num_local_experts=4, num_experts_per_tok=2, intermediate_size=64,
+                        initializer_range=0.3)
+
+
+def build(dense: Path, scheme: str, ignore=IGNORE, targets=("Linear",)) -> tuple[Path, Path]:
     base = dense.parent
-    tag = scheme + ("" if ignore == IGNORE else "-router")
+    tag = scheme + ("" if ignore in (IGNORE, MIXTRAL_IGNORE) else "-router") + \
+        ("" if targets == ("Linear",) else "-named")
     if not (base / tag).exists():
-        write_quantized(dense, base / tag, scheme, base / f"{tag}-ref", ignore=ignore)
+        write_quantized(dense, base / tag, scheme, base / f"{tag}-ref", ignore=ignore,
+                        targets=targets)
     return base / tag, base / f"{tag}-ref"
+
+
+def build_mixtral(dense: Path, scheme: str) -> tuple[Path, Path]:
+    return build(dense, scheme, MIXTRAL_IGNORE, MIXTRAL_TARGETS)
 
 
 def moe_layers(llm) -> list[FusedMoE]:
@@ -109,7 +128,12 @@ def activation_quantised(model, scheme: str):
 @pytest.mark.parametrize("scheme", ["W8A8", "FP8_DYNAMIC"])
 def test_activation_quantised_experts_agree_teacher_forced(dense_dir, scheme):
     quant, ref = build(dense_dir, scheme)
-    llm = make_llm(quant)
+    assert_agrees_teacher_forced(make_llm(quant), ref, scheme)
+
+
+def assert_agrees_teacher_forced(llm, ref: Path, scheme: str) -> None:
+    """>= 90% of the greedy tokens are the argmax of the dequantised model with per-token
+    fake-quantised activations, and the logprobs are nearer that model than the exact one."""
     assert all(isinstance(m.w13, ExpertLinears) for m in moe_layers(llm))
     hf_quant, hf_dense = activation_quantised(hf_model(ref), scheme), hf_model(ref)
     agree = total = 0
@@ -133,7 +157,11 @@ def test_each_experts_inputs_are_quantised_per_token(dense_dir, scheme):
     sparse block with every expert input fake-quantised per token (tight), not the output of
     the same dequantised weights on exact activations (off by the rounding)."""
     quant, ref = build(dense_dir, scheme)
-    moe = moe_layers(make_llm(quant))[0]
+    assert_layer_matches_fake_quantised(moe_layers(make_llm(quant))[0], ref, scheme)
+
+
+def assert_layer_matches_fake_quantised(moe: FusedMoE, ref: Path, scheme: str) -> None:
+    """`moe` is HF's layer 1 sparse block of `ref`, its expert inputs fake-quantised."""
     block = activation_quantised(hf_model(ref), scheme).model.layers[1].mlp
     exact = hf_model(ref).model.layers[1].mlp
     x = torch.randn(1, 40, 64, generator=torch.Generator().manual_seed(0))
@@ -171,13 +199,38 @@ def test_a_quantised_router_is_refused_naming_the_fix(dense_dir, tmp_path):
 
 
 def test_other_quantised_moe_formats_are_refused_naming_the_supported(dense_dir, tmp_path):
-    folder = tmp_path / "gptq"
+    folder = tmp_path / "bnb"
     quant, _ = build(dense_dir, "W4A16")
     import shutil
 
     shutil.copytree(quant, folder)
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (folder / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match=r"'gptq'.*supported: compressed-tensors"):
+    with pytest.raises(ConfigError, match=r"'bitsandbytes'.*supported: compressed-tensors, gptq, "
+                                          r"awq, fp8"):
         make_llm(folder)
+
+
+@pytest.mark.parametrize("scheme", ["W4A16", "FP8_BLOCK"])
+def test_mixtral_experts_under_their_checkpoint_names_match_the_dequantised_model(mixtral_dir,
+                                                                                scheme):
+    """The config targets block_sparse_moe.experts.N.w1 / w3 / w2: each expert's gate / up are
+    fused from w1 / w3, down is w2, every layer's experts kept quantised, the router dense."""
+    quant, ref = build_mixtral(mixtral_dir, scheme)
+    llm = make_llm(quant)
+    layers = moe_layers(llm)
+    assert len(layers) == 3
+    for i, moe in enumerate(layers):
+        assert isinstance(moe.w13, ExpertLinears) and not isinstance(moe.gate, QuantLinear)
+        head = f"model.layers.{i}.block_sparse_moe.experts.3."
+        assert moe.w13[3].hf_names == [head + "w1", head + "w3"]
+        assert moe.w2[3].hf_names == [head + "w2"]
+    assert_matches_reference(llm, hf_model(ref), atol=2e-4)
+
+
+def test_mixtral_fp8_dynamic_experts_quantise_their_inputs_per_token(mixtral_dir):
+    quant, ref = build_mixtral(mixtral_dir, "FP8_DYNAMIC")
+    llm = make_llm(quant)
+    assert_layer_matches_fake_quantised(moe_layers(llm)[1], ref, "FP8_DYNAMIC")
+    assert_agrees_teacher_forced(llm, ref, "FP8_DYNAMIC")
