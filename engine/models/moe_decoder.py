@@ -41,21 +41,20 @@ def sparse_layers(config, num_experts: int) -> tuple[bool, ...]:
 
 
 # quant_method of the quantised MoE checkpoints served (their experts kept quantised)
-MOE_QUANT_METHODS = ("compressed-tensors",)
+MOE_QUANT_METHODS = ("compressed-tensors", "gptq", "awq", "fp8")
 
 
 def refuse_quantized(config, family: str, supported: tuple[str, ...] = ()) -> None:
     """A quantization_config whose quant_method is not in `supported` is refused (gpt-oss's
-    MXFP4, GPTQ / AWQ / block-FP8 MoE checkpoints)."""
+    MXFP4 or any quantised gpt-oss checkpoint; formats kvserve reads for no model)."""
     quant = getattr(config, "quantization_config", None)
     if quant:
         method = quant.get("quant_method") if isinstance(quant, dict) else \
             getattr(quant, "quant_method", quant)
         if method in supported:
             return
-        served = (f"supported: {', '.join(supported)} checkpoints (W4A16 / W8A16 pack-quantized, "
-                  "W8A8 int8, FP8), --quantization int8|fp8 on the dense checkpoint, or "
-                  if supported else "use ")
+        served = (f"supported: {', '.join(supported)} checkpoints, --quantization int8|fp8 on "
+                  "the dense checkpoint, or " if supported else "use ")
         raise ConfigError(
             f"{family}: quantization_config (quant_method {method!r}) is not supported for "
             f"this mixture-of-experts model; {served}the bf16 (or fp16/fp32) checkpoint")
@@ -63,7 +62,7 @@ def refuse_quantized(config, family: str, supported: tuple[str, ...] = ()) -> No
 
 def check_swiglu_moe_config(config, family: str, understood: frozenset[str]) -> None:
     """The checks the SwiGLU MoE families (Mixtral, Qwen2/3-MoE) make first: every config key
-    understood, no quantised experts, silu experts."""
+    understood, quantised experts only in a format served, silu experts."""
     check_config_keys(config, family, understood)
     refuse_quantized(config, family, MOE_QUANT_METHODS)
     require_value(config, "hidden_act", ("silu",), family)

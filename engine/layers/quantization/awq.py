@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from kvserve.engine.errors import QuantizationError
-from kvserve.engine.layers.quantization.base import LinearMethod, QuantConfig
+from kvserve.engine.layers.quantization.base import LinearMethod, QuantConfig, names_module
 from kvserve.engine.layers.quantization.qweight import QuantizedWeight, check_shape, unpack_int32
 
 # nibble j of a word holds element AWQ_ORDER[j]; reading element e takes nibble REVERSE[e]
@@ -59,6 +59,6 @@ class AWQConfig(QuantConfig):
         self.method = AWQMethod(f"AWQ 4-bit (group {group})", None, group)
 
     def method_for(self, hf_name: str) -> LinearMethod | None:
-        if hf_name.rpartition(".")[2] == "lm_head" or any(s in hf_name for s in self.skip):
+        if hf_name.rpartition(".")[2] == "lm_head" or names_module(hf_name, self.skip):
             return None
         return self.method

@@ -71,6 +71,14 @@ def _gpu_kernel(w: QuantizedWeight, dtype: torch.dtype,
     return None
 
 
+def names_module(hf_name: str, modules: tuple[str, ...]) -> bool:
+    """Whether a `modules_to_not_convert` / `ignored_layers` entry names `hf_name` or a module
+    holding it, by whole dotted parts: "gate" (an MoE router) or "mlp.gate" leaves
+    experts.0.gate_proj quantised, where a substring test would not."""
+    padded = f".{hf_name}."
+    return any(f".{m.strip('.')}." in padded for m in modules if m.strip("."))
+
+
 class QuantConfig(ABC):
     """A checkpoint's (or the flag's) quantisation: which LinearMethod each linear gets."""
 

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from kvserve.engine.errors import QuantizationError
-from kvserve.engine.layers.quantization.base import LinearMethod, QuantConfig
+from kvserve.engine.layers.quantization.base import LinearMethod, QuantConfig, names_module
 from kvserve.engine.layers.quantization.compressed_tensors import fp8_scale
 from kvserve.engine.layers.quantization.qweight import QuantizedWeight
 
@@ -54,6 +54,6 @@ class Fp8Config(QuantConfig):
             None, self.block)
 
     def method_for(self, hf_name: str) -> LinearMethod | None:
-        if hf_name.rpartition(".")[2] == "lm_head" or any(s in hf_name for s in self.skip):
+        if hf_name.rpartition(".")[2] == "lm_head" or names_module(hf_name, self.skip):
             return None
         return self.method

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+           "w1", "w2", "w3")  # w1 / w2 / w3: Mixtral's experts (block_sparse_moe.experts.N)
 
 
 def pack_words(codes: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -76,7 +77,8 @@ def write_gptq(dense: Path, out: Path, bits: int, group: int, desc_act: bool, sy
 def _input_seed(prefix: str) -> int:
     """One seed per linear input: projections that read the same activations (q/k/v, gate/up)
     get the same act order, as GPTQ's Hessian of that input gives them."""
-    for a, b in (("k_proj", "q_proj"), ("v_proj", "q_proj"), ("up_proj", "gate_proj")):
+    for a, b in (("k_proj", "q_proj"), ("v_proj", "q_proj"), ("up_proj", "gate_proj"),
+                 (".w3", ".w1")):
         prefix = prefix.replace(a, b)
     return sum(map(ord, prefix)) * 31 % 100003
 
