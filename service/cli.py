@@ -84,8 +84,9 @@ def _lora_modules(args: argparse.Namespace) -> list[Any]:
 
 
 def tool_options(args: argparse.Namespace) -> dict[str, Any]:
-    """--chat-template, --enable-auto-tool-choice, --tool-call-parser, --enable-prompt-embeds as
-    ServerConfig fields; ConfigError for a combination vLLM refuses, or one we do not support."""
+    """--chat-template, --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser and
+    --enable-prompt-embeds as ServerConfig fields; ConfigError for a combination vLLM refuses, or
+    one we do not support."""
     if args.enable_prompt_embeds:
         raise ConfigError("--enable-prompt-embeds is not supported by kvserve: prompts are text "
                           "or token ids (drop the flag)")
@@ -93,7 +94,8 @@ def tool_options(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (hermes, mistral "
                           "or llama3_json)")
     out: dict[str, Any] = {"chat_template": args.chat_template,
-                           "enable_auto_tool_choice": args.enable_auto_tool_choice}
+                           "enable_auto_tool_choice": args.enable_auto_tool_choice,
+                           "reasoning_parser": getattr(args, "reasoning_parser", None)}
     if args.tool_call_parser:
         out["tool_call_parser"] = args.tool_call_parser
     return out

@@ -15,6 +15,7 @@ from kvserve.engine.config import DEFAULT_MODEL, KV_CACHE_DTYPES, MODEL_DTYPES, 
     QUANTIZATION_METHODS, STRUCTURED_OUTPUTS_BACKENDS, EngineConfig
 from kvserve.service.limits import RequestLimits
 from kvserve.service.server.lora_models import lora_module
+from kvserve.service.reasoning import REASONING_PARSERS
 from kvserve.service.tool_parsers import TOOL_PARSERS
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -281,6 +282,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="how tool calls read in the model's text: hermes (<tool_call>{...}"
                    "</tool_call>; the default), mistral ([TOOL_CALLS][...]) or llama3_json")
+    g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split a reasoning model's output into message.reasoning_content and "
+                   "content: deepseek_r1 (text before </think> is reasoning, <think> or not), "
+                   "qwen3 (<think>...</think>; off with chat_template_kwargs enable_thinking "
+                   "false)")
     g.add_argument("--enable-prompt-embeds", action="store_true",
                    help="not supported (prompts are text or token ids): refused at start")
     g.add_argument("--enable-prompt-tokens-details", action="store_true",

@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_serializer
 
 
 def random_id(prefix: str) -> str:
@@ -85,6 +85,9 @@ class ChatLogProbs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    # --reasoning-parser's part: vLLM's `reasoning_content` and its newer name `reasoning`
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
 
 
@@ -109,7 +112,19 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+
+    @model_serializer(mode="wrap")
+    def _reasoning_only_when_set(self, handler: Any) -> dict[str, Any]:
+        """The reasoning keys only in chunks that carry reasoning, as vLLM sends them: clients
+        test `hasattr(delta, "reasoning_content")` to tell reasoning chunks from content."""
+        out = handler(self)
+        for key in ("reasoning_content", "reasoning"):
+            if out.get(key) is None:
+                out.pop(key, None)
+        return out
 
 
 class ChatStreamChoice(BaseModel):

@@ -20,6 +20,7 @@ from kvserve.engine.sample.tokenizer import prompt_token_ids
 from kvserve.service.chat_request import ChatCompletionRequest
 from kvserve.service.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from kvserve.service.openai_errors import APIError, install_error_handlers
+from kvserve.service.reasoning import reasoning_parser
 from kvserve.service.request_models import CompletionRequest
 from kvserve.service.request_validation import M, read_json_body, validate_request
 from kvserve.service.responses_request import ResponsesRequest
@@ -85,7 +86,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics,
         trust_request_chat_template=config.trust_request_chat_template,
         chat_template_time_limit=config.chat_template_time_limit,
         prompt_tokens_details=config.enable_prompt_tokens_details,
-        chat_template=config.chat_template, tool_parser=config.tool_call_parser)
+        chat_template=config.chat_template, tool_parser=config.tool_call_parser,
+        reasoning=reasoning_parser(config.reasoning_parser))
     if engine.config.enable_lora:
         ctx.loras = LoRAModels(engine, names)
     elif config.lora_modules:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -16,6 +17,8 @@ from kvserve.service.response_models import (ChatChoice, ChatCompletionChunk,
                                              ChatCompletionResponse, ChatLogProbs,
                                              ChatResponseMessage, ChatStreamChoice,
                                              ChatTokenLogprob, DeltaMessage, TopLogprob, random_id)
+from kvserve.service.server.chat_reasoning import (Splitters, reasoning_splitters, split_delta,
+                                                   split_whole)
 from kvserve.service.server.context import ServingContext
 from kvserve.service.server.engine_streams import (before, collect, engine_error_status,
                                                    merge_streams, start_requests,
@@ -55,19 +58,24 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         plan = req.tool_plan()
         if plan is not None and plan.mode == "auto" and plan.format.needs_special_tokens:
             params.skip_special_tokens = False  # the parser's opener is a special token
+        split = reasoning_splitters(ctx.reasoning, ctx.tokenizer, prompt,
+                                    req.chat_template_kwargs, params)
     request_id = random_id("chatcmpl")  # from here the engine counts it as waiting
     streams = await before(deadline, start_requests(
         ctx, request_id, [prompt], [params], priority=req.priority, cache_salt=req.cache_salt,
         lora_request=ctx.lora_request(req.model)))
     if req.stream:
-        body = _stream(ctx, req, request_id, model, streams, stop_hold(params), deadline)
+        body = _stream(ctx, req, request_id, model, streams, stop_hold(params), deadline, split)
         return StreamingResponse(body, media_type="text/event-stream")
     (out,) = await unless_disconnected(raw, collect(streams, deadline))
-    choices = [ChatChoice(
-        index=c.index, message=_message(plan, c.text),
-        finish_reason=_finish_reason(plan, c.text, c.finish_reason), stop_reason=c.stop_reason,
-        logprobs=_logprobs(ctx.tokenizer, c.token_ids, c.logprobs, req.top_logprobs or 0))
-        for c in sorted(out.outputs, key=lambda c: c.index)]
+    choices = []
+    for c in sorted(out.outputs, key=lambda c: c.index):
+        message, calls = _message(plan, c.text, split)
+        choices.append(ChatChoice(
+            index=c.index, message=message, stop_reason=c.stop_reason,
+            finish_reason=c.finish_reason if plan is None else finish_reason(calls,
+                                                                             c.finish_reason),
+            logprobs=_logprobs(ctx.tokenizer, c.token_ids, c.logprobs, req.top_logprobs or 0)))
     if not req.logprobs:
         for choice in choices:
             choice.logprobs = None
@@ -77,15 +85,17 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     return JSONResponse(response.model_dump())
 
 
-def _message(plan: ToolPlan | None, text: str) -> ChatResponseMessage:
-    if plan is None:
-        return ChatResponseMessage(content=text)
-    content, calls = parse_output(plan, text)
-    return ChatResponseMessage(content=content, tool_calls=calls or None)
-
-
-def _finish_reason(plan: ToolPlan | None, text: str, reason: str | None) -> str | None:
-    return reason if plan is None else finish_reason(parse_output(plan, text)[1], reason)
+def _message(plan: ToolPlan | None, text: str, split: Splitters | None
+             ) -> tuple[ChatResponseMessage, list[dict[str, Any]]]:
+    """A finished choice's message: reasoning split off first, tool calls parsed from the rest."""
+    reasoning, content = split_whole(split, text)
+    calls: list[dict[str, Any]] = []
+    if plan is not None:
+        content, calls = parse_output(plan, content)
+    if split is not None and not content:
+        content = None
+    return ChatResponseMessage(content=content, reasoning_content=reasoning, reasoning=reasoning,
+                               tool_calls=calls or None), calls
 
 
 def _logprobs(tokenizer: Any, token_ids: Sequence[int], entries: list[dict[int, Logprob]] | None,
@@ -107,8 +117,8 @@ def _or_inf(value: float | None) -> float:
 
 
 async def _stream(ctx: ServingContext, req: ChatCompletionRequest, request_id: str, model: str,
-                  streams: list[RequestStream], hold: int,
-                  deadline: float | None) -> AsyncIterator[str]:
+                  streams: list[RequestStream], hold: int, deadline: float | None,
+                  split: Splitters | None) -> AsyncIterator[str]:
     def chunk(choices: list[ChatStreamChoice], usage: Any = None) -> str:
         return sse(ChatCompletionChunk(id=request_id, model=model, choices=choices, usage=usage))
 
@@ -118,6 +128,7 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, request_id: s
     tracker = StreamTracker(hold=hold)
     plan = req.tool_plan()
     tools = {i: ToolCallStream(plan) for i in range(req.n)} if plan is not None else {}
+    splitters = {i: split() for i in range(req.n)} if split is not None else {}
     last: RequestOutput | None = None
     try:
         async for _, out in until(deadline, merge_streams(streams)):
@@ -129,12 +140,24 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, request_id: s
                 lp = _logprobs(ctx.tokenizer, delta.token_ids, delta.logprobs,
                                req.top_logprobs or 0) if req.logprobs else None
                 usage = usage_of([out], ctx.prompt_tokens_details) if continuous else None
+                if splitters.get(c.index) is not None:
+                    reasoning, text = split_delta(splitters[c.index], delta.text,
+                                                  delta.finish_reason is not None)
+                    if reasoning:
+                        said = DeltaMessage(reasoning_content=reasoning, reasoning=reasoning)
+                        yield chunk([ChatStreamChoice(index=c.index, delta=said, logprobs=lp)],
+                                    usage)
+                        lp = None
+                    if not text and delta.finish_reason is None:
+                        continue
+                    delta = dataclasses.replace(delta, text=text)
                 if c.index in tools:
                     for piece in _tool_chunks(c.index, tools[c.index], delta, lp):
                         yield chunk([piece], usage)
                     continue
+                content = delta.text if delta.text or splitters.get(c.index) is None else None
                 choice = ChatStreamChoice(
-                    index=c.index, delta=DeltaMessage(content=delta.text), logprobs=lp,
+                    index=c.index, delta=DeltaMessage(content=content), logprobs=lp,
                     finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
                 yield chunk([choice], usage)
     except Exception as exc:  # noqa: BLE001 - the stream already started: report in-band

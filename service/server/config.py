@@ -31,6 +31,7 @@ class ServerConfig:
     chat_template: str | None = None  # --chat-template (its text), instead of the tokenizer's
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice (auto works either way)
     tool_call_parser: str = DEFAULT_TOOL_PARSER  # --tool-call-parser
+    reasoning_parser: str | None = None  # --reasoning-parser (service/reasoning/): None = off
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
     max_body_bytes: int = 1 << 20
     limits: RequestLimits = field(default_factory=RequestLimits)

@@ -38,6 +38,7 @@ class ServingContext:
     prompt_tokens_details: bool = False  # report cached prompt tokens (they reveal the cache)
     chat_template: str | None = None  # --chat-template: the server's own, trusted
     tool_parser: str = DEFAULT_TOOL_PARSER  # --tool-call-parser
+    reasoning: Any = None  # --reasoning-parser's ThinkParser (service/reasoning/), None = off
     tokenizers: TokenizerPool = field(default=None)  # type: ignore[assignment]
     admitting: int = 0  # admitted requests not yet handed to the engine (tokenizing)
     loras: Any = None  # LoRAModels (service/server/lora_models.py) when LoRA is enabled

@@ -1,6 +1,7 @@
 """POST /v1/responses (OpenAI's Responses API): the request runs as a chat completion (same
 template, tools, grammar, limits) and its answer, or its stream of chunks, is retold as a Response
-object, or as the Responses stream's typed events (output items, text and argument deltas)."""
+object, or as the Responses stream's typed events (output items, text and argument deltas). With
+--reasoning-parser the reasoning comes first, as a `reasoning` item."""
 
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ def _base(req: ResponsesRequest, answer: Response) -> dict[str, Any]:
 def _finished(base: dict[str, Any], choice: dict[str, Any], usage: Any) -> dict[str, Any]:
     message = choice["message"]
     output = []
+    if message.get("reasoning_content"):  # --reasoning-parser's part
+        output.append(_reasoning_item(f"rs_{uuid.uuid4().hex}", message["reasoning_content"],
+                                      "completed"))
     if message.get("content"):
         output.append(_message_item(f"msg_{uuid.uuid4().hex}", message["content"], "completed"))
     for call in message.get("tool_calls") or []:
@@ -76,6 +80,12 @@ def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
             if status == "completed" else []}
 
 
+def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}] if status == "completed"
+            else []}
+
+
 def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
     return {"type": "function_call", "id": f"fc_{call_id.removeprefix('call_')}",
             "call_id": call_id, "name": name, "arguments": arguments, "status": status}
@@ -94,6 +104,17 @@ class _Retold:
         data = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
         return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
+
+    def reasoning(self, delta: str) -> list[str]:
+        out = []
+        if self.open is None or self.open["type"] != "reasoning":
+            out += self.close()
+            self.open, self.text = _reasoning_item(f"rs_{uuid.uuid4().hex}", "", "in_progress"), ""
+            out.append(self._added())
+        self.text += delta
+        out.append(self.event("response.reasoning_text.delta", **self._at(), content_index=0,
+                              delta=delta))
+        return out
 
     def content(self, delta: str) -> list[str]:
         out = []
@@ -126,7 +147,11 @@ class _Retold:
         if item is None:
             return []
         out = []
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            out.append(self.event("response.reasoning_text.done", item_id=item["id"],
+                                  output_index=len(self.output), content_index=0, text=self.text))
+            item = {**item, "content": [{"type": "reasoning_text", "text": self.text}]}
+        elif item["type"] == "message":
             part = {"type": "output_text", "text": self.text, "annotations": []}
             where = {"item_id": item["id"], "output_index": len(self.output)}
             out.append(self.event("response.output_text.done", **where, content_index=0,
@@ -172,6 +197,9 @@ async def _events(base: dict[str, Any], chunks: AsyncIterator[Any]) -> AsyncIter
         usage = chunk.get("usage") or usage
         for choice in chunk.get("choices", []):
             delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                for event in told.reasoning(delta["reasoning_content"]):
+                    yield event
             if delta.get("content"):
                 for event in told.content(delta["content"]):
                     yield event
