@@ -18,7 +18,8 @@ class Qwen3Parser(ThinkParser):
                  constrained: bool = False) -> ReasoningSplitter | None:
         if (template_kwargs or {}).get("enable_thinking", True) is False:
             return None
-        splitter = ReasoningSplitter(self.start, self.end, implicit_start=False)
+        splitter = ReasoningSplitter(self.start, self.end, implicit_start=False,
+                                     anchored=constrained)
         opened = prompt_tail.rfind(self.start)
         if opened >= 0 and self.end not in prompt_tail[opened:] and not constrained:
             splitter.state = THINKING

@@ -22,6 +22,7 @@ class ReasoningSplitter:
     start: str
     end: str
     implicit_start: bool  # text before the end tag is reasoning even without the start tag
+    anchored: bool = False  # the start tag counts only at the start of the output
     state: str = PRE
     pending: str = ""  # text not yet handed out: a tail that may be the beginning of a tag
     reasoning: list[str] = field(default_factory=list)  # everything handed out, for `result`
@@ -39,6 +40,12 @@ class ReasoningSplitter:
         """(reasoning, content) that became safe to send with `delta`; either may be ""."""
         self.pending += delta
         reasoning, content = [], []
+        if self.state == PRE and self.anchored:
+            head = self.pending.lstrip()
+            if not head.startswith(self.start):
+                if self.start.startswith(head):  # may still become the start tag
+                    return self._keep("", "")
+                self.state = CONTENT
         while True:
             out = reasoning if self._in_reasoning() else content
             tags = self._watched()
@@ -91,8 +98,10 @@ class ThinkParser:
         """A splitter for one choice; None when the request's output holds no reasoning.
         `prompt_tail` is the end of the rendered prompt, `template_kwargs` the request's
         chat_template_kwargs. `constrained`: a grammar (response_format, a required or named
-        tool_choice) writes the whole output, so only an explicit `<think>` opens reasoning."""
-        return ReasoningSplitter(self.start, self.end, self.implicit_start and not constrained)
+        tool_choice) writes the whole output, so only a `<think>` that begins it opens
+        reasoning (a JSON string holding the tags stays content)."""
+        return ReasoningSplitter(self.start, self.end, self.implicit_start and not constrained,
+                                 anchored=constrained)
 
     def split(self, text: str, prompt_tail: str = "",
               template_kwargs: dict[str, Any] | None = None,

@@ -1,8 +1,10 @@
 """vLLM's documented examples as kvserve's acceptance suite: every `runs` entry of
 docs/gen/vllm_examples.yaml, examples/vllm/<script> (vLLM's example with only the import, the model
 and the URL changed). Offline ones run in-process (runpy, as `__main__`) on a tiny built model;
-online ones against one `kvserve serve` process shared by the module. Each is judged on what it
-printed, against what the example's own calls must give."""
+online ones against one `kvserve serve` process shared by the module (the reasoning ones against a
+second, with --reasoning-parser, serving a model whose greedy output is a fixed script that reasons
+and then calls a tool). Each is judged on what it printed, against what the example's own calls
+must give."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import yaml
 from conftest import build_tiny_llama, build_tiny_tokenizer
 from family_checks import hf_logprobs
 from lora_checks import build_adapter, merged_model
+from scripted_model import build_scripted_llama
 from server_process import api_server_process
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -152,7 +155,53 @@ def server(model_dir, tmp_path_factory):
         yield url
 
 
+# what the scripted model writes to any chat: reasoning, a sentence, a hermes call
+REASONING = "9.8 is greater than 9.11; the weather needs a tool."
+CALL_ARGS = '{"city": "Dallas", "state": "TX", "unit": "fahrenheit"}'
+SCRIPT = ["<think>", REASONING, "</think>", "The answer is below.", "<tool_call>",
+          '{"name": "get_current_weather", "arguments": ' + CALL_ARGS + "}", "</tool_call>"]
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(tmp_path_factory):
+    model = build_scripted_llama(tmp_path_factory.mktemp("scripted") / "model", SCRIPT,
+                                 max_position_embeddings=2048)
+    log = tmp_path_factory.mktemp("server") / "reasoning-server.log"
+    with api_server_process(model, log, "--reasoning-parser", "deepseek_r1",
+                            "--enable-auto-tool-choice", "--tool-call-parser", "hermes") as (_, url):
+        yield url
+
+
+def check_reasoning(script: str, out: str) -> None:
+    """The scripted answer split: reasoning apart from content, the call parsed from content."""
+    content = "".join(SCRIPT[3:])  # no tools in the request: the call stays text
+    if script == "online/openai_chat_completion_with_reasoning.py":
+        for round_ in ("1", "2"):
+            assert f"reasoning_content for Round {round_}: {REASONING}\n" in out, out
+            assert f"content for Round {round_}: {content}\n" in out, out
+    if script == "online/openai_chat_completion_with_reasoning_streaming.py":
+        # the role chunk's content "" (vLLM sends it too) prints the "content:" header first
+        assert out == ("client: Start streaming chat completions...\n\ncontent:"
+                       f"reasoning_content:{REASONING}{content}"), out
+    if script == "online/openai_chat_completion_tool_calls_with_reasoning.py":
+        parts = out.split("----------")
+        auto_whole, auto_stream, named_whole, named_stream = parts[1], parts[3], parts[5], parts[7]
+        for part in (auto_whole, auto_stream):
+            assert f"reasoning_content: {REASONING}\n" in part, part
+            assert f"function arguments: {CALL_ARGS}\n" in part, part
+        # a named call is the grammar's from the first token: no reasoning (the model, kept
+        # off its script, may write arguments until max_tokens, so they are only begun here)
+        assert "reasoning_content: None\n" in named_whole
+        assert "reasoning_content: \n" in named_stream
+        for part in (auto_whole, auto_stream, named_whole, named_stream):
+            assert "function name: get_current_weather\n" in part, part
+        for part in (named_whole, named_stream):
+            assert re.search(r"function arguments: \{\s*\"", part), part
+
+
 def check_online(script: str, out: str) -> None:
+    if "reasoning" in script:
+        check_reasoning(script, out)
     if script == "online/openai_completion_client.py":
         assert out.startswith("Completion results:") and out.count("Completion(") >= 2
     if script == "online/openai_chat_completion_client.py":
@@ -177,7 +226,8 @@ def check_online(script: str, out: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", runs("online"))
-def test_online_example(script, server, monkeypatch, capsys):
+def test_online_example(script, monkeypatch, capsys, request):
+    server = request.getfixturevalue("reasoning_server" if "reasoning" in script else "server")
     monkeypatch.setenv("KVSERVE_EXAMPLE_BASE_URL", server + "/v1")
     monkeypatch.setenv("KVSERVE_EXAMPLE_MODEL", "tiny")
     check_online(script, run_example(script, [], capsys))

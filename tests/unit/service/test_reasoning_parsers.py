@@ -53,6 +53,20 @@ def test_the_stream_sends_reasoning_before_the_end_tag_arrives():
     assert splitter.finish() == ("", "")
 
 
+@pytest.mark.parametrize("parser", [R1, QWEN3])
+def test_under_a_grammar_only_a_leading_think_opens_reasoning(parser):
+    """A grammar writes the whole output: deepseek_r1's implied <think> is off, and tags inside
+    (say) a JSON string stay content, whole and streamed one character at a time."""
+    for text, split in [('{"a": "x<think>y</think>z"}', (None, '{"a": "x<think>y</think>z"}')),
+                        ("no end</think>", (None, "no end</think>")),
+                        (" <think>r</think>c", ("r", " c")),
+                        ("<thinking", (None, "<thinking"))]:
+        assert parser.split(text, constrained=True) == split
+        splitter = parser.splitter(constrained=True)
+        got = [splitter.feed(ch) for ch in text] + [splitter.finish()]
+        assert ("".join(r for r, _ in got) or None, "".join(c for _, c in got) or None) == split
+
+
 def test_qwen3_enable_thinking_false_is_all_content():
     text = "<think>x</think>y"
     assert QWEN3.split(text, template_kwargs={"enable_thinking": False}) == (None, text)
