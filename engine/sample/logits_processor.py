@@ -1,11 +1,14 @@
-"""vLLM v1's custom logits processors: the `LogitsProcessor` / `BatchUpdate` contract, and the
+"""vLLM v1's custom logits processors: the `LogitsProcessor` / `BatchUpdate` contract,
+`AdapterLogitsProcessor` (per-request processors wrapped into a batch-level one), and the
 persistent batch slots that tell each processor which requests joined, left or moved."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from functools import partial
 from enum import Enum
 from typing import Any
 
@@ -69,6 +72,41 @@ def process_dict_updates(entries: dict[int, Any], batch_update: BatchUpdate | No
             entries[a] = b_state
         changed |= a_state is not None or b_state is not None
     return changed
+
+
+# vLLM's per-request processor: (output ids, logits row) -> logits row, or with the prompt ids
+# first: (prompt ids, output ids, logits row) -> logits row. The id lists are live.
+RequestLogitsProcessor = (Callable[[list[int], torch.Tensor], torch.Tensor]
+                          | Callable[[list[int], list[int], torch.Tensor], torch.Tensor])
+
+
+class AdapterLogitsProcessor(LogitsProcessor):
+    """vLLM's wrapper of request-level processors into a batch-level one: a subclass makes each
+    request's processor from its SamplingParams (`new_req_logits_processor`, None to leave that
+    request alone), and each step every such row's logits go through its processor."""
+
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+        self.req_info: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
+
+    def new_req_logits_processor(self, params: Any) -> RequestLogitsProcessor | None:
+        raise NotImplementedError
+
+    def _new_state(self, params: Any, prompt_ids: list[int], output_ids: list[int]
+                   ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        proc = self.new_req_logits_processor(params)
+        if proc is None:
+            return None
+        if len(inspect.signature(proc).parameters) == 3:
+            return partial(proc, prompt_ids, output_ids)
+        return partial(proc, output_ids)
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        process_dict_updates(self.req_info, batch_update, self._new_state)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        for index, proc in self.req_info.items():
+            logits[index] = proc(logits[index])  # in place or a new row: either is kept
+        return logits
 
 
 class LogitsProcessors:

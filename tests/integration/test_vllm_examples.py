@@ -73,15 +73,17 @@ def check_offline(script: str, out: str, model_dir: Path, tmp_path: Path) -> Non
     prompts = len(re.findall(r"^Prompt:", out, flags=re.M))
     if script in ("offline/basic.py", "offline/generate.py", "offline/metrics.py",
                   "offline/reproducibility.py", "offline/simple_profiling.py",
-                  "offline/logits_processor_custom.py"):
+                  "offline/logits_processor_custom.py", "offline/logits_processor_custom_req.py"):
         assert prompts == 4, out
     if script == "offline/chat.py":
         assert prompts == 1 + 10, out
-    if script == "offline/logits_processor_custom.py":
+    if script in ("offline/logits_processor_custom.py", "offline/logits_processor_custom_req.py"):
         outputs = re.findall(r"^Output:\s+(.*)$", out, flags=re.M)
         tok = build_tiny_tokenizer()
         for i, target in ((0, 128), (2, 67)):  # every token the target, up to max_tokens 16
             assert eval(outputs[i]) == tok.decode([target] * 16), outputs[i]  # noqa: S307
+        for i in (1, 3):  # the requests without a target are left alone
+            assert eval(outputs[i]) not in (tok.decode([128] * 16), tok.decode([67] * 16))  # noqa: S307
     if script == "offline/metrics.py":
         tokens = re.search(r"^vllm:generation_tokens \(counter\) = (\d+)$", out, flags=re.M)
         assert tokens and int(tokens.group(1)) == 4 * 16, out  # 4 prompts x max_tokens 16

@@ -1,5 +1,6 @@
 """vLLM v1 custom logits processors: vLLM's documented DummyLogitsProcessor (forces
-`extra_args["target_token"]` for the requests that ask) through LLM(logits_processors=[cls])."""
+`extra_args["target_token"]` for the requests that ask) through LLM(logits_processors=[cls]), and
+AdapterLogitsProcessor's per-request processors."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import torch
 from conftest import make_llm
 from kvserve import SamplingParams
 from kvserve.engine.errors import ConfigError
-from kvserve.engine.sample.logits_processor import (BatchUpdate, LogitsProcessor,
-                                                    MoveDirectionality)
+from kvserve.engine.sample.logits_processor import (AdapterLogitsProcessor, BatchUpdate,
+                                                    LogitsProcessor, MoveDirectionality)
 
 
 class DummyLogitsProcessor(LogitsProcessor):
@@ -72,3 +73,41 @@ def test_dummy_processor_forces_the_target_only_where_asked(tiny_model_dir, llm)
     forced.shutdown()
     with pytest.raises(ConfigError, match="LogitsProcessor"):
         make_llm(tiny_model_dir, logits_processors=[int])
+
+
+class EchoLast(AdapterLogitsProcessor):
+    """Per request (with `echo` in extra_args): force the token the request's prompt ends with
+    while the output is shorter than `echo`, then the output's last token + 1. Both lists are
+    read live, so this fails unless each row keeps its own request's ids across moves."""
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def new_req_logits_processor(self, params):
+        if not (params.extra_args or {}).get("echo"):
+            return None
+        n = params.extra_args["echo"]
+
+        def force(prompt_ids, output_ids, logits):
+            token = prompt_ids[-1] if len(output_ids) < n else output_ids[-1] + 1
+            logits[:] = float("-inf")
+            logits[token] = 0.0
+            return logits
+        return force
+
+
+def test_adapter_runs_each_requests_own_processor(tiny_model_dir, llm):
+    wrapped = make_llm(tiny_model_dir, logits_processors=[EchoLast])
+    prompts = [[5, 6, 7], [20, 21], [30, 31, 40], [50]]
+    lengths = [3, 9, 5, 7]  # the plain first request ends first: the rows move
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True,
+                             extra_args={"echo": 2} if i else None)
+              for i, n in enumerate(lengths)]
+    got = wrapped.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    plain = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    for i in (1, 2, 3):
+        last = prompts[i][-1]
+        want = [last, last] + [last + k for k in range(1, lengths[i] - 1)]
+        assert got[i].outputs[0].token_ids == want
+    wrapped.shutdown()
