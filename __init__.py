@@ -7,6 +7,10 @@ Names are imported lazily so that `kvserve.operator` (and its image) never pulls
 from importlib import import_module
 from typing import Any
 
+from kvserve.engine.cpu_threads import set_spin_default
+
+set_spin_default()  # before torch loads libgomp: see engine/cpu_threads.py
+
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
            "StructuredOutputsParams", "GuidedDecodingParams", "AsyncLLMEngine", "EngineArgs",

@@ -27,6 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import httpx
+import psutil
 
 SYSTEM_PROMPT = (
     "You are KV, a careful assistant for engineers who run large language models in production. "
@@ -74,6 +75,7 @@ class Result:
     ttft_p99: float | None = None
     itl_p50: float | None = None
     itl_p99: float | None = None
+    cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds per process role
 
     @property
     def tok_per_s(self) -> float:
@@ -96,13 +98,14 @@ def run_offline(args: argparse.Namespace, convs: list) -> Result:
               kv_cache_memory=args.kv_cache_memory)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.chat(convs[:2], params, use_tqdm=False)  # warm-up (and the system prompt is cached)
-    start = time.perf_counter()
+    start, cpu0 = time.perf_counter(), sum(psutil.Process().cpu_times()[:2])
     outs = llm.chat(convs, params, use_tqdm=False)
     seconds = time.perf_counter() - start
+    cpu = {"engine": sum(psutil.Process().cpu_times()[:2]) - cpu0}
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     del llm
     gc.collect()
-    return Result("offline LLM.generate", len(convs), len(convs), tokens, seconds)
+    return Result("offline LLM.generate", len(convs), len(convs), tokens, seconds, cpu=cpu)
 
 
 # ---------------------------------------------------------------------------- server side
@@ -179,6 +182,25 @@ async def run_clients(url: str, model: str, convs: list, concurrency: int,
         return list(timings), time.perf_counter() - start
 
 
+def cpu_seconds(proc: subprocess.Popen) -> dict[str, float]:
+    """CPU seconds so far of the server's processes and of this one (the clients): the API
+    process, the engine core process where split (the child that runs longest), and the rest."""
+    def secs(p: psutil.Process) -> float:
+        t = p.cpu_times()
+        return t.user + t.system
+
+    server = psutil.Process(proc.pid)
+    out = {"server": secs(server), "clients": secs(psutil.Process())}
+    for child in server.children(recursive=True):
+        try:
+            name = "core" if "engine_core" in " ".join(child.cmdline()) or \
+                "spawn_main" in " ".join(child.cmdline()) else "other"
+            out[name] = out.get(name, 0.0) + secs(child)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 def run_server_bench(args: argparse.Namespace, convs: list, engine_core: str) -> list[Result]:
     port = free_port()
     proc = start_server(args, port, engine_core)
@@ -189,7 +211,10 @@ def run_server_bench(args: argparse.Namespace, convs: list, engine_core: str) ->
     try:
         asyncio.run(run_clients(url, model, convs[:2], 2, args.max_tokens))  # warm-up
         for n in args.concurrency:  # warm, like the offline peer: the system prompt is cached
+            cpu0 = cpu_seconds(proc)
             timings, seconds = asyncio.run(run_clients(url, model, convs, n, args.max_tokens))
+            cpu1 = cpu_seconds(proc)
+            cpu = {k: cpu1[k] - cpu0.get(k, 0.0) for k in cpu1}
             tokens = sum(t.tokens for t in timings)
             if tokens != len(convs) * args.max_tokens:
                 expected = len(convs) * args.max_tokens
@@ -198,7 +223,7 @@ def run_server_bench(args: argparse.Namespace, convs: list, engine_core: str) ->
             ttfts = [t.ttft for t in timings]
             results.append(Result(f"server ({engine_core}), {n} clients", n, len(convs), tokens, seconds,
                                   percentile(ttfts, 50), percentile(ttfts, 99),
-                                  percentile(itls, 50), percentile(itls, 99)))
+                                  percentile(itls, 50), percentile(itls, 99), cpu))
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -208,16 +233,27 @@ def run_server_bench(args: argparse.Namespace, convs: list, engine_core: str) ->
     return results
 
 
+def cpu_text(r: Result) -> str:
+    """CPU per output token of each process: the server (the API process, or the whole engine
+    when it steps in a thread), the engine core when split, and the clients (this process)."""
+    if not r.cpu:
+        return "-"
+    names = {"engine": "engine", "server": "API" if r.cpu.get("core") else "server", "core": "core",
+             "other": "other", "clients": "clients"}
+    return ", ".join(f"{names[k]} {v / r.output_tokens * 1e3:.1f}" for k, v in r.cpu.items()
+                     if k in names and (v > 0 or k in ("server", "engine")))
+
+
 def report(offline: Result | None, results: list[Result]) -> str:
     def ms(x: float | None) -> str:
         return "-" if x is None else f"{x * 1000:.0f}"
 
-    rows = ["| run | tok/s | vs offline | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) |",
-            "| --- | ---: | ---: | ---: | ---: |"]
+    rows = ["| run | tok/s | vs offline | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | CPU ms per token |",
+            "| --- | ---: | ---: | ---: | ---: | --- |"]
     for r in ([offline] if offline else []) + results:
         ratio = f"{r.tok_per_s / offline.tok_per_s:.2f}x" if offline else "-"
         rows.append(f"| {r.name} | {r.tok_per_s:.1f} | {ratio} | {ms(r.ttft_p50)} / "
-                    f"{ms(r.ttft_p99)} | {ms(r.itl_p50)} / {ms(r.itl_p99)} |")
+                    f"{ms(r.ttft_p99)} | {ms(r.itl_p50)} / {ms(r.itl_p99)} | {cpu_text(r)} |")
     return "\n".join(rows)
 
 

@@ -19,6 +19,8 @@ from typing import Any
 
 import zmq
 
+from kvserve.engine.cpu_threads import spin_default_for_children
+
 from kvserve.engine.engine_core.core_loop import run_engine_core
 from kvserve.engine.engine_core.messages import (CoreDead, CoreReady, Shutdown, UtilityCall,
                                                  UtilityResult)
@@ -57,7 +59,8 @@ class CoreClient:
         self.process = ctx.Process(
             target=run_engine_core, name="kvserve-engine-core", daemon=False,
             args=(config, addresses, os.getpid(), logging.getLogger("kvserve").getEffectiveLevel()))
-        self.process.start()
+        with spin_default_for_children():
+            self.process.start()
         logger.info("engine core: process %d, starting the engine", self.process.pid)
         try:
             self.info: CoreReady = self._wait_ready()

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from kvserve.engine.core.kv_cache_groups import KVCacheGroups
+from kvserve.engine.cpu_threads import spin_default_for_children
 from kvserve.engine.distributed import TPGroup
 from kvserve.engine.errors import WorkerDiedError
 
@@ -199,7 +200,8 @@ class WorkerGroup:
             parent, child = ctx.Pipe(duplex=True)
             proc = ctx.Process(target=worker_main, args=(rank, spec, child), daemon=True,
                                name=f"kvserve-tp{rank}")
-            proc.start()
+            with spin_default_for_children():
+                proc.start()
             child.close()
             self.procs.append(proc)
             self.conns.append(parent)

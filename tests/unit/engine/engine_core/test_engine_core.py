@@ -5,6 +5,7 @@ across as utilities; a request's extra keywords and objects carried generically.
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 from conftest import make_llm
@@ -231,3 +232,22 @@ def test_nothing_sent_to_a_dead_core_blocks(tiny_model_dir):
     assert "exit code -9" in (client.death or "")
     client.close()
     assert client.closed
+
+
+def test_the_core_process_starts_with_libgomps_short_spin(tiny_model_dir, monkeypatch):
+    """The core runs one OpenMP team as wide as the machine, which keeps libgomp's long spin
+    (engine/cpu_threads.py): its environment asks for the short one, this process's is unchanged."""
+    from kvserve.engine.config import EngineConfig
+    from kvserve.engine.cpu_threads import SPIN_DEFAULT, SPIN_ENV
+
+    monkeypatch.delenv(SPIN_ENV, raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    client = CoreClient(EngineConfig(model=str(tiny_model_dir), dtype="float32",
+                                     kv_cache_memory=1 << 22, max_model_len=256))
+    try:
+        with open(f"/proc/{client.process.pid}/environ", "rb") as f:
+            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        assert env.get(SPIN_ENV.encode()) == SPIN_DEFAULT.encode()
+        assert SPIN_ENV not in os.environ
+    finally:
+        client.close()
