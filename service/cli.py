@@ -15,6 +15,7 @@ from typing import Any
 from kvserve.engine.config import DEFAULT_MODEL, EngineConfig, structured_outputs_backend
 from kvserve.engine.errors import ConfigError, KVServeError
 from kvserve.service.flags import add_engine_args, add_server_args, limits_from_args
+from kvserve.service.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("kvserve.cli")
 
@@ -91,8 +92,8 @@ def tool_options(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError("--enable-prompt-embeds is not supported by kvserve: prompts are text "
                           "or token ids (drop the flag)")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
-        raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (hermes, mistral "
-                          "or llama3_json)")
+        raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (one of "
+                          f"{', '.join(sorted(TOOL_PARSERS))})")
     out: dict[str, Any] = {"chat_template": args.chat_template,
                            "enable_auto_tool_choice": args.enable_auto_tool_choice,
                            "reasoning_parser": getattr(args, "reasoning_parser", None)}

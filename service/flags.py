@@ -281,7 +281,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    "auto tool choice is on either way, parsed as hermes by default)")
     g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="how tool calls read in the model's text: hermes (<tool_call>{...}"
-                   "</tool_call>; the default), mistral ([TOOL_CALLS][...]) or llama3_json")
+                   "</tool_call>; the default), mistral ([TOOL_CALLS][...]), llama3_json or xlam (a JSON "
+                   "list of calls)")
     g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="split a reasoning model's output into message.reasoning_content and "
                    "content: deepseek_r1 (text before </think> is reasoning, <think> or not), "

@@ -2,7 +2,7 @@
 answer's `message.tool_calls` (or `delta.tool_calls` chunks when streamed).
 
 `tool_choice` "none" hides the tools; "auto" shows them and parses calls out of free text in the
-format of `--tool-call-parser` (service/tool_parsers.py; hermes by default, the format of the
+format of `--tool-call-parser` (service/tool_parsers/; hermes by default, the format of the
 default model's family); "required" and a named function constrain the output with a grammar
 (a JSON list of calls, or the function's arguments), so the model can only answer with valid
 calls. A chat template that knows tools gets them as `tools=`; one that does not (SmolLM2's)
@@ -100,13 +100,15 @@ def _functions(tools: Any) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- the prompt
 
 
-def template_messages(messages: list[dict[str, Any]], plan: ToolPlan | None, template: str
+def template_messages(messages: list[dict[str, Any]], plan: ToolPlan | None, template: str,
+                      parser_name: str = DEFAULT_TOOL_PARSER
                       ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """(messages, tools=) for the chat template. `messages` hold role, content and, from the
     request, tool_calls / tool_call_id. A template that names tool_calls takes them as they
-    are; for any other the calls and results become Hermes text."""
+    are; for any other the calls and results become text in the format of the plan's parser
+    (without tools in the request: `parser_name`, the server's --tool-call-parser)."""
     native = "tool_calls" in template or "tools" in template
-    parser = plan.format if plan is not None else TOOL_PARSERS[DEFAULT_TOOL_PARSER]
+    parser = plan.format if plan is not None else TOOL_PARSERS[parser_name]
     out = [_message(m, native, parser) for m in messages]
     if plan is None:
         return out, None
@@ -225,7 +227,8 @@ class ToolCallStream:
                 self.sent = self.start
                 calls = self._new_calls()
                 return {"content": out, **calls} if out else (calls or None)
-            safe = self.plan.format.safe_prefix(self.text)
+            # trailing whitespace waits too: before a call it is cut, as in the whole answer
+            safe = len(self.text[:self.plan.format.safe_prefix(self.text)].rstrip())
             if safe <= self.sent:
                 return None
             out, self.sent = self.text[self.sent:safe], safe

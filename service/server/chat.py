@@ -37,7 +37,7 @@ async def chat_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> list[i
     template = req.chat_template or ctx.chat_template \
         or getattr(ctx.tokenizer, "chat_template", None) or ""
     messages, tools = template_messages([m.as_template_input() for m in req.messages],
-                                        req.tool_plan(), template)
+                                        req.tool_plan(), template, ctx.tool_parser)
     kwargs = dict(req.chat_template_kwargs or {})
     if tools is not None:
         kwargs["tools"] = tools
@@ -172,8 +172,10 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, request_id: s
 def _tool_chunks(index: int, stream: ToolCallStream, delta: Delta, lp: ChatLogProbs | None
                  ) -> list[ChatStreamChoice]:
     """A tool-calling choice's chunks for one delta: text or call fragments as they become
-    safe to send, then (at the end) the calls and finish_reason "tool_calls"."""
-    fields = [f for f in [stream.feed(delta.text)] if f]
+    safe to send, then (at the end) the calls and finish_reason "tool_calls". Text and calls
+    that come in one delta go out as two chunks, text first (as OpenAI's): clients read a
+    chunk's content or its tool_calls (vLLM's xLAM example prints one or the other)."""
+    fields = [{key: value} for key, value in (stream.feed(delta.text) or {}).items()]
     if delta.finish_reason is not None:
         fields += stream.finish()
     pieces = [ChatStreamChoice(index=index, delta=DeltaMessage(**f), logprobs=lp if i == 0 else None)

@@ -3,7 +3,8 @@ docs/gen/vllm_examples.yaml, examples/vllm/<script> (vLLM's example with only th
 and the URL changed). Offline ones run in-process (runpy, as `__main__`) on a tiny built model;
 online ones against one `kvserve serve` process shared by the module (the reasoning ones against a
 second, with --reasoning-parser, serving a model whose greedy output is a fixed script that reasons
-and then calls a tool). Each is judged on what it printed, against what the example's own calls
+and then calls a tool; the xLAM ones against a third, with --tool-call-parser xlam, whose script
+is a sentence and a fenced JSON list of two calls). Each is judged on what it printed, against what the example's own calls
 must give."""
 
 from __future__ import annotations
@@ -174,6 +175,51 @@ def reasoning_server(tmp_path_factory):
         yield url
 
 
+# what the scripted xLAM-style model writes to any chat: a sentence, then two calls as one JSON
+# list in a ```json fence (one of the forms vLLM's xlam parser reads)
+XLAM_CALLS = ['{"name": "get_weather", "arguments": {"location": "Tokyo", "unit": "celsius"}}',
+              '{"name": "get_weather", "arguments": {"location": "New York", "unit": "celsius"}}']
+XLAM_SCRIPT = ["I will look it up.", "\n```json\n", "[" + XLAM_CALLS[0] + ", ",
+               XLAM_CALLS[1] + "]", "\n```"]
+
+
+@pytest.fixture(scope="module")
+def xlam_server(tmp_path_factory):
+    # 4,096 positions: the example's three tools in the system message are ~2k tiny tokens
+    model = build_scripted_llama(tmp_path_factory.mktemp("scripted") / "xlam", XLAM_SCRIPT,
+                                 max_position_embeddings=4096)
+    log = tmp_path_factory.mktemp("server") / "xlam-server.log"
+    with api_server_process(model, log, "--enable-auto-tool-choice",
+                            "--tool-call-parser", "xlam") as (_, url):
+        yield url
+
+
+def check_xlam(script: str, out: str) -> None:
+    """Each of the four questions: the content before the calls, both calls parsed from the
+    fenced list and run by the example, and the follow-up (no tools: the script as text)."""
+    cases = out.split("TEST CASE: ")[1:]
+    assert len(cases) == 4 and out.rstrip().endswith("All tests completed."), out
+    for case in cases:
+        assert "Error executing function" not in case, case
+        for city in ("Tokyo", "New York"):
+            assert f"Weather in {city} is 22 degrees celsius.\n" in case, case
+        if script.endswith("_streaming.py"):
+            # the content streams first, then each call arrives whole as its object closes
+            first = json.dumps(json.loads(XLAM_CALLS[0])["arguments"])
+            assert "--- Stream Output ---\nI will look it up.Function called: get_weather\n" \
+                f"Arguments chunk: {first}\n" in case, case
+            assert case.count("Function called: get_weather\n") == 2, case
+            assert case.count("--- Function Result (get_weather) ---") == 2, case
+        else:
+            assert "Content: I will look it up.\n" in case, case
+            assert re.search(r"Tool calls: \[ChatCompletionMessage\w*ToolCall\(", case), case
+            for call in XLAM_CALLS:
+                assert f"Arguments: {json.dumps(json.loads(call)['arguments'])}\n" in case
+            assert case.count("Function ID: call_") == 2, case
+        assert "--- Follow-up Response ---\n" + "".join(XLAM_SCRIPT) + "\n--- End Follow-up" \
+            in case, case
+
+
 def check_reasoning(script: str, out: str) -> None:
     """The scripted answer split: reasoning apart from content, the call parsed from content."""
     content = "".join(SCRIPT[3:])  # no tools in the request: the call stays text
@@ -204,6 +250,8 @@ def check_reasoning(script: str, out: str) -> None:
 def check_online(script: str, out: str) -> None:
     if "reasoning" in script:
         check_reasoning(script, out)
+    if "xlam" in script:
+        check_xlam(script, out)
     if script == "online/openai_completion_client.py":
         assert out.startswith("Completion results:") and out.count("Completion(") >= 2
     if script == "online/openai_chat_completion_client.py":
@@ -229,8 +277,10 @@ def check_online(script: str, out: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("script", runs("online"))
 def test_online_example(script, monkeypatch, capsys, request):
-    server = request.getfixturevalue("reasoning_server" if "reasoning" in script else "server")
+    server = request.getfixturevalue("reasoning_server" if "reasoning" in script else
+                                     "xlam_server" if "xlam" in script else "server")
     monkeypatch.setenv("KVSERVE_EXAMPLE_BASE_URL", server + "/v1")
+    monkeypatch.setenv("KVSERVE_EXAMPLE_SLEEP", "0")
     monkeypatch.setenv("KVSERVE_EXAMPLE_MODEL", "tiny")
     check_online(script, run_example(script, [], capsys))
 

@@ -71,13 +71,13 @@ def test_auto_stream_holds_back_a_possible_call():
     stream = ToolCallStream(tool_plan([WEATHER], "auto"))
     sent = [stream.feed(piece) for piece in ["Sure", ". <tool", "_call>\n{\"name\": ",
                                              '"get_weather", "arguments": {}}\n</tool_call>']]
-    assert sent[:3] == [{"content": "Sure"}, {"content": ". "}, None]
+    assert sent[:3] == [{"content": "Sure"}, {"content": "."}, None]  # " " waits, then is cut
     # the call goes out as soon as its JSON object closes, not at the end
     assert sent[3]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": "{}"}
     assert stream.finish() == [] and len(stream.calls) == 1
     plain = ToolCallStream(tool_plan([WEATHER], "auto"))
-    assert plain.feed("a <tool") == {"content": "a "}
-    assert plain.finish() == [{"content": "<tool"}]  # it never became a call
+    assert plain.feed("a <tool") == {"content": "a"}
+    assert plain.finish() == [{"content": " <tool"}]  # it never became a call
 
 
 def test_named_stream_sends_arguments_as_they_come():
@@ -200,3 +200,86 @@ def test_parser_formats_in_a_template_without_tools():
     assert messages[3]["content"] == "18 C"
     messages, _ = template_messages(history, tool_plan([WEATHER], "auto", "llama3_json"), "")
     assert messages[2]["content"] == '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+
+
+XLAM_CALLS = '[{"name": "get_weather", "arguments": {"city": "Paris"}}, ' \
+             '{"name": "get_time", "arguments": {}}]'
+
+
+@pytest.mark.parametrize("text, content", [
+    (XLAM_CALLS, None),  # xLAM-2's own form: the bare list
+    ("\n " + XLAM_CALLS, None),
+    ("I will check.\n```json\n" + XLAM_CALLS + "\n```", "I will check."),
+    ("I will check.```" + XLAM_CALLS + "```", "I will check."),
+    ("Sure.[TOOL_CALLS]" + XLAM_CALLS, "Sure."),
+    ("Sure.\n<tool_call>" + XLAM_CALLS + "</tool_call>", "Sure."),
+    ("<think>a [b] `c`</think>\n" + XLAM_CALLS, "<think>a [b] `c`</think>"),
+])
+def test_xlam_reads_each_form_whole_and_streamed_cut_anywhere(text, content):
+    plan = tool_plan([WEATHER, TIME], "auto", "xlam")
+    whole_content, calls = parse_output(plan, text)
+    assert whole_content == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [("get_weather", {"city": "Paris"}), ("get_time", {})]
+
+    def streamed(pieces):
+        stream = ToolCallStream(plan)
+        deltas = [d for d in (stream.feed(p) for p in pieces) if d] + stream.finish()
+        said = "".join(d.get("content", "") for d in deltas)
+        sent = [c for d in deltas for c in d.get("tool_calls", [])]
+        return said, [(c["index"], c["function"]["name"], c["function"]["arguments"])
+                      for c in sent]
+
+    want = (content or "", [(i, c["function"]["name"], c["function"]["arguments"])
+                            for i, c in enumerate(calls)])
+    for cut in range(len(text) + 1):  # two deltas, cut at every character
+        assert streamed([text[:cut], text[cut:]]) == want, cut
+    assert streamed(list(text)) == want  # one character at a time
+    # the first call goes out as soon as its object closes
+    stream = ToolCallStream(plan)
+    first = next(i for i, ch in enumerate(text) if (stream.feed(ch) or {}).get("tool_calls"))
+    assert first == text.index('"Paris"}}') + len('"Paris"}}') - 1
+
+
+@pytest.mark.parametrize("text", [
+    "The answer is [1, 2] and `x`.",  # a list mid-text, a backtick: no call
+    "```python\nprint([1])\n```",  # a fence that is no JSON list
+    "[1, 2, 3]",  # a bare list of no calls
+    "<tool_call>not json</tool_call>",
+    '```json\n[{"name": "get_weather", "argu',  # cut short
+])
+def test_xlam_leaves_text_without_calls_as_content(text):
+    plan = tool_plan([WEATHER], "auto", "xlam")
+    assert parse_output(plan, text) == (text, [])
+    stream = ToolCallStream(plan)
+    deltas = [d for d in (stream.feed(ch) for ch in text) if d] + stream.finish()
+    assert "".join(d["content"] for d in deltas) == text
+    assert not any("tool_calls" in d for d in deltas)
+
+
+def test_xlam_history_renders_as_a_json_list():
+    history = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "c", "type": "function", "function": {
+                       "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "content": "18 C", "tool_call_id": "c"}]
+    messages, tools = template_messages(history, tool_plan([WEATHER], "auto", "xlam"), "")
+    assert tools is None and '"arguments": <args-dict>' in messages[0]["content"]
+    assert messages[2]["content"] == '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+    assert messages[3]["content"] == "18 C"
+    # a follow-up without tools still renders the earlier calls in the server's format
+    messages, _ = template_messages(history, None, "", "xlam")
+    assert messages[1]["content"] == '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+
+
+def test_text_and_a_call_in_one_delta_go_out_as_two_chunks():
+    from kvserve.service.server.chat import _tool_chunks
+    from kvserve.service.server.stream_deltas import Delta
+
+    stream = ToolCallStream(tool_plan([WEATHER, TIME], "auto", "xlam"))
+    text = "I will look.\n```json\n" + XLAM_CALLS  # the engine's output came in one piece
+    pieces = _tool_chunks(0, stream, Delta(text, [], None, "stop", None, 0), None)
+    deltas = [p.delta.model_dump(exclude_none=True) for p in pieces]
+    assert deltas[0] == {"content": "I will look."}
+    assert [c["function"]["name"] for c in deltas[1]["tool_calls"]] == ["get_weather", "get_time"]
+    assert pieces[-1].finish_reason == "tool_calls" and len(pieces) == 3

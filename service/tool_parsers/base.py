@@ -1,11 +1,9 @@
-"""Tool-call parsers (`--tool-call-parser`, vLLM's names): where a model's calls begin in its text,
-how one call reads, and how a template that knows no tools is told the format.
+"""What every tool-call format shares: `ToolParser` (where the calls begin in a text, how much of
+a growing text is surely no call, how earlier calls render) and `ObjectScanner`.
 
-Every format here writes each call as one JSON object `{"name": ..., "arguments"|"parameters":
-{...}}` after an opener: hermes `<tool_call>{...}</tool_call>` (Qwen, SmolLM2, Hermes), mistral
-`[TOOL_CALLS][{...}, ...]`, llama3_json `<|python_tag|>{...}; {...}` or a bare leading `{`. So one
-scanner finds the calls: each outermost JSON object after the opener, complete once it closes,
-which is what lets a stream send each call as soon as it is written."""
+Every format writes each call as one JSON object `{"name": ..., "arguments"|"parameters": {...}}`
+after an opener, so one scanner finds the calls: each outermost JSON object after the opener,
+complete once it closes, which is what lets a stream send each call as soon as it is written."""
 
 from __future__ import annotations
 
@@ -13,26 +11,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-_HERMES_SYSTEM = (
-    "You are a function calling AI model. You are provided with function signatures within "
-    "<tools></tools> XML tags. You may call one or more functions to assist with the user query. "
-    "Don't make assumptions about what values to plug into functions. Here are the available "
-    "tools: <tools> {tools} </tools> For each function call return a json object with function "
-    "name and arguments within <tool_call></tool_call> XML tags as follows:\n<tool_call>\n"
-    '{{"name": <function-name>, "arguments": <args-dict>}}\n</tool_call>')
-_MISTRAL_SYSTEM = (
-    "You can call these functions: {tools}. To call functions, answer with [TOOL_CALLS] followed "
-    'by a JSON list of calls: [TOOL_CALLS][{{"name": <function-name>, "arguments": '
-    "<args-dict>}}]")
-_LLAMA3_SYSTEM = (
-    "You have access to these functions: {tools}. To call a function, respond only with a JSON "
-    'object of the form {{"name": <function-name>, "parameters": <args-dict>}}; separate several '
-    "calls with '; '.")
-
 
 @dataclass(frozen=True)
 class ToolParser:
-    """One model family's tool-call format."""
+    """One model family's tool-call format: a subclass per format renders earlier calls."""
 
     name: str
     opener: str  # the text that starts the calls
@@ -65,28 +47,11 @@ class ToolParser:
 
     def render(self, calls: list[tuple[str, Any]]) -> str:
         """Earlier calls (name, arguments) as the model would have written them."""
-        if self.name == "mistral":
-            return self.opener + json.dumps([{"name": n, "arguments": a} for n, a in calls],
-                                            ensure_ascii=False)
-        if self.name == "llama3_json":
-            return "; ".join(json.dumps({"name": n, "parameters": a}, ensure_ascii=False)
-                             for n, a in calls)
-        return "\n".join(f"{self.opener}\n" + json.dumps({"name": n, "arguments": a},
-                                                        ensure_ascii=False) + "\n</tool_call>"
-                         for n, a in calls)
+        raise NotImplementedError
 
     def tool_result(self, content: str) -> str:
-        return f"<tool_response>\n{content}\n</tool_response>" if self.name == "hermes" \
-            else content
-
-
-TOOL_PARSERS = {
-    "hermes": ToolParser("hermes", "<tool_call>", _HERMES_SYSTEM),
-    "mistral": ToolParser("mistral", "[TOOL_CALLS]", _MISTRAL_SYSTEM, needs_special_tokens=True),
-    "llama3_json": ToolParser("llama3_json", "<|python_tag|>", _LLAMA3_SYSTEM, bare_json=True,
-                              needs_special_tokens=True),
-}
-DEFAULT_TOOL_PARSER = "hermes"
+        """A tool's result as the model reads it."""
+        return content
 
 
 def call_of(obj_text: str) -> tuple[str, Any] | None:
