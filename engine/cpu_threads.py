@@ -5,9 +5,10 @@ before it sleeps: 300,000 iterations by default (GOMP_SPINCOUNT), cut to 1,000 o
 runs more OpenMP threads than it has CPUs. A process with one team as wide as the machine (the
 offline `LLM`, the engine core in its own process) keeps the long spin. Alone on the machine that
 costs nothing, but beside any other busy process (a server's API process, clients, a neighbour
-pod) every spinning thread holds a CPU the thread it waits for needs, and a decode step took 4-7x
-the CPU time of the same step with the short spin (docs/perf/server.md). So kvserve asks for
-libgomp's own short count unless the user set one: at `import kvserve` while torch is not loaded
+pod) every spinning thread holds a CPU the thread it waits for needs: a decode step took 8-15x
+the CPU time and throughput fell 20x (docs/perf/server.md). The short count costs a fifth to a
+third of the throughput on an idle machine, so kvserve asks for it unless the user set one
+(`GOMP_SPINCOUNT=10000` on exclusive cores): at `import kvserve` while torch is not loaded
 yet, and in the environment its spawned children (the engine core, tensor-parallel ranks) start
 with. Intel's OpenMP runtime (KMP_BLOCKTIME) is not touched.
 """
