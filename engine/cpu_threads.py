@@ -11,14 +11,21 @@ third of the throughput on an idle machine, so kvserve asks for it unless the us
 (`GOMP_SPINCOUNT=10000` on exclusive cores): at `import kvserve` while torch is not loaded
 yet, and in the environment its spawned children (the engine core, tensor-parallel ranks) start
 with. Intel's OpenMP runtime (KMP_BLOCKTIME) is not touched.
+
+And how many threads: the container's CPU quota, not the node's CPUs (size_torch_threads, below).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
+
+logger = logging.getLogger("kvserve.engine")
 
 SPIN_ENV = "GOMP_SPINCOUNT"
 SPIN_DEFAULT = "1000"  # libgomp's throttled count (the one it picks itself when oversubscribed)
@@ -52,3 +59,92 @@ def spin_default_for_children() -> Iterator[None]:
     finally:
         if os.environ.get(SPIN_ENV) == SPIN_DEFAULT:
             del os.environ[SPIN_ENV]
+
+
+# ---------------------------------------------------------------------------- thread count
+# torch starts one intra-op thread per CPU it can see: the affinity mask, not a container's CPU
+# quota. A pod limited to 2 CPUs on a 64-core node would run 32-64 OpenMP threads on 2 CPUs'
+# worth of time, and a parallel region waits for its slowest, throttled thread. So on the CPU the
+# engine takes the smaller of the affinity mask and the cgroup quota (as vLLM's CPU backend asks
+# its users to bind threads), split across tensor-parallel ranks; OMP_NUM_THREADS wins when set.
+
+
+def cpu_quota(proc: Path = Path("/proc"),
+              cgroup: Path = Path("/sys/fs/cgroup")) -> tuple[float, str] | None:
+    """(CPUs, words) of the tightest CPU quota over this process's cgroup and its ancestors:
+    v2 `cpu.max` ("quota period"), v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`; None without."""
+    from kvserve.engine.host_memory import cgroup_dirs
+
+    try:
+        lines = (proc / "self" / "cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    best: tuple[float, str] | None = None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            mounts = [(cgroup, "v2"), (cgroup / "unified", "v2")]
+        elif "cpu" in controllers.split(","):
+            mounts = [(cgroup / controllers, "v1"), (cgroup / "cpu", "v1")]
+        else:
+            continue
+        for mount, kind in mounts:
+            for d in cgroup_dirs(mount, path):
+                cpus = _quota_v2(d) if kind == "v2" else _quota_v1(d)
+                if cpus is not None and (best is None or cpus < best[0]):
+                    best = (cpus, f"cgroup {kind} CPU quota {cpus:g} at {d}")
+    return best
+
+
+def _quota_v2(d: Path) -> float | None:
+    try:
+        quota, period = (d / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
+
+
+def _quota_v1(d: Path) -> float | None:
+    try:
+        quota = int((d / "cpu.cfs_quota_us").read_text())
+        period = int((d / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def usable_cpus(proc: Path = Path("/proc"),
+                cgroup: Path = Path("/sys/fs/cgroup")) -> tuple[int, str]:
+    """(CPUs this process may keep busy, why): the affinity mask, lowered to a CPU quota's whole
+    CPUs (at least 1)."""
+    try:
+        mask = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        mask = os.cpu_count() or 1
+    quota = cpu_quota(proc, cgroup)
+    if quota is not None and max(1, math.floor(quota[0])) < mask:
+        return max(1, math.floor(quota[0])), quota[1]
+    return mask, f"{mask} CPU(s) in the affinity mask"
+
+
+def rank_threads(ranks: int = 1, usable: tuple[int, str] | None = None) -> tuple[int, str]:
+    """torch threads for each of `ranks` processes sharing this host's usable CPUs:
+    OMP_NUM_THREADS when set, else the CPUs split evenly (at least 1)."""
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env), "OMP_NUM_THREADS"
+    cpus, why = usable if usable is not None else usable_cpus()
+    return max(1, cpus // ranks), why + (f", split over {ranks} ranks" if ranks > 1 else "")
+
+
+def size_torch_threads(ranks: int = 1, usable: tuple[int, str] | None = None) -> int:
+    """Set this process's torch intra-op threads to its share (rank_threads) where torch would
+    run more; returns the count in effect."""
+    import torch
+
+    want, why = rank_threads(ranks, usable)
+    have = torch.get_num_threads()
+    if want < have or (ranks > 1 and want != have):
+        torch.set_num_threads(want)
+        logger.info("torch CPU threads: %d (was %d; %s)", want, have, why)
+    return torch.get_num_threads()

@@ -153,7 +153,7 @@ def mem_available(proc: Path = Path("/proc")) -> int | None:
     return None
 
 
-def _cgroup_dirs(mount: Path, path: str) -> list[Path]:
+def cgroup_dirs(mount: Path, path: str) -> list[Path]:
     """The cgroup's folder and its ancestors up to the mount, those that exist (inside a
     container the process's path may not exist under the namespace's mount: its root is it)."""
     parts = [p for p in path.strip("/").split("/") if p]
@@ -182,7 +182,7 @@ def cgroup_headroom(proc: Path = Path("/proc"),
         else:
             continue
         for mount, limit_file, usage_file, kind in mounts:
-            for d in _cgroup_dirs(mount, path):
+            for d in cgroup_dirs(mount, path):
                 limit, usage = _read_int(d / limit_file), _read_int(d / usage_file)
                 if limit is None or limit >= UNLIMITED or usage is None:
                     continue

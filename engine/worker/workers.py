@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from kvserve.engine.core.kv_cache_groups import KVCacheGroups
-from kvserve.engine.cpu_threads import spin_default_for_children
+from kvserve.engine.cpu_threads import rank_threads, spin_default_for_children
 from kvserve.engine.distributed import TPGroup
 from kvserve.engine.errors import WorkerDiedError
 
@@ -223,7 +223,7 @@ class WorkerGroup:
                 "another tensor-parallel engine is still running in this process; call "
                 "shutdown() on it before starting a new one")
         store = os.path.join(tempfile.mkdtemp(prefix="kvserve-tp-"), "rendezvous")
-        threads = max(1, (os.cpu_count() or 1) // size)
+        threads = rank_threads(size)[0]  # each rank's share of the CPUs this host lets us use
         spec = WorkerSpec(str(model_path), revision, dtype, device_type, size,
                           f"file://{store}", threads, max_model_len, quantization,
                           hf_overrides, lora)
