@@ -93,18 +93,18 @@ def _h100_llama3_8b() -> TimingModel:
                "measured on our H200 (docs/perf.md)")
 
 
-# Measured on this project's 2-core SPR machine (Intel Sapphire Rapids, AMX, bf16), 2026-12-04,
-# by `python bench/sim_calibrate.py` with other jobs on the cores (load average ~2), which made
-# single timings noisy: prefill from its slope (256 -> 1,024 tokens: 105 -> 1,285 ms; those two
-# came from different loads and are not points of the model: one series at load ~6 on 2026-12-05,
-# 128-1,024 tokens, fits 9 ms + 1.74 ms a token, the model's form and within 13% of its slope,
-# while an idle moment gives 110 ms at 256; recalibrate on an idle machine), the context
-# cost from batch 8 at 64 vs 512 tokens (29.9 vs 37.4 ms); the cost per sequence from batch 8's
-# step against docs/perf.md's profiled 64-sequence step (46.5 ms, same machine class, idle).
+# Measured on this project's 2-core SPR machine (Intel Sapphire Rapids, AMX, bf16), 2026-12-06,
+# code 8519e95, by `python bench/sim_calibrate.py` with one niced job beside it (load 1.0-1.5),
+# three runs; the two that agree (the third's 1,024-token prefill took 445 ms) are averaged:
+# prefill 256 / 1,024 tokens 101.0 / 290.7 ms (the slope: 0.248 ms a token, fresh prefills now
+# through SDPA; the 2026-12-04 calibration, at load ~2 with the paged prefill, had 1.54 ms);
+# decode batch 1 x 64 context 31.5 ms, batch 8 x 64 42.0 ms, batch 8 x 512 35.9 ms. The last
+# is faster than 8 x 64 in every run, so the context cost fits to 0 (below the noise of a step)
+# and the model predicts 42.0 ms there.
 # KV blocks: the engine's CPU default for SmolLM2-135M-Instruct there.
 _CPU_SMOLLM2 = TimingModel(
-    name="cpu-smollm2", prefill_s_per_token=1.54e-3, decode_step_s=2.75e-2,
-    decode_s_per_seq=3.0e-4, decode_s_per_ctx_token=2.1e-6, num_blocks=11650, max_num_seqs=256,
+    name="cpu-smollm2", prefill_s_per_token=2.48e-4, decode_step_s=2.99e-2,
+    decode_s_per_seq=1.51e-3, decode_s_per_ctx_token=0.0, num_blocks=11650, max_num_seqs=256,
     max_num_batched_tokens=2048,
     source="bench/sim_calibrate.py on SPR, 2 cores, SmolLM2-135M-Instruct bf16")
 

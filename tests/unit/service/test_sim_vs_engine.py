@@ -120,15 +120,20 @@ def test_auto_preemption_follows_the_timing_models_cost():
 
 # What bench/sim_calibrate.py measured on SPR, 2 cores (service/sim/timing.py's comment), as
 # (prefill tokens, decoding sequences, context tokens) -> seconds of one engine step.
-CPU_SMOLLM2_MEASURED = {(0, 8, 8 * 64): 29.9e-3, (0, 8, 8 * 512): 37.4e-3}
+CPU_SMOLLM2_DECODE = {(0, 1, 64): 31.5e-3, (0, 8, 8 * 64): 42.0e-3}
+CPU_SMOLLM2_PREFILL = {(256, 0, 0): 101.0e-3, (1024, 0, 0): 290.7e-3}
 TOLERANCE = 0.05  # the model's fit against the points it was fitted to
+PREFILL_TOLERANCE = 0.10  # a fixed cost + a slope through two points, the fixed cost the decode's
 
 
 def test_the_cpu_timing_model_reproduces_its_calibration():
     m = timing_model("cpu-smollm2")
-    for (prefill, seqs, context), seconds in CPU_SMOLLM2_MEASURED.items():
+    for (prefill, seqs, context), seconds in CPU_SMOLLM2_DECODE.items():
         assert m.step_seconds(prefill, seqs, context) == pytest.approx(seconds, rel=TOLERANCE)
-    # Prefill was fitted as the slope between one 256- and one 1,024-token prompt's steps
-    # (105 ms and 1,285 ms), so the fixed cost of a step drops out of it.
+    # Prefill was fitted as the slope between one 256- and one 1,024-token prompt's steps, so
+    # the fixed cost of a step drops out of it; the points themselves hold within 10%
     slope = (m.step_seconds(1024, 0, 0) - m.step_seconds(256, 0, 0)) / (1024 - 256)
-    assert slope == pytest.approx((1.285 - 0.105) / (1024 - 256), rel=TOLERANCE)
+    assert slope == pytest.approx((0.2907 - 0.1010) / (1024 - 256), rel=TOLERANCE)
+    for (prefill, seqs, context), seconds in CPU_SMOLLM2_PREFILL.items():
+        assert m.step_seconds(prefill, seqs, context) == pytest.approx(seconds,
+                                                                       rel=PREFILL_TOLERANCE)
