@@ -14,7 +14,6 @@ import argparse
 import time
 
 import torch
-
 from kvserve.engine.layers.quantization import activation as act
 from kvserve.engine.layers.quantization.int8_w8a8 import Int8W8A8Linear
 from kvserve.engine.layers.quantization.qweight import QuantizedWeight

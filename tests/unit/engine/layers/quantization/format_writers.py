@@ -74,6 +74,13 @@ def write_gptq(dense: Path, out: Path, bits: int, group: int, desc_act: bool, sy
     return _write(dense, out, reference, config, convert)
 
 
+def set_quant_config(folder: Path, **changes) -> None:
+    """Change fields of a written checkpoint's quantization_config (refusal tests)."""
+    raw = json.loads((folder / "config.json").read_text())
+    raw["quantization_config"].update(changes)
+    (folder / "config.json").write_text(json.dumps(raw))
+
+
 def _input_seed(prefix: str) -> int:
     """One seed per linear input: projections that read the same activations (q/k/v, gate/up)
     get the same act order, as GPTQ's Hessian of that input gives them."""

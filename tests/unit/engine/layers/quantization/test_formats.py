@@ -8,15 +8,13 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import build_tiny_llama, make_llm
-from format_writers import write_awq, write_fp8_block, write_gptq
-from quant_checkpoints import hf_model, write_quantized
-from test_compressed_tensors import assert_matches_reference
-
+from format_writers import set_quant_config, write_awq, write_fp8_block, write_gptq
 from kvserve.engine.errors import QuantizationError
 from kvserve.engine.layers.quantization import QuantLinear
 from kvserve.engine.layers.quantization.weight_only import Int4WeightLinear
+from quant_checkpoints import hf_model, write_quantized
+from test_compressed_tensors import assert_matches_reference
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +62,6 @@ def test_tensor_parallel_shards_act_order_scales_with_their_columns(dense_dir, t
         assert_matches_reference(llm, hf_model(tmp_path / "ref"), atol=2e-4)
     finally:
         llm.llm_engine.shutdown()
-
-
-def set_quant_config(folder: Path, **changes) -> None:
-    raw = json.loads((folder / "config.json").read_text())
-    raw["quantization_config"].update(changes)
-    (folder / "config.json").write_text(json.dumps(raw))
 
 
 def test_unsupported_schemes_are_refused_naming_the_scheme(dense_dir, tmp_path):

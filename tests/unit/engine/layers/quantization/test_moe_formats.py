@@ -7,22 +7,23 @@ on a dense MoE checkpoint (per-channel weights, per-token activations)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from family_checks import build_family
-from format_writers import write_awq, write_fp8_block, write_gptq
-from quant_checkpoints import LINEARS, hf_model, write_quantized
-from test_compressed_tensors import assert_matches_reference
-from test_moe_experts import assert_agrees_teacher_forced, assert_layer_matches_fake_quantised, \
-    moe_layers
-
 from conftest import make_llm
+from family_checks import build_family
+from format_writers import set_quant_config, write_awq, write_fp8_block, write_gptq
 from kvserve.engine.errors import QuantizationError
 from kvserve.engine.layers.moe import ExpertLinears
 from kvserve.engine.layers.quantization import QuantLinear
+from quant_checkpoints import LINEARS, hf_model, write_quantized
+from test_compressed_tensors import assert_matches_reference
+from test_moe_experts import (
+    assert_agrees_teacher_forced,
+    assert_layer_matches_fake_quantised,
+    moe_layers,
+)
 
 FAMILIES = {  # 4 experts of [64, 64], top 2; Qwen3-MoE's layer 0 dense, Mixtral's all sparse
     "qwen3_moe": ("Qwen3MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2,
@@ -94,12 +95,6 @@ def test_two_ranks_cut_act_order_experts_with_their_groups(dense):
         assert_matches_reference(llm, hf_model(ref), atol=2e-4)
     finally:
         llm.llm_engine.shutdown()
-
-
-def set_quant_config(folder: Path, **changes) -> None:
-    raw = json.loads((folder / "config.json").read_text())
-    raw["quantization_config"].update(changes)
-    (folder / "config.json").write_text(json.dumps(raw))
 
 
 def test_awq_skipping_the_router_by_name_keeps_the_experts_gate_proj_quantised(dense, tmp_path):
