@@ -71,9 +71,9 @@ class Sim:
     def step(self) -> SchedulerOutput:
         out = self.sched.schedule()
         self.outputs.append(out)
-        if out.is_empty:  # LLMEngine.step runs nothing (no block moves either) on an empty batch
+        self._move(out)  # LLMEngine.step moves blocks even when no seq runs (a swap-out, say)
+        if out.is_empty:
             return out
-        self._move(out)
         for seq, n in zip(out.seqs, out.num_tokens):
             assert self.read(seq) == seq.all_token_ids[: seq.num_computed_tokens]
             table, toks, start = self.kv.block_ids(seq), seq.all_token_ids, seq.num_computed_tokens

@@ -1,8 +1,8 @@
 """Scheduler paths the step-loop tests of test_scheduler.py leave open (mutation survivors, see
 docs/mutation.md): the swap-or-recompute choice with a cost model, the priority order of the
 running set, a prompt exactly at the budget without chunking, the cached-token figure of a
-re-admitted request, a two-token prefill chunk that completes a shared block, and prefix hits
-from the host and disk tiers."""
+re-admitted request, a two-token prefill chunk that completes a shared block, prefix hits
+from the host and disk tiers, and the swapped queue's share of the budget."""
 
 from __future__ import annotations
 
@@ -231,3 +231,49 @@ def test_a_decode_completing_a_block_holds_back_no_admission():
     b = sim.add(a.all_token_ids + [80], max_tokens=2)
     second = sim.step()
     assert second.seqs == [a, b] and b.num_cached_tokens == 4
+
+
+# ---- the swapped queue's share of the budget ----------------------------------------------------
+
+def _swapped_fork(sim: Sim, parent: Sequence) -> Sequence:
+    """Step until a fork is swapped out; return it (its parent finished in that step)."""
+    while not sim.sched.swapped:
+        sim.step()
+    (fork,) = sim.sched.swapped
+    assert fork.request_id == parent.request_id and parent in sim.finished
+    return fork
+
+
+def test_a_swapped_seq_stays_out_while_the_running_ones_spend_the_budget():
+    # a (n=2) forks after its prefill; the fork, the newest seq, is swapped out when a's decode
+    # needs a block, and a then finishes. Next step b's prefill takes the whole budget of 2: the
+    # fork stays on the CPU (it would run no token) although the pool has room for its blocks.
+    sim = Sim(num_blocks=4, max_num_seqs=3, max_num_batched_tokens=2, mode="swap",
+              num_cpu_blocks=8)
+    a = sim.add(prompt(7, 21), max_tokens=3, n=2)
+    for _ in range(3):
+        sim.step()
+    b = sim.add(prompt(10, 18), max_tokens=4)
+    fork = _swapped_fork(sim, a)
+    assert sim.kv.can_swap_in(fork)
+    spent = sim.step()
+    assert (spent.seqs, spent.num_tokens, spent.blocks_to_swap_in) == ([b], [2], [])
+    assert fork.status == SequenceStatus.SWAPPED
+    sim.run()
+    assert all(n > 0 for o in sim.outputs for n in o.num_tokens)
+    assert len(fork.output_token_ids) == 3 and sim.kv.num_free_blocks == 4
+
+
+def test_a_swapped_seq_takes_the_last_token_of_the_budget():
+    # As above with b (n=2) admitted as a decodes: b's fork is swapped out and a's fork decodes
+    # one token of the budget of 2; b's fork is swapped in for the last one in the same step.
+    sim = Sim(num_blocks=5, max_num_seqs=5, max_num_batched_tokens=2, mode="swap",
+              num_cpu_blocks=4)
+    a = sim.add(prompt(9, 77), max_tokens=2, n=2)
+    sim.step(), sim.step()
+    b = sim.add(prompt(1), max_tokens=2, n=2)
+    fork = _swapped_fork(sim, b)
+    (a_fork,) = [s for s in sim.sched.running if s.request_id == a.request_id]
+    last = sim.step()
+    assert (last.seqs, last.num_tokens) == ([a_fork, fork], [1, 1])
+    assert last.blocks_to_swap_in and len(fork.output_token_ids) == 2  # its last token
