@@ -1,10 +1,16 @@
 """DiskTier paths test_disk_tier.py leaves open (mutation survivors, see docs/mutation.md): clear
 after the files are written, a block evicted and stored again while its first write waits, a
-write that fails, the event batching, and close."""
+write that fails, the event batching, close, a full queue waited for, the figures of the
+small-disk warning and of the refusals, a path with missing parents, the reuse log line, and a
+tier never closed at exit."""
 
 from __future__ import annotations
 
 import logging
+import re
+import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -13,6 +19,7 @@ from conftest import replay_kv_events
 
 from test_disk_tier import FILE, LAYOUT, PAYLOAD, block, files
 
+from kvserve.engine.errors import ConfigError
 from kvserve.engine.kv_offload import disk_block_file as fmt
 from kvserve.engine.kv_offload.disk_tier import DiskTier
 
@@ -262,3 +269,91 @@ def test_a_clear_while_the_first_write_runs_leaves_no_file_and_the_writer_goes_o
     t.flush()
     assert files(tmp_path) == [fmt.file_name(g)] and t.read([g]) == [q] and t.bytes_read == PAYLOAD
     t.close()
+
+
+def test_a_full_writer_queue_is_waited_for_when_asked(tmp_path):
+    # A one-block queue holds h. put(g, wait=True) waits for the writer (flush, which releases
+    # the held writer here) and then takes g: nothing is dropped.
+    t = DiskTier(tmp_path, 4 * FILE, PAYLOAD, LAYOUT, queue_bytes=PAYLOAD)
+    go, flush = held_writer(t), t.flush
+
+    def release_then_flush():
+        go.set()
+        flush()
+
+    t.flush = release_then_flush
+    (h, p), (g, q) = block(1), block(2)
+    assert t.put(h, p)
+    assert t.put(g, q, wait=True) and t.num_dropped == 0
+    t.flush()
+    assert files(tmp_path) == sorted(fmt.file_name(x) for x in (h, g))
+    assert t.read([h, g]) == [p, q] and t.bytes_read == 2 * PAYLOAD  # from the files
+    t.close()
+
+
+def _figures(message: str) -> tuple[float, float]:
+    """The cap's and the free space's GiB figures of the small-disk warning."""
+    m = re.search(r"the cap \(([\d.]+) GiB\) exceeds the free space in .* \(([\d.]+) GiB\)",
+                  message)
+    assert m, message
+    return float(m[1]), float(m[2])
+
+
+def test_the_small_disk_warning_quotes_the_cap_and_the_free_space_in_gib(tmp_path, caplog):
+    # A cap of twice the free space (a margin for other writers to the disk meanwhile).
+    free = shutil.disk_usage(tmp_path).free
+    with caplog.at_level(logging.WARNING, logger="kvserve.engine"):
+        t = DiskTier(tmp_path, 2 * free, PAYLOAD, LAYOUT)
+    t.close()
+    (warning,) = [r.getMessage() for r in caplog.records if "free space" in r.getMessage()]
+    cap, quoted_free = _figures(warning)
+    assert cap == round(t.num_blocks * FILE / (1 << 30), 1)
+    assert abs(quoted_free - free / (1 << 30)) <= 0.25 * free / (1 << 30) + 0.05
+
+
+def test_a_disk_size_below_one_block_file_is_refused_with_its_gib_figure(tmp_path):
+    with pytest.raises(ConfigError, match=r"kv_offloading_disk_size 0\.5 GiB holds no KV block "
+                                          rf"file of {fmt.HEADER_SIZE + (1 << 30)} bytes"):
+        DiskTier(tmp_path, 1 << 29, 1 << 30, LAYOUT)
+
+
+def test_an_unwritable_path_is_refused_with_the_system_reason(tmp_path):
+    (tmp_path / "a_file").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"'\S+/a_file/kv' is not a writable directory "
+                                          r"\(Not a directory\); pick another path"):
+        DiskTier(tmp_path / "a_file" / "kv", 4 * FILE, PAYLOAD, LAYOUT)
+
+
+def test_a_path_whose_parents_do_not_exist_yet_is_created(tmp_path):
+    t = DiskTier(tmp_path / "cache" / "kv", 4 * FILE, PAYLOAD, LAYOUT)
+    h, p = block(1)
+    assert t.put(h, p)
+    t.flush()
+    assert files(tmp_path / "cache" / "kv") == [fmt.file_name(h)]
+    t.close()
+
+
+def test_a_restart_logs_the_files_it_reuses_and_a_fresh_directory_logs_nothing(tmp_path,
+                                                                               caplog):
+    with caplog.at_level(logging.INFO, logger="kvserve.engine"):
+        t = DiskTier(tmp_path, 4 * FILE, PAYLOAD, LAYOUT)
+        assert not [r for r in caplog.records if "reusing" in r.getMessage()]
+        for i in range(3):
+            t.put(*block(i))
+        t.close()
+        DiskTier(tmp_path, 4 * FILE, PAYLOAD, LAYOUT).close()
+    assert [r.getMessage() for r in caplog.records if "reusing" in r.getMessage()] == [
+        f"KV disk tier: reusing 3 block files in {tmp_path}"]
+
+
+def test_a_tier_never_closed_does_not_keep_its_process_alive(tmp_path):
+    # The writer thread waits on its queue forever: it must not hold the interpreter at exit.
+    code = ("import sys; from kvserve.engine.kv_offload.disk_tier import DiskTier; "
+            f"t = DiskTier(sys.argv[1], 4 * {FILE}, {PAYLOAD}, 'layout'); "
+            "assert t._writer.is_alive(); print('exiting')")
+    try:
+        done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                              text=True, timeout=60)  # a guard against a hang, not a speed bound
+    except subprocess.TimeoutExpired:
+        pytest.fail("a process with an open disk tier did not exit")
+    assert done.returncode == 0 and done.stdout == "exiting\n", done.stderr
