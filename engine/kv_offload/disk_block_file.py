@@ -1,4 +1,4 @@
-"""The KV disk tier's block file: a fixed header (magic, block hash, layout digest, payload
+"""The KV disk tier's block file: a fixed header (magic, block key, layout digest, payload
 length, CRC-32) followed by one host block's bytes. A file whose header or checksum does not match
 what the reader expects is a miss, so a torn, corrupted, stale or foreign file never becomes KV.
 
@@ -16,8 +16,11 @@ import struct
 import zlib
 from pathlib import Path
 
-MAGIC = b"KVSDISK1"
-HEADER = struct.Struct("<8s16s32sQI")  # magic, block hash, layout digest, payload bytes, crc32
+MAGIC = b"KVSDISK2"  # 1 held 16-byte keys only: a KV-cache group's key did not fit
+# A block's key, zero-padded: its 16-byte hash, or for the pages of a KV-cache group g >= 1 the
+# hash and g's two bytes (kv_cache_groups.group_key), which are never both zero.
+KEY_BYTES = 32
+HEADER = struct.Struct(f"<8s{KEY_BYTES}s32sQI")  # magic, block key, layout digest, length, crc32
 HEADER_SIZE = HEADER.size
 SUFFIX = ".kvblock"
 
@@ -47,7 +50,15 @@ def file_name(block_hash: bytes) -> str:
     return block_hash.hex() + SUFFIX
 
 
+def key_fits(block_hash: bytes) -> bool:
+    """Whether a block key fits the header (a hash of 16 bytes, or a group's key of 18)."""
+    return 16 <= len(block_hash) <= KEY_BYTES
+
+
 def header(block_hash: bytes, digest: bytes, payload: bytes | bytearray | memoryview) -> bytes:
+    if not key_fits(block_hash):
+        raise ValueError(f"a block key of {len(block_hash)} bytes does not fit the disk block "
+                         f"file's header (16 to {KEY_BYTES} bytes)")
     crc = zlib.crc32(payload, zlib.crc32(block_hash + digest))
     return HEADER.pack(MAGIC, block_hash, digest, len(payload), crc)
 
@@ -66,6 +77,7 @@ def verify(head: bytes | bytearray, payload: bytearray, block_hash: bytes, diges
     if len(head) != HEADER_SIZE or len(payload) != payload_size:
         return False
     magic, h, d, n, crc = HEADER.unpack_from(head)
-    if magic != MAGIC or h != block_hash or d != digest or n != payload_size:
+    if magic != MAGIC or h != block_hash.ljust(KEY_BYTES, b"\0") or d != digest \
+            or n != payload_size:
         return False
     return zlib.crc32(payload, zlib.crc32(block_hash + digest)) == crc

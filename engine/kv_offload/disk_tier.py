@@ -80,6 +80,9 @@ class DiskTier:
         if block_hash in self.index:
             self.index.move_to_end(block_hash)
             return True
+        if not fmt.key_fits(block_hash):  # refused here: in the writer thread it would stop it
+            raise ValueError(f"a disk tier block key is 16 to {fmt.KEY_BYTES} bytes (a hash, or "
+                             f"a KV-cache group's key), not {len(block_hash)}")
         if wait and len(self._inflight) >= self.queue_blocks:
             self.flush()
         with self._mutex:
@@ -267,14 +270,15 @@ class DiskTier:
 
 
 def _hash_of(name: str) -> bytes | None:
-    """The block hash a file name holds, or None for a file that is not a block file."""
+    """The block key a file name holds (a hash, or a KV-cache group's key), or None for a file
+    that is not a block file."""
     if not name.endswith(fmt.SUFFIX):
         return None
     try:
         h = bytes.fromhex(name[: -len(fmt.SUFFIX)])
     except ValueError:
         return None
-    return h if len(h) == 16 else None
+    return h if fmt.key_fits(h) else None
 
 
 def _claim_directory(path: Path) -> int:

@@ -107,3 +107,25 @@ def test_host_tier_promotes_every_groups_blocks(gemma3_dir, hf):
         assert_matches_hf(hf, [first], warm)
     finally:
         llm.shutdown()
+
+
+def test_disk_tier_serves_every_groups_blocks(gemma3_dir, hf, tmp_path):
+    # As above with a host tier of 3 pages: `first`'s pages go on to the disk tier, and every
+    # group's (keyed by hash and group) come back from their files with the same tokens.
+    first, *others = prompts(hf.config.vocab_size, (37,) * 5, seed=13)
+    llm = make_llm(gemma3_dir, block_size=8, max_num_batched_tokens=16, max_num_seqs=8,
+                   kv_cache_memory=60 * 2048, kv_offloading_size=3 * 2048 / (1 << 30),
+                   kv_offloading_disk_path=str(tmp_path / "kv"),
+                   kv_offloading_disk_size=400 * 2048 / (1 << 30))
+    try:
+        cold, _, _ = engine_run(llm, [first])
+        engine_run(llm, others)
+        llm.llm_engine.kv.disk.flush()
+        warm, _, _ = engine_run(llm, [first])
+        kv = llm.llm_engine.kv
+        assert kv.prefix_stats.disk_hits == 32 and kv.disk.num_bad_files == 0
+        assert warm[0].num_cached_tokens == 32
+        assert warm[0].outputs[0].token_ids == cold[0].outputs[0].token_ids
+        assert_matches_hf(hf, [first], warm)
+    finally:
+        llm.shutdown()

@@ -10,8 +10,10 @@ from collections import Counter
 import pytest
 
 from kvserve.engine.core.kv_cache_groups import KVCacheGroup, KVCacheGroups, group_key
-from kvserve.engine.core.kv_cache_manager import HostHit, KVCacheManager, PrefixMatch
+from kvserve.engine.core.kv_cache_manager import DiskHit, HostHit, KVCacheManager, PrefixMatch
 from kvserve.engine.core.sequence import Sequence
+from kvserve.engine.kv_offload.disk_block_file import HEADER_SIZE as FILE_HEADER
+from kvserve.engine.kv_offload.disk_tier import DiskTier
 from kvserve.engine.sample.sampling_params import SamplingParams
 
 BS = 4
@@ -308,3 +310,90 @@ def test_a_prompt_of_whole_blocks_all_cached_leaves_its_last_block_to_compute():
     d = make_seq(4, tokens)
     with pytest.raises(ValueError, match="PrefixMatch"):
         two.allocate_slots(d, 4, list(two.lookup_prefix(d)))
+
+
+# ---- lookups the tests above leave open (mutation survivors, docs/mutation.md) -----------------
+
+def evict(kv: KVCacheManager, key: bytes) -> None:
+    """Evict the free cached block holding `key` (it is taken, as by another request)."""
+    victim = kv.pool.get_cached_block(key)
+    kv.pool.free_queue.remove(victim)
+    kv.pool.free_queue.appendleft(victim)
+    assert kv.pool.get_new_blocks(1) == [victim] and kv.pool.get_cached_block(key) is None
+
+
+def test_a_model_whose_every_layer_slides_resumes_from_its_window_alone():
+    # One group, all layers sliding (Mistral's pattern): block 0 evicted does not matter, since a
+    # resume at 40 reads only keys 34..39 (blocks 8, 9). A full-attention lookup would stop at 0.
+    kv = KVCacheManager(200, BS, groups=KVCacheGroups.single(3, WINDOW))
+    tokens = list(range(1, 42))
+    a = make_seq(1, tokens)
+    compute(kv, a, 40)
+    kv.free(a)
+    b = make_seq(2, tokens + [99])
+    evict(kv, kv.full_block_hashes(b, 0, 1)[0])
+    hits = kv.lookup_prefix(b)
+    assert len(hits) == 10 and hits.groups[0][:8] == [None] * 8 and None not in hits.groups[0][8:]
+    assert kv.allocate_slots(b, 2, hits) and kv.block_ids(b)[:8] == [0] * 8
+
+
+def test_two_windows_agree_on_a_boundary_each_can_resume_from():
+    # Windows of 7 (2 blocks back) and 11 (3 blocks back). The 11-group lacks block 8, so it
+    # can resume at 8 at best; the 7-group lacks block 7, so at 8 it cannot (it needs 6 and 7):
+    # lowering the boundary for one group breaks the other, and both settle at 7.
+    kv = manager(200, windows=(7, 11, 7, 11))
+    tokens = list(range(1, 42))
+    a = make_seq(1, tokens)
+    compute(kv, a, 40)
+    kv.free(a)
+    b = make_seq(2, tokens)
+    (g7,) = [g for g, grp in enumerate(kv.groups.groups) if grp.sliding_window == 7]
+    (g11,) = [g for g, grp in enumerate(kv.groups.groups) if grp.sliding_window == 11]
+    hashes = kv.full_block_hashes(b, 0, 10)
+    evict(kv, group_key(hashes[8], g11))
+    evict(kv, group_key(hashes[7], g7))
+    hits = kv.lookup_prefix(b)
+    assert len(hits) == 7
+    for g, grp in enumerate(kv.groups.groups):  # each group holds its window before 7
+        need = grp.window_blocks(BS)
+        assert hits.groups[g][:7 - need] == [None] * (7 - need)
+        assert None not in hits.groups[g][7 - need:] and len(hits.groups[g]) == 7
+
+
+def test_a_hybrid_match_read_as_a_list_is_the_full_attention_groups_hits():
+    # The scheduler counts a match's hits (host, disk) from the list: every block of the prefix,
+    # as with one group, not a sliding group's window with None before it.
+    kv = manager(200)
+    tokens = list(range(1, 42))
+    a = make_seq(1, tokens)
+    compute(kv, a, 40)
+    kv.free(a)
+    hits = kv.lookup_prefix(make_seq(2, tokens))
+    full = [g for g, grp in enumerate(kv.groups.groups) if grp.sliding_window is None]
+    assert len(hits) == 10 and None not in hits and list(hits) == hits.groups[full[0]]
+
+
+def test_disk_hits_of_every_group_carry_the_bytes_read_from_their_files(tmp_path):
+    # Every group's pages of b's prefix are only on disk: the lookup reads them in one batch and
+    # each hit carries its own page's bytes, which allocation queues as loads.
+    disk = DiskTier(tmp_path, 400 * (FILE_HEADER + 8), 8, "groups-test")
+    try:
+        kv = manager(200, num_host_blocks=4, disk=disk)
+        b = make_seq(2, list(range(1, 42)))
+        hashes = kv.full_block_hashes(b, 0, 10)
+        page = {}
+        for g in range(len(kv.groups.groups)):
+            for i, h in enumerate(hashes):
+                page[group_key(h, g)] = bytearray([g, i] * 4)
+                assert disk.put(group_key(h, g), page[group_key(h, g)], wait=True)
+        disk.flush()
+        hits = kv.lookup_prefix(b)
+        assert len(hits) == 10
+        found = [h for grp in hits.groups for h in grp if h is not None]
+        assert found and all(isinstance(h, DiskHit) for h in found)
+        assert all(h.payload == page[h.block_hash] for h in found)
+        assert kv.allocate_slots(b, 1, hits)
+        _, loads = kv.take_disk_moves()
+        assert sorted(bytes(p) for p, _ in loads) == sorted(bytes(h.payload) for h in found)
+    finally:
+        disk.close()

@@ -159,3 +159,25 @@ def test_bad_settings_are_refused(tmp_path):
         DiskTier(tmp_path / "kv", 4 * FILE, PAYLOAD, LAYOUT)
     first.close()
     DiskTier(tmp_path / "kv", 4 * FILE, PAYLOAD, LAYOUT).close()  # released on close
+
+
+def test_a_kv_cache_groups_key_is_served_kept_across_a_restart_and_cleared(tmp_path):
+    # A hybrid model's pages of group g >= 1 are keyed by the hash and g (18 bytes): the file's
+    # header holds the whole key, the restart scan indexes the file, and clear deletes it.
+    (h, p), (g, q) = block(1), block(2)
+    group_key = g + (3).to_bytes(2, "little")
+    t = DiskTier(tmp_path, 4 * FILE, PAYLOAD, LAYOUT)
+    assert t.put(h, p) and t.put(group_key, q)
+    t.flush()
+    assert t.read([h, group_key]) == [p, q] and t.bytes_read == 2 * PAYLOAD  # from the files
+    assert t.read([g]) == [] and t.num_bad_files == 0  # the plain hash is another block
+    t.close()
+    again = DiskTier(tmp_path, 4 * FILE, PAYLOAD, LAYOUT)
+    assert sorted(again.lru_hashes()) == sorted([h, group_key])
+    assert again.read([group_key]) == [q]
+    again.clear()
+    again.flush()
+    assert files(tmp_path) == []
+    with pytest.raises(ValueError, match="16 to 32 bytes .* not 33"):
+        again.put(bytes(33), q)
+    again.close()
