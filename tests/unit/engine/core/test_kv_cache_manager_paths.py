@@ -1,6 +1,6 @@
 """KVCacheManager paths the tests of test_kv_cache_manager.py leave open (mutation survivors,
-see docs/mutation.md): a CPU pool that exactly fits a swap-out, and the tier figures of a
-manager without tiers."""
+see docs/mutation.md): a CPU pool that exactly fits a swap-out, the tier figures of a
+manager without tiers, the blocks a swap-in adds, and the hash of a block not yet full."""
 
 from __future__ import annotations
 
@@ -52,3 +52,19 @@ def test_a_swapped_seqs_blocks_count_when_its_next_tokens_need_fewer():
     kv.swap_out(seq)
     prefill(kv, make_seq(2, [2] * 5))  # 2 blocks: 1 left
     assert not kv.can_swap_in(seq, 1)
+
+
+def test_a_blocks_hash_asked_before_it_is_full_is_not_kept():
+    # The scheduler asks for the hash of a waiting prompt's next block, which may be partial
+    # (6 tokens: block 1 holds 2). None is given; once block 1 fills it is cached under the hash
+    # of its 4 tokens, so a prompt with those 8 tokens hits both blocks.
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    a = make_seq(1, list(range(1, 7)))
+    assert kv.full_block_hashes(a, 1, 2) == []
+    prefill(kv, a)
+    a.output_token_ids += [7, 8]
+    assert kv.allocate_slots(a, 2)
+    a.num_computed_tokens = 8
+    kv.register_computed(a)
+    b = make_seq(2, list(range(1, 10)))
+    assert len(kv.lookup_prefix(b)) == 2
