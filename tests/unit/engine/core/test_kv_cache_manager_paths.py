@@ -1,6 +1,7 @@
 """KVCacheManager paths the tests of test_kv_cache_manager.py leave open (mutation survivors,
 see docs/mutation.md): a CPU pool that exactly fits a swap-out, the tier figures of a
-manager without tiers, the blocks a swap-in adds, and the hash of a block not yet full."""
+manager without tiers, the blocks a swap-in adds (or does not), the hash of a block not yet
+full, and a fork made before the first full block."""
 
 from __future__ import annotations
 
@@ -68,3 +69,31 @@ def test_a_blocks_hash_asked_before_it_is_full_is_not_kept():
     kv.register_computed(a)
     b = make_seq(2, list(range(1, 10)))
     assert len(kv.lookup_prefix(b)) == 2
+
+
+def test_a_swapped_seq_whose_next_token_fits_its_last_block_needs_only_its_blocks():
+    kv = KVCacheManager(num_blocks=4, block_size=BS, num_cpu_blocks=4)
+    seq = make_seq(1, [1] * 6)
+    prefill(kv, seq)  # 2 blocks, the second with 2 free slots
+    kv.swap_out(seq)
+    prefill(kv, make_seq(2, [2] * 5))  # 2 blocks: 2 left
+    seq.output_token_ids.append(3)
+    assert kv.can_swap_in(seq, 1)  # token 7 goes into its own second block
+    kv.swap_in(seq)
+    assert kv.allocate_slots(seq, 1) and kv.num_free_blocks == 0
+
+
+def test_a_fork_before_the_first_full_block_caches_its_own_first_block():
+    # The parent's 2-token prompt fills no block, so nothing of it is registered. The child
+    # writes its own tokens into a private copy of block 0 and, once full, caches it.
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    parent = make_seq(1, [1, 2])
+    prefill(kv, parent)
+    child = make_seq(2, [1, 2])
+    child.num_computed_tokens = 2
+    kv.fork(parent, child)
+    child.output_token_ids += [7, 8]
+    assert kv.allocate_slots(child, 2) and kv.take_pending_copies()  # copy-on-write of block 0
+    child.num_computed_tokens = 4
+    kv.register_computed(child)
+    assert len(kv.lookup_prefix(make_seq(3, [1, 2, 7, 8, 9]))) == 1
