@@ -76,3 +76,80 @@ def test_top_k_top_p_on_a_device_sorts_in_full_and_reads_nothing_back(monkeypatc
                             p.as_subclass(OnDevice), candidates=8)
     assert OnDevice.reads == []
     assert torch.equal(got.as_subclass(torch.Tensor), expected)
+
+
+# ---- survivors of the 2026-12-06 run ------------------------------------------------------------
+
+def test_a_logit_bias_is_added_to_the_logit_and_token_0_takes_one():
+    # +2 on token 1 (logit 4) lifts it over token 0 (logit 5): added, not set to 2. A bias on
+    # token 0 counts like any other.
+    logits = torch.tensor([[5.0, 4.0, 0.0, 0.0]])
+    lifted = SamplingParams(temperature=0.0, logit_bias={1: 2.0})
+    meta = SamplingMetadata.build([lifted], [[]], [[]], {}, 4, CPU)
+    assert Sampler()(logits, meta).sampled_token_ids.tolist() == [1]
+    sunk = SamplingParams(temperature=0.0, logit_bias={0: -2.0})
+    meta = SamplingMetadata.build([sunk], [[]], [[]], {}, 4, CPU)
+    assert Sampler()(logits, meta).sampled_token_ids.tolist() == [1]
+
+
+def test_a_top_k_of_0_set_after_construction_is_off():
+    # SamplingParams maps top_k=0 to -1 when built; one set afterwards passes verify() (the
+    # engine's check) and must mean "off" too: the same draws as -1 under the same seeds.
+    off = SamplingParams(temperature=1.0, top_k=-1)
+    zero = SamplingParams(temperature=1.0)
+    zero.top_k = 0
+    zero.verify()
+    logits = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+
+    def draws(params):
+        gens = {r: torch.Generator().manual_seed(r) for r in range(8)}
+        meta = SamplingMetadata.build([params] * 8, [[]] * 8, [[]] * 8, gens, 16, CPU)
+        return Sampler()(logits, meta).sampled_token_ids.tolist()
+
+    assert draws(zero) == draws(off)
+
+
+def test_a_temperature_of_exactly_the_greedy_threshold_is_sampled_as_the_params_say():
+    # SamplingParams.greedy is temperature < 1e-5; at 1e-5 exactly a row is sampled, so two
+    # tied top logits both come up across seeds (the argmax would always take the first).
+    params = SamplingParams(temperature=1e-5)
+    assert not params.greedy
+    rows = 32
+    gens = {r: torch.Generator().manual_seed(r) for r in range(rows)}
+    meta = SamplingMetadata.build([params] * rows, [[]] * rows, [[]] * rows, gens, 4, CPU)
+    assert not meta.all_greedy
+    logits = torch.tensor([[3.0, 3.0, 0.0, 0.0]]).repeat(rows, 1)
+    assert set(Sampler()(logits, meta).sampled_token_ids.tolist()) == {0, 1}
+
+
+def test_metadata_built_by_hand_with_the_optional_flags_left_applies_every_filter():
+    # The optional flags only enable fast paths: left at their defaults, min_p, top_k and top_p
+    # are all applied. Row 0: min_p 0.5 keeps the tokens within log(2) of the top (0, 1);
+    # row 1: top_k 1; row 2: top_p 0.5 keeps token 0 alone (its probability is above 0.5).
+    logits = torch.tensor([[2.0, 1.5, 0.0, 0.0], [2.0, 1.5, 0.0, 0.0], [3.0, 1.0, 0.0, 0.0]])
+    rows = 3
+    f = lambda *v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
+    meta = SamplingMetadata(
+        temperature=f(1, 1, 1), top_p=f(1, 1, 0.5), top_k=torch.tensor([4, 1, 4]),
+        min_p=f(0.5, 0, 0), presence_penalty=f(0, 0, 0), frequency_penalty=f(0, 0, 0),
+        repetition_penalty=f(1, 1, 1), prompt_token_ids=None, output_token_ids=None,
+        generators={}, max_num_logprobs=None, all_greedy=False, all_random=True,
+        no_penalties=True, no_top_p_top_k_min_p=False)
+    seen = [set() for _ in range(rows)]
+    for seed in range(64):
+        torch.manual_seed(seed)
+        for r, tok in enumerate(Sampler()(logits, meta).sampled_token_ids.tolist()):
+            seen[r].add(tok)
+    assert seen == [{0, 1}, {0}, {0}]
+
+
+def test_a_batch_of_seeded_rows_draws_nothing_from_the_global_generator():
+    # Each seeded row takes its noise from its own generator; the global one is left as it was,
+    # so unseeded requests draw the same whatever seeded ones ran before them.
+    params = SamplingParams(temperature=1.0)
+    gens = {r: torch.Generator().manual_seed(r) for r in range(3)}
+    meta = SamplingMetadata.build([params] * 3, [[]] * 3, [[]] * 3, gens, 8, CPU)
+    torch.manual_seed(1)
+    state = torch.get_rng_state()
+    Sampler()(torch.zeros(3, 8), meta)
+    assert torch.equal(torch.get_rng_state(), state)
