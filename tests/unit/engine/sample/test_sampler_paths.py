@@ -110,16 +110,21 @@ def test_a_top_k_of_0_set_after_construction_is_off():
 
 
 def test_a_temperature_of_exactly_the_greedy_threshold_is_sampled_as_the_params_say():
-    # SamplingParams.greedy is temperature < 1e-5; at 1e-5 exactly a row is sampled, so two
-    # tied top logits both come up across seeds (the argmax would always take the first).
+    # SamplingParams.greedy is temperature < 1e-5; at 1e-5 exactly a row is sampled at that
+    # temperature, alone in its batch or next to a greedy row: its two tied top logits both come
+    # up across seeds (the argmax would always take the first), and the third, 0.01 below them,
+    # never does (it would at temperature 1).
     params = SamplingParams(temperature=1e-5)
     assert not params.greedy
     rows = 32
-    gens = {r: torch.Generator().manual_seed(r) for r in range(rows)}
-    meta = SamplingMetadata.build([params] * rows, [[]] * rows, [[]] * rows, gens, 4, CPU)
-    assert not meta.all_greedy
-    logits = torch.tensor([[3.0, 3.0, 0.0, 0.0]]).repeat(rows, 1)
-    assert set(Sampler()(logits, meta).sampled_token_ids.tolist()) == {0, 1}
+    logits = torch.tensor([[3.0, 3.0, 2.99, 0.0]]).repeat(rows + 1, 1)
+    for batch in ([params] * rows, [params] * rows + [SamplingParams(temperature=0.0)]):
+        gens = {r: torch.Generator().manual_seed(r) for r in range(rows)}
+        n = len(batch)
+        meta = SamplingMetadata.build(batch, [[]] * n, [[]] * n, gens, 4, CPU)
+        assert not meta.all_greedy
+        sampled = Sampler()(logits[:n], meta).sampled_token_ids.tolist()
+        assert set(sampled[:rows]) == {0, 1} and sampled[rows:] in ([], [0])
 
 
 def test_metadata_built_by_hand_with_the_optional_flags_left_applies_every_filter():
@@ -153,3 +158,17 @@ def test_a_batch_of_seeded_rows_draws_nothing_from_the_global_generator():
     state = torch.get_rng_state()
     Sampler()(torch.zeros(3, 8), meta)
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_min_tokens_blocks_eos_in_every_row_under_it_whatever_the_rows_before():
+    # Row 0 is past its min_tokens; rows 1 and 2 are not: EOS (3) stays blocked in both. A stop
+    # id at the logits' width (a tokenizer larger than the model) is skipped, never indexed.
+    eos, vocab = 3, 4
+    done = SamplingParams(temperature=0.0, min_tokens=1)
+    under = SamplingParams(temperature=0.0, min_tokens=5, stop_token_ids=[vocab])
+    meta = SamplingMetadata.build([done, under, under], [[]] * 3, [[7], [7], []], {}, vocab, CPU,
+                                  eos_token_id=eos)
+    rows, tokens = meta.min_tokens_block
+    assert rows.tolist() == [1, 2] and tokens.tolist() == [eos, eos]
+    logits = torch.tensor([[0.0, 1, 2, 9]]).repeat(3, 1)
+    assert Sampler()(logits, meta).sampled_token_ids.tolist() == [eos, 2, 2]
