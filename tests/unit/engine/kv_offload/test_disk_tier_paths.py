@@ -348,12 +348,16 @@ def test_a_restart_logs_the_files_it_reuses_and_a_fresh_directory_logs_nothing(t
 
 def test_a_tier_never_closed_does_not_keep_its_process_alive(tmp_path):
     # The writer thread waits on its queue forever: it must not hold the interpreter at exit.
-    code = ("import sys; from kvserve.engine.kv_offload.disk_tier import DiskTier; "
+    # Hang guards, not speed bounds: the child's own alarm ends it (SIGALRM) even when this test
+    # is killed first (a mutation run's timeout), and the parent's timeout backs it up.
+    code = ("import signal, sys; signal.alarm(50); "
+            "from kvserve.engine.kv_offload.disk_tier import DiskTier; "
             f"t = DiskTier(sys.argv[1], 4 * {FILE}, {PAYLOAD}, 'layout'); "
             "assert t._writer.is_alive(); print('exiting')")
     try:
         done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
-                              text=True, timeout=60)  # a guard against a hang, not a speed bound
+                              text=True, timeout=60)
     except subprocess.TimeoutExpired:
         pytest.fail("a process with an open disk tier did not exit")
-    assert done.returncode == 0 and done.stdout == "exiting\n", done.stderr
+    assert done.returncode == 0 and done.stdout == "exiting\n", \
+        f"a process with an open disk tier did not exit by itself: {done.returncode} {done.stderr}"
