@@ -46,6 +46,18 @@ def set_spin_default() -> bool:
     return True
 
 
+def warn_if_long_spin() -> bool:
+    """On a CPU engine's start: say so when libgomp keeps its long spin because torch was loaded
+    before kvserve (a script importing torch first) and the user chose nothing; True if said."""
+    if not _wanted():
+        return False
+    logger.warning("OpenMP keeps libgomp's long spin-wait (torch was imported before kvserve): "
+                   "beside any other busy process this engine can slow 10x or more. Set %s=%s "
+                   "in the environment, or import kvserve before torch (%s=0 silences this)",
+                   SPIN_ENV, SPIN_DEFAULT, OPT_OUT_ENV)
+    return True
+
+
 @contextlib.contextmanager
 def spin_default_for_children() -> Iterator[None]:
     """While a child process is spawned: the short spin in the environment it starts with (a

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+import kvserve  # noqa: F401  before torch, as a user's script: libgomp's short spin (engine/cpu_threads.py)
+
 if TYPE_CHECKING:
     from kvserve import LLM
 

@@ -15,7 +15,7 @@ import torch
 
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.core.kv_cache_groups import KVCacheGroups
-from kvserve.engine.cpu_threads import size_torch_threads
+from kvserve.engine.cpu_threads import size_torch_threads, warn_if_long_spin
 from kvserve.engine.distributed import TPGroup, check_tensor_parallel
 from kvserve.engine.errors import ConfigError, OutOfKVCacheError
 from kvserve.engine.worker.malloc_tuning import keep_activation_memory
@@ -126,6 +126,7 @@ def set_up(config: EngineConfig, model_path: Path | str,
         keep_activation_memory()
         # the container's CPU quota, not the node's CPUs, split over the ranks (cpu_threads.py)
         size_torch_threads(config.tensor_parallel_size)
+        warn_if_long_spin()
     host = host_plan(config, model_path, device, dtype)  # refused here: nothing allocated yet
     workers, tp = None, None
     if config.tensor_parallel_size > 1:

@@ -42,6 +42,23 @@ def test_too_late_once_torch_is_loaded():
     assert _child("import torch, kvserve; " + PRINT) == "None"
 
 
+def test_a_script_importing_torch_first_is_told_at_engine_start(tiny_model_dir):
+    code = ("import torch, logging\nlogging.basicConfig()\nfrom kvserve import LLM\n"
+            f"LLM(model={str(tiny_model_dir)!r}, dtype='float32', kv_cache_memory=1 << 22,"
+            " max_model_len=128)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env={k: v for k, v in os.environ.items()
+                                           if k not in (SPIN_ENV, OPT_OUT_ENV)})
+    assert out.returncode == 0, out.stderr
+    assert "long spin-wait (torch was imported before kvserve)" in out.stderr
+    assert f"{SPIN_ENV}={SPIN_DEFAULT}" in out.stderr
+    quiet = subprocess.run([sys.executable, "-c", code.replace("import torch, ", "import ")],
+                           capture_output=True, text=True, timeout=300,
+                           env={k: v for k, v in os.environ.items()
+                                if k not in (SPIN_ENV, OPT_OUT_ENV)})
+    assert quiet.returncode == 0 and "long spin-wait" not in quiet.stderr
+
+
 def test_children_start_with_it_and_this_process_is_left_as_it_was(monkeypatch):
     monkeypatch.delenv(SPIN_ENV, raising=False)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
