@@ -187,18 +187,21 @@ def test_required_stream_sends_each_call_of_the_list_as_it_closes():
                    (len(text) - 2, {"name": "get_time", "arguments": "{}"})]
 
 
+# a conversation with one earlier call and its result, as a follow-up request sends it
+CALL_HISTORY = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c", "type": "function", "function": {
+                        "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "content": "18 C", "tool_call_id": "c"}]
+
+
 def test_parser_formats_in_a_template_without_tools():
-    history = [{"role": "user", "content": "Weather?"},
-               {"role": "assistant", "content": "", "tool_calls": [
-                   {"id": "c", "type": "function", "function": {
-                       "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-               {"role": "tool", "content": "18 C", "tool_call_id": "c"}]
-    messages, tools = template_messages(history, tool_plan([WEATHER], "auto", "mistral"), "")
+    messages, tools = template_messages(CALL_HISTORY, tool_plan([WEATHER], "auto", "mistral"), "")
     assert tools is None and "[TOOL_CALLS]" in messages[0]["content"]
     assert messages[2]["content"] == \
         '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'
     assert messages[3]["content"] == "18 C"
-    messages, _ = template_messages(history, tool_plan([WEATHER], "auto", "llama3_json"), "")
+    messages, _ = template_messages(CALL_HISTORY, tool_plan([WEATHER], "auto", "llama3_json"), "")
     assert messages[2]["content"] == '{"name": "get_weather", "parameters": {"city": "Paris"}}'
 
 
@@ -258,17 +261,12 @@ def test_xlam_leaves_text_without_calls_as_content(text):
 
 
 def test_xlam_history_renders_as_a_json_list():
-    history = [{"role": "user", "content": "Weather?"},
-               {"role": "assistant", "content": "", "tool_calls": [
-                   {"id": "c", "type": "function", "function": {
-                       "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-               {"role": "tool", "content": "18 C", "tool_call_id": "c"}]
-    messages, tools = template_messages(history, tool_plan([WEATHER], "auto", "xlam"), "")
+    messages, tools = template_messages(CALL_HISTORY, tool_plan([WEATHER], "auto", "xlam"), "")
     assert tools is None and '"arguments": <args-dict>' in messages[0]["content"]
     assert messages[2]["content"] == '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
     assert messages[3]["content"] == "18 C"
     # a follow-up without tools still renders the earlier calls in the server's format
-    messages, _ = template_messages(history, None, "", "xlam")
+    messages, _ = template_messages(CALL_HISTORY, None, "", "xlam")
     assert messages[1]["content"] == '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
 
 
