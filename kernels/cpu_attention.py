@@ -53,8 +53,9 @@ def _cflags() -> list[str]:
 
 def _build_dir() -> Path:
     """One build per source, flags, CPU model (-march=native code is CPU-specific) and torch
-    install: the build points at its torch's headers and libraries, so two virtual environments
-    sharing one folder would rebuild over each other at every start."""
+    install, and where the sources lie: the build points at its torch's headers and libraries
+    and at the source files by path, so two virtual environments or two checkouts sharing one
+    folder would rebuild over each other at every start."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -63,7 +64,8 @@ def _build_dir() -> Path:
         pass
     key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) +
                          " ".join(_cflags()).encode() + cpu.encode() +
-                         torch.__version__.encode() + torch.__file__.encode()).hexdigest()[:16]
+                         torch.__version__.encode() + torch.__file__.encode() +
+                         str(CSRC.resolve()).encode()).hexdigest()[:16]
     return cache_root() / "torch_extensions" / f"cpu_decode_{key}"
 
 

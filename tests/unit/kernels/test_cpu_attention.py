@@ -36,6 +36,20 @@ def test_a_build_killed_mid_way_does_not_block_the_next_start():
     assert not (build / "lock").exists()
 
 
+def test_two_checkouts_of_the_same_sources_build_apart(tmp_path, monkeypatch):
+    """The build's ninja file names the sources by path: two checkouts sharing one cache folder
+    rebuilt over each other at every start (one kernel, compiled again and again). Same contents
+    at another path must get another folder; the same path the same one."""
+    here = cpu_attention._build_dir()
+    copy = tmp_path / "csrc"
+    shutil.copytree(cpu_attention.CSRC, copy)
+    monkeypatch.setattr(cpu_attention, "CSRC", copy)
+    monkeypatch.setattr(cpu_attention, "SOURCES", tuple(copy / p.name for p in cpu_attention.SOURCES))
+    monkeypatch.setattr(cpu_attention, "HEADERS", tuple(copy / p.name for p in cpu_attention.HEADERS))
+    there = cpu_attention._build_dir()
+    assert there != here and there == cpu_attention._build_dir()
+
+
 @settings(max_examples=40, deadline=None)
 @given(specs())
 def test_cpu_matches_reference(spec):
