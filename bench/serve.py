@@ -93,21 +93,32 @@ def percentile(values: list[float], q: float) -> float:
 # ---------------------------------------------------------------------------- offline peer
 
 
-def run_offline(args: argparse.Namespace, convs: list) -> Result:
-    from kvserve import LLM, SamplingParams
+class OfflinePeer:
+    """The offline engine on the same workload: loaded and warmed once (the system prompt is
+    cached, like the server's), then run once per round."""
 
-    llm = LLM(model=args.model, max_model_len=args.max_model_len, seed=0, dtype=args.dtype,
-              kv_cache_memory=args.kv_cache_memory)
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    llm.chat(convs[:2], params, use_tqdm=False)  # warm-up (and the system prompt is cached)
-    start, cpu0 = time.perf_counter(), sum(psutil.Process().cpu_times()[:2])
-    outs = llm.chat(convs, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    cpu = {"engine": sum(psutil.Process().cpu_times()[:2]) - cpu0}
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    del llm
-    gc.collect()
-    return Result("offline LLM.generate", len(convs), len(convs), tokens, seconds, cpu=cpu)
+    def __init__(self, args: argparse.Namespace, convs: list) -> None:
+        from kvserve import LLM, SamplingParams
+
+        self.convs = convs
+        self.llm = LLM(model=args.model, max_model_len=args.max_model_len, seed=0,
+                       dtype=args.dtype, kv_cache_memory=args.kv_cache_memory)
+        self.params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+        self.llm.chat(convs[:2], self.params, use_tqdm=False)  # warm-up
+
+    def run(self) -> Result:
+        start, cpu0 = time.perf_counter(), sum(psutil.Process().cpu_times()[:2])
+        outs = self.llm.chat(self.convs, self.params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        cpu = {"engine": sum(psutil.Process().cpu_times()[:2]) - cpu0}
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        return Result("offline LLM.generate", len(self.convs), len(self.convs), tokens, seconds,
+                      cpu=cpu)
+
+    def close(self) -> None:
+        self.llm.shutdown()
+        del self.llm
+        gc.collect()
 
 
 # ---------------------------------------------------------------------------- server side
@@ -245,36 +256,40 @@ def cpu_seconds(proc: subprocess.Popen) -> dict[str, float]:
     return out
 
 
-def run_server_bench(args: argparse.Namespace, convs: list, engine_core: str) -> list[Result]:
-    port = free_port()
-    proc = start_server(args, port, engine_core)
-    base = f"http://127.0.0.1:{port}"
-    url = base + "/v1/chat/completions"
-    model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
-    results = []
-    try:
-        run_async(run_clients(url, model, convs[:2], 2, args.max_tokens))  # warm-up
-        for n in args.concurrency:  # warm, like the offline peer: the system prompt is cached
-            cpu0 = cpu_seconds(proc)
-            timings, seconds = run_async(run_clients(url, model, convs, n, args.max_tokens))
-            cpu1 = cpu_seconds(proc)
-            cpu = {k: cpu1[k] - cpu0.get(k, 0.0) for k in cpu1}
-            tokens = sum(t.tokens for t in timings)
-            if tokens != len(convs) * args.max_tokens:
-                expected = len(convs) * args.max_tokens
-                raise AssertionError(f"expected {expected} tokens, got {tokens}")
-            itls = [x for t in timings for x in t.itls]
-            ttfts = [t.ttft for t in timings]
-            results.append(Result(f"server ({engine_core}), {n} clients", n, len(convs), tokens, seconds,
-                                  percentile(ttfts, 50), percentile(ttfts, 99),
-                                  percentile(itls, 50), percentile(itls, 99), cpu))
-    finally:
-        proc.send_signal(signal.SIGTERM)
+class ServerUnderTest:
+    """`kvserve serve` in its own process (engine core in a thread or split), started and warmed
+    once, then driven once per round and concurrency."""
+
+    def __init__(self, args: argparse.Namespace, convs: list, engine_core: str) -> None:
+        self.args, self.convs, self.engine_core = args, convs, engine_core
+        port = free_port()
+        self.proc = start_server(args, port, engine_core)
+        base = f"http://127.0.0.1:{port}"
+        self.url = base + "/v1/chat/completions"
+        self.model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
+        run_async(run_clients(self.url, self.model, convs[:2], 2, args.max_tokens))  # warm-up
+
+    def run(self, n: int) -> Result:
+        convs, max_tokens = self.convs, self.args.max_tokens
+        cpu0 = cpu_seconds(self.proc)
+        timings, seconds = run_async(run_clients(self.url, self.model, convs, n, max_tokens))
+        cpu1 = cpu_seconds(self.proc)
+        cpu = {k: cpu1[k] - cpu0.get(k, 0.0) for k in cpu1}
+        tokens = sum(t.tokens for t in timings)
+        if tokens != len(convs) * max_tokens:
+            raise AssertionError(f"expected {len(convs) * max_tokens} tokens, got {tokens}")
+        itls = [x for t in timings for x in t.itls]
+        ttfts = [t.ttft for t in timings]
+        return Result(f"server ({self.engine_core}), {n} clients", n, len(convs), tokens,
+                      seconds, percentile(ttfts, 50), percentile(ttfts, 99),
+                      percentile(itls, 50), percentile(itls, 99), cpu)
+
+    def close(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(60)
+            self.proc.wait(60)
         except subprocess.TimeoutExpired:
-            proc.kill()
-    return results
+            self.proc.kill()
 
 
 def cpu_text(r: Result) -> str:
@@ -301,6 +316,31 @@ def report(offline: Result | None, results: list[Result]) -> str:
     return "\n".join(rows)
 
 
+def summary(rounds: list[tuple[Result | None, list[Result]]]) -> str:
+    """Medians over the rounds: each server run's ratio is to the offline run of its own round,
+    so a machine whose speed drifts between rounds (shared hosts do, by +-25% over a minute)
+    still compares like with like."""
+    import statistics
+
+    rows = ["| run | tok/s median | vs offline: median (range) | TTFT p50 (ms) | ITL p50 (ms) |",
+            "| --- | ---: | ---: | ---: | ---: |"]
+    names = [r.name for r in rounds[0][1]]
+    if rounds[0][0] is not None:
+        tps = [off.tok_per_s for off, _ in rounds]
+        rows.append(f"| offline LLM.generate | {statistics.median(tps):.1f} | 1.00x | - | - |")
+    for i, name in enumerate(names):
+        runs = [(off, res[i]) for off, res in rounds]
+        tps = statistics.median(r.tok_per_s for _, r in runs)
+        ratio = "-"
+        if runs[0][0] is not None:
+            ratios = sorted(r.tok_per_s / off.tok_per_s for off, r in runs)
+            ratio = f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+        ttft = statistics.median(r.ttft_p50 for _, r in runs) * 1000
+        itl = statistics.median(r.itl_p50 for _, r in runs) * 1000
+        rows.append(f"| {name} | {tps:.1f} | {ratio} | {ttft:.0f} | {itl:.0f} |")
+    return "\n".join(rows)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -321,6 +361,9 @@ def main() -> None:
                    "engine core in its own process, the default of `kvserve serve`) and/or "
                    "thread (the engine in a thread of the server, as before)")
     p.add_argument("--skip-offline", action="store_true")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds of (offline, every server mode): each server run is compared "
+                   "with its own round's offline run, and the medians are printed")
     p.add_argument("--json-out", default=None)
     args = p.parse_args()
     if args.kv_cache_memory:
@@ -330,17 +373,32 @@ def main() -> None:
     if args.threads:  # before torch is imported here, and inherited by the server process
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
     convs = chat_workload(args.num_requests)
-    offline = None if args.skip_offline else run_offline(args, convs)
-    results = [r for mode in args.engine_core for r in run_server_bench(args, convs, mode)]
+    peer = None if args.skip_offline else OfflinePeer(args, convs)
+    servers = [ServerUnderTest(args, convs, mode) for mode in args.engine_core]
+    rounds: list[tuple[Result | None, list[Result]]] = []
+    try:
+        for _ in range(args.repeat):  # offline, then every server, round after round
+            offline = peer.run() if peer else None
+            rounds.append((offline, [s.run(n) for s in servers for n in args.concurrency]))
+    finally:
+        for s in servers:
+            s.close()
+        if peer:
+            peer.close()
     print(f"\nmachine: {os.cpu_count()} CPUs (load {os.getloadavg()[0]:.1f}), threads "
           f"{args.threads or 'default'}; model {args.model}; {args.num_requests} chat requests x "
           f"{args.max_tokens} new tokens, greedy, ignore_eos, dtype {args.dtype}\n")
-    print(report(offline, results))
+    for i, (offline, results) in enumerate(rounds):
+        if len(rounds) > 1:
+            print(f"round {i + 1} of {len(rounds)}:\n")
+        print(report(offline, results) + "\n")
+    if len(rounds) > 1:
+        print(f"medians over {len(rounds)} rounds:\n\n{summary(rounds)}")
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"offline": asdict(offline) if offline else None, "load": os.getloadavg(),
-                       "server": [asdict(r) for r in results]}, f, indent=2)
-
+            json.dump({"load": os.getloadavg(), "rounds": [
+                {"offline": asdict(off) if off else None, "server": [asdict(r) for r in res]}
+                for off, res in rounds]}, f, indent=2)
 
 if __name__ == "__main__":
     main()
