@@ -1,7 +1,13 @@
 """W8A8 int8 matmul on the CPU: int8 weights per output channel, int8 activations per token,
-through oneDNN's prepacked int8 linear (AMX-INT8 on Sapphire Rapids, VNNI on AVX-512 CPUs)."""
+through oneDNN's prepacked int8 linear (AMX-INT8 on Sapphire Rapids, VNNI on AVX-512 CPUs), or
+torch._int_mm (oneDNN's s8 x s8 -> s32 GEMM) where that linear would run oneDNN's reference
+kernel."""
 
 from __future__ import annotations
+
+import functools
+import logging
+import time
 
 import torch
 from torch import Tensor, nn
@@ -11,9 +17,68 @@ from kvserve.engine.layers.quantization.activation import fused_rows, int8_per_t
 from kvserve.engine.layers.quantization.qweight import QuantizedWeight
 
 
+logger = logging.getLogger("kvserve.engine")
+
+REFERENCE_SLOWDOWN = 10  # oneDNN's reference int8 kernel is ~1000x slower than its GEMM
+
+
 def onednn_int8_available() -> bool:
     return hasattr(torch.ops, "onednn") and hasattr(torch.ops.onednn, "qlinear_pointwise") \
         and torch.backends.mkldnn.is_available()
+
+
+def _best_seconds(fn, reps: int = 3) -> float:
+    fn()  # the first call builds oneDNN's primitive
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@functools.cache
+def onednn_int8_fast() -> bool:
+    """Whether oneDNN's prepacked int8 linear runs an optimised kernel on this CPU.
+
+    On some AVX-512 CPUs with VNNI (a Zen 4 EPYC, oneDNN 3.12) its matmul for signed int8
+    activations falls back to `ref_int8`: exact, but a 64 x 576 x 960 product took 0.7 s
+    against 0.2 ms for bf16, so a W8A8 model generated 0.2 tokens a second. Timed once per
+    process on a 16 x 256 x 256 probe against torch._int_mm, oneDNN's s8 x s8 -> s32 GEMM
+    (optimised wherever oneDNN has VNNI); the reference kernel is ~1000x slower, an optimised
+    one at most a few times, so the threshold (10x) has room on both sides.
+    """
+    if not onednn_int8_available():
+        return False
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(-128, 128, (256, 256), dtype=torch.int8, generator=g)
+    x = torch.randint(-128, 128, (16, 256), dtype=torch.int8, generator=g)
+    try:
+        packed = torch.ops.onednn.qlinear_prepack(w, None)
+        scale, zero = torch.ones(256), torch.zeros(256, dtype=torch.int64)
+        linear = _best_seconds(lambda: torch.ops.onednn.qlinear_pointwise(
+            x, 1.0, 0, packed, scale, zero, None, 1.0, 0, torch.float32, "none", [None], ""))
+        gemm = _best_seconds(lambda: torch._int_mm(x, w.t()))
+    except RuntimeError:
+        return False
+    fast = linear < REFERENCE_SLOWDOWN * gemm
+    if not fast:
+        logger.info("oneDNN's int8 linear runs its reference kernel on this CPU (%.1f ms against "
+                    "%.3f ms for torch._int_mm on a probe): W8A8 uses torch._int_mm",
+                    linear * 1e3, gemm * 1e3)
+    return fast
+
+
+@functools.cache
+def cpu_int_mm_exact() -> bool:
+    """Whether torch._int_mm serves CPU tensors here, exactly (int32 accumulation)."""
+    g = torch.Generator().manual_seed(1)
+    a = torch.randint(-128, 128, (3, 72), dtype=torch.int8, generator=g)
+    b = torch.randint(-128, 128, (72, 5), dtype=torch.int8, generator=g)
+    try:
+        return torch.equal(torch._int_mm(a, b), (a.long() @ b.long()).int())
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 class Int8W8A8Linear(nn.Module):
@@ -33,7 +98,7 @@ class Int8W8A8Linear(nn.Module):
         self.register_buffer("weight_scale", w.scale[:, 0].float().contiguous(), persistent=False)
         self.register_buffer("weight_zero", torch.zeros(self.out_features, dtype=torch.int64),
                              persistent=False)
-        self.onednn = values.device.type == "cpu" and onednn_int8_available()
+        self.onednn = values.device.type == "cpu" and onednn_int8_fast()
         if self.onednn:
             self.register_buffer("weight", torch.ops.onednn.qlinear_prepack(values, None),
                                  persistent=False)
@@ -94,6 +159,6 @@ def _row_ops() -> bool:
 
 
 def _int_mm(a: Tensor, b: Tensor) -> Tensor:
-    if a.is_cuda and a.shape[0] > 16:
+    if (a.is_cuda and a.shape[0] > 16) or (a.device.type == "cpu" and cpu_int_mm_exact()):
         return torch._int_mm(a, b)
     return (a.float() @ b.float()).to(torch.int32)  # exact below 2^24 per dot product

@@ -4,6 +4,10 @@ int32 unpacking against compressed-tensors' own packer."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -11,6 +15,7 @@ from kvserve.engine.layers.quantization.activation import ActivationScheme, fp8_
     int8_per_token
 from kvserve.engine.layers.quantization.base import LinearMethod
 from kvserve.engine.layers.quantization.dequant import DequantLinear
+from kvserve.engine.layers.quantization import int8_w8a8
 from kvserve.engine.layers.quantization.int8_w8a8 import Int8W8A8Linear, onednn_int8_available
 from kvserve.engine.layers.quantization.online import quantize_fp8_per_channel
 from kvserve.engine.layers.quantization.qweight import QuantizedWeight, unpack_int32
@@ -99,8 +104,39 @@ def test_int8_w8a8_kernel_is_the_integer_product_of_the_rounded_input():
     want = (codes.double() * scale.double()) @ w.dequantize(torch.float64).t()
     kernel = Int8W8A8Linear(w)
     # oneDNN's signed int8 product is exact with VNNI or AMX; on an AVX2-only CPU its probe
-    # disagrees and the plain int8 GEMM serves (either way the product below is exact)
-    assert kernel.onednn == (onednn_int8_available() and _cpu_has_int8_dot_product())
+    # disagrees, and where it would run its reference kernel (timed at load) the plain int8
+    # GEMM serves instead (either way the product below is exact)
+    assert kernel.onednn == (onednn_int8_available() and _cpu_has_int8_dot_product()
+                             and not _onednn_reports_reference_int8_matmul())
+    close(kernel(x), want, 1e-6)
+
+
+def _onednn_reports_reference_int8_matmul() -> bool:
+    """oneDNN's own word (ONEDNN_VERBOSE, in a fresh process) on which implementation its int8
+    linear runs here: `ref_int8` is the reference kernel."""
+    code = ("import torch; w = torch.randint(-128, 128, (64, 64), dtype=torch.int8); "
+            "p = torch.ops.onednn.qlinear_prepack(w, None); "
+            "torch.ops.onednn.qlinear_pointwise(torch.ones(4, 64, dtype=torch.int8), 1.0, 0, p, "
+            "torch.ones(64), torch.zeros(64, dtype=torch.int64), None, 1.0, 0, torch.float32, "
+            "'none', [None], '')")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ONEDNN_VERBOSE": "1"},
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    # onednn_verbose,v1,primitive,exec,cpu,matmul,<implementation>,...
+    matmuls = [line.split(",")[6] for line in out.splitlines() if ",exec,cpu,matmul," in line]
+    assert matmuls, out[-2000:]
+    return any(impl.startswith("ref") for impl in matmuls)
+
+
+def test_int8_w8a8_plain_gemm_path_is_exact_too(monkeypatch):
+    """Where oneDNN's linear is slow (its reference kernel) the layer takes torch._int_mm:
+    the same integer product, so the same result as the reference."""
+    monkeypatch.setattr(int8_w8a8, "onednn_int8_fast", lambda: False)
+    w = random_weight(8, IN, False)
+    x = x_batch(33)
+    codes, scale = int8_per_token(x)
+    want = (codes.double() * scale.double()) @ w.dequantize(torch.float64).t()
+    kernel = Int8W8A8Linear(w)
+    assert not kernel.onednn and not kernel._fast
     close(kernel(x), want, 1e-6)
 
 
