@@ -7,7 +7,11 @@ The batch is never walked per token: the T x k (token, expert) pairs are sorted 
 all segments in one call (one mm per non-empty segment where grouped_mm does not serve the
 device/dtype). Quantised experts (a compressed-tensors checkpoint, or --quantization int8|fp8) are
 one QuantLinear per expert and projection, their weights kept quantised: each expert's segment goes
-through its own quantised kernel, the same loop over experts as segment_mm's fallback. The router
+through its own quantised kernel, the same loop over experts as segment_mm's fallback. These
+paths read the per-expert counts on the host: they are the CPU's. On a CUDA device (unless
+KVSERVE_FUSED_OPS=0) the experts, dense or quantised, run through the fused Triton kernel of
+moe_gpu.py instead, which reads nothing back (quantised experts are stacked for it at load,
+`finish_experts`). The router
 stays dense (as vLLM and llm-compressor's `ignore` of `mlp.gate` keep it). Under tensor parallelism each rank holds its slice of every expert's intermediate
 dimension (gate/up by output rows, down by input columns, as the dense MLP), so the layer's
 output is a partial sum: one all-reduce after the routed and shared experts together.
@@ -27,6 +31,7 @@ from kvserve.engine.errors import ConfigError, ModelNotFoundError
 from kvserve.engine.errors import QuantizationError
 from kvserve.engine.layers.linear import RankSlice, skip_init_linear
 from kvserve.engine.layers.mlp import GatedMLP
+from kvserve.engine.layers.moe_gpu import StackedExperts, gpu_experts, stack_on
 from kvserve.kernels import cpu_ops as ops
 
 if TYPE_CHECKING:
@@ -192,6 +197,8 @@ class FusedMoE(nn.Module):
         self.w2 = _empty(e, h, i, dtype=dtype, device=device)
         self.b13 = _empty(e, 2 * i, dtype=dtype, device=device) if spec.expert_bias else None
         self.b2 = _empty(e, h, dtype=dtype, device=device) if spec.expert_bias else None
+        self.w13_stacked: StackedExperts | None = None  # quantised experts on a GPU
+        self.w2_stacked: StackedExperts | None = None
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if spec.shared_intermediate:  # tp=None: its partial sum joins the experts' all-reduce
@@ -213,10 +220,45 @@ class FusedMoE(nn.Module):
         self.w13 = ExpertLinears(w13, 2 * self.local_intermediate)
         self.w2 = ExpertLinears(w2, self.spec.hidden)
 
+    def finish_experts(self, device: torch.device) -> list[nn.Module]:
+        """After loading: quantised experts' weights decoded, then stacked for the fused GPU
+        kernel (one copy: their per-expert kernels are not built) where `stack_on(device)`, else
+        one kernel each. Returns the QuantLinears it finished."""
+        if not self.quantized:
+            return []
+        linears = [*self.w13, *self.w2]
+        if not stack_on(device):
+            for linear in linears:
+                linear.finish(device)
+            return linears
+        self.stack_experts([lin.decode(device) for lin in self.w13],
+                           [lin.decode(device) for lin in self.w2])
+        return linears
+
+    def stack_experts(self, w13: list, w2: list) -> None:
+        """Quantised experts as the fused kernel reads them, from each expert's QuantizedWeight
+        (gate | up [2 * I/n, H], down [H, I/n]); from then on the fused path serves them."""
+        act = self.w13[0].method.activation
+        self.w13_stacked = StackedExperts(w13, act)
+        self.w2_stacked = StackedExperts(w2, act)
+
+    def _fused_gpu(self, x: Tensor) -> bool:
+        """Whether the fused Triton kernel serves this call: quantised experts once stacked
+        (their only form then), dense ones for CUDA tensors (the switch of the other GPU ops)."""
+        if self.quantized:
+            return self.w13_stacked is not None
+        return ops.use_triton(x) and x.dim() == 2
+
     def forward(self, x: Tensor) -> Tensor:
         """x [T, hidden] -> [T, hidden], summed over the ranks."""
         weights, ids = route(self.gate(x), self.spec.top_k, self.spec.renormalize)
-        out = fused_experts(x, self.w13, self.w2, weights, ids, self.spec, self.b13, self.b2)
+        if self._fused_gpu(x):
+            out = gpu_experts(x, self.w13_stacked if self.quantized else self.w13,
+                              self.w2_stacked if self.quantized else self.w2, weights, ids,
+                              self.spec, self.b13, self.b2)
+        else:
+            out = fused_experts(x, self.w13, self.w2, weights, ids, self.spec, self.b13,
+                                self.b2)
         if self.shared_expert is not None:
             gate = torch.sigmoid(self.shared_expert_gate(x))
             out += gate * self.shared_expert(x)

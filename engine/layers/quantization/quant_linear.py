@@ -43,6 +43,12 @@ class QuantLinear(nn.Module):
 
     def finish(self, device: torch.device) -> None:
         """Decode every shard, slice it for this rank, fuse, repack into the kernel."""
+        self.kernel = self.method.kernel(self.decode(device), self.dtype)
+
+    def decode(self, device: torch.device) -> QuantizedWeight:
+        """The fused weight of every shard, sliced for this rank, on `device`; the checkpoint's
+        tensors are released (finish builds the kernel from it; an MoE layer stacks its
+        experts' instead, engine/layers/moe_gpu.py)."""
         parts: list[QuantizedWeight] = []
         for name, tensors, sl in zip(self.hf_names, self._pending, self._slices, strict=True):
             missing = sorted(self.method.required - tensors.keys())
@@ -58,8 +64,8 @@ class QuantLinear(nn.Module):
                 f"{' + '.join(self.hf_names)} decode to a [{w.out_features}, {w.in_features}] "
                 f"weight, the model expects [{self.out_features}, {self.in_features}]: config.json "
                 "does not match the weights")
-        self.kernel = self.method.kernel(_to(w, device), self.dtype)
         self._pending = []
+        return _to(w, device)
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.kernel(x.reshape(-1, self.in_features))
@@ -164,8 +170,14 @@ def _tied_weights(model: nn.Module) -> set[int]:
 
 
 def finish_quantized(model: nn.Module, device: torch.device) -> list[QuantLinear]:
-    """Repack every QuantLinear after loading; returns them."""
+    """Repack every QuantLinear after loading; returns them. An MoE layer finishes its own
+    experts' (FusedMoE.finish_experts: stacked for the fused GPU kernel, or one kernel each)."""
+    owned: set[int] = set()
+    for module in model.modules():
+        if hasattr(module, "finish_experts"):
+            owned.update(id(m) for m in module.finish_experts(device))
     linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
     for linear in linears:
-        linear.finish(device)
+        if id(linear) not in owned:
+            linear.finish(device)
     return linears
