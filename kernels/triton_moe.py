@@ -49,7 +49,8 @@ def align_block_size(ids: Tensor, num_experts: int,
     flat = ids.reshape(-1)
     pairs, device = flat.shape[0], flat.device
     nb = max_blocks(pairs, num_experts, block_m)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    # new tensors from `flat` (its device, and a test's stand-in device type)
+    counts = flat.new_zeros(num_experts, dtype=torch.int64)
     counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount reads its max on the host
     padded = (counts + block_m - 1) // block_m * block_m
     pad_ends = padded.cumsum(0)
@@ -58,7 +59,7 @@ def align_block_size(ids: Tensor, num_experts: int,
     experts = flat.index_select(0, order)
     dest = (pad_ends - padded).index_select(0, experts) + \
         torch.arange(pairs, device=device) - starts.index_select(0, experts)
-    sorted_pairs = torch.full((nb * block_m,), pairs, dtype=torch.int32, device=device)
+    sorted_pairs = flat.new_full((nb * block_m,), pairs, dtype=torch.int32)
     sorted_pairs.scatter_(0, dest, order.to(torch.int32))
     first_rows = torch.arange(nb, device=device) * block_m
     block_expert = torch.searchsorted(pad_ends, first_rows, right=True)
@@ -176,7 +177,7 @@ def moe_matmul(a: Tensor, w: ExpertWeights, sorted_pairs: Tensor, block_expert: 
         raise ValueError(f"weight format {w.fmt!r}: expected one of {FORMATS}")
     if a.stride(-1) != 1:
         a = a.contiguous()
-    y = torch.empty((num_pairs, w.n), dtype=out_dtype, device=a.device)
+    y = a.new_empty((num_pairs, w.n), dtype=out_dtype)
     quant = w.fmt != "dense"
     scale_after = quant and w.g_idx is None and w.offset is None and w.scale.shape[1] == 1
     dot_fp32 = a.device.type != "cuda" or out_dtype == torch.float32  # see triton_attention

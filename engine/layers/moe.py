@@ -85,9 +85,15 @@ def _grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
         return False
 
 
+def _strides_aligned(t: Tensor) -> bool:
+    """grouped_mm's rule: every stride but the unit one a multiple of 16 bytes (a bf16 expert
+    slice 12 wide under tensor parallelism is not)."""
+    return all(s == 1 or s * t.element_size() % 16 == 0 for s in t.stride())
+
+
 def segment_mm(a: Tensor, b: Tensor, ends: Tensor) -> Tensor:
     """Rows ends[e-1]:ends[e] of a [M, K] times b[e] [K, N], for every expert e -> [M, N]."""
-    if _grouped_mm_works(a.device.type, a.dtype):
+    if _grouped_mm_works(a.device.type, a.dtype) and _strides_aligned(a) and _strides_aligned(b):
         return F.grouped_mm(a, b, offs=ends)
     out = a.new_empty(a.shape[0], b.shape[-1])
     start = 0

@@ -85,7 +85,7 @@ class StackedExperts(nn.Module):
             return codes, scale.reshape(-1)
         xf = x.float()
         if self.input_scale is not None:
-            scale = torch.full((x.shape[0], 1), self.input_scale, device=x.device)
+            scale = x.new_full((x.shape[0], 1), self.input_scale, dtype=torch.float32)
         else:
             scale = (xf.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(
                 torch.finfo(torch.float32).eps)

@@ -379,8 +379,9 @@ def _weight_bytes(model: torch.nn.Module, cfg: Any, dtype: torch.dtype, tp: int)
 
 def resident_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the weights a loaded model holds: its parameters, plus the CPU's oneDNN-packed
-    linears and the quantised linears' kernels, which hold their weights as buffers (a tied
-    lm_head packed as its own copy counts again)."""
+    linears and the quantised linears' kernels (and stacked quantised experts), which hold their
+    weights as buffers (a tied lm_head packed as its own copy counts again)."""
+    from kvserve.engine.layers.moe_gpu import StackedExperts
     from kvserve.engine.layers.packed_linear import PackedLinear
     from kvserve.engine.layers.quantization import QuantLinear
 
@@ -391,6 +392,8 @@ def resident_weight_bytes(model: torch.nn.Module) -> int:
                          for b in (module.packed_weight, module.bias) if b is not None)
         elif isinstance(module, QuantLinear) and module.kernel is not None:
             total += sum(_tensor_bytes(b) for b in module.kernel.buffers())
+        elif isinstance(module, StackedExperts):  # an MoE layer's quantised experts, on a GPU
+            total += sum(_tensor_bytes(b) for b in module.buffers())
     return total
 
 

@@ -86,18 +86,47 @@ def interpreter():
     import kvserve.kernels.triton_attention as attention
     import kvserve.kernels.triton_cache as cache
     import kvserve.kernels.triton_fused as fused
+    import kvserve.kernels.triton_moe as moe
 
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
-    for module in (attention, cache, fused):
+    for module in (attention, cache, fused, moe):
         importlib.reload(module)
     yield
     if old is None:
         del os.environ["TRITON_INTERPRET"]
     else:
         os.environ["TRITON_INTERPRET"] = old
-    for module in (attention, cache, fused):
+    for module in (attention, cache, fused, moe):
         importlib.reload(module)
+
+
+def gpu_path(monkeypatch) -> None:
+    """The GPU's code path on the CPU: Triton elementwise ops, plain linears, quantised MoE
+    experts stacked for the fused kernel."""
+    from kvserve.engine.layers import moe, packed_linear
+    from kvserve.kernels import cpu_ops
+
+    monkeypatch.setattr(cpu_ops, "_fused", lambda x: False)
+    monkeypatch.setattr(cpu_ops, "use_triton", lambda x: True)
+    monkeypatch.setattr(packed_linear, "pack_linears", lambda model, **kw: 0)
+    monkeypatch.setattr(moe, "stack_on", lambda device: True)
+
+
+def watch(llm) -> None:
+    """Every step's runner.execute of `llm` watched for host reads of OnDevice values."""
+    runner = llm.llm_engine.runner
+    execute = runner.execute
+
+    def watched_execute(*args, **kwargs):
+        OnDevice.watching = True
+        try:
+            return execute(*args, **kwargs)
+        finally:
+            OnDevice.watching = False
+
+    runner.execute = watched_execute
+    OnDevice.reads = []
 
 
 @pytest.fixture
@@ -199,3 +228,57 @@ def test_gpu_path_gives_the_cpu_paths_tokens(interpreter, tiny_model_dir, monkey
         for lg, lw in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
             tok = next(iter(lw))
             assert abs(lg[tok].logprob - lw[tok].logprob) < 1e-3
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    """A tiny Qwen2-MoE: layer 0 dense, then 4 experts of [64, 64], top 2, a gated shared
+    expert."""
+    from family_checks import build_family
+
+    return build_family(tmp_path_factory.mktemp("moe") / "qwen2_moe", "Qwen2MoeForCausalLM",
+                        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                        shared_expert_intermediate_size=96, mlp_only_layers=[0],
+                        norm_topk_prob=False, initializer_range=0.3)
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"], ids=["dense", "w8a8_int8"])
+def test_moe_step_is_sync_free_and_gives_the_cpu_paths_tokens(interpreter, moe_dir, monkeypatch,
+                                                               quantization):
+    """An MoE model's step on the GPU path (the fused Triton experts kernel: dense experts read
+    in place, or --quantization int8's experts stacked at load) reads nothing back from the
+    device, and its greedy tokens and logprobs are the CPU path's (per-expert segments)."""
+    from kvserve import SamplingParams
+    from kvserve.engine.layers import moe, moe_gpu
+    from kvserve.engine.layers.quantization import int8_w8a8
+
+    # the attention's int8 linears as plain tensors (a GPU's), not oneDNN's opaque prepacked ones
+    monkeypatch.setattr(int8_w8a8, "onednn_int8_available", lambda: False)
+    prompts = ["the cat sat on the mat", "a dog", "one two three four five six seven"]
+    params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=1, ignore_eos=True)
+    want = make_llm(moe_dir, max_model_len=96, quantization=quantization).generate(prompts,
+                                                                                 params)
+    calls: list[int] = []
+    real = moe_gpu.gpu_experts
+    gpu_path(monkeypatch)
+    monkeypatch.setattr(moe, "gpu_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
+    from kvserve.kernels import checks
+
+    monkeypatch.setattr(checks, "host_readable", lambda t: not isinstance(t, OnDevice))
+    llm = make_llm(moe_dir, attention_backend="triton", max_num_seqs=4, max_model_len=96,
+                   enforce_eager=True, quantization=quantization)
+    layers = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, moe.FusedMoE)]
+    assert len(layers) == 2 and all((m.w13_stacked is not None) == bool(quantization)
+                                    for m in layers)
+    put_on_device(llm)
+    watch(llm)
+    got = llm.generate(prompts, params)
+    assert OnDevice.reads == [], sorted(set(OnDevice.reads))
+    assert calls, "the fused MoE kernel did not run"
+    tol = 1e-3 if quantization is None else 2e-2  # per-token int8 codes may round apart
+    for g, w in zip(got, want):
+        if quantization is None:
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        lg, lw = g.outputs[0].logprobs[0], w.outputs[0].logprobs[0]
+        tok = next(iter(lw))  # the first token's logprob: the same prompt on both paths
+        assert abs(lg[tok].logprob - lw[tok].logprob) < tol

@@ -21,8 +21,9 @@ from quant_checkpoints import SCHEMES, PROMPTS, engine_greedy, hf_model, teacher
     write_quantized
 from test_compressed_tensors import assert_matches_reference
 
-from conftest import make_llm
+from conftest import make_llm, triton_interpreted
 from kvserve.engine.errors import ConfigError, QuantizationError
+from kvserve.engine.layers import moe as moe_module
 from kvserve.engine.layers.moe import ExpertLinears, FusedMoE
 from kvserve.engine.layers.quantization import QuantLinear
 
@@ -234,3 +235,39 @@ def test_mixtral_fp8_dynamic_experts_quantise_their_inputs_per_token(mixtral_dir
     llm = make_llm(quant)
     assert_layer_matches_fake_quantised(moe_layers(llm)[1], ref, "FP8_DYNAMIC")
     assert_agrees_teacher_forced(llm, ref, "FP8_DYNAMIC")
+
+
+@pytest.fixture(scope="module")
+def fused_kernel():
+    with triton_interpreted("kvserve.kernels.triton_moe"):
+        yield
+
+
+def assert_experts_stacked(llm) -> list[FusedMoE]:
+    """Every MoE layer's experts stacked for the fused kernel, no per-expert kernel beside them,
+    in fewer bytes than the dense weights would take at 16 bits."""
+    layers = moe_layers(llm)
+    assert layers
+    for layer in layers:
+        assert all(lin.kernel is None for lin in [*layer.w13, *layer.w2])
+        for stacked in (layer.w13_stacked, layer.w2_stacked):
+            held = sum(b.numel() * b.element_size() for b in stacked.buffers())
+            assert held < 2 * stacked.codes.shape[0] * stacked.n * stacked.k
+    return layers
+
+
+@pytest.mark.parametrize("scheme", ["W4A16", "W4A16_ASYM", "W8A16", "FP8_BLOCK", "W8A8",
+                                    "FP8_DYNAMIC"])
+def test_experts_stacked_for_the_fused_gpu_kernel(dense_dir, fused_kernel, monkeypatch, scheme):
+    """The GPU's form of quantised experts (stacked at load, through the fused Triton kernel;
+    forced here on the CPU, interpreted): weight-only schemes give the dequantised model's
+    greedy tokens and logprobs, activation-quantised ones HF's sparse block with per-token
+    fake-quantised expert inputs."""
+    monkeypatch.setattr(moe_module, "stack_on", lambda device: True)
+    quant, ref = build(dense_dir, scheme)
+    llm = make_llm(quant)
+    layers = assert_experts_stacked(llm)
+    if scheme in ("W8A8", "FP8_DYNAMIC"):
+        assert_layer_matches_fake_quantised(layers[0], ref, scheme)
+    else:
+        assert_matches_reference(llm, hf_model(ref), atol=2e-4)

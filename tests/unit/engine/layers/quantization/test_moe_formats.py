@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_llm
+from conftest import make_llm, triton_interpreted
 from family_checks import build_family
 from format_writers import set_quant_config, write_awq, write_fp8_block, write_gptq
 from kvserve.engine.errors import QuantizationError
@@ -21,6 +21,7 @@ from quant_checkpoints import LINEARS, hf_model, write_quantized
 from test_compressed_tensors import assert_matches_reference
 from test_moe_experts import (
     assert_agrees_teacher_forced,
+    assert_experts_stacked,
     assert_layer_matches_fake_quantised,
     moe_layers,
 )
@@ -82,6 +83,26 @@ def test_experts_in_each_format_match_the_dequantised_model(dense, family, spars
     quant, ref = quantised(dense(family), fmt)
     llm = make_llm(quant)
     assert_experts_quantised(llm, sparse)
+    assert_matches_reference(llm, hf_model(ref), atol=2e-4)
+
+
+@pytest.fixture(scope="module")
+def fused_kernel():
+    with triton_interpreted("kvserve.kernels.triton_moe"):
+        yield
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("fmt", ["gptq4_act_order", "gptq8", "awq", "fp8_block"])
+def test_experts_stacked_for_the_fused_gpu_kernel(dense, fused_kernel, monkeypatch, family, fmt):
+    """Each format's experts in the GPU's form (stacked at load, the fused Triton kernel reading
+    GPTQ's shuffled g_idx, AWQ's zero points, FP8 block scales; forced here on the CPU)."""
+    from kvserve.engine.layers import moe
+
+    monkeypatch.setattr(moe, "stack_on", lambda device: True)
+    quant, ref = quantised(dense(family), fmt)
+    llm = make_llm(quant)
+    assert_experts_stacked(llm)
     assert_matches_reference(llm, hf_model(ref), atol=2e-4)
 
 
