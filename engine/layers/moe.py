@@ -31,7 +31,7 @@ from kvserve.engine.errors import ConfigError, ModelNotFoundError
 from kvserve.engine.errors import QuantizationError
 from kvserve.engine.layers.linear import RankSlice, skip_init_linear
 from kvserve.engine.layers.mlp import GatedMLP
-from kvserve.engine.layers.moe_gpu import StackedExperts, gpu_experts, stack_on
+from kvserve.engine.layers.moe_gpu import StackedExperts, gpu_experts, stack_on, stackable
 from kvserve.kernels import cpu_ops as ops
 
 if TYPE_CHECKING:
@@ -237,8 +237,13 @@ class FusedMoE(nn.Module):
             for linear in linears:
                 linear.finish(device)
             return linears
-        self.stack_experts([lin.decode(device) for lin in self.w13],
-                           [lin.decode(device) for lin in self.w2])
+        w13 = [lin.decode(device) for lin in self.w13]
+        w2 = [lin.decode(device) for lin in self.w2]
+        if stackable(w13 + w2, device):
+            self.stack_experts(w13, w2)
+        else:
+            for linear, w in zip(linears, w13 + w2, strict=True):
+                linear.finish(device, w)
         return linears
 
     def stack_experts(self, w13: list, w2: list) -> None:

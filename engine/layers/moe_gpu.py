@@ -28,6 +28,14 @@ def stack_on(device: torch.device) -> bool:
     return device.type == "cuda" and os.environ.get("KVSERVE_FUSED_OPS", "1") != "0"
 
 
+def stackable(ws: list[QuantizedWeight], device: torch.device) -> bool:
+    """Whether the fused kernel can read these experts on `device`: Triton has no float8_e4m3fn
+    before compute capability 8.9 (there FP8 experts keep one dequantising kernel each)."""
+    if not ws[0].is_float or device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 class StackedExperts(nn.Module):
     """One projection of every quantised expert in the fused kernel's layout (buffers, so they
     move and are counted with the model)."""

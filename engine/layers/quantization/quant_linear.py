@@ -41,9 +41,11 @@ class QuantLinear(nn.Module):
         self._pending[index][leaf] = _materialise(source)
         self._slices[index] = rank_slice
 
-    def finish(self, device: torch.device) -> None:
-        """Decode every shard, slice it for this rank, fuse, repack into the kernel."""
-        self.kernel = self.method.kernel(self.decode(device), self.dtype)
+    def finish(self, device: torch.device, decoded: QuantizedWeight | None = None) -> None:
+        """Decode every shard, slice it for this rank, fuse, repack into the kernel (from
+        `decoded`, this linear's `decode` result, when it was taken already)."""
+        w = decoded if decoded is not None else self.decode(device)
+        self.kernel = self.method.kernel(w, self.dtype)
 
     def decode(self, device: torch.device) -> QuantizedWeight:
         """The fused weight of every shard, sliced for this rank, on `device`; the checkpoint's
