@@ -294,16 +294,17 @@ def moe_graphs():
     so capture succeeds) and replayed: its greedy tokens are the eager engine's. The smoke run
     captures with a stand-in (a plain call): the code path, not CUDA."""
     import tempfile
+
     from family_checks import build_family
+
     from kvserve import LLM, SamplingParams
     d = build_family(Path(tempfile.mkdtemp()) / "qwen2_moe", "Qwen2MoeForCausalLM",
                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                      shared_expert_intermediate_size=96, mlp_only_layers=[0],
                      norm_topk_prob=False, initializer_range=0.3)
-    kw = dict(dtype="float32", device=dev.type, attention_backend="triton", max_num_seqs=4,
-              max_model_len=128, kv_cache_memory=1 << 22) if SMOKE else \
-        dict(dtype="float32", device="cuda", attention_backend="triton", max_num_seqs=4,
-             max_model_len=128, gpu_memory_utilization=0.3)
+    kw = {"dtype": "float32", "device": dev.type, "attention_backend": "triton",
+          "max_num_seqs": 4, "max_model_len": 128}
+    kw.update({"kv_cache_memory": 1 << 22} if SMOKE else {"gpu_memory_utilization": 0.3})
     prompts = ["the cat sat on the mat", "a dog", "one two three four five six seven"]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     eager = LLM(str(d), enforce_eager=True, **kw)

@@ -14,12 +14,14 @@ from __future__ import annotations
 import os
 
 import torch
-from torch import Tensor, nn
-
-from kvserve.engine.layers.quantization.activation import FP8_MAX, ActivationScheme, \
-    torch_int8_per_token
+from kvserve.engine.layers.quantization.activation import (
+    FP8_MAX,
+    ActivationScheme,
+    torch_int8_per_token,
+)
 from kvserve.engine.layers.quantization.qweight import QuantizedWeight
 from kvserve.kernels import cpu_ops as ops
+from torch import Tensor, nn
 
 
 def stack_on(device: torch.device) -> bool:
@@ -118,7 +120,7 @@ def dense_weights(w: Tensor):
     return ExpertWeights("dense", w, w.shape[1], w.shape[2])
 
 
-def gpu_experts(x: Tensor, w13: "Tensor | StackedExperts", w2: "Tensor | StackedExperts",
+def gpu_experts(x: Tensor, w13: Tensor | StackedExperts, w2: Tensor | StackedExperts,
                 weights: Tensor, ids: Tensor, spec, b13: Tensor | None = None,
                 b2: Tensor | None = None) -> Tensor:
     """fused_experts' result (sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), [T, H] in x's

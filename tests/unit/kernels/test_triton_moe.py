@@ -9,10 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import triton_interpreted
-
 from kvserve.engine.layers.moe import MoESpec, fused_experts, route
-from kvserve.engine.layers.quantization.activation import ActivationScheme, FP8_MAX, \
-    torch_int8_per_token
+from kvserve.engine.layers.quantization.activation import (
+    FP8_MAX,
+    ActivationScheme,
+    torch_int8_per_token,
+)
 from kvserve.engine.layers.quantization.qweight import QuantizedWeight
 
 E, K_TOP, H, I = 4, 2, 96, 40  # H = 96: a K loop with a partial tile; 2I = 80: partial N tiles

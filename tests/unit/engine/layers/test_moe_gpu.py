@@ -12,13 +12,12 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import triton_interpreted
-from test_moe import SPEC, OneRank, build, inputs, random_experts
-
 from kvserve.engine.layers import moe
 from kvserve.engine.layers.moe import FusedMoE
 from kvserve.engine.layers.quantization.online import OnlineConfig
 from kvserve.engine.layers.quantization.quant_linear import QuantLinear
 from kvserve.kernels import cpu_ops
+from test_moe import SPEC, OneRank, build, inputs, random_experts
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +39,10 @@ def forced(monkeypatch, layer: FusedMoE, x: torch.Tensor, on: bool) -> torch.Ten
 
 
 CASES = {
-    "plain": dict(),
-    "shared": dict(shared_intermediate=16, top_k=3),
-    "gpt_oss": dict(renormalize=True, router_bias=True, expert_bias=True,
-                    activation="swiglu_clamped", swiglu_limit=0.7),
+    "plain": {},
+    "shared": {"shared_intermediate": 16, "top_k": 3},
+    "gpt_oss": {"renormalize": True, "router_bias": True, "expert_bias": True,
+                "activation": "swiglu_clamped", "swiglu_limit": 0.7},
 }
 
 
@@ -108,7 +107,7 @@ def quantised_layer(scheme: str, stacked: bool) -> FusedMoE:
 def test_quantised_gpu_branch_equals_the_per_expert_kernels(interpreted, scheme):
     """Stacked experts (the fused kernel, activations quantised per token with torch) against
     each expert's own kernel (oneDNN int8 / the dequantising fp8 matmul) on the same weights."""
-    gen, x, _ = inputs(SPEC, tokens=19, seed=8)
+    _, x, _ = inputs(SPEC, tokens=19, seed=8)
     per_expert, fused = quantised_layer(scheme, False), quantised_layer(scheme, True)
     assert fused.w13_stacked is not None and per_expert.w13_stacked is None
     assert all(lin.kernel is None for lin in fused.w13)
