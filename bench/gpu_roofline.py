@@ -144,12 +144,14 @@ def bench_runner(config: LlamaConfig, bw: float, flops: float, batches=BATCHES,
         if mode == "graphs":
             capture = (lambda fn: fn) if SMOKE else None  # the CPU has no CUDA graphs
             runner.capture_decode_graphs(max(batches), CONTEXT + BS, capture=capture)
+            check.graph_size = runner.decode_graph_size(check)  # the driver's choice
             err = (runner.run_step(check)[0].float() - want).abs().max().item()
             print(f"{label}graphs vs eager logits, batch {max(batches)}: max err {err:.3g}")
         else:
             want = runner.run_step(check)[0].float()
         for b in batches:
             step = decode_step(b, CONTEXT)
+            step.graph_size = runner.decode_graph_size(step)  # None while eager
             sec = timed(lambda: runner.run_step(step))
             roof = (weight_bytes + kv_bytes(config, b * (CONTEXT + 1))) / bw
             results[mode, b] = sec

@@ -101,8 +101,9 @@ class LLMEngine:
         if config.calculate_kv_scales and setup.kv_dtype == FP8_DTYPE:
             self._calibrate_kv_scales()
         # Captured batches are planned once, with no host look at their lengths: Triton only.
-        if self.device.type == "cuda" and not config.enforce_eager and setup.workers is None \
-                and self.runner.backend == "triton" and not config.enable_lora:
+        # Tensor-parallel engines capture on every rank; LoRA slots are step inputs like the rest.
+        if self.device.type == "cuda" and not config.enforce_eager \
+                and self.runner.backend == "triton":
             self._capture_decode_graphs()
         # Sampling values a request leaves out (the server and LLM read them; the engine does not).
         self.sampling_defaults = sampling_defaults(model_path, config.generation_config)
@@ -134,11 +135,13 @@ class LLMEngine:
                                   f"{'W=' + str(g.sliding_window) if g.sliding_window else 'full'}"
                                   for g in self.kv.groups.groups), self.kv.groups.page_layers)
 
-    def _capture_decode_graphs(self) -> None:
-        """CUDA graphs for decode (engine/worker/cuda_graph.py). A capture that fails (an op
-        of this model that syncs with the host) leaves every step eager, said once in the log."""
+    def _capture_decode_graphs(self, capture: Any = None) -> None:
+        """CUDA graphs for decode (engine/worker/cuda_graph.py). A capture that fails on any
+        rank (an op of this model that syncs with the host) leaves every step of every rank
+        eager, said once in the log. `capture`: the CPU tests' stand-in for CUDAGraph."""
         try:
-            self.runner.capture_decode_graphs(self.config.max_num_seqs, self.max_model_len)
+            self.runner.capture_decode_graphs(self.config.max_num_seqs, self.max_model_len,
+                                              capture)
         except RuntimeError as exc:
             self.runner.graphs = None
             logger.warning("CUDA graph capture failed (%s); decode runs eagerly "

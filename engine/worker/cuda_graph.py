@@ -1,5 +1,6 @@
 """Decode CUDA graphs: a ladder of captured batch sizes, static inputs filled from persistent
-staging buffers, each batch padded to the next captured size (slot -1, length 0, dropped)."""
+staging buffers, each batch padded to the next captured size (slot -1, length 0, no LoRA
+adapter, dropped)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from kvserve.kernels.metadata import AttentionMetadata
 from kvserve.kernels.plan import AttentionPlan
 
 MAX_CAPTURE = 512
-# forward(input_ids, positions, meta) -> hidden [N, hidden]: the model and attention, no sampling
-Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+# forward(input_ids, positions, meta, lora_slots) -> hidden [N, hidden]: the model and attention,
+# no sampling; lora_slots [N] int64 is each row's adapter slot (-1: none), for LoRA models
+Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor], torch.Tensor]
 # capture(fn) -> replay: records fn once; replay() re-runs it on the same buffers and returns
 # its output (torch.cuda.CUDAGraph on a GPU; the tests pass a plain call as the stand-in).
 Capture = Callable[[Callable[[], torch.Tensor]], Callable[[], torch.Tensor]]
@@ -48,24 +50,27 @@ class DecodeBuffers:
     slot_mapping: torch.Tensor  # [rows] int64
     block_tables: torch.Tensor  # [rows, width] int32
     seq_lens: torch.Tensor  # [rows] int32
+    lora_slots: torch.Tensor  # [rows] int64: each row's LoRA slot, -1 for none
 
     @classmethod
     def empty(cls, rows: int, width: int, device, pin: bool = False) -> DecodeBuffers:
         def z(*shape, dtype=torch.int64):
             return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
         return cls(z(rows), z(rows), z(rows), z(rows, width, dtype=torch.int32),
-                   z(rows, dtype=torch.int32))
+                   z(rows, dtype=torch.int32), z(rows).fill_(-1))
 
     def fields(self) -> tuple[torch.Tensor, ...]:
         return (self.input_ids, self.positions, self.slot_mapping, self.block_tables,
-                self.seq_lens)
+                self.seq_lens, self.lora_slots)
 
 
 def fill_staging(staging: DecodeBuffers, size: int, input_ids: torch.Tensor,
                  positions: torch.Tensor, slot_mapping: torch.Tensor,
-                 block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 lora_slots: torch.Tensor | None = None) -> None:
     """Write n real rows into the staging buffers' first n rows and pad rows n..size: token 0
-    at position 0, slot -1 (never written), an all-zero block table row, length 0."""
+    at position 0, slot -1 (never written), an all-zero block table row, length 0, no LoRA
+    adapter (slot -1). `lora_slots` None: no row has an adapter."""
     n, width = block_tables.shape
     staging.input_ids[:n] = input_ids
     staging.positions[:n] = positions
@@ -77,6 +82,11 @@ def fill_staging(staging: DecodeBuffers, size: int, input_ids: torch.Tensor,
         buf[n:size] = 0
     staging.slot_mapping[n:size] = -1
     staging.block_tables[n:size] = 0
+    if lora_slots is None:
+        staging.lora_slots[:size] = -1
+    else:
+        staging.lora_slots[:n] = lora_slots
+        staging.lora_slots[n:size] = -1
 
 
 def decode_plan(bufs: DecodeBuffers, rows: int, block_size: int,
@@ -90,7 +100,9 @@ def decode_plan(bufs: DecodeBuffers, rows: int, block_size: int,
 
 class DecodeGraphs:
     """The captured decode forwards, one per ladder size, sharing one set of static buffers
-    (a graph of size s reads their first s rows)."""
+    (a graph of size s reads their first s rows). With tensor parallelism every rank holds one,
+    captured from the same arguments in the same order (the forward's all-reduces are recorded
+    in every rank's graphs alike), and every rank replays the size the driver chose."""
 
     def __init__(self, forward: Forward, max_num_seqs: int, max_blocks_per_seq: int,
                  block_size: int, device: torch.device, capture: Capture, backend: str,
@@ -102,6 +114,7 @@ class DecodeGraphs:
         self.staging = DecodeBuffers.empty(top, self.width, "cpu", pin=device.type == "cuda")
         self.qsl = torch.arange(top + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, Callable[[], torch.Tensor]] = {}
+        self.replays = 0  # steps run from a graph (tests and figures)
         max_seq_len = max_blocks_per_seq * block_size
         for size in self.sizes:  # largest first
             meta = AttentionMetadata(
@@ -111,26 +124,38 @@ class DecodeGraphs:
                 k_scale=k_scale, v_scale=v_scale, backend=backend,
                 plan=decode_plan(self.static, size, block_size, max_seq_len, self.qsl[:size + 1]))
             ids, pos = self.static.input_ids[:size], self.static.positions[:size]
-            self.graphs[size] = capture(lambda ids=ids, pos=pos, meta=meta: forward(ids, pos, meta))
+            lora = self.static.lora_slots[:size]
+            self.graphs[size] = capture(
+                lambda ids=ids, pos=pos, meta=meta, lora=lora: forward(ids, pos, meta, lora))
 
     def can_run(self, num_seqs: int, num_tokens: int, width: int) -> bool:
         """A pure decode batch (one token per sequence) within the ladder and the table width;
         anything else (prefill, mixed, larger) runs eagerly."""
         return num_tokens == num_seqs and 0 < num_seqs <= self.sizes[0] and width <= self.width
 
+    def size_for(self, num_seqs: int, num_tokens: int, width: int) -> int | None:
+        """The captured size a batch replays (None: it runs eagerly)."""
+        if not self.can_run(num_seqs, num_tokens, width):
+            return None
+        return padded_size(num_seqs, self.sizes)
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-            block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+            block_tables: torch.Tensor, seq_lens: torch.Tensor,
+            lora_slots: torch.Tensor | None = None, size: int | None = None) -> torch.Tensor:
         """Hidden states of the n real rows (host tensors in): stage, copy without blocking,
-        replay the next captured size, drop the padded rows."""
+        replay `size` (default: the next captured size), drop the padded rows."""
         n = seq_lens.shape[0]
-        size = padded_size(n, self.sizes)
-        assert size is not None, "can_run() must admit the batch first"
+        size = size if size is not None else padded_size(n, self.sizes)
+        if size not in self.graphs or size < n:
+            raise RuntimeError(f"no captured decode graph of size {size} for {n} rows "
+                               f"(captured: {self.sizes})")
         fill_staging(self.staging, size, input_ids, positions, slot_mapping, block_tables,
-                     seq_lens)
+                     seq_lens, lora_slots)
         # Reusing the staging buffers next step is safe: the step's outputs are read on the host
         # (the sampler's tokens) before the next step is staged.
         for dst, src in zip(self.static.fields(), self.staging.fields()):
             dst[:size].copy_(src[:size], non_blocking=True)
+        self.replays += 1
         return self.graphs[size]()[:n]
 
 

@@ -4,7 +4,9 @@ the engine asks for. It makes no scheduling decisions.
 
 With tensor parallelism the driver's runner builds each step's inputs once (a StepInput of CPU
 tensors), hands them to the worker processes, and every rank runs the same `run_step` against its
-own shard and KV cache; only the driver samples."""
+own shard and KV cache; only the driver samples. Decode CUDA graphs are captured on every rank
+together, kept only if every rank's capture succeeded, and the driver names in the StepInput the
+graph size every rank replays."""
 
 from __future__ import annotations
 
@@ -40,6 +42,8 @@ class Peers(Protocol):
     which imports this module: the runner names only what it calls)."""
 
     def broadcast(self, cmd: str, arg: object) -> None: ...
+
+    def wait_for(self, expected: str) -> list[object]: ...
 
     def failed(self, exc: BaseException) -> Exception: ...
 
@@ -84,6 +88,8 @@ class StepInput:
     prompt_targets: list[int] = field(default_factory=list)
     prompt_k: int = 0
     lora_slots: torch.Tensor | None = None  # [T] int64: each token's LoRA slot (-1: none)
+    # the captured decode size every rank replays (None: eager), chosen by the driver
+    graph_size: int | None = None
 
 
 class ModelRunner:
@@ -300,6 +306,7 @@ class ModelRunner:
         if prompt is not None:
             step.prompt_rows, step.prompt_targets, step.prompt_k = \
                 prompt.rows, prompt.targets, prompt.k
+        step.graph_size = self.decode_graph_size(step)
         if self.workers is None:
             logits, prompt_result = self.run_step(step)
         else:
@@ -321,7 +328,7 @@ class ModelRunner:
         logits and the prompt logprobs asked; the other ranks only take part in the
         collectives."""
         self.apply_moves(step.moves)
-        if self.lora is not None:
+        if self.lora is not None and step.graph_size is None:  # a graph reads its own buffer
             slots = step.lora_slots
             self.lora.set_indices(slots.to(self.device) if slots is not None else None)
         hidden, _ = self._forward(step)
@@ -339,23 +346,63 @@ class ModelRunner:
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int,
                               capture: Capture | None = None) -> None:
-        """Capture the decode forward for the ladder of batch sizes (`capture`: a stand-in for
-        torch.cuda.CUDAGraph in the CPU tests). Run after the fp8 scales are calibrated."""
+        """Capture the decode forward for the ladder of batch sizes on every rank (`capture`: a
+        stand-in for torch.cuda.CUDAGraph in the CPU tests, sent to the workers too, so picklable
+        there; None: `cuda_capture`). Run after the fp8 scales are calibrated. All ranks keep
+        their graphs or none does: RuntimeError naming the failed ranks, every rank eager."""
+        if self.workers is not None:
+            self.workers.broadcast("capture", (max_num_seqs, max_model_len, capture))
+        errors: list[object] = [self.try_capture(max_num_seqs, max_model_len, capture)]
+        if self.workers is not None:
+            errors += self.workers.wait_for("captured")
+        failed = [f"rank {rank}: {e}" for rank, e in enumerate(errors) if e is not None]
+        if failed:
+            self.graphs = None
+            if self.workers is not None:  # before any step: the pipes keep the order
+                self.workers.broadcast("drop_graphs", None)
+            raise RuntimeError("; ".join(failed))
+
+    def try_capture(self, max_num_seqs: int, max_model_len: int,
+                    capture: Capture | None = None) -> str | None:
+        """This rank's capture (every rank, in the same order: the forward's collectives are
+        recorded too); None when it worked, else why, with this rank left eager."""
+        self.graphs = None
         width = -(-max_model_len // self.block_size)
-        self.graphs = DecodeGraphs(
-            lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta), max_num_seqs,
-            width, self.block_size, self.device, capture or cuda_capture(), self.backend,
-            self.k_scale, self.v_scale)
+        try:
+            self.graphs = DecodeGraphs(
+                self._graph_forward, max_num_seqs, width, self.block_size, self.device,
+                capture or cuda_capture(), self.backend, self.k_scale, self.v_scale)
+        except Exception as exc:  # noqa: BLE001 - any failure leaves the rank eager
+            self.graphs = None
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def _graph_forward(self, ids: torch.Tensor, positions: torch.Tensor,
+                       meta: AttentionMetadata, lora_slots: torch.Tensor) -> torch.Tensor:
+        if self.lora is not None:  # the static slot buffer: what the captured LoRA ops read
+            self.lora.set_indices(lora_slots)
+        return self.model(ids, positions, self.kv_caches, meta)
+
+    def decode_graph_size(self, step: StepInput) -> int | None:
+        """The captured size `step` replays (None: eager): a pure decode step of one KV-cache
+        group (several run eagerly) without prompt logprobs, within the ladder. The driver
+        decides it once and sends it with the step, so no rank decides on its own."""
+        g = self.graphs
+        if g is None or step.prompt_rows or step.block_tables.shape[0] != 1:
+            return None
+        return g.size_for(step.seq_lens.shape[0], step.input_ids.shape[0],
+                          step.block_tables.shape[2])
 
     def _forward(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hidden states and query_start_loc (on the device): a captured graph for a pure
-        decode step it fits (no prompt logprobs), the eager forward otherwise."""
-        g = self.graphs  # captured for one KV-cache group: several run eagerly
-        if g is not None and not step.prompt_rows and step.block_tables.shape[0] == 1 and \
-                g.can_run(step.seq_lens.shape[0], step.input_ids.shape[0],
-                          step.block_tables.shape[2]):
-            hidden = g.run(step.input_ids, step.positions, step.slot_mapping[0],
-                           step.block_tables[0], step.seq_lens)
+        """Hidden states and query_start_loc (on the device): the captured graph the driver
+        chose for this step (`step.graph_size`), the eager forward otherwise."""
+        if step.graph_size is not None:
+            if self.graphs is None:  # an error, never a collective run by some ranks only
+                raise RuntimeError(f"the driver replays decode graph {step.graph_size}, which "
+                                   "this rank did not capture")
+            hidden = self.graphs.run(step.input_ids, step.positions, step.slot_mapping[0],
+                                     step.block_tables[0], step.seq_lens, step.lora_slots,
+                                     step.graph_size)
             return hidden, step.query_start_loc.to(self.device, non_blocking=True)
         ids, positions, meta = self.to_device(step)
         return self.model(ids, positions, self.kv_caches, meta), meta.query_start_loc

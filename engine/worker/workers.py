@@ -1,7 +1,8 @@
 """Tensor-parallel worker processes: the engine's process is rank 0 (the driver); it spawns ranks
 1..N-1, each loading its shard of the weights and, once the driver has sized the cache, its own KV
 cache for its KV heads. Then each worker replays what the driver broadcasts (a step's inputs,
-block moves, fp8 calibration) and takes part in the model's collectives; only the driver samples.
+block moves, fp8 calibration, LoRA slots, the decode-graph capture) and takes part in the model's
+collectives; only the driver samples.
 
 The command channel is one pipe per worker, not a collective, so an idle worker waits without a
 timeout and sees EOF the moment the driver goes away. A worker that dies is noticed by the driver
@@ -147,6 +148,10 @@ def _serve(rank: int, model: torch.nn.Module, spec: WorkerSpec, conn: Connection
             runner.calibrate_kv_scales(*arg)  # type: ignore[union-attr]
         elif cmd == "lora":
             runner.apply_lora(*arg)  # type: ignore[union-attr]
+        elif cmd == "capture":  # every rank together; the driver keeps graphs only if all did
+            conn.send(("captured", runner.try_capture(*arg)))  # type: ignore[union-attr]
+        elif cmd == "drop_graphs":  # another rank's capture failed: every rank runs eagerly
+            runner.graphs = None  # type: ignore[union-attr]
         else:
             raise RuntimeError(f"unknown command {cmd!r}")
 
@@ -244,10 +249,12 @@ class WorkerGroup:
             raise
         return group, tp
 
-    def wait_for(self, expected: str) -> None:
-        """Each worker's next message must be `expected`; a death or error raises."""
+    def wait_for(self, expected: str) -> list[Any]:
+        """Each worker's next message must be `expected`; a death or error raises. Returns
+        their payloads in rank order (rank 1 first)."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         pending = dict(enumerate(self.conns))
+        payloads: list[Any] = [None] * len(self.conns)
         while pending:
             ready = wait(list(pending.values()) + [self.procs[i].sentinel for i in pending],
                          timeout=max(deadline - time.monotonic(), 0))
@@ -256,10 +263,11 @@ class WorkerGroup:
                                       f"within {STARTUP_TIMEOUT_S:.0f} s")
             for i, conn in list(pending.items()):
                 if conn in ready or self.procs[i].sentinel in ready:
-                    self._expect(i, expected)
+                    payloads[i] = self._expect(i, expected)
                     del pending[i]
+        return payloads
 
-    def _expect(self, i: int, expected: str) -> None:
+    def _expect(self, i: int, expected: str) -> Any:
         try:
             kind, payload = self.conns[i].recv()
         except (EOFError, OSError):
@@ -269,6 +277,7 @@ class WorkerGroup:
             raise WorkerDiedError(f"tensor-parallel worker failed:\n{payload}")
         if kind != expected:
             raise WorkerDiedError(f"worker rank {i + 1} said {kind!r}, expected {expected!r}")
+        return payload
 
     def broadcast(self, cmd: str, arg: Any) -> None:
         """Send one command to every worker (serialised once); WorkerDiedError if one is gone."""

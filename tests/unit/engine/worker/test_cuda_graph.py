@@ -2,12 +2,10 @@
 stand-in capture (a plain call in place of CUDAGraph replay) over the real Triton decode kernel
 in the interpreter, against the eager forward of the unpadded batch."""
 
-import importlib
-import os
-
 import pytest
 import torch
 
+from graph_checks import interpreter  # noqa: F401 - autouse: Triton in the interpreter
 from kvserve.engine.worker.cuda_graph import (DecodeBuffers, DecodeGraphs, capture_sizes,
                                               decode_plan, fill_staging, padded_size)
 from kvserve.kernels.attention import paged_attention
@@ -16,26 +14,6 @@ from kvserve.kernels.plan import plan_attention
 from kvserve.kernels.write_kv import write_kv
 
 BS, WIDTH, HEADS, KV_HEADS, D, VOCAB = 4, 4, 4, 2, 16, 50
-
-
-@pytest.fixture(scope="module", autouse=True)
-def interpreter():
-    """The Triton kernels interpreted on CPU tensors, on a machine with a GPU too (as in
-    tests/unit/kernels/test_triton.py): set for this module, the modules reloaded around it."""
-    import kvserve.kernels.triton_attention as attention
-    import kvserve.kernels.triton_cache as cache
-
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    for module in (attention, cache):
-        importlib.reload(module)
-    yield
-    if old is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = old
-    for module in (attention, cache):
-        importlib.reload(module)
 
 
 def test_capture_ladder():
@@ -57,12 +35,14 @@ def test_staging_pads_with_dead_rows():
     st.seq_lens.fill_(99)
     st.block_tables.fill_(7)
     ids = torch.tensor([5, 6, 7])
+    st.lora_slots.fill_(5)
     fill_staging(st, 4, ids, torch.tensor([3, 1, 8]), torch.tensor([3, 5, 12]),
                  torch.tensor([[0, 0], [1, 0], [2, 3]], dtype=torch.int32),
-                 torch.tensor([4, 2, 9], dtype=torch.int32))
+                 torch.tensor([4, 2, 9], dtype=torch.int32), torch.tensor([1, -1, 0]))
     assert st.input_ids[:4].tolist() == [5, 6, 7, 0]
     assert st.slot_mapping[:4].tolist() == [3, 5, 12, -1]
     assert st.seq_lens[:4].tolist() == [4, 2, 9, 0]
+    assert st.lora_slots[:4].tolist() == [1, -1, 0, -1]  # a padded row: no adapter
     assert st.block_tables[:4].tolist() == [[0, 0, 0, 0], [1, 0, 0, 0], [2, 3, 0, 0],
                                             [0, 0, 0, 0]]
 
@@ -78,7 +58,7 @@ class TinyDecoder:
         self.v_cache = torch.randn(16, BS, KV_HEADS, D, generator=g)
         self.backend = backend
 
-    def __call__(self, ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(self, ids, positions, meta: AttentionMetadata, lora=None) -> torch.Tensor:
         qkv = self.emb[ids] + positions[:, None]
         q = qkv[:, :HEADS * D].reshape(-1, HEADS, D)
         k = qkv[:, HEADS * D:(HEADS + KV_HEADS) * D].reshape(-1, KV_HEADS, D)
