@@ -61,6 +61,15 @@ def torch_silu_and_mul(x: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+def swiglu_clamped(h: Tensor, alpha: float, limit: float) -> Tensor:
+    """gpt-oss's activation on [M, 2I] (gate | up): (clamp(up) + 1) * g * sigmoid(alpha * g),
+    g = min(gate, limit)."""
+    gate, up = h.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def torch_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x [T, heads, D] rotated in HF's rotate-half layout; cos, sin [T, D/2]."""
     x1, x2 = x.chunk(2, dim=-1)

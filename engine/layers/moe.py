@@ -130,15 +130,6 @@ def _experts_mm(a: Tensor, w: "Tensor | ExpertLinears", ends: Tensor) -> Tensor:
     return segment_mm(a, w.transpose(1, 2), ends)
 
 
-def swiglu_clamped(h: Tensor, alpha: float, limit: float) -> Tensor:
-    """gpt-oss's activation on [M, 2I] (gate | up): (clamp(up) + 1) * g * sigmoid(alpha * g),
-    g = min(gate, limit)."""
-    gate, up = h.chunk(2, dim=-1)
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
-
-
 def fused_experts(x: Tensor, w13: "Tensor | ExpertLinears", w2: "Tensor | ExpertLinears",
                   weights: Tensor, ids: Tensor,
                   spec: MoESpec, b13: Tensor | None = None,
@@ -160,7 +151,7 @@ def fused_experts(x: Tensor, w13: "Tensor | ExpertLinears", w2: "Tensor | Expert
     if spec.activation == "silu":
         h = ops.silu_and_mul(h)
     else:
-        h = swiglu_clamped(h, spec.swiglu_alpha, spec.swiglu_limit)
+        h = ops.swiglu_clamped(h, spec.swiglu_alpha, spec.swiglu_limit)
     y = _experts_mm(h, w2, ends)
     if b2 is not None:
         y += b2.index_select(0, experts)

@@ -152,6 +152,4 @@ def _activation(h: Tensor, spec) -> Tensor:
 
             return triton_fused.act_and_mul(h, "silu")
         return ops.torch_silu_and_mul(h)
-    from kvserve.engine.layers.moe import swiglu_clamped
-
-    return swiglu_clamped(h, spec.swiglu_alpha, spec.swiglu_limit)
+    return ops.swiglu_clamped(h, spec.swiglu_alpha, spec.swiglu_limit)
