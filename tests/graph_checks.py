@@ -4,13 +4,33 @@ the graphs-vs-eager comparison."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+
+
+@contextlib.contextmanager
+def triton_interpreted(*modules) -> Iterator[None]:
+    """TRITON_INTERPRET=1 with `modules` reloaded under it, and back afterwards (their kernels
+    run on CPU tensors, also on a machine with a GPU)."""
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    for module in modules:
+        importlib.reload(module)
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+        for module in modules:
+            importlib.reload(module)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -20,17 +40,8 @@ def interpreter():
     import kvserve.kernels.triton_attention as attention
     import kvserve.kernels.triton_cache as cache
 
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    for module in (attention, cache):
-        importlib.reload(module)
-    yield
-    if old is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = old
-    for module in (attention, cache):
-        importlib.reload(module)
+    with triton_interpreted(attention, cache):
+        yield
 
 
 class StandIn:

@@ -15,7 +15,6 @@ outputs) only after it returns.
 
 from __future__ import annotations
 
-import importlib
 import os
 import traceback
 
@@ -23,6 +22,7 @@ import pytest
 import torch
 
 from conftest import make_llm
+from graph_checks import triton_interpreted
 
 HOST_READS = {
     torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
@@ -88,17 +88,8 @@ def interpreter():
     import kvserve.kernels.triton_fused as fused
     import kvserve.kernels.triton_moe as moe
 
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    for module in (attention, cache, fused, moe):
-        importlib.reload(module)
-    yield
-    if old is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = old
-    for module in (attention, cache, fused, moe):
-        importlib.reload(module)
+    with triton_interpreted(attention, cache, fused, moe):
+        yield
 
 
 def gpu_path(monkeypatch) -> None:
@@ -135,28 +126,14 @@ def watched(interpreter, tiny_model_dir, monkeypatch):
     ops, plain linears), with OnDevice tensors as the device's; every step's runner.execute
     watched. The interpreter's own reads of kernel arguments are not counted: on a GPU a launch
     passes pointers."""
-    from kvserve.engine.layers import packed_linear
-    from kvserve.kernels import checks, cpu_ops
+    from kvserve.kernels import checks
 
-    monkeypatch.setattr(cpu_ops, "_fused", lambda x: False)
-    monkeypatch.setattr(cpu_ops, "use_triton", lambda x: True)
-    monkeypatch.setattr(packed_linear, "pack_linears", lambda model, **kw: 0)
+    gpu_path(monkeypatch)
     monkeypatch.setattr(checks, "host_readable", lambda t: not isinstance(t, OnDevice))
     llm = make_llm(tiny_model_dir, attention_backend="triton", max_num_seqs=4,
                    max_model_len=96, enforce_eager=True)
     put_on_device(llm)
-    runner = llm.llm_engine.runner
-    execute = runner.execute
-
-    def watched_execute(*args, **kwargs):
-        OnDevice.watching = True
-        try:
-            return execute(*args, **kwargs)
-        finally:
-            OnDevice.watching = False
-
-    runner.execute = watched_execute
-    OnDevice.reads = []
+    watch(llm)
     yield llm
     OnDevice.reads = []
 
