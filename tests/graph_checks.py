@@ -4,43 +4,20 @@ the graphs-vs-eager comparison."""
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-
-@contextlib.contextmanager
-def triton_interpreted(*modules) -> Iterator[None]:
-    """TRITON_INTERPRET=1 with `modules` reloaded under it, and back afterwards (their kernels
-    run on CPU tensors, also on a machine with a GPU)."""
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    for module in modules:
-        importlib.reload(module)
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-        for module in modules:
-            importlib.reload(module)
+from conftest import triton_interpreted
 
 
 @pytest.fixture(scope="module", autouse=True)
 def interpreter():
     """The Triton kernels interpreted on CPU tensors, on a machine with a GPU too (as in
     tests/unit/kernels/test_triton.py): set for the module, the modules reloaded around it."""
-    import kvserve.kernels.triton_attention as attention
-    import kvserve.kernels.triton_cache as cache
-
-    with triton_interpreted(attention, cache):
+    with triton_interpreted("kvserve.kernels.triton_attention", "kvserve.kernels.triton_cache"):
         yield
 
 

@@ -21,8 +21,7 @@ import traceback
 import pytest
 import torch
 
-from conftest import make_llm
-from graph_checks import triton_interpreted
+from conftest import make_llm, triton_interpreted
 
 HOST_READS = {
     torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
@@ -83,12 +82,8 @@ def put_on_device(llm) -> None:
 @pytest.fixture(scope="module")
 def interpreter():
     """The GPU path's Triton kernels under TRITON_INTERPRET=1 (reloaded under it, and back)."""
-    import kvserve.kernels.triton_attention as attention
-    import kvserve.kernels.triton_cache as cache
-    import kvserve.kernels.triton_fused as fused
-    import kvserve.kernels.triton_moe as moe
-
-    with triton_interpreted(attention, cache, fused, moe):
+    with triton_interpreted(*(f"kvserve.kernels.triton_{name}"
+                              for name in ("attention", "cache", "fused", "moe"))):
         yield
 
 
