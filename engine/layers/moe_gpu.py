@@ -15,8 +15,8 @@ import os
 
 import torch
 from kvserve.engine.layers.quantization.activation import (
-    FP8_MAX,
     ActivationScheme,
+    fp8_per_token,
     torch_int8_per_token,
 )
 from kvserve.engine.layers.quantization.qweight import QuantizedWeight
@@ -93,13 +93,7 @@ class StackedExperts(nn.Module):
         if act.kind == "int8":
             codes, scale = torch_int8_per_token(x, self.input_scale)
             return codes, scale.reshape(-1)
-        xf = x.float()
-        if self.input_scale is not None:
-            scale = x.new_full((x.shape[0], 1), self.input_scale, dtype=torch.float32)
-        else:
-            scale = (xf.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(
-                torch.finfo(torch.float32).eps)
-        codes = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        codes, scale = fp8_per_token(x, self.input_scale)
         return codes, scale.reshape(-1)
 
     def extra_repr(self) -> str:

@@ -51,14 +51,20 @@ def torch_int8_per_token(x: Tensor, static_scale: float | None = None) -> tuple[
     return codes, scale
 
 
-def fp8_fake_quant(x: Tensor, static_scale: float | None = None) -> Tensor:
-    """x rounded through float8_e4m3fn (per token, or with the checkpoint's static scale), in
-    x's dtype: what an FP8 GEMM would see, for the CPU's dequantising path."""
+def fp8_per_token(x: Tensor, static_scale: float | None = None) -> tuple[Tensor, Tensor]:
+    """(float8_e4m3fn codes, float32 scale [T, 1]) of x [T, K]: each row scaled by its absmax
+    over FP8's largest value, or every row by the checkpoint's static scale."""
     xf = x.float()
     if static_scale is not None:
-        scale = torch.tensor(static_scale, dtype=torch.float32, device=x.device)
+        scale = x.new_full((x.shape[0], 1), static_scale, dtype=torch.float32)
     else:
         scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min_(
             torch.finfo(torch.float32).eps)
-    codes = (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def fp8_fake_quant(x: Tensor, static_scale: float | None = None) -> Tensor:
+    """x rounded through float8_e4m3fn (per token, or with the checkpoint's static scale), in
+    x's dtype: what an FP8 GEMM would see, for the CPU's dequantising path."""
+    codes, scale = fp8_per_token(x, static_scale)
     return (codes.float() * scale).to(x.dtype)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from kvserve.engine.layers.quantization.activation import FP8_MAX, ActivationScheme
+from kvserve.engine.layers.quantization.activation import ActivationScheme, fp8_per_token
 from kvserve.engine.layers.quantization.qweight import QuantizedWeight
 from kvserve.engine.layers.quantization.weight_only import act_order
 
@@ -48,13 +48,7 @@ class ScaledMMFp8Linear(nn.Module):
             bool((self.weight_scale == self.weight_scale[0, 0]).all())
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        if self.static_input_scale is not None:
-            scale = torch.full((x.shape[0], 1), self.static_input_scale, device=x.device)
-        else:
-            scale = (xf.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(
-                torch.finfo(torch.float32).eps)
-        codes = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        codes, scale = fp8_per_token(x, self.static_input_scale)
         if self.per_tensor:
             return torch._scaled_mm(codes, self.weight, scale_a=scale[:1, :1].reshape(()),
                                     scale_b=self.weight_scale[0, 0], out_dtype=x.dtype)
