@@ -30,7 +30,7 @@ class _EngineArgsMethods:
         for f in fields(EngineArgs):
             default = f.default if f.default is not MISSING else None
             flag = "--" + f.name.replace("_", "-")
-            if isinstance(default, bool):
+            if isinstance(default, bool) or str(f.type).startswith("bool"):  # bool | None too
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
             elif isinstance(default, tuple):  # a list of names (--logits-processors a:B c:D)
                 parser.add_argument(flag, nargs="*", type=str, default=default)

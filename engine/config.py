@@ -45,6 +45,9 @@ class EngineConfig:
     calculate_kv_scales: bool = False
     attention_backend: str = "auto"  # "auto" | "cpu" | "torch" | "triton" | "reference"
     enforce_eager: bool = False  # True: no CUDA graphs; decode steps run eagerly (GPU only)
+    # Launch step N+1 before reading step N's tokens (engine/async_scheduling.py): None = on a
+    # single-rank GPU engine, off on a CPU (where nothing overlaps); True / False force it.
+    async_scheduling: bool | None = None
     seed: int = 0
     trust_remote_code: bool = False
     revision: str | None = None
@@ -89,6 +92,10 @@ class EngineConfig:
                 f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.block_size not in (8, 16, 32):
             raise ConfigError(f"block_size must be 8, 16 or 32, got {self.block_size}")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ConfigError("async scheduling runs on one rank: every tensor-parallel rank "
+                              "would need the sampled ids it reads on the device; drop "
+                              "--async-scheduling or use tensor_parallel_size=1")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from kvserve.engine.async_scheduling import PLACEHOLDER, OverlappedStep
+from kvserve.engine.async_scheduling import enabled as async_scheduling_enabled
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.core.kv_cache_groups import is_plain_key
 from kvserve.engine.core.kv_cache_manager import KVCacheManager
@@ -27,8 +29,6 @@ from kvserve.engine.profiler import TorchProfiler
 from kvserve.engine.sample.best_of import BestOf, expand, select
 from kvserve.engine.sample.detokenizer import IncrementalDetokenizer, NoText, core_makes_text
 from kvserve.engine.sample.generation_config import sampling_defaults
-from kvserve.engine.sample.prompt_logprobs import append_entries
-from kvserve.engine.sample.prompt_logprobs import plan as plan_prompt_logprobs
 from kvserve.engine.sample.sampler import SamplerOutput, SamplingMetadata, make_generator
 from kvserve.engine.sample.sampling_params import SamplingParams
 from kvserve.engine.sample.tokenizer import load_tokenizer, prompt_token_ids
@@ -121,6 +121,8 @@ class LLMEngine:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._profiler = TorchProfiler()
+        self.async_scheduling = async_scheduling_enabled(config.async_scheduling, self)
+        self._stepper = OverlappedStep(self, overlap=self.async_scheduling)
         logger.info("%s; device %s, dtype %s, kv dtype %s, attention backend %s",
                     self.memory_budget.describe(), self.device, self.dtype, setup.kv_dtype,
                     self.runner.backend)
@@ -184,6 +186,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do with one rank); idempotent. Dropping
         the engine or leaving the interpreter stops them too."""
+        self._stepper.drain()  # a step in flight writes the KV the disk tier keeps
         if self.runner.workers is not None:
             self.runner.workers.close()
         if self.disk is not None and self.disk.is_open:
@@ -320,36 +323,9 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        outputs, self._aborted = self._aborted, []
-        self._failed_now = set()
-        t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
-            self.runner.move_blocks(sched)  # a swap-in may precede the seq's next forward
-            self._observe_copies()
-            return outputs
-        rows, sampling = self._sampling_rows(sched)
-        if self.logits_processors is not None:
-            self.runner.logits_hook = self._logits_hook(sched, rows)
-        prompt_plan = plan_prompt_logprobs(sched.seqs, sched.num_tokens)
-        result, prompt_result = self.runner.execute(sched, self.kv, rows, sampling, prompt_plan,
-                                                    self._lora_slots(sched))
-        now = time.monotonic()
-        if prompt_result is not None:  # before the seqs move on: the plan read their progress
-            append_entries(prompt_plan, prompt_result, self.tokenizer)  # type: ignore[arg-type]
-        for seq, n in zip(sched.seqs, sched.num_tokens):
-            seq.num_computed_tokens += n
-            self.kv.register_computed(seq)
-        touched = self._apply_samples(sched, rows, result, now) if result is not None else []
-        self._observe_step(sched, time.perf_counter() - t0)  # sampled ids read: the step's end
-        touched = [s for s in touched if s.request_id not in self._failed_now]
-        outputs += [self._make_output(s) for s in touched]
-        for s in touched:
-            if s.finished:
-                self.requests.pop(s.request_id, None)
-        # Last, once every scheduled seq's KV is registered: a failed request only frees its own.
-        self.abort_request(list(self._failed_now))
-        return outputs
+        """One scheduler iteration and forward pass: the outputs of the requests that moved
+        (with async scheduling, those of the step launched by the previous call)."""
+        return self._stepper.step()
 
     def _logits_hook(self, sched: SchedulerOutput, rows: list[int]) -> Any:
         """Custom logits processors over this step's rows (a row's key: its seq, fork number)."""
@@ -418,8 +394,11 @@ class LLMEngine:
         return state.generators[index]
 
     def _apply_samples(self, sched: SchedulerOutput, rows: list[int], result: SamplerOutput,
-                       now: float) -> list[RequestState]:
-        tokens = result.sampled_token_ids.tolist()
+                       now: float, tokens: list[int], after: list[list[int] | None]
+                       ) -> list[RequestState]:
+        """Append each sampled row's token (`tokens`, read from `result`) to its seq, forking
+        n > 1 siblings first; `after[r]`: placeholders of a later step in flight, put back
+        behind row r's token unless it finished the seq (engine/async_scheduling.py)."""
         lps = result.logprobs.tolist() if result.logprobs is not None else None
         lp_ids = result.logprob_token_ids.tolist() if result.logprob_token_ids is not None else None
         ranks = result.sampled_token_ranks.tolist() \
@@ -431,6 +410,8 @@ class LLMEngine:
             targets.append(self._fork(parent) if r > 0 and rows[r - 1] == i else parent)
         touched: dict[str, RequestState] = {}
         for r, (seq, tok) in enumerate(zip(targets, tokens)):
+            if seq.is_finished or seq.request_id not in self.requests:
+                continue  # ended (aborted, or stopped by the step before) while in flight
             state = self.requests[seq.request_id]
             try:  # detokenizing and stop checks are this request's own business
                 self._append_token(state, seq, tok, lps[r] if lps else None,
@@ -438,6 +419,8 @@ class LLMEngine:
                                    ranks[r] if ranks else None)
             except Exception as exc:  # noqa: BLE001 - handed to that request's caller
                 self._fail_request(seq.request_id, exc)
+            if after[r] and not seq.is_finished:
+                seq.output_token_ids += after[r]
             touched[state.request_id] = state
         return list(touched.values())
 
@@ -506,7 +489,7 @@ class LLMEngine:
         return None
 
     def _make_output(self, state: RequestState) -> RequestOutput:
-        outs = [CompletionOutput(index=s.index, text=d.text, token_ids=list(s.output_token_ids),
+        outs = [CompletionOutput(index=s.index, text=d.text, token_ids=_known_tokens(s),
                                  cumulative_logprob=s.cumulative_logprob if s.logprobs else None,
                                  logprobs=list(s.logprobs) if s.logprobs else None,
                                  finish_reason=s.finish_reason, stop_reason=s.stop_reason)
@@ -665,6 +648,7 @@ class LLMEngine:
         """Forget every cached prefix block (device, host and disk tiers); False while running
         requests hold blocks, unless `reset_running_requests` preempts them first (they
         recompute), as vLLM's."""
+        self._stepper.drain()
         if reset_running_requests:
             self.scheduler.preempt_running()
         if not self.kv.pool.reset_prefix_cache():
@@ -674,6 +658,12 @@ class LLMEngine:
         if self.kv.disk is not None:
             self.kv.disk.clear()
         return True
+
+
+def _known_tokens(seq: Sequence) -> list[int]:
+    """The seq's output tokens without a trailing placeholder (a token still on the device)."""
+    ids = seq.output_token_ids
+    return ids[:-1] if ids and ids[-1] == PLACEHOLDER else list(ids)
 
 
 def _make_lora_manager(config: EngineConfig, runner: ModelRunner) -> Any:

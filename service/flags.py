@@ -219,6 +219,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "whole batch's logits once per step")
     g.add_argument("--enforce-eager", action="store_true", default=d("enforce_eager"),
                    help="never capture CUDA graphs: every decode step runs eagerly")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   default=d("async_scheduling"),
+                   help="schedule and launch each step before the previous step's tokens are "
+                        "read, so the host's work overlaps the device's (default: on for a "
+                        "single-rank GPU engine, off on a CPU)")
     g.add_argument("--seed", type=int, default=d("seed"), help="random seed of the engine")
     g.add_argument("--scheduling-policy", default=d("scheduling_policy"),
                    choices=("fcfs", "priority"),

@@ -69,14 +69,22 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, lookahead_skip: set[int] | None = None) -> SchedulerOutput:
+        """The next step's batch. `lookahead_skip` (async scheduling: the previous step is
+        still in flight) schedules without preempting or swapping in, leaving out the seqs
+        whose ids it holds (the step in flight surely finishes them)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
-        if out.num_preempted == 0:
-            budget = self._schedule_swapped(out, budget)
-            if not self.swapped:
+        if lookahead_skip is not None:
+            budget, complete = self._schedule_running_ahead(out, budget, lookahead_skip)
+            if complete and not self.swapped:
                 self._schedule_waiting(out, budget)
+        else:
+            budget = self._schedule_running(out, budget)
+            if out.num_preempted == 0:
+                budget = self._schedule_swapped(out, budget)
+                if not self.swapped:
+                    self._schedule_waiting(out, budget)
         out.blocks_to_copy = self.kv.take_pending_copies()
         out.blocks_to_offload, out.blocks_to_restore = self.kv.take_tier_moves()
         out.blocks_to_spill, out.blocks_to_load = self.kv.take_disk_moves()
@@ -102,6 +110,26 @@ class Scheduler:
                 budget -= n
                 i += 1
         return budget
+
+    def _schedule_running_ahead(self, out: SchedulerOutput, budget: int, skip: set[int]
+                                ) -> tuple[int, bool]:
+        """`_schedule_running` that never preempts: a seq whose token is still in flight must
+        keep its blocks. Stops at the first seq the pool cannot serve (False: the waiting queue
+        must not take blocks ahead of it)."""
+        if self.config.policy != "fcfs":
+            self.running.sort(key=order_key)
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.seq_id in skip:
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.kv.allocate_slots(seq, n):
+                return budget, False
+            out.seqs.append(seq)
+            out.num_tokens.append(n)
+            budget -= n
+        return budget, True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Evict the newest running seq: swap its blocks out, or free them to recompute later."""

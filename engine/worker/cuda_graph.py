@@ -111,7 +111,8 @@ class DecodeGraphs:
         self.width, self.block_size = max_blocks_per_seq, block_size
         top = self.sizes[0]
         self.static = DecodeBuffers.empty(top, self.width, device)
-        self.staging = DecodeBuffers.empty(top, self.width, "cpu", pin=device.type == "cuda")
+        self.stagings = [DecodeBuffers.empty(top, self.width, "cpu", pin=device.type == "cuda")
+                         for _ in range(2)]
         self.qsl = torch.arange(top + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, Callable[[], torch.Tensor]] = {}
         self.replays = 0  # steps run from a graph (tests and figures)
@@ -141,20 +142,25 @@ class DecodeGraphs:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
             block_tables: torch.Tensor, seq_lens: torch.Tensor,
-            lora_slots: torch.Tensor | None = None, size: int | None = None) -> torch.Tensor:
+            lora_slots: torch.Tensor | None = None, size: int | None = None,
+            fill: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Hidden states of the n real rows (host tensors in): stage, copy without blocking,
-        replay `size` (default: the next captured size), drop the padded rows."""
+        let `fill` write the tokens still on the device (async scheduling), replay `size`
+        (default: the next captured size), drop the padded rows."""
         n = seq_lens.shape[0]
         size = size if size is not None else padded_size(n, self.sizes)
         if size not in self.graphs or size < n:
             raise RuntimeError(f"no captured decode graph of size {size} for {n} rows "
                                f"(captured: {self.sizes})")
-        fill_staging(self.staging, size, input_ids, positions, slot_mapping, block_tables,
+        # Two staging sets taken in turn: with async scheduling step N+1 is staged while step
+        # N's copies may still be queued, but step N-1's tokens (and so its copies) were read.
+        staging = self.stagings[self.replays % 2]
+        fill_staging(staging, size, input_ids, positions, slot_mapping, block_tables,
                      seq_lens, lora_slots)
-        # Reusing the staging buffers next step is safe: the step's outputs are read on the host
-        # (the sampler's tokens) before the next step is staged.
-        for dst, src in zip(self.static.fields(), self.staging.fields()):
+        for dst, src in zip(self.static.fields(), staging.fields()):
             dst[:size].copy_(src[:size], non_blocking=True)
+        if fill is not None:
+            fill(self.static.input_ids)
         self.replays += 1
         return self.graphs[size]()[:n]
 

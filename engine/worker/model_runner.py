@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -90,6 +91,8 @@ class StepInput:
     lora_slots: torch.Tensor | None = None  # [T] int64: each token's LoRA slot (-1: none)
     # the captured decode size every rank replays (None: eager), chosen by the driver
     graph_size: int | None = None
+    # input tokens still on the device (async scheduling's placeholders; single rank only)
+    fill: Any = None
 
 
 class ModelRunner:
@@ -296,13 +299,18 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager, sample_rows: list[int],
                 sampling: SamplingMetadata | None, prompt: PromptLogprobsPlan | None = None,
-                lora_slots: list[int] | None = None
+                lora_slots: list[int] | None = None, fill: Any = None
                 ) -> tuple[SamplerOutput | None, PromptLogprobsResult | None]:
         """Run one step. `sample_rows[i]` is the batch index of the seq whose last scheduled
         token's logits feed sampler row i (an index may repeat: n > 1 forks); `prompt` names
-        the rows whose prompt logprobs are computed too."""
+        the rows whose prompt logprobs are computed too; `fill` (a StepFill) the input tokens
+        the previous step sampled and the host has not read yet. Nothing is read back."""
         step = self.build_step(sched, kv, sample_rows if sampling is not None else [],
                                lora_slots)
+        if fill is not None:
+            if self.workers is not None:
+                raise RuntimeError("async scheduling runs on one rank only")
+            step.fill = fill
         if prompt is not None:
             step.prompt_rows, step.prompt_targets, step.prompt_k = \
                 prompt.rows, prompt.targets, prompt.k
@@ -402,10 +410,25 @@ class ModelRunner:
                                    "this rank did not capture")
             hidden = self.graphs.run(step.input_ids, step.positions, step.slot_mapping[0],
                                      step.block_tables[0], step.seq_lens, step.lora_slots,
-                                     step.graph_size)
+                                     step.graph_size, self._fill(step))
             return hidden, step.query_start_loc.to(self.device, non_blocking=True)
         ids, positions, meta = self.to_device(step)
+        fill = self._fill(step)
+        if fill is not None:
+            fill(ids)
         return self.model(ids, positions, self.kv_caches, meta), meta.query_start_loc
+
+    def _fill(self, step: StepInput) -> Callable[[torch.Tensor], None] | None:
+        """Writes the step's device-supplied tokens into a device ids tensor (no host read)."""
+        f = step.fill
+        if f is None:
+            return None
+        index = self._dev(torch.tensor(f.index, dtype=torch.int64))
+        source = self._dev(torch.tensor(f.source, dtype=torch.int64))
+
+        def write(ids: torch.Tensor) -> None:
+            ids[index] = f.tokens[source].to(ids.dtype)
+        return write
 
 
 def _moves(sched: SchedulerOutput) -> BlockMoves:

@@ -174,3 +174,27 @@ def test_enforce_eager_flag_reaches_the_engine_config():
     eager = parser.parse_args(["serve", "m", "--enforce-eager"])
     assert engine_config_from_args(eager).enforce_eager is True
     assert engine_config_from_args(parser.parse_args(["serve", "m"])).enforce_eager is False
+
+
+def test_async_scheduling_fills_graph_inputs_on_the_device(tiny_model_dir):
+    """Async scheduling through the graphs: each decode step is staged (two staging sets in
+    turn) while the previous one is in flight, and its input tokens are written into the static
+    buffer from the previous step's sampled ids; the tokens and logprobs are the eager ones."""
+    from conftest import make_llm
+    from kvserve import SamplingParams
+
+    prompts = ["the cat sat", "a dog ran far away", "hello"]
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, ignore_eos=True)
+    want = make_llm(tiny_model_dir, attention_backend="triton", max_num_seqs=4,
+                    max_model_len=64).generate(prompts, params)
+    llm = make_llm(tiny_model_dir, attention_backend="triton", max_num_seqs=4, max_model_len=64,
+                   async_scheduling=True)
+    runner = llm.llm_engine.runner
+    runner.capture_decode_graphs(4, 64, capture=lambda fn: fn)
+    got = llm.generate(prompts, params)
+    assert runner.graphs.replays >= 7 and llm.llm_engine._stepper.overlapped_steps >= 6
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for lg, lw in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            tok = next(iter(lw))
+            assert abs(lg[tok].logprob - lw[tok].logprob) < 1e-4
