@@ -38,8 +38,7 @@ from kvserve.engine.core.sequence import Sequence
 from kvserve.engine.sample.prompt_logprobs import append_entries
 from kvserve.engine.sample.prompt_logprobs import plan as plan_prompt_logprobs
 
-if TYPE_CHECKING:
-    from kvserve.engine.llm_engine import LLMEngine, RequestState
+if TYPE_CHECKING:  # LLMEngine and its RequestState are `Any` here: llm_engine imports this
     from kvserve.engine.outputs import RequestOutput
     from kvserve.engine.sample.sampler import SamplerOutput
 
@@ -78,7 +77,7 @@ class InFlight:
         return self.prompt_plan is None and len(set(self.rows)) == len(self.rows)
 
 
-def enabled(asked: bool | None, engine: LLMEngine) -> bool:
+def enabled(asked: bool | None, engine: Any) -> bool:
     """`async_scheduling` as configured: None is on for a single-rank engine on a GPU (where
     the forward is asynchronous), off elsewhere; True forces it (EngineConfig refuses it with
     tensor parallelism)."""
@@ -88,7 +87,7 @@ def enabled(asked: bool | None, engine: LLMEngine) -> bool:
     return bool(asked) and single
 
 
-def request_overlaps(state: RequestState) -> bool:
+def request_overlaps(state: Any) -> bool:
     """Whether a request's sampling can run a step ahead of its tokens (see the module doc)."""
     p = state.params
     return (state.grammar is None and p.n == 1 and state.best_of is None
@@ -100,7 +99,7 @@ class OverlappedStep:
     """`LLMEngine.step`: launch, then finish; with async scheduling (`overlap`) the next step is
     launched before the current one finishes, so at most one step is in flight between calls."""
 
-    def __init__(self, engine: LLMEngine, overlap: bool) -> None:
+    def __init__(self, engine: Any, overlap: bool) -> None:  # an LLMEngine
         self.engine = engine
         self.overlap = overlap  # False: every step is launched and finished in one call
         self.inflight: InFlight | None = None
@@ -188,7 +187,7 @@ class OverlappedStep:
         for seq in step.sched.seqs:  # every computed token is known now: cache the full blocks
             if not seq.is_finished and seq.request_id in e.requests:
                 e.kv.register_computed(seq)
-        touched: list[RequestState] = []
+        touched: list[Any] = []
         if result is not None:
             # Each token is applied as the sync engine appends it: the seq's outputs end just
             # before it (a later step's placeholder comes back after, unless the seq finished).

@@ -18,12 +18,15 @@ def test_gpu_roofline_smoke_run() -> None:
     assert len(re.findall(r"^hf generate batch", out, re.M)) == 2, out
     default = [line for line in out.splitlines() if line.startswith("default shape: decode")]
     assert [r.split()[3] for r in default] == ["eager", "graphs"], out
-    engine = re.findall(r"^engine default shape, 2 requests .*, (eager|graphs)", out, re.M)
-    assert engine == ["eager", "graphs"], out
+    engine = re.findall(r"^engine default shape, 2 requests [^,]*, (eager|graphs)[^,]*"
+                        r"(, async scheduling)?:", out, re.M)
+    assert engine == [("eager", ""), ("graphs", ""), ("graphs", ", async scheduling")], out
+    assert re.search(r"^engine default shape: async scheduling vs sync .*: [0-9.]+x$", out,
+                     re.M), out
     timed_rows = rows + default + [line for line in out.splitlines()
                                    if line.startswith(("prefill", "default shape: prefill",
-                                                       "engine default shape"))]
-    assert len(timed_rows) == 4 + 2 + 2 + 2, out
+                                                       "engine default shape,"))]
+    assert len(timed_rows) == 4 + 2 + 2 + 3, out
     for row in timed_rows:  # every configuration has its profiler busy share
         assert re.search(r"busy +[0-9.]+%$", row), row
     err = float(re.search(r"graphs vs eager logits, batch 3: max err ([0-9.e+-]+)", out)[1])

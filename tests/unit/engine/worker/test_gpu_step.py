@@ -247,10 +247,51 @@ def test_moe_step_is_sync_free_and_gives_the_cpu_paths_tokens(interpreter, moe_d
     got = llm.generate(prompts, params)
     assert OnDevice.reads == [], sorted(set(OnDevice.reads))
     assert calls, "the fused MoE kernel did not run"
-    tol = 1e-3 if quantization is None else 2e-2  # per-token int8 codes may round apart
+    # Per-token int8 codes may round apart: the Triton elementwise ops and the CPU's torch ops
+    # sum in different orders, and a code that flips at a rounding boundary moves this random
+    # model's logprob by up to 0.03 on an AVX2 CPU (0.02 sufficed on AVX-512); a wrong expert,
+    # scale or code moves it by whole units.
+    tol = 1e-3 if quantization is None else 5e-2
     for g, w in zip(got, want):
         if quantization is None:
             assert g.outputs[0].token_ids == w.outputs[0].token_ids
         lg, lw = g.outputs[0].logprobs[0], w.outputs[0].logprobs[0]
         tok = next(iter(lw))  # the first token's logprob: the same prompt on both paths
         assert abs(lg[tok].logprob - lw[tok].logprob) < tol
+
+
+def test_async_scheduling_launch_reads_nothing_back(interpreter, tiny_model_dir, monkeypatch):
+    """With async scheduling the whole launch of step N+1 (schedule, inputs, the device fill of
+    its decode tokens from step N's sampled ids, forward, sampler) runs while step N's tokens
+    are still unread: none of it may read a device value. Tokens equal the synchronous run's."""
+    from kvserve import SamplingParams
+    from kvserve.kernels import checks
+
+    gpu_path(monkeypatch)
+    monkeypatch.setattr(checks, "host_readable", lambda t: not isinstance(t, OnDevice))
+    prompts = ["the cat sat on the mat", "a dog", "hello there", "one two three four five six"]
+    params = [SamplingParams(max_tokens=7, temperature=0.0, logprobs=2),
+              SamplingParams(max_tokens=5, temperature=0.8, top_k=5, top_p=0.9, seed=3,
+                             ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=0.7, top_p=0.5, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0.0, min_tokens=3)]
+    runs = []
+    for overlap in (False, True):
+        llm = make_llm(tiny_model_dir, attention_backend="triton", max_num_seqs=4,
+                       max_model_len=96, enforce_eager=True, async_scheduling=overlap)
+        put_on_device(llm)
+        stepper = llm.llm_engine._stepper
+        launch = stepper._launch
+
+        def watched_launch(*args, launch=launch, **kwargs):
+            OnDevice.watching = True
+            try:
+                return launch(*args, **kwargs)
+            finally:
+                OnDevice.watching = False
+        stepper._launch = watched_launch
+        OnDevice.reads = []
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        assert OnDevice.reads == [], sorted(set(OnDevice.reads))
+    assert runs[1] == runs[0]
+    assert stepper.overlapped_steps >= 4
