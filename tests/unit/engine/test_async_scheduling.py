@@ -8,19 +8,12 @@ from __future__ import annotations
 
 import pytest
 from conftest import make_llm
+from test_llm_engine import PROMPTS
 
 from kvserve import SamplingParams
 from kvserve.engine.async_scheduling import PLACEHOLDER
 from kvserve.engine.errors import ConfigError
 
-PROMPTS = [
-    "Hello world",
-    "What is the capital of France? The capital",
-    "The quick brown fox jumps over the lazy dog. The quick brown fox",
-    "Paged attention stores the KV cache in fixed-size blocks",
-    "You are a helpful assistant. Answer briefly and precisely.",
-    "0123456789 abcdefghijklmnopqrstuvwxyz",
-]
 
 
 def _mixed_params(eos: int) -> list[SamplingParams]:

@@ -99,19 +99,21 @@ def gpu_path(monkeypatch) -> None:
     monkeypatch.setattr(moe, "stack_on", lambda device: True)
 
 
+def watching(fn):
+    """`fn` with host reads of OnDevice values recorded while it runs."""
+    def run(*args, **kwargs):
+        OnDevice.watching = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            OnDevice.watching = False
+    return run
+
+
 def watch(llm) -> None:
     """Every step's runner.execute of `llm` watched for host reads of OnDevice values."""
     runner = llm.llm_engine.runner
-    execute = runner.execute
-
-    def watched_execute(*args, **kwargs):
-        OnDevice.watching = True
-        try:
-            return execute(*args, **kwargs)
-        finally:
-            OnDevice.watching = False
-
-    runner.execute = watched_execute
+    runner.execute = watching(runner.execute)
     OnDevice.reads = []
 
 
@@ -281,15 +283,7 @@ def test_async_scheduling_launch_reads_nothing_back(interpreter, tiny_model_dir,
                        max_model_len=96, enforce_eager=True, async_scheduling=overlap)
         put_on_device(llm)
         stepper = llm.llm_engine._stepper
-        launch = stepper._launch
-
-        def watched_launch(*args, launch=launch, **kwargs):
-            OnDevice.watching = True
-            try:
-                return launch(*args, **kwargs)
-            finally:
-                OnDevice.watching = False
-        stepper._launch = watched_launch
+        stepper._launch = watching(stepper._launch)
         OnDevice.reads = []
         runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
         assert OnDevice.reads == [], sorted(set(OnDevice.reads))
