@@ -1,8 +1,8 @@
 """vLLM's AsyncLLM (`vllm.v1.engine.async_llm.AsyncLLM`, also `vllm.AsyncLLMEngine`): `generate`
 as an async iterator with vLLM's RequestOutputKind, `abort`, `shutdown`. As vLLM v1's, the engine
-core runs in its own process (AsyncMPEngine over a CoreClient) where `--engine-core auto`'s rule
-picks it (on a GPU), or when `KVSERVE_ENABLE_MULTIPROCESSING=1`; with `=0`, or by default on a
-CPU, it steps in a thread of this process (AsyncEngine)."""
+core runs in its own process (AsyncMPEngine over a CoreClient) by default (`--engine-core auto`'s
+rule, on a GPU and a CPU alike) or with `KVSERVE_ENABLE_MULTIPROCESSING=1`; with `=0` it steps
+in a thread of this process (AsyncEngine)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class AsyncLLM:
         its own process or in a thread as `KVSERVE_ENABLE_MULTIPROCESSING` (unset: auto) says."""
         from kvserve.engine.engine_core import engine_core_mode, env_engine_core
 
-        if engine_core_mode(env_engine_core(), vllm_config) == "process":
+        if engine_core_mode(env_engine_core()) == "process":
             from kvserve.engine.engine_core.async_client import AsyncMPEngine
             from kvserve.engine.engine_core.core_client import CoreClient
 

@@ -33,7 +33,7 @@ def run_server(engine_config: Any, config: ServerConfig) -> int:
     # The server is a guarded entry point: its tensor-parallel workers spawn, as they did before
     # scripts could fork them, so no lock held by a server thread is ever inherited by a worker.
     os.environ.setdefault("KVSERVE_WORKER_MULTIPROC_METHOD", "spawn")
-    if engine_core_mode(config.engine_core, engine_config) == "process":  # and its TP workers
+    if engine_core_mode(config.engine_core) == "process":  # and its TP workers
         engine: Any = CoreClient(engine_config)
         info: Any = engine.info
     else:

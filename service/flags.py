@@ -310,10 +310,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    'JSON {"name": ..., "path": ..., "base_model_name": ...} (needs '
                    "--enable-lora)")
     g.add_argument("--engine-core", default="auto", choices=["thread", "process", "auto"],
-                   help="auto (default): process on a GPU, thread on the CPU; process: the "
-                   "engine in its own process, this one tokenising, detokenising and "
-                   "streaming (vLLM v1's split); thread: the engine steps in a thread of the "
-                   "server's process (faster on a 2-core CPU: docs/perf/server.md)")
+                   help="auto (default): process; process: the engine in its own process, this "
+                   "one tokenising, detokenising and streaming (vLLM v1's split); thread: the "
+                   "engine steps in a thread of the server's process (one process, for tests "
+                   "and debugging)")
     add_limit_args(parser)
     r = parser.add_argument_group("prefix index (Redis, read by the router)")
     r.add_argument("--redis-url", default=None,

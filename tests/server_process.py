@@ -22,10 +22,15 @@ def health(url: str) -> int:
 
 
 @contextmanager
-def api_server_process(model_dir: Path, log: Path, *flags: str, timeout: float = 180.0
+def api_server_process(model_dir: Path, log: Path, *flags: str, timeout: float = 180.0,
+                       engine_core: str | None = "thread"
                        ) -> Iterator[tuple[subprocess.Popen, str]]:
     """The server process (with `flags` added to its command line) and its URL, once /health
-    answers 200; killed on the way out unless the test has ended it."""
+    answers 200; killed on the way out unless the test has ended it. `engine_core` is its
+    `--engine-core`: the thread unless a test is about the split (the core process adds seconds
+    of start-up), None for the default."""
+    if engine_core is not None:
+        flags = ("--engine-core", engine_core, *flags)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with log.open("w") as out:

@@ -38,7 +38,7 @@ class ServerConfig:
     allowed_origins: list[str] = field(default_factory=list)  # CORS off when empty
     shutdown_grace_period: float = 30.0
     log_level: str = "info"
-    engine_core: str = "auto"  # --engine-core: thread, process, auto (process on a GPU)
+    engine_core: str = "auto"  # --engine-core: thread, process, auto (= process)
     redis_url: str | None = None
     service_name: str = "default"
     advertise_url: str | None = None

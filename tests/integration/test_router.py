@@ -69,7 +69,8 @@ def spawn_replica(rid: str, model: Path, redis_url: str, tmp: Path,
                        "--device", "cpu", "--enable-prompt-tokens-details",
                        "--kv-cache-memory", "8MiB", "--host", "127.0.0.1", "--port", str(port),
                        "--redis-url", redis_url, "--service-name", SERVICE, "--replica-id", rid,
-                       "--advertise-url", f"http://127.0.0.1:{port}", "--log-level", "warning"],
+                       "--advertise-url", f"http://127.0.0.1:{port}", "--log-level", "warning",
+                       "--engine-core", "thread"],
                  port, tmp, env)
 
 

@@ -40,7 +40,8 @@ def test_kvserve_serve_a_qwen3_folder(tmp_path):
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvserve.service.cli", "serve", str(folder),
              "--served-model-name", "qwen3-tiny", "--host", "127.0.0.1", "--port", str(port),
-             "--kv-cache-memory", "4MiB", "--dtype", "float32"], stdout=out,
+             "--kv-cache-memory", "4MiB", "--dtype", "float32", "--engine-core", "thread"],
+            stdout=out,
             stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: proc.poll() is not None or health(url) == 200, 180, "the server")

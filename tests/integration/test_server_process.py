@@ -15,7 +15,7 @@ from server_process import api_server_process
 def test_sigterm_drains_then_exits(tiny_model_dir, tmp_path):
     log = tmp_path / "server.log"
     with api_server_process(tiny_model_dir, log, "--max-model-len", "512",
-                            "--shutdown-grace-period", "60", "--engine-core", "process"
+                            "--shutdown-grace-period", "60", engine_core="process"
                             ) as (proc, url):
         body = {"model": "tiny", "prompt": "The quick", "max_tokens": 400, "temperature": 0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
@@ -44,13 +44,13 @@ def test_sigterm_drains_then_exits(tiny_model_dir, tmp_path):
 
 
 def test_engine_core_death_ends_streams_and_the_server(tiny_model_dir, tmp_path, monkeypatch):
-    """The engine core in its own process (--engine-core process): when it dies, an open stream
-    ends with an SSE error event, /health answers 503 with the reason, and the server exits
-    (non-zero) so that Kubernetes restarts the pod."""
+    """The default server (`--engine-core auto`, on this CPU) runs the engine core in its own
+    process: when it dies, an open stream ends with an SSE error event, /health answers 503 with
+    the reason, and the server exits (non-zero) so that Kubernetes restarts the pod."""
     monkeypatch.setenv("KVSERVE_EXIT_AFTER_CORE_DEATH_S", "5")
     log = tmp_path / "server.log"
     with api_server_process(tiny_model_dir, log, "--max-model-len", "512",
-                            "--engine-core", "process") as (proc, url):
+                            engine_core=None) as (proc, url):
         match = re.search(r"engine core: process (\d+)", log.read_text())
         assert match, log.read_text()[-2000:]
         core_pid = int(match.group(1))

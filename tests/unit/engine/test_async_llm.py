@@ -49,12 +49,13 @@ def engine(request, tiny_model_dir):
 
 
 def test_default_follows_engine_core_auto(tiny_model_dir, monkeypatch):
-    """Unset, the mode is `--engine-core auto`'s: the thread on a CPU (the process on a GPU);
-    a value that is neither 0 nor 1 is refused by name."""
+    """Unset, the mode is `--engine-core auto`'s: the core in its own process, on this CPU as on
+    a GPU (vLLM v1's default); a value that is neither 0 nor 1 is refused by name."""
     monkeypatch.delenv(MULTIPROCESSING_ENV, raising=False)
     engine = make_engine(tiny_model_dir)
     try:
-        assert type(engine.engine) is AsyncEngine
+        assert isinstance(engine.engine, AsyncMPEngine)
+        assert engine.engine.client.process.pid != os.getpid()
     finally:
         engine.shutdown()
     monkeypatch.setenv(MULTIPROCESSING_ENV, "yes")

@@ -93,6 +93,20 @@ def test_server_flags(monkeypatch):
     assert cli.server_config_from_args(_serve("--api-key", "flag")).api_key == "flag"
 
 
+def test_engine_core_default_is_the_process_split_on_this_cpu():
+    """`kvserve serve` with no --engine-core runs the core in its own process here too (a CPU);
+    thread and process stay selectable, anything else is refused by name."""
+    from kvserve.engine.engine_core import engine_core_mode
+
+    assert cli.server_config_from_args(_serve()).engine_core == "auto"
+    assert engine_core_mode(cli.server_config_from_args(_serve()).engine_core) == "process"
+    for mode in ("thread", "process"):
+        assert engine_core_mode(cli.server_config_from_args(
+            _serve("--engine-core", mode)).engine_core) == mode
+    with pytest.raises(ValueError, match="engine core mode 'fork'"):
+        engine_core_mode("fork")
+
+
 def test_edge_flags():
     sc = cli.server_config_from_args(_serve())
     assert sc.max_waiting == "auto" and sc.waiting_limit(max_num_seqs=8) == 32
