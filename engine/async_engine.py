@@ -2,8 +2,8 @@
 
 `LLMEngine` is not thread-safe, so only the engine thread touches it. Callers on the event loop send
 commands (add, abort, stop) through a thread-safe queue that the thread applies between steps;
-outputs go back with `loop.call_soon_threadsafe` into each request's asyncio queue. An idle engine
-thread blocks on the command queue, so it costs nothing while no request runs.
+a step's outputs go back with one `loop.call_soon_threadsafe` into the requests' asyncio queues.
+An idle engine thread blocks on the command queue, so it costs nothing while no request runs.
 """
 
 from __future__ import annotations
@@ -93,6 +93,24 @@ class RequestStream:
         finally:
             self._abandon(self.request_id, aborted=not self.finished)
             self.finished = True
+
+
+def put_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+    """Engine thread: hand one step's outputs to their readers with one wake-up of each event
+    loop, not one per stream (each `call_soon_threadsafe` writes to the loop's self-pipe)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+    for stream, item in items:
+        by_loop.setdefault(stream._loop, []).append((stream._queue, item))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_batch, batch)
+        except RuntimeError:  # the loop is closed: nobody is reading any more
+            pass
+
+
+def _put_batch(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, item in batch:
+        q.put_nowait(item)
 
 
 @dataclass
@@ -440,13 +458,15 @@ class AsyncEngine:
                 obs.request_aborted(rid)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        ready = []
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            stream.put(out)
+            ready.append((stream, out))
             if out.finished:
                 del self._streams[out.request_id]
+        put_all(ready)
 
     def _refresh_observers(self, outputs: list[RequestOutput]) -> None:
         stats = self.engine.get_stats()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -13,12 +14,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvserve.engine.async_engine import RequestStream
 from kvserve.engine.outputs import Logprob, RequestOutput
 from kvserve.service.chat_request import ChatCompletionRequest
-from kvserve.service.response_models import (ChatChoice, ChatCompletionChunk,
-                                             ChatCompletionResponse, ChatLogProbs,
+from kvserve.service.response_models import (ChatChoice, ChatCompletionResponse, ChatLogProbs,
                                              ChatResponseMessage, ChatStreamChoice,
                                              ChatTokenLogprob, DeltaMessage, TopLogprob, random_id)
 from kvserve.service.server.chat_reasoning import (Splitters, reasoning_splitters, split_delta,
                                                    split_whole)
+from kvserve.service.server.chunk_json import ChunkFramer, chat_choice
 from kvserve.service.server.context import ServingContext
 from kvserve.service.server.engine_streams import (before, collect, engine_error_status,
                                                    merge_streams, start_requests,
@@ -26,8 +27,8 @@ from kvserve.service.server.engine_streams import (before, collect, engine_error
 from kvserve.service.server.logprobs import (logprob_of, prompt_logprobs_json, token_text,
                                              top_logprobs)
 from kvserve.service.server.stream_deltas import Delta, StreamTracker, stop_hold
-from kvserve.service.server.usage import usage_of
-from kvserve.service.sse import SSE_DONE, sse, sse_error
+from kvserve.service.server.usage import usage_of, usage_text
+from kvserve.service.sse import SSE_DONE, sse_error
 from kvserve.service.tool_calls import (ToolCallStream, ToolPlan, finish_reason, parse_output,
                                         template_messages)
 
@@ -119,54 +120,64 @@ def _or_inf(value: float | None) -> float:
 async def _stream(ctx: ServingContext, req: ChatCompletionRequest, request_id: str, model: str,
                   streams: list[RequestStream], hold: int, deadline: float | None,
                   split: Splitters | None) -> AsyncIterator[str]:
-    def chunk(choices: list[ChatStreamChoice], usage: Any = None) -> str:
-        return sse(ChatCompletionChunk(id=request_id, model=model, choices=choices, usage=usage))
+    """The SSE events of a streamed chat completion. The events of one engine output go out in
+    one write (n choices, a reasoning and a content chunk), and the last with the usage chunk
+    and [DONE]. Content chunks are framed by chunk_json; reasoning and tool-call chunks by their
+    models."""
+    framer = ChunkFramer("chat.completion.chunk", request_id, model, int(time.time()))
+
+    def chunk(choices: list[ChatStreamChoice], usage: str = "null") -> str:
+        return framer.event([c.model_dump_json() for c in choices], usage)
 
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-    for i in range(req.n):  # the role first, as OpenAI does
-        yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+    # the role first, as OpenAI does
+    yield "".join(framer.event([chat_choice(i, "", role="assistant")]) for i in range(req.n))
     tracker = StreamTracker(hold=hold)
     plan = req.tool_plan()
     tools = {i: ToolCallStream(plan) for i in range(req.n)} if plan is not None else {}
     splitters = {i: split() for i in range(req.n)} if split is not None else {}
     last: RequestOutput | None = None
+    tail = ""  # the finished output's events, sent with the usage chunk and [DONE]
     try:
         async for _, out in until(deadline, merge_streams(streams)):
             last = out
+            events: list[str] = []
             for c in out.outputs:
                 delta = tracker.delta(c.index, c)
                 if delta is None:
                     continue
                 lp = _logprobs(ctx.tokenizer, delta.token_ids, delta.logprobs,
                                req.top_logprobs or 0) if req.logprobs else None
-                usage = usage_of([out], ctx.prompt_tokens_details) if continuous else None
+                usage = usage_text([out], ctx.prompt_tokens_details) if continuous else "null"
                 if splitters.get(c.index) is not None:
                     reasoning, text = split_delta(splitters[c.index], delta.text,
                                                   delta.finish_reason is not None)
                     if reasoning:
                         said = DeltaMessage(reasoning_content=reasoning, reasoning=reasoning)
-                        yield chunk([ChatStreamChoice(index=c.index, delta=said, logprobs=lp)],
-                                    usage)
+                        events.append(chunk([ChatStreamChoice(index=c.index, delta=said,
+                                                              logprobs=lp)], usage))
                         lp = None
                     if not text and delta.finish_reason is None:
                         continue
                     delta = dataclasses.replace(delta, text=text)
                 if c.index in tools:
-                    for piece in _tool_chunks(c.index, tools[c.index], delta, lp):
-                        yield chunk([piece], usage)
+                    events += [chunk([piece], usage)
+                               for piece in _tool_chunks(c.index, tools[c.index], delta, lp)]
                     continue
                 content = delta.text if delta.text or splitters.get(c.index) is None else None
-                choice = ChatStreamChoice(
-                    index=c.index, delta=DeltaMessage(content=content), logprobs=lp,
-                    finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
-                yield chunk([choice], usage)
+                events.append(framer.event([chat_choice(
+                    c.index, content, logprobs=lp, finish_reason=delta.finish_reason,
+                    stop_reason=delta.stop_reason)], usage))
+            if out.finished:
+                tail += "".join(events)
+            elif events:
+                yield "".join(events)
     except Exception as exc:  # noqa: BLE001 - the stream already started: report in-band
-        yield sse_error(engine_error_status(exc), str(exc))
-        yield SSE_DONE
+        yield tail + sse_error(engine_error_status(exc), str(exc)) + SSE_DONE
         return
     if req.include_usage and last is not None:
-        yield chunk([], usage_of([last], ctx.prompt_tokens_details))
-    yield SSE_DONE
+        tail += framer.event([], usage_text([last], ctx.prompt_tokens_details))
+    yield tail + SSE_DONE
 
 
 def _tool_chunks(index: int, stream: ToolCallStream, delta: Delta, lp: ChatLogProbs | None

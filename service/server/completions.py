@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -15,6 +16,7 @@ from kvserve.engine.sample.sampling_params import SamplingParams
 from kvserve.service.request_models import CompletionRequest
 from kvserve.service.response_models import (CompletionChoice, CompletionLogProbs,
                                              CompletionResponse, random_id)
+from kvserve.service.server.chunk_json import ChunkFramer, completion_choice
 from kvserve.service.server.context import ServingContext
 from kvserve.service.server.engine_streams import (before, collect, engine_error_status,
                                                    merge_streams, start_requests,
@@ -22,8 +24,8 @@ from kvserve.service.server.engine_streams import (before, collect, engine_error
 from kvserve.service.server.logprobs import (logprob_of, prompt_logprob_values,
                                              prompt_logprobs_json, token_text, top_logprobs)
 from kvserve.service.server.stream_deltas import Delta, StreamTracker, stop_hold
-from kvserve.service.server.usage import usage_of
-from kvserve.service.sse import SSE_DONE, sse, sse_error
+from kvserve.service.server.usage import usage_of, usage_text
+from kvserve.service.sse import SSE_DONE, sse_error
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest,
@@ -117,12 +119,17 @@ def _logprobs(tokenizer: Any, token_ids: Sequence[int], entries: list[dict[int, 
 async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str, model: str,
                   streams: list[RequestStream], params: SamplingParams,
                   echoes: list[str], deadline: float | None) -> AsyncIterator[str]:
+    """The SSE events of streamed completions, framed by chunk_json: one write per engine
+    output (its n choices), the last output's with the usage chunk and [DONE]."""
+    framer = ChunkFramer("text_completion", request_id, model, int(time.time()))
     tracker = StreamTracker(hold=stop_hold(params))
     latest: dict[int, RequestOutput] = {}
     echoed: set[int] = set()
+    tail = ""  # the events once every prompt has finished, sent with the usage and [DONE]
     try:
         async for i, out in until(deadline, merge_streams(streams)):
             latest[i] = out
+            events: list[str] = []
             for c in out.outputs:
                 index = i * req.n + c.index
                 delta = tracker.delta(index, c)
@@ -133,21 +140,23 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str, 
                     prefix = echoes[i]
                     prompt_part = _echo_logprobs(ctx.tokenizer, out, req.logprobs)
                     echoed.add(index)
-                yield sse(_chunk(ctx, req, request_id, model, index, delta, prefix, prompt_part,
-                                 len(echoes[i]), latest))
+                events.append(_chunk(ctx, req, framer, index, delta, prefix, prompt_part,
+                                     len(echoes[i]), latest))
+            if len(latest) == len(streams) and all(o.finished for o in latest.values()):
+                tail += "".join(events)
+            elif events:
+                yield "".join(events)
     except Exception as exc:  # noqa: BLE001 - the stream already started: report in-band
-        yield sse_error(engine_error_status(exc), str(exc))
-        yield SSE_DONE
+        yield tail + sse_error(engine_error_status(exc), str(exc)) + SSE_DONE
         return
     if req.include_usage:
-        usage = usage_of(list(latest.values()), ctx.prompt_tokens_details)
-        yield sse(CompletionResponse(id=request_id, model=model, choices=[], usage=usage))
-    yield SSE_DONE
+        tail += framer.event([], usage_text(list(latest.values()), ctx.prompt_tokens_details))
+    yield tail + SSE_DONE
 
 
-def _chunk(ctx: ServingContext, req: CompletionRequest, request_id: str, model: str,
-           index: int, delta: Delta, prefix: str, prompt_part: CompletionLogProbs | None,
-           echo_len: int, latest: dict[int, RequestOutput]) -> CompletionResponse:
+def _chunk(ctx: ServingContext, req: CompletionRequest, framer: ChunkFramer, index: int,
+           delta: Delta, prefix: str, prompt_part: CompletionLogProbs | None, echo_len: int,
+           latest: dict[int, RequestOutput]) -> str:
     """One choice's chunk; the first of an echoed choice starts with the prompt (and its
     logprobs). With echo and max_tokens 0 the generated token is not shown."""
     text, lp = prefix, prompt_part
@@ -156,9 +165,9 @@ def _chunk(ctx: ServingContext, req: CompletionRequest, request_id: str, model: 
         text += delta.text
         lp = _join(lp, _logprobs(ctx.tokenizer, delta.token_ids, delta.logprobs, req.logprobs,
                                  offset))
-    choice = CompletionChoice(index=index, text=text, finish_reason=delta.finish_reason,
-                              stop_reason=delta.stop_reason, logprobs=lp)
-    usage = None
+    usage = "null"
     if req.stream_options and req.stream_options.continuous_usage_stats:
-        usage = usage_of(list(latest.values()), ctx.prompt_tokens_details)
-    return CompletionResponse(id=request_id, model=model, choices=[choice], usage=usage)
+        usage = usage_text(list(latest.values()), ctx.prompt_tokens_details)
+    return framer.event([completion_choice(index, text, logprobs=lp,
+                                           finish_reason=delta.finish_reason,
+                                           stop_reason=delta.stop_reason)], usage)

@@ -6,15 +6,26 @@ from collections.abc import Sequence
 
 from kvserve.engine.outputs import RequestOutput
 from kvserve.service.response_models import UsageInfo
+from kvserve.service.server.chunk_json import usage_json
+
+
+def usage_counts(outputs: Sequence[RequestOutput]) -> tuple[int, int, int]:
+    """(prompt, completion, cached prompt) tokens of `outputs`."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return prompt, completion, sum(o.num_cached_tokens for o in outputs)
 
 
 def usage_of(outputs: Sequence[RequestOutput], details: bool = True) -> UsageInfo:
     """Usage of `outputs`; the cached prompt tokens only with `details`
     (--enable-prompt-tokens-details), since they tell a client what others cached."""
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    cached = sum(o.num_cached_tokens for o in outputs)
-    usage = UsageInfo.of(prompt, completion, cached)
+    usage = UsageInfo.of(*usage_counts(outputs))
     if not details:
         usage.prompt_tokens_details = None
     return usage
+
+
+def usage_text(outputs: Sequence[RequestOutput], details: bool = True) -> str:
+    """`usage_of(outputs, details)` as JSON, written without the model (stream chunks)."""
+    prompt, completion, cached = usage_counts(outputs)
+    return usage_json(prompt, completion, cached if details else None)

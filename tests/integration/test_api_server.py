@@ -21,6 +21,7 @@ from server_thread import ServerThread
 
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.service.response_models import ChatCompletionChunk, CompletionResponse
 from kvserve.service.server.app import create_app
 from kvserve.service.server.config import ServerConfig
 
@@ -105,6 +106,46 @@ def test_completions_streaming_and_not(client):
     stream = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=10,
                                        temperature=0, stream=True, extra_body=IGNORE_EOS)
     assert "".join(c.choices[0].text for c in stream) == whole.choices[0].text
+
+
+def sse_events(url: str, path: str, body: dict) -> list[str]:
+    """The `data:` payloads of one streamed answer, [DONE] included."""
+    with httpx.stream("POST", url + path, json=body, timeout=120) as resp:
+        assert resp.status_code == 200
+        return [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("path, model, body", [
+    ("/v1/chat/completions", ChatCompletionChunk,
+     {"messages": CHAT, "n": 2, "logprobs": True, "top_logprobs": 2}),
+    ("/v1/completions", CompletionResponse,
+     {"prompt": ["The quick brown fox", "a b c"], "n": 2, "logprobs": 2, "echo": True}),
+])
+def test_stream_events_are_the_response_models_bytes(server, path, model, body):
+    """Every event of a stream (n > 1, logprobs, continuous usage, the usage chunk) is what the
+    response model writes for its own fields, byte for byte; the stream adds up to the tokens
+    asked for and keeps one id and one `created`."""
+    body = {**body, "model": "tiny", "max_tokens": 6, "temperature": 1.0, "seed": 3,
+            "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    events = sse_events(server.url, path, body)
+    assert events[-1] == "[DONE]"
+    chunks = [model.model_validate_json(e) for e in events[:-1]]
+    for event, chunk in zip(events, chunks):
+        assert chunk.model_dump_json() == event
+    assert len({(c.id, c.created) for c in chunks}) == 1
+    choices = len(body.get("prompt", [None])) * body["n"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6 * choices
+    roles = body["n"] if path == "/v1/chat/completions" else 0  # the role chunks come first
+    assert all(c.usage is not None for c in chunks[roles:])
+    tokens = sum(len(ch.logprobs.content if path == "/v1/chat/completions"
+                     else ch.logprobs.tokens) for c in chunks for ch in c.choices if ch.logprobs)
+    echoed = 0 if path == "/v1/chat/completions" else sum(
+        len(httpx.post(server.url + "/tokenize", json={"prompt": p}).json()["tokens"])
+        for p in body["prompt"]) * body["n"]
+    assert tokens == 6 * choices + echoed
+    finished = sorted(ch.index for c in chunks for ch in c.choices if ch.finish_reason)
+    assert finished == list(range(choices))
 
 
 def test_completion_prompt_forms(client, server):
