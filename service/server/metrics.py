@@ -219,6 +219,7 @@ class ServerMetrics:
     def observe_outputs(self, outputs: Iterable[Any], now: float | None = None) -> None:
         """Token counts and latencies of one step's RequestOutputs (cumulative outputs)."""
         now = time.monotonic() if now is None else now
+        generated = 0
         for out in outputs:
             t = self._times.get(out.request_id)
             if t is None:
@@ -227,15 +228,17 @@ class ServerMetrics:
                 self.prompt_tokens.inc(len(out.prompt_token_ids))
                 t.counted_prompt = True
             total = sum(len(c.token_ids) for c in out.outputs)
-            self._observe_tokens(t, total - t.num_tokens, now)
+            generated += self._observe_tokens(t, total - t.num_tokens, now)
             if out.finished:
                 reasons = [c.finish_reason for c in out.outputs if c.finish_reason]
                 self.request_finished(out.request_id, reasons[0] if reasons else "stop", now)
+        if generated:  # one increment per step, not one per stream
+            self.generation_tokens.inc(generated)
 
-    def _observe_tokens(self, t: _RequestTimes, new: int, now: float) -> None:
+    def _observe_tokens(self, t: _RequestTimes, new: int, now: float) -> int:
+        """Latencies of a request's `new` tokens; returns the count to add to the total."""
         if new <= 0:
-            return
-        self.generation_tokens.inc(new)
+            return 0
         if t.first_token is None:
             self.ttft.observe(now - t.arrival)
             t.first_token = now
@@ -245,6 +248,7 @@ class ServerMetrics:
             self.itl.observe(gap)
         t.last_token = now
         t.num_tokens += new
+        return new
 
     def request_finished(self, request_id: str, reason: str, now: float | None = None) -> None:
         """A request left the engine (finished or aborted): e2e latency and its finish reason."""
