@@ -177,17 +177,24 @@ class _Retold:
         return {"item_id": (self.open or {})["id"], "output_index": len(self.output)}
 
 
+async def _chat_chunks(writes: AsyncIterator[Any]) -> AsyncIterator[dict[str, Any]]:
+    """The chat stream's chunks as dicts, until [DONE]; one write may hold several events."""
+    async for raw in writes:
+        text = raw.decode() if isinstance(raw, bytes) else raw
+        for event in text.split("\n\n"):
+            payload = event.removeprefix("data: ").strip()
+            if payload == "[DONE]":
+                return
+            if payload:
+                yield json.loads(payload)
+
+
 async def _events(base: dict[str, Any], chunks: AsyncIterator[Any]) -> AsyncIterator[str]:
     told = _Retold(base)
     yield told.event("response.created", response=base)
     yield told.event("response.in_progress", response=base)
     reason, usage = None, None
-    async for raw in chunks:
-        text = raw.decode() if isinstance(raw, bytes) else raw
-        payload = text.removeprefix("data: ").strip()
-        if payload == "[DONE]":
-            break
-        chunk = json.loads(payload)
+    async for chunk in _chat_chunks(chunks):
         if "error" in chunk:  # failed mid-stream: say so in-band, as the Responses API does
             err = chunk["error"]
             yield told.event("error", code=err.get("code"), message=err.get("message"),
