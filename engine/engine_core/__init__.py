@@ -5,6 +5,7 @@ messages into `RequestOutput`s (detokenising there) and calls engine methods as 
 from __future__ import annotations
 
 import os
+
 # vLLM's VLLM_ENABLE_V1_MULTIPROCESSING: 1 runs the engine core in its own process, 0 in this one
 MULTIPROCESSING_ENV = "KVSERVE_ENABLE_MULTIPROCESSING"
 ENGINE_CORE_MODES = ("thread", "process", "auto")
