@@ -109,6 +109,7 @@ class OverlappedStep:
         e = self.engine
         outputs, e._aborted = e._aborted, []
         e._failed_now = set()
+        self._drop_if_dead()  # its requests were aborted since the last call
         if self.inflight is None:
             self.inflight = self._launch(lookahead=None)
             if self.inflight is None:
@@ -119,12 +120,16 @@ class OverlappedStep:
             if self.inflight is not None:
                 self.overlapped_steps += 1
         outputs += self._finish(current)
-        if self.inflight is not None and not any(
-                not s.is_finished for s in self.inflight.sched.seqs):
-            self._finish(self.inflight)  # every seq in it ended meanwhile: nothing to wait for
-            self.inflight = None
+        self._drop_if_dead()  # every seq in it ended meanwhile: nothing to wait for
         e.abort_request(list(e._failed_now))
         return outputs
+
+    def _drop_if_dead(self) -> None:
+        """Finish and forget a step in flight whose seqs have all ended (it yields nothing; its
+        time is not a step's, so the swap cost model does not see it)."""
+        if self.inflight is not None and all(s.is_finished for s in self.inflight.sched.seqs):
+            self._finish(self.inflight, observe=False)
+            self.inflight = None
 
     def drain(self) -> None:
         """Finish the step in flight (before anything that changes the scheduler's or the
@@ -174,7 +179,7 @@ class OverlappedStep:
         return InFlight(sched, rows, result, prompt_plan if prompt_result is not None else None,
                         prompt_result, t0, placeholders)
 
-    def _finish(self, step: InFlight) -> list[RequestOutput]:
+    def _finish(self, step: InFlight, observe: bool = True) -> list[RequestOutput]:
         """Read the step's tokens and apply them (see the module doc)."""
         e = self.engine
         result = step.result
@@ -197,7 +202,8 @@ class OverlappedStep:
                 if ok and k >= 0:
                     del seq.output_token_ids[k:]
             touched = e._apply_samples(step.sched, step.rows, result, now, tokens, after)
-        e._observe_step(step.sched, time.perf_counter() - step.t0)
+        if observe:
+            e._observe_step(step.sched, time.perf_counter() - step.t0)
         touched = [s for s in touched if s.request_id not in e._failed_now]
         outputs = [e._make_output(s) for s in touched]
         for s in touched:

@@ -178,3 +178,25 @@ def test_cli_flag_reaches_the_engine_config():
                        (["--no-async-scheduling"], False)):
         args = build_parser().parse_args(["serve", "m", *argv])
         assert engine_config_from_args(args).async_scheduling is want
+
+
+def test_aborting_every_request_in_flight_leaves_no_step_behind(pair):
+    """All requests aborted while a step is in flight: the next call hands out their abort
+    outputs and drops that step, so an idle engine holds nothing, and later requests give the
+    synchronous engine's tokens."""
+    sync, fast = pair
+    engine = fast.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for i, p in enumerate(PROMPTS[:2]):
+        engine.add_request(f"b{i}", p, params)
+    while engine._stepper.inflight is None or engine._stepper.overlapped_steps == 0:
+        engine.step()
+    assert engine._stepper.inflight is not None
+    engine.abort_request(["b0", "b1"])
+    outs = engine.step()
+    assert sorted(o.request_id for o in outs) == ["b0", "b1"]
+    assert all(o.outputs[0].finish_reason == "abort" for o in outs)
+    assert all(PLACEHOLDER not in o.outputs[0].token_ids for o in outs)
+    assert engine._stepper.inflight is None and not engine.has_unfinished_requests()
+    want = sync.generate(PROMPTS[:3], params, use_tqdm=False)
+    assert _summary(fast.generate(PROMPTS[:3], params, use_tqdm=False)) == _summary(want)
