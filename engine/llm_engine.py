@@ -27,7 +27,8 @@ from kvserve.engine.kv_offload.swap_cost import SwapCostModel
 from kvserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvserve.engine.profiler import TorchProfiler
 from kvserve.engine.sample.best_of import BestOf, expand, select
-from kvserve.engine.sample.detokenizer import IncrementalDetokenizer, NoText, core_makes_text
+from kvserve.engine.sample.detokenizer import (IncrementalDetokenizer, NoText, core_makes_text,
+                                               new_detokenizer)
 from kvserve.engine.sample.generation_config import sampling_defaults
 from kvserve.engine.sample.sampler import SamplerOutput, SamplingMetadata, make_generator
 from kvserve.engine.sample.sampling_params import SamplingParams
@@ -289,8 +290,8 @@ class LLMEngine:
                ) -> IncrementalDetokenizer | NoText:
         if not makes_text:
             return NoText()
-        return IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
-                                      params.stop_strings, params.include_stop_str_in_output)
+        return new_detokenizer(self.tokenizer, ids, params.skip_special_tokens,
+                               params.stop_strings, params.include_stop_str_in_output)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Stop requests now; their blocks go back to the pool before this call returns."""

@@ -9,7 +9,8 @@ from typing import Any
 
 from kvserve.engine.engine_core.messages import RequestDelta
 from kvserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from kvserve.engine.sample.detokenizer import IncrementalDetokenizer, core_makes_text
+from kvserve.engine.sample.detokenizer import (IncrementalDetokenizer, core_makes_text,
+                                               new_detokenizer)
 
 
 @dataclass
@@ -110,8 +111,8 @@ class OutputProcessor:
 
     def _detok(self, req: ClientRequest) -> IncrementalDetokenizer:
         p = req.params
-        return IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens,
-                                      p.stop_strings, p.include_stop_str_in_output)
+        return new_detokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens,
+                               p.stop_strings, p.include_stop_str_in_output)
 
     def _output(self, req: ClientRequest) -> RequestOutput:
         if req.full or req.whole:
