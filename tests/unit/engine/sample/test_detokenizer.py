@@ -8,7 +8,6 @@ import random
 
 import pytest
 
-from kvserve.engine.sample import detokenizer as detok_mod
 from kvserve.engine.sample.detokenizer import (FastIncrementalDetokenizer, IncrementalDetokenizer,
                                                decode_stream_backend, new_detokenizer)
 from kvserve.engine.sample.tokenizer import load_tokenizer
@@ -217,7 +216,7 @@ def test_stop_string_straddling_tokens(smollm):
         assert texts[-2] == " The answer is forty-"  # nothing stopped before "two" came
 
 
-def test_decode_stream_error_falls_back_to_the_generic_path(sp_tok, monkeypatch):
+def test_decode_stream_error_falls_back_to_the_generic_path(sp_tok):
     """A byte run that turns invalid later makes DecodeStream raise ('invalid prefix'): the
     request goes on, with the same text as the generic path."""
     byte = {b: sp_tok.convert_tokens_to_ids(f"<0x{b:02X}>") for b in (0x48, 0xFF)}
@@ -239,7 +238,7 @@ def test_a_tokenizer_whose_decode_cleans_up_spaces_keeps_the_generic_path(tiny_m
     assert type(new_detokenizer(tok, [], True, [], False)) is IncrementalDetokenizer
 
 
-def test_the_slow_tokenizer_path(smollm, monkeypatch):
+def test_the_slow_tokenizer_path(smollm):
     class Slow:
         is_fast = False
 
