@@ -124,6 +124,9 @@ class LLMEngine:
         self._profiler = TorchProfiler()
         self.async_scheduling = async_scheduling_enabled(config.async_scheduling, self)
         self._stepper = OverlappedStep(self, overlap=self.async_scheduling)
+        if self.async_scheduling:
+            logger.info("async scheduling: each step is launched before the previous step's "
+                        "tokens are read (--no-async-scheduling turns it off)")
         logger.info("%s; device %s, dtype %s, kv dtype %s, attention backend %s",
                     self.memory_budget.describe(), self.device, self.dtype, setup.kv_dtype,
                     self.runner.backend)
