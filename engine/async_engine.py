@@ -458,14 +458,15 @@ class AsyncEngine:
                 obs.request_aborted(rid)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """Engine (or output) thread: each output to its request's stream, one loop wake-up."""
         ready = []
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
             ready.append((stream, out))
-            if out.finished:
-                del self._streams[out.request_id]
+            if out.finished:  # the event loop may have dropped it meanwhile (an abort)
+                self._streams.pop(out.request_id, None)
         put_all(ready)
 
     def _refresh_observers(self, outputs: list[RequestOutput]) -> None:

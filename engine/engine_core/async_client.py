@@ -13,8 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvserve.engine.async_engine import (AsyncEngine, EngineDeadError, EngineObserver,
-                                         RequestAbortedError, RequestStream, _Add, _State,
-                                         put_all)
+                                         RequestAbortedError, RequestStream, _Add, _State)
 from kvserve.engine.engine_core.core_client import POLL_S, CoreClient
 from kvserve.engine.engine_core.messages import (AbortRequests, AddRequest, CoreDead,
                                                  CoreStopped, StepMessage)
@@ -192,17 +191,6 @@ class AsyncMPEngine(AsyncEngine):
             cmd.stream._loop.call_soon_threadsafe(self._accepted, cmd, exc)
         except RuntimeError:  # loop closed
             pass
-
-    def _dispatch(self, outputs: list[Any]) -> None:
-        ready = []
-        for out in outputs:  # the event loop may drop a stream meanwhile (an abort)
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue
-            ready.append((stream, out))
-            if out.finished:
-                self._streams.pop(out.request_id, None)
-        put_all(ready)
 
     def _fail_all(self, exc: BaseException) -> None:
         super()._fail_all(exc)

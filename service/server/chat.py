@@ -142,13 +142,14 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, request_id: s
         async for _, out in until(deadline, merge_streams(streams)):
             last = out
             events: list[str] = []
+            # the same for each of the output's choices: built once per engine output
+            usage = usage_text([out], ctx.prompt_tokens_details) if continuous else "null"
             for c in out.outputs:
                 delta = tracker.delta(c.index, c)
                 if delta is None:
                     continue
                 lp = _logprobs(ctx.tokenizer, delta.token_ids, delta.logprobs,
                                req.top_logprobs or 0) if req.logprobs else None
-                usage = usage_text([out], ctx.prompt_tokens_details) if continuous else "null"
                 if splitters.get(c.index) is not None:
                     reasoning, text = split_delta(splitters[c.index], delta.text,
                                                   delta.finish_reason is not None)
