@@ -5,7 +5,9 @@ batching, same run.
 in fp32 and bf16: kvserve output tok/s vs HF `generate` (batch 32, left padding), the ratio,
 KV slot utilisation (real tokens / allocated slots, sampled every step) next to a contiguous
 cache reserving max_model_len per request, and a second run with output lengths drawn from
-16..256 where static batching waits for its longest member. llama-cpp-python joins if installed.
+16..256 where static batching waits for its longest member. llama.cpp is no peer here: its
+figure in docs/perf/engine.md is from another run (llama-cpp-python 0.3.36 segfaulted in its AMX
+path, and it takes ~14 min to build on 2 cores).
 
     python bench/throughput.py [--requests 64] [--dtypes float32,bfloat16] [--skip-hf]
                                [--block-size 16] [--model default|gemma3-tiny|DIR | --tiny ARCH]
@@ -145,14 +147,6 @@ def run_hf(model_dir: Path, dtype: torch.dtype, prompts: list[list[int]], length
         useful += sum(lens)  # static batching runs every row to the longest; only these count
     dt = time.perf_counter() - t0
     return {"tok_s": useful / dt, "seconds": dt, "tokens": useful}
-
-
-def run_llama_cpp(prompts: list[list[int]], lengths: list[int]) -> dict | None:
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return None
-    return None  # wired only where llama-cpp-python is installed (see docs/perf.md)
 
 
 def main() -> None:
