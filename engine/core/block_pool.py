@@ -4,9 +4,10 @@ hash -> block map of the prefix cache. It knows nothing of requests."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvserve.engine.core.kv_events import KVEvent
+from kvserve.engine.core.kv_events import KVEvent, KVEventLog
 
 
 @dataclass(eq=False)
@@ -77,7 +78,7 @@ class BlockPool:
         self.cached: dict[bytes, Block] = {}
         self.num_evictions = 0
         self._num_shared = 0  # blocks with ref_cnt > 1, kept as refs change (read every step)
-        self._events: list[tuple[str, str]] = []  # ("stored" | "removed" | "cleared", hash)
+        self._events = KVEventLog("device", num_blocks, lambda: self.cached)
         # (block id, hash) of cached blocks evicted since the last take_evicted(): their content
         # is still in the block until this step's forward writes it, so it can be offloaded.
         self._evicted: list[tuple[int, bytes]] = []
@@ -107,7 +108,7 @@ class BlockPool:
             return
         if self.cached.get(b.block_hash) is b:
             del self.cached[b.block_hash]
-            self._log("removed", b.block_hash)
+            self._events.removed(b.block_hash)
             self.num_evictions += 1
             self._evicted.append((b.block_id, b.block_hash))
         b.block_hash = None
@@ -129,22 +130,17 @@ class BlockPool:
             if b.ref_cnt == 2:
                 self._num_shared += 1
 
-    def cache_block(self, b: Block, block_hash: bytes) -> None:
-        """Register a full block under its hash (first writer wins; duplicates stay private)."""
+    def cache_block(self, b: Block, block_hash: bytes, parent: bytes | None = None,
+                    token_ids: Sequence[int] = ()) -> None:
+        """Register a full block under its hash (first writer wins; duplicates stay private).
+        `parent` (the previous block's hash) and `token_ids` only travel in its "stored" event."""
         if not self.enable_caching or b.block_hash is not None:
             return
         if block_hash in self.cached:
             return
         b.block_hash = block_hash
         self.cached[block_hash] = b
-        self._log("stored", block_hash)
-
-    def _log(self, kind: str, block_hash: bytes) -> None:
-        """Record a change; an undrained backlog (offline use never drains) is compacted into
-        "cleared" + the cached set, which replays to the same state, so memory stays bounded."""
-        self._events.append((kind, block_hash.hex()))
-        if len(self._events) > 2 * self.num_blocks + 1024:
-            self._events = [("cleared", "")] + [("stored", h.hex()) for h in self.cached]
+        self._events.stored(block_hash, parent, token_ids)
 
     def free_blocks(self, blocks: list[Block]) -> None:
         """Drop one reference each; blocks reaching zero go back to the free queue.
@@ -172,21 +168,12 @@ class BlockPool:
         for b in self.blocks:
             b.block_hash = None
         self.cached.clear()
-        self._events = [("cleared", "")]
+        self._events.cleared()
         return True
 
     def drain_events(self) -> list[KVEvent]:
         """Changes since the last call, in order, consecutive ones of a kind batched together."""
-        events: list[KVEvent] = []
-        for kind, h in self._events:
-            if kind == "cleared":
-                events.append(KVEvent("cleared"))
-            elif events and events[-1].kind == kind:
-                events[-1] = KVEvent(kind, events[-1].block_hashes + (h,))
-            else:
-                events.append(KVEvent(kind, (h,)))  # type: ignore[arg-type]
-        self._events = []
-        return events
+        return self._events.drain()
 
     def cached_hashes(self) -> list[str]:
         return [h.hex() for h in self.cached]

@@ -235,12 +235,15 @@ class KVCacheManager:
         done = self.num_registered.get(seq.seq_id, 0)
         if num_full <= done:
             return
-        hs = self._seq_hashes(seq, num_full)
+        hs, bs = self._seq_hashes(seq, num_full), self.block_size
         for g, table in enumerate(self._tables(seq.seq_id)):
             for i in range(done, num_full):
                 b = table[i]
                 if b is not None:  # None: released by a sliding window before it was full
-                    self.pool.cache_block(b, group_key(hs[i], g))
+                    # parent and tokens ride along in the "stored" event (vLLM's BlockStored)
+                    parent = group_key(hs[i - 1], g) if i else None
+                    self.pool.cache_block(b, group_key(hs[i], g), parent,
+                                          seq.token_range(i * bs, (i + 1) * bs))
         self.num_registered[seq.seq_id] = num_full
 
     # ---- allocation ---------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
-from kvserve.engine.core.kv_events import KVEvent
+from kvserve.engine.core.kv_events import KVEvent, KVEventLog
 from kvserve.engine.errors import ConfigError
 from kvserve.engine.kv_offload import disk_block_file as fmt
 from kvserve.engine.kv_offload.host_tier import TierCounters
@@ -56,7 +56,7 @@ class DiskTier:
         self.num_bad_files = 0  # reads that found a missing, damaged or foreign file
         self.bytes_written = 0  # queued for writing (what a full queue dropped not counted)
         self.bytes_read = 0
-        self._events: list[tuple[str, str]] = []
+        self._events = KVEventLog(self.medium, self.num_blocks, lambda: self.index)
         self._mutex = threading.Lock()
         self._inflight: dict[bytes, tuple[int, bytearray]] = {}  # queued, not yet on disk
         self._seq = 0
@@ -97,7 +97,7 @@ class DiskTier:
         self._ops.put(("write", block_hash, self._seq))
         self.counters.stored += 1
         self.bytes_written += len(payload)
-        self._log("stored", block_hash)
+        self._events.stored(block_hash)
         return True
 
     def touch(self, block_hash: bytes) -> None:
@@ -109,7 +109,7 @@ class DiskTier:
         self._inflight.pop(h, None)
         self._ops.put(("unlink", h, 0))
         self.counters.evicted += 1
-        self._log("removed", h)
+        self._events.removed(h)
 
     def read(self, hashes: list[bytes]) -> list[bytearray]:
         """Verified payloads of the leading `hashes`, stopping at the first one that is not here
@@ -144,7 +144,7 @@ class DiskTier:
         with self._mutex:
             del self.index[block_hash]
             self._ops.put(("unlink", block_hash, 0))
-        self._log("removed", block_hash)
+        self._events.removed(block_hash)
         return None
 
     def clear(self) -> None:
@@ -153,7 +153,7 @@ class DiskTier:
             self.index.clear()
             self._inflight.clear()
             self._ops.put(("clear", b"", 0))
-        self._events = [("cleared", "")]
+        self._events.cleared()
 
     def usage(self) -> float:
         return len(self.index) / self.num_blocks
@@ -178,24 +178,9 @@ class DiskTier:
         os.close(self._lock_fd)
         self._lock_fd = -1
 
-    def _log(self, kind: str, block_hash: bytes) -> None:
-        self._events.append((kind, block_hash.hex()))
-        if len(self._events) > 2 * self.num_blocks + 1024:  # undrained: replayable compaction
-            self._events = [("cleared", "")] + [("stored", h.hex()) for h in self.index]
-
     def drain_events(self) -> list[KVEvent]:
         """Changes since the last call, consecutive ones of a kind batched, tagged `disk`."""
-        events: list[KVEvent] = []
-        for kind, h in self._events:
-            if kind == "cleared":
-                events.append(KVEvent("cleared", medium=self.medium))  # type: ignore[arg-type]
-            elif events and events[-1].kind == kind:
-                events[-1] = KVEvent(kind, events[-1].block_hashes + (h,),  # type: ignore[arg-type]
-                                     medium=self.medium)  # type: ignore[arg-type]
-            else:
-                events.append(KVEvent(kind, (h,), medium=self.medium))  # type: ignore[arg-type]
-        self._events = []
-        return events
+        return self._events.drain()
 
     # ---- start-up -----------------------------------------------------------------------------
     def _scan(self) -> None:
@@ -225,7 +210,7 @@ class DiskTier:
             (self.path / fmt.file_name(h)).unlink(missing_ok=True)
         for _, h in found[-self.num_blocks:]:
             self.index[h] = None
-            self._log("stored", h)
+            self._events.stored(h)
         if self.index:
             logger.info("KV disk tier: reusing %d block files in %s", len(self.index), self.path)
 

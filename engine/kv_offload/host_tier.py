@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kvserve.engine.core.kv_events import KVEvent
+from kvserve.engine.core.kv_events import KVEvent, KVEventLog
 
 
 @dataclass
@@ -38,7 +38,7 @@ class HostTier:
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.pinned: set[int] = set()
         self.counters = TierCounters()
-        self._events: list[tuple[str, str]] = []
+        self._events = KVEventLog(self.medium, self.num_blocks, lambda: self.slots)
 
     def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self.slots
@@ -61,7 +61,7 @@ class HostTier:
         self.slots[block_hash] = slot
         self.pinned.add(slot)
         self.counters.stored += 1
-        self._log("stored", block_hash)
+        self._events.stored(block_hash)
         return slot, victim
 
     def _evict_lru(self) -> tuple[bytes, int] | None:
@@ -70,7 +70,7 @@ class HostTier:
                 del self.slots[h]
                 self.free.append(slot)
                 self.counters.evicted += 1
-                self._log("removed", h)
+                self._events.removed(h)
                 return h, slot
         return None
 
@@ -90,7 +90,7 @@ class HostTier:
         self.slots.clear()
         self.free = list(range(self.num_blocks - 1, -1, -1))
         self.pinned.clear()
-        self._events = [("cleared", "")]
+        self._events.cleared()
 
     def usage(self) -> float:
         return len(self.slots) / self.num_blocks
@@ -99,21 +99,6 @@ class HostTier:
         """Held hashes, least recently used first."""
         return list(self.slots)
 
-    def _log(self, kind: str, block_hash: bytes) -> None:
-        self._events.append((kind, block_hash.hex()))
-        if len(self._events) > 2 * self.num_blocks + 1024:  # undrained: replayable compaction
-            self._events = [("cleared", "")] + [("stored", h.hex()) for h in self.slots]
-
     def drain_events(self) -> list[KVEvent]:
         """Changes since the last call, consecutive ones of a kind batched, tagged `host`."""
-        events: list[KVEvent] = []
-        for kind, h in self._events:
-            if kind == "cleared":
-                events.append(KVEvent("cleared", medium=self.medium))
-            elif events and events[-1].kind == kind:
-                events[-1] = KVEvent(kind, events[-1].block_hashes + (h,),  # type: ignore[arg-type]
-                                     medium=self.medium)
-            else:
-                events.append(KVEvent(kind, (h,), medium=self.medium))  # type: ignore[arg-type]
-        self._events = []
-        return events
+        return self._events.drain()
