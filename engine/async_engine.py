@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # for annotations only: llm_engine pulls in torch and the mod
     from kvserve.engine.config import EngineConfig
     from kvserve.engine.core.kv_events import KVEvent
     from kvserve.engine.llm_engine import LLMEngine
-    from kvserve.engine.memory import MemoryBudget
+    from kvserve.engine.sizing.memory import MemoryBudget
     from kvserve.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)

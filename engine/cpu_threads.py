@@ -85,7 +85,7 @@ def cpu_quota(proc: Path = Path("/proc"),
               cgroup: Path = Path("/sys/fs/cgroup")) -> tuple[float, str] | None:
     """(CPUs, words) of the tightest CPU quota over this process's cgroup and its ancestors:
     v2 `cpu.max` ("quota period"), v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`; None without."""
-    from kvserve.engine.host_memory import cgroup_dirs
+    from kvserve.engine.sizing.host_memory import cgroup_dirs
 
     try:
         lines = (proc / "self" / "cgroup").read_text().splitlines()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.engine.errors import ConfigError
-from kvserve.engine.memory import kv_heads_per_rank  # noqa: F401 - re-exported with its rule
+from kvserve.engine.sizing.memory import kv_heads_per_rank  # noqa: F401 - re-exported with its rule
 
 
 def check_tensor_parallel(size: int, num_heads: int, num_kv_heads: int,

@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.engine.memory import LayerGroup
-from kvserve.engine.model_shape import (
+from kvserve.engine.sizing.memory import LayerGroup
+from kvserve.engine.sizing.model_shape import (
     head_dim, kv_heads, layer_groups, moe_shape, parameter_count, text_config,
 )
-from kvserve.engine.weights_size import Checkpoint, CheckpointWeights
+from kvserve.engine.sizing.weights_size import Checkpoint, CheckpointWeights
 
 MiB = 1 << 20
 
@@ -92,7 +92,7 @@ MODELS: dict[str, ModelArch] = {
 }
 
 # config.json fields of newer families, as published on the hub (only the fields sizing reads).
-# Parameters are counted from these shapes (engine/model_shape.py: every expert, lm_head once
+# Parameters are counted from these shapes (engine/sizing/model_shape.py: every expert, lm_head once
 # when tied). Where each came from (copies of the official config.json seen on huggingface.co):
 #   llama-3.1-8b / 70b: meta-llama/Llama-3.1-{8B,70B}-Instruct config.json (llama3 rope, 131072)
 #   qwen3-8b: "Copy config.json from Qwen/Qwen3-8B"; qwen3-32b: a verbatim copy of Qwen3-32B's

@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.engine.hub_weights import hub_endpoint, read_checkpoint
-from kvserve.engine.weights_size import CheckpointReadError
+from kvserve.engine.sizing.hub_weights import hub_endpoint, read_checkpoint
+from kvserve.engine.sizing.weights_size import CheckpointReadError
 from kvserve.operator.catalog import ModelArch, arch_from_checkpoint
 from kvserve.operator.errors import InvalidSpecError
 from kvserve.operator.model_uri import ModelURI

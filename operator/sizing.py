@@ -1,9 +1,9 @@
-"""Sizing: the engine's memory budget (engine/memory.py) -> GPUs per replica, blocks, concurrency.
+"""Sizing: the engine's memory budget (engine/sizing/memory.py) -> GPUs per replica, blocks, concurrency.
 
 GPUs per replica is the smallest power of two (tensor parallel: weights and KV heads split across
 the GPUs) whose per-GPU budget holds `maxNumSeqs x maxModelLen` tokens of KV (one full-length
 request when maxNumSeqs is unset). Every term is one rank's, exactly as the engine computes it with
-`--tensor-parallel-size N` (engine/memory.py). A replica is one pod on one node: counts above
+`--tensor-parallel-size N` (engine/sizing/memory.py). A replica is one pod on one node: counts above
 GPUS_PER_NODE (multi-node tensor parallelism) are refused. Pure: no Kubernetes, no torch.
 """
 
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvserve.engine.memory import (
+from kvserve.engine.sizing.memory import (
     default_max_num_batched_tokens,
     GiB, MemoryBudget, activation_peak_bytes, dtype_bytes, kv_heads_per_rank, plan_memory,
     rank_weight_bytes,
 )
-from kvserve.engine.host_memory import cpu_kv_bytes
+from kvserve.engine.sizing.host_memory import cpu_kv_bytes
 from kvserve.operator import offload
 from kvserve.operator.catalog import ModelArch
 from kvserve.operator.spec import InvalidSpecError, ServiceSpec
@@ -26,7 +26,7 @@ GPUS_PER_NODE = 8  # the most GPUs one replica (one pod, one node) may use
 
 
 def batched_tokens(max_model_len: int) -> int:
-    """Tokens per step, exactly as the engine picks them (engine/memory.py)."""
+    """Tokens per step, exactly as the engine picks them (engine/sizing/memory.py)."""
     return default_max_num_batched_tokens(max_model_len)
 
 
@@ -116,7 +116,7 @@ def cpu_swap_bytes(spec: ServiceSpec) -> int:
 
 def budget_per_gpu(spec: ServiceSpec, gpus: int) -> MemoryBudget:
     """The engine's budget on each of `gpus` GPUs holding 1/gpus of the weights and KV heads.
-    On a CPU pod, the engine's host plan (engine/host_memory.py): the pod's memory x utilisation
+    On a CPU pod, the engine's host plan (engine/sizing/host_memory.py): the pod's memory x utilisation
     holds weights, activations, the KV cache and the swap pool (at most the KV cache); the host
     tier comes on top of the user's limit (offload.py)."""
     arch, eng = spec.model.arch, spec.engine

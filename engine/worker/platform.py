@@ -19,12 +19,12 @@ from kvserve.engine.cpu_threads import size_torch_threads, warn_if_long_spin
 from kvserve.engine.distributed import TPGroup, check_tensor_parallel
 from kvserve.engine.errors import ConfigError, OutOfKVCacheError
 from kvserve.engine.worker.malloc_tuning import keep_activation_memory
-from kvserve.engine.memory import GiB, MemoryBudget, activation_peak_bytes, blocks_for_bytes, \
+from kvserve.engine.sizing.memory import GiB, MemoryBudget, activation_peak_bytes, blocks_for_bytes, \
     bytes_per_block, default_max_num_batched_tokens, kv_heads_per_rank, plan_memory, \
     rank_weight_bytes
-from kvserve.engine.host_memory import HostPlan, available_memory, \
+from kvserve.engine.sizing.host_memory import HostPlan, available_memory, \
     default_cpu_kv_bytes, plan_host, split
-from kvserve.engine.model_shape import layer_groups
+from kvserve.engine.sizing.model_shape import layer_groups
 from kvserve.engine.worker.workers import CacheSpec, WorkerGroup
 from kvserve.kernels.fp8 import FP8_DTYPE
 
@@ -214,7 +214,7 @@ def host_plan(config: EngineConfig, model_path: Path | str, device: torch.device
 def _checkpoint_weight_bytes(model_path: Path | str, cfg: Any, dtype: torch.dtype) -> int:
     """The whole model's resident weight bytes before loading it: the checkpoint's safetensors
     headers, else our model built on the meta device."""
-    from kvserve.engine.weights_size import CheckpointReadError, local_checkpoint
+    from kvserve.engine.sizing.weights_size import CheckpointReadError, local_checkpoint
 
     if Path(model_path).is_dir():
         try:

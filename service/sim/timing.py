@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from kvserve.engine.memory import activation_peak_bytes, bytes_per_block, plan_memory
+from kvserve.engine.sizing.memory import activation_peak_bytes, bytes_per_block, plan_memory
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def _h100_llama3_8b() -> TimingModel:
     H100 SXM from NVIDIA's datasheet (989 TFLOP/s dense bf16, 3.35 TB/s HBM3, 80 GB), at the
     efficiencies our H200 run measured (docs/perf.md: paged decode attention at 86-94% of HBM
     peak) and 50% model-FLOP utilisation for prefill, a figure vLLM and SGLang reach at long
-    prompts. KV capacity from engine/memory.py's formula, as the operator sizes a replica."""
+    prompts. KV capacity from engine/sizing/memory.py's formula, as the operator sizes a replica."""
     params, flops, hbm = 8.03e9, 989e12, 3.35e12
     weight_bytes = int(2 * params)
     kv_token = bytes_per_block(32, 8, 128, 2, 1)  # 128 KiB a token

@@ -18,7 +18,7 @@ from test_operator_kmock import (
 )
 from tiny_families import build_family
 
-from kvserve.engine.weights_size import local_checkpoint
+from kvserve.engine.sizing.weights_size import local_checkpoint
 
 TOKEN = "hf_kmock_token"
 

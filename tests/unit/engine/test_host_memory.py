@@ -1,4 +1,4 @@
-"""One memory plan per host (engine/host_memory.py): the arithmetic over N ranks, the memory
+"""One memory plan per host (engine/sizing/host_memory.py): the arithmetic over N ranks, the memory
 available read from /proc and cgroup files (fake roots written here), and a start refused with
 the arithmetic before any rank allocates (the available figure passed as KVSERVE_HOST_MEMORY)."""
 
@@ -10,7 +10,7 @@ import psutil
 import pytest
 from conftest import make_llm
 
-from kvserve.engine.host_memory import (
+from kvserve.engine.sizing.host_memory import (
     GiB, Available, HostMemoryError, available_memory, cpu_kv_bytes, default_cpu_kv_bytes,
     plan_host,
 )

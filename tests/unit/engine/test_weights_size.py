@@ -12,9 +12,9 @@ import pytest
 import torch
 from tiny_families import FAMILIES, build_family, tensor_bytes
 
-from kvserve.engine.memory import LayerGroup, group_blocks, plan_memory, request_kv_bytes
-from kvserve.engine.model_shape import head_dim, kv_heads, layer_groups, parameter_count
-from kvserve.engine.weights_size import (
+from kvserve.engine.sizing.memory import LayerGroup, group_blocks, plan_memory, request_kv_bytes
+from kvserve.engine.sizing.model_shape import head_dim, kv_heads, layer_groups, parameter_count
+from kvserve.engine.sizing.weights_size import (
     CheckpointReadError, checkpoint_weight_bytes, local_checkpoint, read_header,
 )
 

@@ -16,8 +16,8 @@ import pytest
 from hub_server import HubServer
 from tiny_families import build_family, tensor_bytes
 
-from kvserve.engine.hub_weights import hub_checkpoint
-from kvserve.engine.weights_size import CheckpointReadError, local_checkpoint
+from kvserve.engine.sizing.hub_weights import hub_checkpoint
+from kvserve.engine.sizing.weights_size import CheckpointReadError, local_checkpoint
 from kvserve.operator.cli import register
 from kvserve.operator.model_files import ModelReader, ModelReadError
 from kvserve.operator.resources import desired_objects, names

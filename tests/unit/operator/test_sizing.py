@@ -107,8 +107,8 @@ def test_long_context_batches_at_most_8192_tokens_like_the_engine() -> None:
 
 def test_cpu_pod_plan_is_the_engines_host_plan_with_the_swap_pool_in_it() -> None:
     """A CPU pod's RAM holds the swap pool too: swapSpaceGiB comes out of the KV cache, and the
-    engine's host plan (engine/host_memory.py) over the operator's figures fills the pod."""
-    from kvserve.engine.host_memory import plan_host
+    engine's host plan (engine/sizing/host_memory.py) over the operator's figures fills the pod."""
+    from kvserve.engine.sizing.host_memory import plan_host
 
     base = {"model": {"name": "smollm2-135m"}, "device": "cpu",
             "resources": {"limits": {"memory": "4Gi"}}}

@@ -272,7 +272,7 @@ def test_randomized_groups_keep_the_pool_consistent_and_the_contents_right():
 
 
 def test_the_budget_counts_pages_of_page_layers():
-    from kvserve.engine.memory import plan_memory
+    from kvserve.engine.sizing.memory import plan_memory
     from kvserve.engine.worker.platform import page_budget
 
     groups = KVCacheGroups.from_windows(GEMMA3 * 2)  # 12 layers in pages of 2

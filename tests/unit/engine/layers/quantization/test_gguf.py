@@ -18,7 +18,7 @@ from test_compressed_tensors import assert_matches_reference
 from kvserve.engine.errors import QuantizationError
 from kvserve.engine.layers.quantization import QuantLinear
 from kvserve.engine.layers.quantization.gguf import decode_blocks
-from kvserve.engine.weights_size import local_checkpoint
+from kvserve.engine.sizing.weights_size import local_checkpoint
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType

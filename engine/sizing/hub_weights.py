@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kvserve.engine.weights_size import (
+from kvserve.engine.sizing.weights_size import (
     INDEX_FILE, Checkpoint, CheckpointReadError, local_checkpoint, shard_names, summarize, tied,
 )
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.engine.memory import LayerGroup
+from kvserve.engine.sizing.memory import LayerGroup
 
 Config = dict[str, Any]
 
