@@ -9,6 +9,7 @@ from typing import Any
 
 import kopf
 
+from kvserve.operator.inference_pool import share_pool_ownership
 from kvserve.operator.model_files import ModelReader
 from kvserve.operator.resources import desired_objects, registration_secret
 from kvserve.operator.sizing import Sizing, plan
@@ -36,4 +37,5 @@ def build_children(body: Mapping[str, Any], reader: ModelReader | None = None) -
     create_once = [registration_secret(spec, new_token())]
     if spec.uid:
         kopf.adopt(objects + create_once, owner=dict(body))
+        share_pool_ownership(objects)
     return Children(spec, sizing, objects, create_once)

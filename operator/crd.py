@@ -219,6 +219,24 @@ def _router_redis() -> dict[str, Schema]:
     }
 
 
+def _routing() -> Schema:
+    return _obj("How traffic picks a replica: kvserve's own router, or a Gateway API Inference "
+                "Extension InferencePool whose endpoint picker is `kvserve epp`.", {
+        "mode": _typed("string", "router: the prefix-aware router Deployment in front of the "
+                       "replicas. inferencePool: no router Deployment; an InferencePool "
+                       "(inference.networking.k8s.io/v1) of the replicas, the `kvserve epp` "
+                       "endpoint picker (Deployment, Service, RBAC) that a conformant gateway "
+                       "asks per request, and, with gateway.parentRefs, an HTTPRoute to the "
+                       "pool.", enum=["router", "inferencePool"], default="router"),
+        "failureMode": _typed("string", "inferencePool: what the gateway does when the endpoint "
+                              "picker does not answer: FailClose refuses the request, FailOpen "
+                              "sends it to a replica of its own choosing.",
+                              enum=["FailOpen", "FailClose"], default="FailClose"),
+        "eppReplicas": _typed("integer", "inferencePool: endpoint picker pods.", minimum=1,
+                              maximum=20, default=1),
+    }, default={})
+
+
 def _network_policy() -> Schema:
     peer = _free_obj("A networking.k8s.io/v1 NetworkPolicyPeer (podSelector, "
                      "namespaceSelector, ipBlock).")
@@ -322,6 +340,7 @@ def spec_schema() -> Schema:
                            minimum=0, maximum=1000, default=1),
         "autoscaling": _autoscaling(),
         **_router_redis(),
+        "routing": _routing(),
         **_traffic(),
         **_pod(),
     }

@@ -31,6 +31,11 @@ PLURALS: dict[tuple[str, str], str] = {
     ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitors",
     ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
+    # spec.routing.mode inferencePool: the pool, and the endpoint picker's identity and RBAC.
+    ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepools",
+    ("v1", "ServiceAccount"): "serviceaccounts",
+    ("rbac.authorization.k8s.io/v1", "Role"): "roles",
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     ("batch/v1", "Job"): "jobs",
 }
 # Kinds the operator creates and reads one by one, never lists (RBAC: create, get): the

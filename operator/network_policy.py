@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from kvserve.operator.inference_pool import GRPC_PORT, METRICS_PORT
 from kvserve.operator.spec import ServiceSpec
 
 Obj = dict[str, Any]
@@ -52,9 +53,14 @@ def policies(spec: ServiceSpec, metadata: Callable[[str, str], Obj],
     else:
         engine_rules = _entry_rules(spec, port)
     out.append(_policy(metadata(names["engine"], "engine"), selector("engine"), engine_rules))
+    if spec.routing.inference_pool:  # the gateway asks the endpoint picker, Prometheus scrapes it
+        out.append(_policy(metadata(names["epp"], "epp"), selector("epp"),
+                           [*_entry_rules(spec, GRPC_PORT),
+                            *([_rule(METRICS_PORT, prometheus)] if prometheus else [])]))
     if spec.redis_deploy:
-        peers = [{"podSelector": {"matchLabels": selector(c)}}
-                 for c in ("engine", "router") if c == "engine" or spec.router_enabled]
+        reach = ("engine", *(["router"] if spec.router_enabled else []),
+                 *(["epp"] if spec.routing.inference_pool else []))
+        peers = [{"podSelector": {"matchLabels": selector(c)}} for c in reach]
         out.append(_policy(metadata(names["redis"], "redis"), selector("redis"),
                            [_rule(redis_port, peers)]))
     return out

@@ -80,9 +80,11 @@ def up_to_date(desired: dict, actual: dict | None) -> bool:
 
 
 def owner_uid(obj: dict) -> str:
-    """The uid of the owner kopf.adopt set on a desired object ("" for a CR read from a file)."""
+    """The uid of the owner kopf.adopt set on a desired object ("" for a CR read from a file);
+    an InferencePool's one owner reference is not a controller's (inference_pool.py)."""
     refs = obj.get("metadata", {}).get("ownerReferences", [])
-    return next((ref.get("uid", "") for ref in refs if ref.get("controller")), "")
+    fallback = refs[0].get("uid", "") if refs else ""
+    return next((ref.get("uid", "") for ref in refs if ref.get("controller")), fallback)
 
 
 def foreign(desired: dict, actual: dict | None) -> bool:

@@ -6,8 +6,8 @@ import hashlib
 import json
 from typing import Any
 
-from kvserve.operator import (adapters, monitoring, network_policy, offload, traffic, trust,
-                              weights)
+from kvserve.operator import (adapters, inference_pool, monitoring, network_policy, offload,
+                              traffic, trust, weights)
 from kvserve.operator.crd import API_VERSION, KIND
 from kvserve.operator.sizing import Sizing
 from kvserve.operator.spec import ServiceSpec
@@ -44,7 +44,7 @@ def metadata(spec: ServiceSpec, name: str, component: str) -> Obj:
 def names(spec: ServiceSpec) -> dict[str, str]:
     n = spec.name
     return {"engine": f"{n}-engine", "router": f"{n}-router", "redis": f"{n}-redis",
-            "config": f"{n}-config", "entry": n}
+            "config": f"{n}-config", "entry": n, "epp": f"{n}-epp"}
 
 
 def redis_url(spec: ServiceSpec) -> str | None:
@@ -398,12 +398,26 @@ def desired_objects(spec: ServiceSpec, sizing: Sizing) -> list[Obj]:
         monitoring.scaled_object(spec, metadata(spec, n["entry"], "engine"), n["engine"],
                                  scale_behavior()),
         traffic.ingress(spec, entry, n["entry"]),
-        traffic.http_route(spec, entry, n["entry"], PORT),
+        None if spec.routing.inference_pool else traffic.http_route(spec, entry, n["entry"], PORT),
         monitoring.service_monitor(spec, metadata(spec, n["entry"], "monitoring")),
         monitoring.pod_monitor(spec, metadata(spec, n["entry"], "monitoring")))
+    objs += inference_pool.objects(spec, pool_kit(spec))
     objs += network_policy.policies(spec, lambda name, c: metadata(spec, name, c),
                                     lambda c: selector(spec, c), n, PORT, REDIS_PORT)
     return objs
+
+
+def pool_kit(spec: ServiceSpec) -> inference_pool.Kit:
+    """The pieces inference_pool.py builds the endpoint picker from (the router's Redis URL and
+    password Secret, hub token, extra env)."""
+    env = [{"name": "HF_HOME", "value": "/var/cache/kvserve/hf"}, *hub_token_env(spec),
+           *spec.env]
+    if spec.redis_password is not None:
+        env.insert(1, trust.secret_env(trust.REDIS_PASSWORD_ENV, spec.redis_password))
+    return inference_pool.Kit(
+        metadata=lambda name, c: metadata(spec, name, c), labels=lambda c: labels(spec, c),
+        selector=lambda c: selector(spec, c), engine_port=PORT, redis_url=redis_url(spec),
+        env=env, pod_security=pod_security(), container_security=container_security())
 
 
 def adapter_fetch_job(spec: ServiceSpec) -> Obj | None:

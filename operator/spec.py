@@ -142,6 +142,19 @@ class GatewaySpec:
 
 
 @dataclass(frozen=True)
+class RoutingSpec:
+    """spec.routing: the router (default) or an InferencePool with kvserve's endpoint picker."""
+
+    mode: str = "router"  # "router" | "inferencePool"
+    failure_mode: str = "FailClose"  # the pool's endpointPickerRef.failureMode
+    epp_replicas: int = 1
+
+    @property
+    def inference_pool(self) -> bool:
+        return self.mode == "inferencePool"
+
+
+@dataclass(frozen=True)
 class MonitoringSpec:
     service_monitor: bool = False
     pod_monitor: bool = False
@@ -209,6 +222,7 @@ class ServiceSpec:
     network_policy: NetworkPolicySpec = NetworkPolicySpec()
     adapters: tuple[AdapterSpec, ...] = ()  # spec.adapters (operator/adapters.py)
     lora: LoraSpec = LoraSpec()  # spec.engine.lora
+    routing: RoutingSpec = RoutingSpec()  # spec.routing
 
 
 def _arch_from_spec(a: dict, source: str) -> ModelArch:
@@ -383,6 +397,8 @@ def parse_spec(body: dict, reader: ModelReader | None = None) -> ServiceSpec:
                       spec.get("env", []))
     gpu_type, memory = device_memory(spec)
     router = spec["router"]
+    r = spec["routing"]
+    routing = RoutingSpec(r["mode"], r["failureMode"], r["eppReplicas"])
     redis_url, redis_deploy, redis_password = _redis(spec["redis"])
     ingress, gateway, monitoring = _traffic(spec)
     autoscaling = _autoscaling(spec)
@@ -397,7 +413,8 @@ def parse_spec(body: dict, reader: ModelReader | None = None) -> ServiceSpec:
         engine=engine_spec(spec["engine"], model.arch, max_replicas),
         device=spec["device"], gpu_type=gpu_type, gpu_memory_bytes=memory,
         max_gpus_per_replica=spec["gpu"]["maxPerReplica"], replicas=spec["replicas"],
-        autoscaling=autoscaling, router_enabled=router["enabled"],
+        # inferencePool mode: the gateway and the endpoint picker route; no router Deployment.
+        autoscaling=autoscaling, router_enabled=router["enabled"] and not routing.inference_pool,
         router_policy=router["policy"], router_replicas=router["replicas"],
         redis_url=redis_url, redis_deploy=redis_deploy, redis_password=redis_password,
         network_policy=_network_policy(spec["networkPolicy"]),
@@ -405,4 +422,4 @@ def parse_spec(body: dict, reader: ModelReader | None = None) -> ServiceSpec:
         node_selector=spec.get("nodeSelector", {}), tolerations=spec.get("tolerations", []),
         env=spec.get("env", []), ingress=ingress, gateway=gateway, monitoring=monitoring,
         adapters=adapters, lora=LoraSpec(lora["enabled"], lora["maxLoras"],
-                                         lora["maxLoraRank"]))
+                                         lora["maxLoraRank"]), routing=routing)

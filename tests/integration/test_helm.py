@@ -108,6 +108,18 @@ def test_every_option_on_renders_and_validates(helm: Path) -> None:
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["ml-prod"]}
     assert monitor["spec"]["podMetricsEndpoints"][0]["interval"] == "30s"
+    # The endpoint picker's pods (spec.routing.mode inferencePool), on their metrics port's name.
+    from kvserve.operator.inference_pool import METRICS_PORT, epp_container
+    from kvserve.operator.resources import pool_kit
+    from kvserve.operator.spec import parse_spec
+
+    spec = parse_spec({"metadata": {"name": "m"}, "spec": {
+        "model": {"name": "llama-3-8b"}, "gpu": {"type": "L40S"},
+        "routing": {"mode": "inferencePool"}}})
+    (port,) = [p["name"] for p in epp_container(spec, pool_kit(spec))["ports"]
+               if p["containerPort"] == METRICS_PORT]
+    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["http", port]
+    assert "epp" in monitor["spec"]["selector"]["matchExpressions"][0]["values"]
     names = {c["metadata"]["name"] for c in by_kind(objs, "ConfigMap")}
     assert {"kvserve-adapter-rules", "kvserve-dashboard"} <= names
     assert {d["metadata"]["name"] for d in by_kind(objs, "Deployment")} == {
@@ -146,7 +158,8 @@ def test_shared_redis_password_and_network_policies(helm: Path) -> None:
     assert peer["namespaceSelector"]["matchExpressions"][0]["values"] == ["ml-prod"]
     assert peer["podSelector"]["matchLabels"] == {
         "app.kubernetes.io/managed-by": "kvserve-operator"}
-    assert peer["podSelector"]["matchExpressions"][0]["values"] == ["engine", "router"]
+    # epp: the endpoint picker of spec.routing.mode inferencePool reads the prefix index too.
+    assert peer["podSelector"]["matchExpressions"][0]["values"] == ["engine", "router", "epp"]
     # Watching the whole cluster: engine and router pods of any namespace.
     objs = render(helm, "--set", "redis.enabled=true")
     redis_policy = next(p for p in by_kind(objs, "NetworkPolicy")

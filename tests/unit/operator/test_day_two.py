@@ -77,6 +77,8 @@ def test_the_vendored_schemas_catch_mistakes(kind: str, breakage: object) -> Non
 
 def test_every_vendored_schema_is_used() -> None:
     kinds = {o["kind"] for o in by_key(everything_on()).values()}
+    # InferencePool: spec.routing.mode inferencePool (tests/unit/operator/test_inference_pool.py)
+    kinds |= {o["kind"] for o in by_key(cr(routing={"mode": "inferencePool"})).values()}
     assert set(FILES) <= kinds
 
 
