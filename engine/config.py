@@ -76,8 +76,16 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # vLLM's kv_events_config (JSON text, a dict or a KVEventsConfig): publish prefix-cache
+    # changes in vLLM's wire format over ZMQ for external schedulers (engine/kv_events_zmq.py).
+    kv_events_config: Any = None
 
     def __post_init__(self) -> None:
+        if self.kv_events_config is not None:
+            from kvserve.engine.kv_events_zmq import parse_kv_events_config
+
+            object.__setattr__(self, "kv_events_config",
+                               parse_kv_events_config(self.kv_events_config))
         if isinstance(self.hf_overrides, str):
             object.__setattr__(self, "hf_overrides", parse_hf_overrides(self.hf_overrides))
         if self.hf_overrides is not None and not (isinstance(self.hf_overrides, dict)

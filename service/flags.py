@@ -239,6 +239,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="structured outputs: xgrammar, guidance (llguidance), or auto (xgrammar, "
                         "guidance for what xgrammar refuses); --guided-decoding-backend is the "
                         "older spelling")
+    g.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help='vLLM\'s KV events over ZMQ for external schedulers (llm-d, GIE EPPs), '
+                   'e.g. \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
+                   '"replay_endpoint": "tcp://*:5558"}\'')
     g.add_argument("--trust-remote-code", action="store_true",
                    help="allow model code from the hub (off: only built-in architectures)")
     lora = parser.add_argument_group("LoRA adapters")

@@ -64,6 +64,12 @@ def create_app(llm_engine: Any, config: ServerConfig, publisher: Any = None) -> 
     observers: list[Any] = [metrics]
     if publisher is not None:
         observers.append(PublisherObserver(publisher))
+    from kvserve.engine.kv_events_zmq import make_kv_events_observer
+
+    kv_events = make_kv_events_observer(llm_engine.config if not isinstance(
+        llm_engine, CoreClient) else llm_engine.info.config)
+    if kv_events is not None:  # vLLM-format KV events over ZMQ (--kv-events-config)
+        observers.append(kv_events)
     tick = 1.0 if publisher is not None else None
     if isinstance(llm_engine, CoreClient):
         from kvserve.engine.engine_core.async_client import AsyncMPEngine
@@ -113,6 +119,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics,
             aborted = await engine.shutdown(config.shutdown_grace_period)
             if aborted:
                 logger.warning("aborted %d request(s) at shutdown", aborted)
+            for obs in engine.observers:  # the KV events publisher's sockets and thread
+                getattr(obs, "close", lambda: None)()
             ctx.tokenizers.shutdown()
 
     app = FastAPI(title="kvserve", version=kvserve.__version__, lifespan=lifespan,
