@@ -43,6 +43,11 @@ OWNED = {
     "networking.k8s.io/v1/networkpolicies": "NetworkPolicy",
     "v1/secrets": "Secret",
     "batch/v1/jobs": "Job",
+    # spec.routing.mode inferencePool
+    "inference.networking.k8s.io/v1/inferencepools": "InferencePool",
+    "v1/serviceaccounts": "ServiceAccount",
+    "rbac.authorization.k8s.io/v1/roles": "Role",
+    "rbac.authorization.k8s.io/v1/rolebindings": "RoleBinding",
 }
 SECRETS = "v1/secrets"
 
@@ -297,6 +302,51 @@ async def test_scale_and_router_off_are_applied(kmock: Any) -> None:
         "app.kubernetes.io/component"] == "engine"
     assert any(w.startswith("DELETE") and w.endswith("/deployments/knobs-router")
                for w in writes(kmock))
+
+
+POOLS = "inference.networking.k8s.io/v1/inferencepools"
+
+
+async def test_inference_pool_mode_creates_the_gie_objects_and_router_mode_removes_them(
+        kmock: Any) -> None:
+    gateway = {"parentRefs": [{"name": "inference-gateway"}]}
+    async with running_operator(kmock):
+        await create(kmock, service_cr("gie", routing={"mode": "inferencePool",
+                                                       "failureMode": "FailOpen"},
+                                       gateway=gateway))
+        pool = await wait_for(lambda: stored(kmock, POOLS, "gie"), "the InferencePool")
+        route = await wait_for(lambda: stored(kmock, "gateway.networking.k8s.io/v1/httproutes",
+                                              "gie"), "the HTTPRoute")
+        epp = await wait_for(lambda: stored(kmock, DEPLOYMENTS, "gie-epp"), "the EPP")
+        assert stored(kmock, DEPLOYMENTS, "gie-router") is None
+        for resource in ("v1/serviceaccounts", "rbac.authorization.k8s.io/v1/roles",
+                         "rbac.authorization.k8s.io/v1/rolebindings", "v1/services"):
+            assert stored(kmock, resource, "gie-epp") is not None, resource
+        await patch_cr(kmock, "gie", {"spec": {"routing": {"mode": "router"}}})
+        gone = [(POOLS, "gie"), (DEPLOYMENTS, "gie-epp"), ("v1/serviceaccounts", "gie-epp"),
+                ("rbac.authorization.k8s.io/v1/roles", "gie-epp"),
+                ("rbac.authorization.k8s.io/v1/rolebindings", "gie-epp")]
+        await wait_for(lambda: all(stored(kmock, *key) is None for key in gone),
+                       "the pool, the EPP and its RBAC pruned")
+        await wait_for(lambda: stored(kmock, DEPLOYMENTS, "gie-router"), "the router back")
+    (owner,) = pool["metadata"]["ownerReferences"]
+    assert (owner["uid"], owner["controller"]) == ("uid-gie", False)
+    assert pool["spec"]["endpointPickerRef"]["failureMode"] == "FailOpen"
+    assert pool["spec"]["selector"]["matchLabels"] == stored(
+        kmock, DEPLOYMENTS, "gie-engine")["spec"]["selector"]["matchLabels"]
+    assert route["spec"]["rules"][0]["backendRefs"][0]["kind"] == "InferencePool"
+    assert epp["spec"]["template"]["spec"]["containers"][0]["args"][:2] == ["epp", "--grpc-port"]
+    backends = stored(kmock, "gateway.networking.k8s.io/v1/httproutes", "gie")["spec"]["rules"]
+    assert backends[0]["backendRefs"] == [{"name": "gie", "port": 8000}]
+
+
+async def test_an_unknown_routing_mode_is_refused_without_workload(kmock: Any) -> None:
+    async with running_operator(kmock):
+        await create(kmock, service_cr("odd-route", routing={"mode": "gateway"}))
+        cond = await wait_for(lambda: ready_condition(kmock, "odd-route"), "the Ready condition")
+    assert (cond["status"], cond["reason"]) == ("False", "InvalidSpec")
+    assert cond["message"].startswith("spec.routing.mode: 'gateway' is not one of")
+    assert writes(kmock) == []
 
 
 async def test_timer_repairs_a_deleted_child(kmock: Any) -> None:
