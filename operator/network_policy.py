@@ -52,6 +52,8 @@ def policies(spec: ServiceSpec, metadata: Callable[[str, str], Obj],
                                      *prometheus])]
     else:
         engine_rules = _entry_rules(spec, port)
+        if spec.routing.inference_pool and "from" in engine_rules[0]:  # the EPP reads replicas
+            engine_rules[0]["from"].append({"podSelector": {"matchLabels": selector("epp")}})
     out.append(_policy(metadata(names["engine"], "engine"), selector("engine"), engine_rules))
     if spec.routing.inference_pool:  # the gateway asks the endpoint picker, Prometheus scrapes it
         out.append(_policy(metadata(names["epp"], "epp"), selector("epp"),

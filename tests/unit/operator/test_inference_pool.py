@@ -222,6 +222,15 @@ def test_network_policies_let_the_gateway_reach_the_epp_and_the_epp_reach_redis(
     components = {p["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
                   for p in redis_peers}
     assert components == {"engine", "epp"}
+    # Clients narrowed to the gateway's pods: the EPP still reaches the replicas (their metrics).
+    gateway_pods = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gw"}}}
+    narrowed = by_key(pool_cr(networkPolicy={"clients": [gateway_pods]}))
+    engine_from = narrowed["NetworkPolicy/chat-engine"]["spec"]["ingress"][0]["from"]
+    assert gateway_pods in engine_from
+    assert {"podSelector": {"matchLabels": narrowed["Deployment/chat-epp"]["spec"]["selector"][
+        "matchLabels"]}} in engine_from
+    epp_from = narrowed["NetworkPolicy/chat-epp"]["spec"]["ingress"][0]["from"]
+    assert gateway_pods in epp_from
 
 
 @pytest.mark.parametrize("routing, field", [({"mode": "gateway"}, "spec.routing.mode"),
