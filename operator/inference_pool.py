@@ -47,8 +47,11 @@ def epp_args(spec: ServiceSpec, redis_url: str | None) -> list[str]:
     args = ["epp", "--grpc-port", str(GRPC_PORT), "--grpc-health-port", str(HEALTH_PORT),
             "--metrics-port", str(METRICS_PORT), "--pool-name", pool_name(spec),
             "--pool-namespace", spec.namespace]
-    # The password stays in the env (KVSERVE_REDIS_PASSWORD from the Secret), as for the router.
-    return args + ["--redis-url", redis_url] if redis_url else args
+    if not redis_url:
+        return args
+    # As the router: the password stays in the env (KVSERVE_REDIS_PASSWORD from the Secret), and
+    # the index's key space is the service's name, which the replicas publish under.
+    return args + ["--redis-url", redis_url, "--service-name", spec.name]
 
 
 def grpc_probe(service: str, period: int, failures: int) -> Obj:

@@ -116,14 +116,17 @@ def test_failure_mode_passes_through(mode: str | None, expected: str) -> None:
     assert pool["spec"]["endpointPickerRef"]["failureMode"] == expected
 
 
-def test_the_epp_runs_exactly_the_pool_flags_and_the_routers_redis() -> None:
+def test_the_epp_runs_the_pool_flags_and_the_routers_redis() -> None:
     objs = by_key(pool_cr(redis={"url": "redis://shared:6379/2",
                                  "passwordSecretRef": {"name": "redis-auth", "key": "pw"}}))
     container = objs["Deployment/chat-epp"]["spec"]["template"]["spec"]["containers"][0]
     assert container["command"] == ["kvserve"]
     assert container["args"] == [
         "epp", "--grpc-port", "9002", "--grpc-health-port", "9003", "--metrics-port", "9090",
-        "--pool-name", "chat", "--pool-namespace", NS, "--redis-url", "redis://shared:6379/2"]
+        "--pool-name", "chat", "--pool-namespace", NS, "--redis-url", "redis://shared:6379/2",
+        "--service-name", "chat"]
+    engine = objs["Deployment/chat-engine"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert engine[engine.index("--service-name") + 1] == "chat"  # the key space they publish in
     password = next(e for e in container["env"] if e["name"] == REDIS_PASSWORD_ENV)
     assert password["valueFrom"]["secretKeyRef"] == {"name": "redis-auth", "key": "pw"}
     # The router mode's router gets the same URL and the same Secret.
@@ -136,10 +139,12 @@ def test_the_epp_runs_exactly_the_pool_flags_and_the_routers_redis() -> None:
 
 def test_the_epp_uses_the_services_own_redis_or_none() -> None:
     own = by_key(pool_cr())["Deployment/chat-epp"]["spec"]["template"]["spec"]["containers"][0]
-    assert own["args"][-2:] == ["--redis-url", "redis://chat-redis:6379/0"]
+    assert own["args"][-4:] == ["--redis-url", "redis://chat-redis:6379/0", "--service-name",
+                                "chat"]
     none = by_key(pool_cr(redis={"deploy": False}))
     args = none["Deployment/chat-epp"]["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert "--redis-url" not in args and args[-2:] == ["--pool-namespace", NS]
+    assert "--redis-url" not in args and "--service-name" not in args
+    assert args[-2:] == ["--pool-namespace", NS]
     assert "Deployment/chat-redis" not in none
 
 
