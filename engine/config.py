@@ -94,7 +94,7 @@ class EngineConfig:
                               f"callable taking and returning the config, got "
                               f"{type(self.hf_overrides).__name__}")
         # Whether N splits the model (heads, KV heads, MLP) is checked where the model's config
-        # is known, before any worker starts (engine/worker/platform.py).
+        # is known, before any worker starts (engine/worker/kv_sizing.py).
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ConfigError(
                 f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")

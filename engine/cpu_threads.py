@@ -12,7 +12,8 @@ third of the throughput on an idle machine, so kvserve asks for it unless the us
 yet, and in the environment its spawned children (the engine core, tensor-parallel ranks) start
 with. Intel's OpenMP runtime (KMP_BLOCKTIME) is not touched.
 
-And how many threads: the container's CPU quota, not the node's CPUs (size_torch_threads, below).
+And how many threads: the container's CPU quota, not the node's CPUs (rank_threads, below;
+worker/startup.py's size_torch_threads applies it). Torch-free: `import kvserve` loads it.
 """
 
 from __future__ import annotations
@@ -147,16 +148,3 @@ def rank_threads(ranks: int = 1, usable: tuple[int, str] | None = None) -> tuple
         return int(env), "OMP_NUM_THREADS"
     cpus, why = usable if usable is not None else usable_cpus()
     return max(1, cpus // ranks), why + (f", split over {ranks} ranks" if ranks > 1 else "")
-
-
-def size_torch_threads(ranks: int = 1, usable: tuple[int, str] | None = None) -> int:
-    """Set this process's torch intra-op threads to its share (rank_threads) where torch would
-    run more; returns the count in effect."""
-    import torch
-
-    want, why = rank_threads(ranks, usable)
-    have = torch.get_num_threads()
-    if want < have or (ranks > 1 and want != have):
-        torch.set_num_threads(want)
-        logger.info("torch CPU threads: %d (was %d; %s)", want, have, why)
-    return torch.get_num_threads()

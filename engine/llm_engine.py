@@ -35,10 +35,10 @@ from kvserve.engine.sample.sampling_params import SamplingParams
 from kvserve.engine.sample.tokenizer import load_tokenizer, prompt_token_ids
 from kvserve.engine.stats import EngineStats, TierFigures
 from kvserve.engine.structured_output.grammar import GrammarCompiler, GrammarState
-from kvserve.engine.sizing.weights_size import weights_log_line
+from kvserve.engine.worker.checkpoint_size import weights_log_line
 from kvserve.engine.worker.model_loader import load_model, resolve_model
 from kvserve.engine.worker.model_runner import ModelRunner
-from kvserve.engine.worker.platform import EngineSetup, set_up
+from kvserve.engine.worker.startup import EngineSetup, set_up
 from kvserve.kernels.fp8 import FP8_DTYPE
 
 logger = logging.getLogger("kvserve.engine")

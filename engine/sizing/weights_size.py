@@ -22,6 +22,7 @@ from kvserve.engine.errors import ModelNotFoundError
 INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on the JSON header
 # Floating dtypes the engine casts to its compute dtype when it loads them.
+GGUF_NOT_SIZED = "GGUFNotSized"  # the reason local_checkpoint gives a GGUF-only folder
 CAST_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})  # GGUF's dense types are named the same
 
 
@@ -137,6 +138,11 @@ def shard_names(files: Iterable[str], index: dict[str, Any] | None) -> list[str]
     return sorted(f for f in files if f.endswith(".safetensors") and "/" not in f)
 
 
+def read_config(folder: Path) -> dict[str, Any]:
+    """A model folder's config.json."""
+    return _read_json(folder / "config.json")
+
+
 def tied(config: dict[str, Any]) -> bool:
     text = config.get("text_config") or {}
     return bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
@@ -152,7 +158,10 @@ def local_checkpoint(folder: Path | str) -> Checkpoint:
     index = _read_json(folder / INDEX_FILE) if (folder / INDEX_FILE).is_file() else None
     shards = shard_names((p.name for p in folder.iterdir()), index)
     if not shards and any(folder.glob("*.gguf")):
-        return gguf_checkpoint(folder, config)
+        # A GGUF tensor table is read with the loader's torch reader: worker/checkpoint_size.py
+        raise CheckpointReadError(f"{folder} holds a GGUF file and no *.safetensors: GGUF "
+                                  "checkpoints are sized by the engine (kvserve serve logs "
+                                  "their bytes), not from safetensors headers", GGUF_NOT_SIZED)
     if not shards:
         raise CheckpointReadError(f"{folder} holds no *.safetensors weights (.bin/.pt "
                                   "checkpoints cannot be sized from headers)")
@@ -160,42 +169,6 @@ def local_checkpoint(folder: Path | str) -> Checkpoint:
     return Checkpoint(config, summarize(headers, str(folder), len(shards), tied(config)))
 
 
-def gguf_checkpoint(folder: Path, config: dict[str, Any] | None = None) -> Checkpoint:
-    """A model folder's GGUF file sized from its tensor table: each tensor at its stored bytes
-    (ggml blocks: codes with their fp16 scales), dtype named by its ggml type (Q4_1, F32...)."""
-    from kvserve.engine.worker.gguf_loader import GGUFFile, find_gguf
-
-    path = find_gguf(folder)
-    if path is None:
-        raise CheckpointReadError(f"{folder} holds no .gguf file")
-    config = config if config is not None else _read_json(folder / "config.json")
-    try:
-        file = GGUFFile(path)
-    except (ValueError, OSError) as exc:
-        raise CheckpointReadError(f"{path}: not a readable GGUF file ({exc})") from exc
-    by_type = file.weight_bytes()
-    params = {k: p for k, (p, _) in by_type.items()}
-    size = {k: b for k, (_, b) in by_type.items()}
-    return Checkpoint(config, CheckpointWeights(params, size, len(file.reader.tensors), 1,
-                                                str(path)))
-
-
 def checkpoint_weight_bytes(path: Path | str) -> int:
     """Stored bytes of every tensor of a local checkpoint folder (quantised layouts included)."""
     return local_checkpoint(path).weights.total_bytes
-
-
-def weights_log_line(resident_bytes: int, model_path: Path | str, compute_dtype_bytes: int,
-                     quantization: str | None = None) -> str:
-    """The engine's startup line: the weight bytes it holds, and the checkpoint headers' figure
-    (what `kvserve plan` and the operator size with) when the folder is local and readable
-    (its GGUF file's tensor table with quantization="gguf")."""
-    line = f"model weights: {resident_bytes} bytes resident ({resident_bytes / (1 << 30):.3f} GiB)"
-    if not Path(model_path).is_dir():
-        return line
-    try:
-        read = gguf_checkpoint if quantization == "gguf" else local_checkpoint
-        headers = read(Path(model_path)).weights.resident_bytes(compute_dtype_bytes)
-    except CheckpointReadError as exc:
-        return f"{line}; checkpoint headers unreadable: {exc}"
-    return f"{line}; checkpoint headers say {headers} bytes"

@@ -1,2 +1,2 @@
-"""Execution: the model runner, tensor-parallel workers, the platform (memory budget, device),
+"""Execution: the model runner, tensor-parallel workers, start-up (device, dtypes) and KV sizing,
 model loading."""

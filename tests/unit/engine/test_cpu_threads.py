@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from kvserve.engine.cpu_threads import (OPT_OUT_ENV, SPIN_DEFAULT, SPIN_ENV, cpu_quota,
-                                        rank_threads, size_torch_threads,
-                                        spin_default_for_children, usable_cpus)
+                                        rank_threads, spin_default_for_children, usable_cpus)
+from kvserve.engine.worker.startup import size_torch_threads
 
 PRINT = "import os, sys; print(os.environ.get('GOMP_SPINCOUNT'))"
 

@@ -113,7 +113,7 @@ def test_engine_seed_sets_the_global_generators_as_vllm():
 
     import numpy as np
 
-    from kvserve.engine.worker.platform import set_random_seed
+    from kvserve.engine.worker.startup import set_random_seed
 
     draws = []
     for _ in range(2):

@@ -273,7 +273,7 @@ def test_randomized_groups_keep_the_pool_consistent_and_the_contents_right():
 
 def test_the_budget_counts_pages_of_page_layers():
     from kvserve.engine.sizing.memory import plan_memory
-    from kvserve.engine.worker.platform import page_budget
+    from kvserve.engine.worker.kv_sizing import page_budget
 
     groups = KVCacheGroups.from_windows(GEMMA3 * 2)  # 12 layers in pages of 2
     whole = plan_memory(total_bytes=10 << 20, gpu_memory_utilization=1.0, weight_bytes=0,

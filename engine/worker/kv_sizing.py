@@ -1,13 +1,13 @@
-"""Engine start-up: pick device and dtypes, load the model, and size the KV cache with the
-memory budget (CUDA: profiled; CPU: an explicit or safe byte budget). With tensor_parallel_size
-N > 1 it first checks that N splits the model, starts the N - 1 workers, and sizes one rank."""
+"""KV-cache sizing at start-up: the whole server's memory plan on this host (checked before
+anything is allocated), one rank's device budget (CUDA: profiled; CPU: an explicit or safe byte
+budget), the budget in pages of the model's KV-cache groups, and the swap and host-tier pools.
+The arithmetic itself is engine/sizing/ (torch-free, shared with the operator)."""
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,62 +15,19 @@ import torch
 
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.core.kv_cache_groups import KVCacheGroups
-from kvserve.engine.cpu_threads import size_torch_threads, warn_if_long_spin
-from kvserve.engine.distributed import TPGroup, check_tensor_parallel
 from kvserve.engine.errors import ConfigError, OutOfKVCacheError
-from kvserve.engine.worker.malloc_tuning import keep_activation_memory
-from kvserve.engine.sizing.memory import GiB, MemoryBudget, activation_peak_bytes, blocks_for_bytes, \
-    bytes_per_block, default_max_num_batched_tokens, kv_heads_per_rank, plan_memory, \
-    rank_weight_bytes
-from kvserve.engine.sizing.host_memory import HostPlan, available_memory, \
-    default_cpu_kv_bytes, plan_host, split
+from kvserve.engine.sizing.host_memory import (HostPlan, available_memory, default_cpu_kv_bytes,
+                                               plan_host, split)
+from kvserve.engine.sizing.memory import (GiB, MemoryBudget, activation_peak_bytes,
+                                          blocks_for_bytes, bytes_per_block,
+                                          default_max_num_batched_tokens, kv_heads_per_rank,
+                                          plan_memory, rank_weight_bytes)
 from kvserve.engine.sizing.model_shape import layer_groups
-from kvserve.engine.worker.workers import CacheSpec, WorkerGroup
 from kvserve.kernels.fp8 import FP8_DTYPE
 
 logger = logging.getLogger("kvserve.engine")
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass
-class EngineSetup:
-    device: torch.device
-    dtype: torch.dtype
-    kv_dtype: torch.dtype
-    model: torch.nn.Module
-    hf_config: Any
-    max_model_len: int
-    max_num_batched_tokens: int
-    budget: MemoryBudget
-    num_cpu_blocks: int
-    num_host_blocks: int  # the KV host tier (kv_offloading_size), per rank
-    num_layers: int
-    kv_groups: KVCacheGroups  # which layers share a block table; a block is a page of them
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    eos_token_ids: list[int]
-    workers: WorkerGroup | None = None  # ranks 1..N-1 (tensor parallel)
-    host_plan: HostPlan | None = None  # the whole server's memory on this host
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device='cuda' was asked for but no CUDA device is visible; use "
-                          "device='cpu' (or 'auto')")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto': bfloat16 on CUDA, and on CPUs with native bf16 (AMX/AVX512-BF16); else float32."""
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cuda":
-        return torch.bfloat16
-    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -78,101 +35,13 @@ def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
         return model_dtype
     if name in ("fp8", "fp8_e4m3"):
         return FP8_DTYPE
-    return _DTYPES[name]
+    return DTYPES[name]
 
 
-def _model_shape(cfg: Any) -> tuple[int, int, int]:
+def model_shape(cfg: Any) -> tuple[int, int, int]:
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     return cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or heads, head_dim
-
-
-def _eos_ids(cfg: Any, model_path: Path | str) -> list[int]:
-    ids: list[int] = []
-    try:
-        from transformers import GenerationConfig
-
-        gen = GenerationConfig.from_pretrained(str(model_path))
-        ids += [gen.eos_token_id] if isinstance(gen.eos_token_id, int) else (gen.eos_token_id or [])
-    except Exception:  # noqa: BLE001 - no generation_config.json: fall back to the model config
-        pass
-    eos = getattr(cfg, "eos_token_id", None)
-    ids += [eos] if isinstance(eos, int) else (eos or [])
-    return list(dict.fromkeys(ids))
-
-
-def set_random_seed(seed: int | None) -> None:
-    """vLLM's engine seed: Python's, numpy's and torch's global generators (what unseeded
-    sampling draws from), set once at start so that a script's run repeats itself."""
-    if seed is None:
-        return
-    import random
-
-    import numpy as np
-
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def set_up(config: EngineConfig, model_path: Path | str,
-           load_model: Callable[..., tuple[torch.nn.Module, Any]]) -> EngineSetup:
-    set_random_seed(config.seed)
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        keep_activation_memory()
-        # the container's CPU quota, not the node's CPUs, split over the ranks (cpu_threads.py)
-        size_torch_threads(config.tensor_parallel_size)
-        warn_if_long_spin()
-    host = host_plan(config, model_path, device, dtype)  # refused here: nothing allocated yet
-    workers, tp = None, None
-    if config.tensor_parallel_size > 1:
-        workers, tp = _start_workers(config, model_path, dtype, device)
-    try:
-        setup = _set_up_rank0(config, model_path, load_model, device, dtype, tp, host)
-        if workers is not None:
-            workers.wait_for("ready")
-            workers.init_cache(CacheSpec(
-                setup.num_layers, setup.num_kv_heads, setup.head_dim, setup.budget.num_blocks,
-                config.block_size, setup.kv_dtype, setup.num_cpu_blocks,
-                config.attention_backend, setup.num_host_blocks, setup.kv_groups))
-    except BaseException:
-        if workers is not None:
-            workers.close()
-        raise
-    setup.workers, setup.host_plan = workers, host
-    return setup
-
-
-def _start_workers(config: EngineConfig, model_path: Path | str, dtype: torch.dtype,
-                   device: torch.device) -> tuple[WorkerGroup, TPGroup]:
-    """Refuse an N that cannot split this model (before any process starts), then start them."""
-    from kvserve.engine.worker.model_loader import load_config
-
-    n = config.tensor_parallel_size
-    cfg = load_config(model_path, config.revision, config.trust_remote_code, config.hf_overrides)
-    layers, kv_heads, _ = _model_shape(cfg)
-    check_tensor_parallel(n, cfg.num_attention_heads, kv_heads,
-                          getattr(cfg, "intermediate_size", 4 * cfg.hidden_size))
-    for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
-        width = getattr(cfg, key, None)  # each rank holds 1/N of every expert's width
-        if width and width % n:
-            raise ConfigError(f"tensor_parallel_size={n} does not divide {key}={width}; pick an "
-                              "N that divides every expert width")
-    if device.type == "cuda" and torch.cuda.device_count() < n:
-        raise ConfigError(f"tensor_parallel_size={n} needs {n} GPUs, this machine shows "
-                          f"{torch.cuda.device_count()}")
-    group, tp = WorkerGroup.start(str(model_path), config.revision, dtype, device.type, n,
-                                  max_model_len=config.max_model_len,
-                                  quantization=config.quantization,
-                                  hf_overrides=config.hf_overrides,
-                                  lora=config.lora_config())
-    logger.info("tensor parallel: %d ranks (%s), %d torch thread(s) per rank", n,
-                "nccl" if device.type == "cuda" else "gloo", group.spec.threads)
-    return group, tp
 
 
 def host_plan(config: EngineConfig, model_path: Path | str, device: torch.device,
@@ -193,7 +62,7 @@ def host_plan(config: EngineConfig, model_path: Path | str, device: torch.device
     if on_cpu:
         kv = split(_cpu_kv_budget(config, available.bytes), n)
         if config.num_gpu_blocks_override:
-            layers, kv_heads, head_dim = _model_shape(cfg)
+            layers, kv_heads, head_dim = model_shape(cfg)
             kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype)
             kv = config.num_gpu_blocks_override * bytes_per_block(
                 layers, kv_heads_per_rank(kv_heads, n), head_dim,
@@ -214,11 +83,12 @@ def host_plan(config: EngineConfig, model_path: Path | str, device: torch.device
 def _checkpoint_weight_bytes(model_path: Path | str, cfg: Any, dtype: torch.dtype) -> int:
     """The whole model's resident weight bytes before loading it: the checkpoint's safetensors
     headers, else our model built on the meta device."""
-    from kvserve.engine.sizing.weights_size import CheckpointReadError, local_checkpoint
+    from kvserve.engine.sizing.weights_size import CheckpointReadError
+    from kvserve.engine.worker.checkpoint_size import engine_checkpoint
 
     if Path(model_path).is_dir():
         try:
-            return local_checkpoint(model_path).weights.resident_bytes(
+            return engine_checkpoint(model_path).weights.resident_bytes(
                 torch.finfo(dtype).bits // 8)
         except CheckpointReadError:
             pass
@@ -230,7 +100,7 @@ def _checkpoint_weight_bytes(model_path: Path | str, cfg: Any, dtype: torch.dtyp
 
 def _activation_bytes(config: EngineConfig, cfg: Any, dtype: torch.dtype) -> int:
     """One rank's activation peak, from the config alone (as _plan charges it)."""
-    _, _, head_dim = _model_shape(cfg)
+    _, _, head_dim = model_shape(cfg)
     model_max = getattr(cfg, "max_position_embeddings", None) or 2048
     batched = config.max_num_batched_tokens or default_max_num_batched_tokens(
         config.max_model_len or model_max, config.enable_chunked_prefill)
@@ -240,41 +110,15 @@ def _activation_bytes(config: EngineConfig, cfg: Any, dtype: torch.dtype) -> int
         torch.finfo(dtype).bits // 8, tensor_parallel_size=config.tensor_parallel_size)
 
 
-def _set_up_rank0(config: EngineConfig, model_path: Path | str,
-                  load_model: Callable[..., tuple[torch.nn.Module, Any]], device: torch.device,
-                  dtype: torch.dtype, tp: TPGroup | None,
-                  host: HostPlan | None = None) -> EngineSetup:
-    kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype)
-    extra: dict[str, Any] = {"tp": tp} if tp is not None else {}
-    if config.max_model_len is not None:
-        extra["max_model_len"] = config.max_model_len
-    if config.quantization is not None:
-        extra["quantization"] = config.quantization
-    if config.hf_overrides is not None:
-        extra["hf_overrides"] = config.hf_overrides
-    model, cfg = load_model(model_path, dtype, device, revision=config.revision, **extra)
-    if config.enable_lora:  # before the budget: the adapter slots' buffers are weights too
-        from kvserve.lora.model import attach_lora
-
-        attach_lora(model, config.lora_config())
-    layers, kv_heads, head_dim = _model_shape(cfg)
-    kv_heads = kv_heads_per_rank(kv_heads, config.tensor_parallel_size)
-    model_max = getattr(cfg, "max_position_embeddings", None) or 2048
-    max_len = config.max_model_len or model_max
-    if max_len > model_max:
-        raise ConfigError(f"max_model_len {max_len} exceeds the model's context of {model_max} "
-                          "tokens; lower max_model_len")
-    batched = config.max_num_batched_tokens or default_max_num_batched_tokens(
-        max_len, config.enable_chunked_prefill)
-    groups = kv_cache_groups(model, layers, config.disable_hybrid_kv_cache_manager)
-    budget = _plan(config, cfg, model, device, dtype, kv_dtype, batched, max_len,
-                   (layers, kv_heads, head_dim), host)
-    budget = page_budget(budget, groups, layers, config.num_gpu_blocks_override,
-                         (max_len, 1))  # decoding: sliding layers hold their window only
-    cpu_blocks, host_blocks = _host_pools(config, budget, host)
-    return EngineSetup(device, dtype, kv_dtype, model, cfg, max_len, batched, budget, cpu_blocks,
-                       host_blocks, layers, groups, kv_heads, head_dim, cfg.vocab_size,
-                       _eos_ids(cfg, model_path))
+def _cpu_kv_budget(config: EngineConfig, available: int) -> int:
+    """The whole server's CPU KV cache: kv_cache_memory, $KVSERVE_KV_CACHE_MEMORY, or a safe
+    share of the memory available (host_memory.default_cpu_kv_bytes)."""
+    if config.kv_cache_memory is not None:
+        return int(config.kv_cache_memory)
+    env = os.environ.get("KVSERVE_KV_CACHE_MEMORY")
+    if env:
+        return int(float(env))
+    return default_cpu_kv_bytes(available)
 
 
 def kv_cache_groups(model: torch.nn.Module, num_layers: int,
@@ -307,7 +151,7 @@ def page_budget(budget: MemoryBudget, groups: KVCacheGroups, num_layers: int,
     return budget
 
 
-def _host_pools(config: EngineConfig, budget: MemoryBudget,
+def host_pools(config: EngineConfig, budget: MemoryBudget,
                 host: HostPlan | None = None) -> tuple[int, int]:
     """Blocks of the swap pool (swap_space, all ranks together, never more than the device
     holds: a swapped sequence came from there) and of the host tier (kv_offloading_size, all
@@ -326,17 +170,20 @@ def _host_pools(config: EngineConfig, budget: MemoryBudget,
     return cpu_blocks, host_blocks
 
 
-def _plan(config: EngineConfig, cfg: Any, model: torch.nn.Module, device: torch.device,
-          dtype: torch.dtype, kv_dtype: torch.dtype, batched: int, max_len: int,
-          shape: tuple[int, int, int], host: HostPlan | None = None) -> MemoryBudget:
+def device_budget(config: EngineConfig, cfg: Any, model: torch.nn.Module,
+                  device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, batched: int,
+                  max_len: int, shape: tuple[int, int, int],
+                  host: HostPlan | None = None) -> MemoryBudget:
+    """One rank's memory budget: CUDA's free memory x utilisation, a CPU dry run's
+    KVSERVE_DEVICE_MEMORY, or on a CPU the host plan's KV bytes (num_gpu_blocks_override wins)."""
     layers, kv_heads, head_dim = shape  # kv_heads: this rank's
     tp = config.tensor_parallel_size
     kv_bytes_el = torch.finfo(kv_dtype).bits // 8
     weights = _weight_bytes(model, cfg, dtype, tp)
-    act = activation_peak_bytes(cfg.hidden_size, getattr(cfg, "intermediate_size", 4 * cfg.hidden_size),
-                                cfg.vocab_size, cfg.num_attention_heads, head_dim, batched,
-                                config.max_num_seqs, torch.finfo(dtype).bits // 8,
-                                tensor_parallel_size=tp)
+    width = getattr(cfg, "intermediate_size", 4 * cfg.hidden_size)
+    act = activation_peak_bytes(cfg.hidden_size, width, cfg.vocab_size, cfg.num_attention_heads,
+                                head_dim, batched, config.max_num_seqs,
+                                torch.finfo(dtype).bits // 8, tensor_parallel_size=tp)
     device_memory = os.environ.get("KVSERVE_DEVICE_MEMORY")
     if device.type == "cuda":
         _, total = torch.cuda.mem_get_info(device)
@@ -403,18 +250,3 @@ def _tensor_bytes(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
     except (RuntimeError, NotImplementedError):
         return t.untyped_storage().nbytes()
-
-
-def _cpu_kv_budget(config: EngineConfig, available: int) -> int:
-    """The whole server's CPU KV cache: kv_cache_memory, $KVSERVE_KV_CACHE_MEMORY, or a safe
-    share of the memory available (host_memory.default_cpu_kv_bytes)."""
-    if config.kv_cache_memory is not None:
-        return int(config.kv_cache_memory)
-    env = os.environ.get("KVSERVE_KV_CACHE_MEMORY")
-    if env:
-        return int(float(env))
-    return default_cpu_kv_bytes(available)
-
-
-__all__ = ["EngineSetup", "set_up", "resolve_device", "resolve_dtype", "resolve_kv_dtype",
-           "bytes_per_block"]
