@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from kvserve.engine.arg_utils import split_vllm_kwargs
 from kvserve.engine.config import DEFAULT_MODEL, EngineConfig, structured_outputs_backend
 from kvserve.engine.engine_core import MULTIPROCESSING_ENV, env_engine_core  # noqa: F401
-from kvserve.engine.errors import InvalidRequestError, RequestFailedError
+from kvserve.engine.errors import ConfigError, InvalidRequestError, RequestFailedError
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.metrics_reader import Metric, metrics_of
 from kvserve.engine.outputs import RequestOutput
@@ -42,12 +42,21 @@ class LLM:
             swap_space=swap_space, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
             block_size=block_size, enable_prefix_caching=enable_prefix_caching,
             kv_cache_dtype=kv_cache_dtype, **kwargs)
+        if config.kv_events_config is not None and config.kv_events_config.publishes and \
+                env_engine_core(default="thread") == "process":
+            raise ConfigError("LLM(kv_events_config=...) publishes from an engine in this "
+                              f"process; unset {MULTIPROCESSING_ENV} (the server publishes "
+                              "either way)")
         self.llm_engine = make_engine(config)
         self._counter = itertools.count()
+        self._kv_events = _kv_events_publisher(config)  # after the engine: it may fail to load
 
     def shutdown(self) -> None:
         """Stop the engine's tensor-parallel worker processes, and with a KV disk tier write the
         cached blocks there and release its directory (a no-op otherwise)."""
+        if self._kv_events is not None:
+            self._publish_kv_events()
+            self._kv_events.close()
         self.llm_engine.shutdown()
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -69,7 +78,14 @@ class LLM:
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget every cached prefix block (device, host and disk tiers); False while running
         requests still hold blocks (as vLLM)."""
-        return self.llm_engine.reset_prefix_cache(reset_running_requests)
+        done = self.llm_engine.reset_prefix_cache(reset_running_requests)
+        self._publish_kv_events()
+        return done
+
+    def _publish_kv_events(self) -> None:
+        """The KV events since the last call to the ZMQ publisher (kv_events_config)."""
+        if self._kv_events is not None:
+            self._kv_events.publish(self.llm_engine.drain_kv_events(("device", "host")))
 
     def start_profile(self) -> None:
         """Start the torch profiler (vLLM's); the trace goes to $KVSERVE_TORCH_PROFILER_DIR or
@@ -156,6 +172,7 @@ class LLM:
                         bar.update(1)
                         elapsed = bar.format_dict["elapsed"] or 1e-9
                         bar.set_postfix_str(f"output {out_tokens / elapsed:.1f} tok/s")
+                self._publish_kv_events()
         failed.update((i, e) for i, e in engine.take_request_errors().items() if i in wanted)
         if failed:  # as vLLM's offline API: a failed request raises instead of looking finished
             first = min(failed, key=ids.index)
@@ -164,6 +181,16 @@ class LLM:
                 f"): {failed[first]!r}",
                 [None if i in failed else done.get(i) for i in ids]) from failed[first]
         return [done[i] for i in ids]
+
+
+def _kv_events_publisher(config: EngineConfig) -> Any:
+    """The ZMQ publisher of vLLM's kv_events_config (None when it asks for none)."""
+    from kvserve.engine.kv_events_zmq import ZmqKVEventPublisher
+
+    events = config.kv_events_config
+    if events is None or not events.publishes:
+        return None
+    return ZmqKVEventPublisher(events, config.block_size)
 
 
 def make_engine(config: EngineConfig) -> Any:

@@ -92,3 +92,40 @@ def test_the_publisher_sends_numbered_batches_and_replays_them():
     finally:
         sub.close(linger=0)
         pub.close()
+
+
+def test_the_offline_llm_publishes_its_blocks_and_the_reset(tiny_model_dir):
+    from conftest import make_llm
+
+    from kvserve import SamplingParams
+
+    port = free_port()
+    llm = make_llm(tiny_model_dir, num_gpu_blocks_override=32,
+                   kv_events_config={"enable_kv_cache_events": True,
+                                     "endpoint": f"tcp://*:{port}"})
+    sub = subscribe(f"tcp://127.0.0.1:{port}")
+    params = SamplingParams(max_tokens=1, temperature=0)
+    try:
+        got, k = None, 0
+        while got is None:  # until the SUB socket has joined
+            llm.generate({"prompt_token_ids": [k + 1] * 32}, params, use_tqdm=False)
+            got = receive(sub, 1000)
+            k += 1
+        (stored,) = decode_batch(got[2])["events"]
+        assert stored["type"] == "BlockStored" and stored["token_ids"] == [k] * 32
+        assert stored["block_hashes"] == [bytes.fromhex(h) for h in block_hashes([k] * 32, 16)]
+        assert llm.reset_prefix_cache()
+        cleared = receive(sub, 10_000)
+        assert cleared is not None and cleared[1] == got[1] + 1
+        assert decode_batch(cleared[2])["events"] == [{"type": "AllBlocksCleared"}]
+    finally:
+        sub.close(linger=0)
+        llm.shutdown()
+
+
+def test_the_offline_llm_refuses_events_with_its_engine_in_another_process(monkeypatch):
+    from kvserve import LLM
+
+    monkeypatch.setenv("KVSERVE_ENABLE_MULTIPROCESSING", "1")
+    with pytest.raises(ConfigError, match="KVSERVE_ENABLE_MULTIPROCESSING"):
+        LLM("no-such-model", kv_events_config={"enable_kv_cache_events": True})
