@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvserve.engine.defaults import (BLOCK_SIZE, BLOCK_SIZES, GPU_MEMORY_UTILIZATION,
+                                     MAX_LORA_RANK, MAX_NUM_SEQS, SWAP_SPACE_GIB)
 from kvserve.engine.errors import ConfigError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -25,14 +27,14 @@ class EngineConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     tensor_parallel_size: int = 1
     max_model_len: int | None = None  # None = the model's own context length
-    max_num_seqs: int = 256
+    max_num_seqs: int = MAX_NUM_SEQS
     max_num_batched_tokens: int | None = None  # None = max(2048, max_model_len) capped by it
     enable_chunked_prefill: bool = True
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.90
+    block_size: int = BLOCK_SIZE
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
     kv_cache_memory: int | None = None  # CPU KV bytes, whole server (None = safe share of RAM)
     num_gpu_blocks_override: int | None = None
-    swap_space: float = 4.0  # GiB of CPU memory for swapped-out blocks
+    swap_space: float = SWAP_SPACE_GIB  # GiB of CPU memory for swapped-out blocks
     preemption_mode: str = "auto"  # "auto" (swap where cheaper) | "recompute" | "swap"
     kv_offloading_size: float = 0.0  # GiB of host memory for evicted prefix blocks (0 = none)
     kv_offloading_disk_path: str | None = None  # directory for blocks the host tier evicts
@@ -74,7 +76,7 @@ class EngineConfig:
     # device, max_cpu_loras (None: max_loras) in host memory, ranks up to max_lora_rank.
     enable_lora: bool = False
     max_loras: int = 1
-    max_lora_rank: int = 16
+    max_lora_rank: int = MAX_LORA_RANK
     max_cpu_loras: int | None = None
     # vLLM's kv_events_config (JSON text, a dict or a KVEventsConfig): publish prefix-cache
     # changes in vLLM's wire format over ZMQ for external schedulers (engine/kv_events_zmq.py).
@@ -98,7 +100,7 @@ class EngineConfig:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ConfigError(
                 f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
-        if self.block_size not in (8, 16, 32):
+        if self.block_size not in BLOCK_SIZES:
             raise ConfigError(f"block_size must be 8, 16 or 32, got {self.block_size}")
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ConfigError("async scheduling runs on one rank: every tensor-parallel rank "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvserve.engine.defaults import MAX_LORA_RANK
 from kvserve.engine.errors import ConfigError
 
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted values
@@ -13,7 +14,7 @@ MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted value
 @dataclass(frozen=True)
 class LoRAConfig:
     max_loras: int = 1  # adapters resident on the device at once (slots of the batched op)
-    max_lora_rank: int = 16
+    max_lora_rank: int = MAX_LORA_RANK
     max_cpu_loras: int | None = None  # adapters kept in host memory (None: max_loras)
 
     def __post_init__(self) -> None:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvserve.engine.defaults import BLOCK_SIZE, GPU_MEMORY_UTILIZATION, GPUS_PER_NODE
 from kvserve.operator.catalog import GPUS, MODELS
 from kvserve.operator.spec import InvalidSpecError, parse_spec
 
@@ -29,13 +30,13 @@ def _add_plan(subparsers: Any) -> None:
     p.add_argument("--revision", help="hub revision of --model (default main)")
     p.add_argument("--gpu", choices=sorted(GPUS), help="GPU type")
     p.add_argument("--gpu-memory-gib", type=float, help="memory per GPU for other GPU types")
-    p.add_argument("--max-gpus-per-replica", type=int, default=8)
+    p.add_argument("--max-gpus-per-replica", type=int, default=GPUS_PER_NODE)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--memory", help="pod memory limit for --device cpu (e.g. 4Gi)")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--max-num-seqs", type=int)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--gpu-memory-utilization", type=float, default=GPU_MEMORY_UTILIZATION)
+    p.add_argument("--block-size", type=int, default=BLOCK_SIZE)
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-offloading-size", type=float, metavar="GIB",

@@ -8,6 +8,9 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from kvserve.engine.defaults import (BLOCK_SIZE, BLOCK_SIZES, GPU_MEMORY_UTILIZATION, GPUS_PER_NODE,
+                                     MAX_LORA_RANK, MAX_NUM_SEQS, SWAP_SPACE_GIB)
+from kvserve.lora.config import MAX_LORA_RANKS
 from kvserve.operator.catalog import GPUS
 
 GROUP = "kvserve.io"
@@ -107,22 +110,23 @@ def _cache() -> Schema:
 
 def _engine() -> Schema:
     return _obj("Engine knobs, passed to `kvserve serve` with vLLM's flag names.", {
-        "blockSize": _typed("integer", "Tokens per KV-cache block.", enum=[8, 16, 32], default=16),
+        "blockSize": _typed("integer", "Tokens per KV-cache block.", enum=list(BLOCK_SIZES),
+                            default=BLOCK_SIZE),
         "maxModelLen": _typed("integer", "Longest prompt + output in tokens (default: the "
                               "model's context length).", minimum=16, maximum=1048576),
         "maxNumSeqs": _typed("integer", "Sequences per step. Sizing reserves KV for maxNumSeqs "
-                             "x maxModelLen; unset: the engine default (256) runs and status "
-                             "reports how many full-length requests fit.", minimum=1,
+                             f"x maxModelLen; unset: the engine default ({MAX_NUM_SEQS}) runs "
+                             "and status reports how many full-length requests fit.", minimum=1,
                              maximum=4096),
         "gpuMemoryUtilization": _typed("number", "Share of device memory the engine may use.",
-                                       minimum=0.05, maximum=1.0, default=0.9),
+                                       minimum=0.05, maximum=1.0, default=GPU_MEMORY_UTILIZATION),
         "kvCacheDtype": _typed("string", "KV cache dtype; fp8 halves the bytes per block.",
                                enum=["auto", "fp8", "fp8_e4m3", "float16", "bfloat16",
                                      "float32"], default="auto"),
         "enablePrefixCaching": _typed("boolean", "Reuse KV blocks of shared prefixes.",
                                       default=True),
         "swapSpaceGiB": _typed("number", "CPU memory (GiB) for swapped-out blocks.", minimum=0,
-                               maximum=1024, default=4),
+                               maximum=1024, default=int(SWAP_SPACE_GIB)),  # whole: 4, not 4.0
         "dtype": _typed("string", "Weights and activations dtype (auto: bfloat16 on GPUs, "
                         "float32 on CPUs).",
                         enum=["auto", "float32", "float16", "bfloat16"], default="auto"),
@@ -136,7 +140,8 @@ def _engine() -> Schema:
                                "memory; the least recently used idle one is evicted).",
                                minimum=1, maximum=256, default=4),
             "maxLoraRank": _typed("integer", "Largest adapter rank the replicas accept.",
-                                  enum=[8, 16, 32, 64, 128, 256, 320, 512], default=16),
+                                  enum=[r for r in MAX_LORA_RANKS if r >= 8],
+                                  default=MAX_LORA_RANK),
         }, default={}),
     }, default={})
 
@@ -165,7 +170,7 @@ def _gpu() -> Schema:
         "memoryGiB": _typed("number", "Memory per GPU in GiB, for a type outside the catalog "
                             "(overrides type's figure).", minimum=1, maximum=4096),
         "maxPerReplica": _typed("integer", "Most GPUs one replica may use (tensor parallel).",
-                                minimum=1, maximum=16, default=8),
+                                minimum=1, maximum=16, default=GPUS_PER_NODE),
     }, default={})
 
 

@@ -1,4 +1,5 @@
-"""Sizing: the engine's memory budget (engine/sizing/memory.py) -> GPUs per replica, blocks, concurrency.
+"""Sizing: the engine's memory budget (engine/sizing/memory.py) -> GPUs per replica, blocks,
+concurrency.
 
 GPUs per replica is the smallest power of two (tensor parallel: weights and KV heads split across
 the GPUs) whose per-GPU budget holds `maxNumSeqs x maxModelLen` tokens of KV (one full-length
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.engine.defaults import GPUS_PER_NODE, MAX_NUM_SEQS
 from kvserve.engine.sizing.memory import (
     default_max_num_batched_tokens,
     GiB, MemoryBudget, activation_peak_bytes, dtype_bytes, kv_heads_per_rank, plan_memory,
@@ -21,8 +23,7 @@ from kvserve.operator import offload
 from kvserve.operator.catalog import ModelArch
 from kvserve.operator.spec import InvalidSpecError, ServiceSpec
 
-DEFAULT_MAX_NUM_SEQS = 256  # the engine's own default (EngineConfig.max_num_seqs)
-GPUS_PER_NODE = 8  # the most GPUs one replica (one pod, one node) may use
+DEFAULT_MAX_NUM_SEQS = MAX_NUM_SEQS  # the engine's own default (EngineConfig.max_num_seqs)
 
 
 def batched_tokens(max_model_len: int) -> int:
@@ -116,9 +117,9 @@ def cpu_swap_bytes(spec: ServiceSpec) -> int:
 
 def budget_per_gpu(spec: ServiceSpec, gpus: int) -> MemoryBudget:
     """The engine's budget on each of `gpus` GPUs holding 1/gpus of the weights and KV heads.
-    On a CPU pod, the engine's host plan (engine/sizing/host_memory.py): the pod's memory x utilisation
-    holds weights, activations, the KV cache and the swap pool (at most the KV cache); the host
-    tier comes on top of the user's limit (offload.py)."""
+    On a CPU pod, the engine's host plan (engine/sizing/host_memory.py): the pod's memory x
+    utilisation holds weights, activations, the KV cache and the swap pool (at most the KV
+    cache); the host tier comes on top of the user's limit (offload.py)."""
     arch, eng = spec.model.arch, spec.engine
     weights = arch.weight_bytes(dtype_bytes(weight_dtype(spec)))
     total, util = spec.gpu_memory_bytes, eng.gpu_memory_utilization
@@ -163,8 +164,8 @@ def _multi_node(spec: ServiceSpec, gpus: int) -> str:
     return (f"{spec.model.key} needs {gpus} GPUs per replica, more than one node's "
             f"{GPUS_PER_NODE}: multi-node tensor parallelism (one replica over several machines) "
             "is not supported. Lower maxModelLen/maxNumSeqs, use kvCacheDtype fp8 or a bigger "
-            "GPU type, or set spec.gpu.maxPerReplica <= 8 (docs/guides/deploying.md: how it would map "
-            "onto a LeaderWorkerSet)")
+            f"GPU type, or set spec.gpu.maxPerReplica <= {GPUS_PER_NODE} "
+            "(docs/guides/deploying.md: how it would map onto a LeaderWorkerSet)")
 
 
 def _device_words(spec: ServiceSpec, gpus: int) -> str:

@@ -13,6 +13,7 @@ from typing import Any
 
 from kvserve.engine.config import DEFAULT_MODEL, KV_CACHE_DTYPES, MODEL_DTYPES, PREEMPTION_MODES, \
     QUANTIZATION_METHODS, STRUCTURED_OUTPUTS_BACKENDS, EngineConfig
+from kvserve.engine.defaults import BLOCK_SIZES
 from kvserve.service.limits import RequestLimits
 from kvserve.service.server.lora_models import lora_module
 from kvserve.service.reasoning import REASONING_PARSERS
@@ -165,7 +166,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="most tokens in one step (default: max(2048, max_model_len))")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=d("enable_chunked_prefill"), help="split long prompts across steps")
-    g.add_argument("--block-size", type=int, default=d("block_size"), choices=(8, 16, 32),
+    g.add_argument("--block-size", type=int, default=d("block_size"), choices=BLOCK_SIZES,
                    help="tokens per KV-cache block")
     g.add_argument("--gpu-memory-utilization", type=float, default=d("gpu_memory_utilization"),
                    help="share of GPU memory for weights + activations + KV cache")

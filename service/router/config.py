@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.engine.defaults import BLOCK_SIZE
 from kvserve.service.limits import RequestLimits
 from kvserve.service.routing_policy import PolicyConfig
 
@@ -21,7 +22,7 @@ class RouterConfig:
     tokenizer: str | None = None  # path or model name; default: the replicas' model
     session_header: str = "x-session-id"
     policy_cfg: PolicyConfig = field(default_factory=PolicyConfig)
-    block_size: int = 16  # used for static replicas (Redis replicas announce theirs)
+    block_size: int = BLOCK_SIZE  # used for static replicas (Redis replicas announce theirs)
     refresh_interval: float = 1.0
     # --shared-load-interval: how often routers exchange their in-flight counts through Redis
     # (service/router/shared_load.py); 0 = each router counts only its own.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from kvserve.engine.defaults import BLOCK_SIZE, MAX_NUM_SEQS
 from kvserve.engine.sizing.memory import activation_peak_bytes, bytes_per_block, plan_memory
 
 
@@ -20,8 +21,8 @@ class TimingModel:
     decode_s_per_seq: float
     decode_s_per_ctx_token: float
     num_blocks: int
-    block_size: int = 16
-    max_num_seqs: int = 256
+    block_size: int = BLOCK_SIZE
+    max_num_seqs: int = MAX_NUM_SEQS
     max_num_batched_tokens: int = 8192  # prefill tokens per step (chunked prefill's budget)
     source: str = ""
     # The CPU swap pool (the engine's swap_space) and one block's copy, one way: a preempted
