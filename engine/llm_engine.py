@@ -36,6 +36,7 @@ from kvserve.engine.sample.tokenizer import load_tokenizer, prompt_token_ids
 from kvserve.engine.stats import EngineStats, TierFigures
 from kvserve.engine.structured_output.grammar import GrammarCompiler, GrammarState
 from kvserve.engine.worker.checkpoint_size import weights_log_line
+from kvserve.engine.worker.cuda_graph import eager_reason, graphs_log_line
 from kvserve.engine.worker.model_loader import load_model, resolve_model
 from kvserve.engine.worker.model_runner import ModelRunner
 from kvserve.engine.worker.startup import EngineSetup, set_up
@@ -134,6 +135,9 @@ class LLMEngine:
         logger.info("%s", weights_log_line(self.model_weight_bytes, model_path,
                                            torch.finfo(self.dtype).bits // 8,
                                            config.quantization))
+        if self.runner.graphs is None:  # captured graphs were logged with their sizes
+            logger.info("%s", graphs_log_line(None, eager_reason(
+                self.device.type, config.enforce_eager, self.runner.backend)))
         if self.kv.groups.is_hybrid or self.kv.groups.slides:
             logger.info("KV-cache groups: %s; a block is a page of %d layers, sliding groups "
                         "free blocks that left their window",

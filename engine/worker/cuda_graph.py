@@ -165,6 +165,25 @@ class DecodeGraphs:
         return self.graphs[size]()[:n]
 
 
+def eager_reason(device_type: str, enforce_eager: bool, backend: str) -> str | None:
+    """Why an engine does not capture decode graphs at start (None: it tries)."""
+    if device_type != "cuda":
+        return f"device {device_type}; CUDA only"
+    if enforce_eager:
+        return "--enforce-eager"
+    if backend != "triton":
+        return f"attention backend {backend}; captured with triton only"
+    return None
+
+
+def graphs_log_line(graphs: DecodeGraphs | None, why_not: str | None = None) -> str:
+    """The start-up line on decode CUDA graphs: the batch sizes captured, or why none were."""
+    if graphs is not None:
+        sizes = ", ".join(map(str, graphs.sizes))
+        return f"CUDA graphs: captured for decode at batch sizes {sizes}"
+    return f"CUDA graphs: not captured ({why_not or 'the capture failed'}); decode runs eagerly"
+
+
 def cuda_capture(pool=None) -> Capture:
     """Capture on a GPU: one warm-up run, then torch.cuda.CUDAGraph in one shared pool."""
     pool = pool if pool is not None else torch.cuda.graph_pool_handle()

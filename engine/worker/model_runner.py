@@ -10,6 +10,7 @@ graph size every rank replays."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from kvserve.engine.kv_offload.swap_pool import SwapPool
 from kvserve.engine.sample.prompt_logprobs import PromptLogprobsPlan, PromptLogprobsResult
 from kvserve.engine.sample.prompt_logprobs import compute as compute_prompt_logprobs
 from kvserve.engine.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
-from kvserve.engine.worker.cuda_graph import Capture, DecodeGraphs, cuda_capture
+from kvserve.engine.worker.cuda_graph import Capture, DecodeGraphs, cuda_capture, graphs_log_line
 from kvserve.kernels.backend import resolve_backend
 from kvserve.kernels.fp8 import compute_kv_scale
 from kvserve.kernels.metadata import AttentionMetadata
@@ -35,6 +36,7 @@ from kvserve.kernels.plan import plan_attention
 if TYPE_CHECKING:
     from kvserve.engine.kv_offload.disk_tier import DiskTier
 
+logger = logging.getLogger("kvserve.engine")
 BlockPairs = list[tuple[int, int]]
 
 
@@ -369,6 +371,7 @@ class ModelRunner:
             if self.workers is not None:  # before any step: the pipes keep the order
                 self.workers.broadcast("drop_graphs", None)
             raise RuntimeError("; ".join(failed))
+        logger.info("%s", graphs_log_line(self.graphs))
 
     def try_capture(self, max_num_seqs: int, max_model_len: int,
                     capture: Capture | None = None) -> str | None:

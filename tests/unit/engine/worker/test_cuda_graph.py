@@ -138,13 +138,24 @@ def test_triton_decode_padded_rows_give_zeros(num_splits):
     torch.testing.assert_close(out[:2], want)
 
 
-def test_engine_decode_through_graphs_matches_eager(tiny_model_dir):
+def graph_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("CUDA graphs:")]
+
+
+def test_engine_decode_through_graphs_matches_eager(tiny_model_dir, caplog):
     """The whole engine with the stand-in capture: the same greedy tokens and logprobs as the
-    eager run, with decode steps of 1..3 sequences replayed from the padded [4, 2, 1] ladder."""
+    eager run, with decode steps of 1..3 sequences replayed from the padded [4, 2, 1] ladder.
+    The start-up log says a CPU engine captured no graphs, and a capture names its sizes."""
+    import logging
+
     from conftest import make_llm
     from kvserve import SamplingParams
 
+    caplog.set_level(logging.INFO, logger="kvserve.engine")
     llm = make_llm(tiny_model_dir, attention_backend="triton", max_num_seqs=4, max_model_len=64)
+    assert graph_lines(caplog) == ["CUDA graphs: not captured (device cpu; CUDA only); decode "
+                                   "runs eagerly"]
+    caplog.clear()
     prompts = ["the cat sat", "a dog ran far away", "hello"]
     params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=0, ignore_eos=True)
     want = llm.generate(prompts, params)
@@ -156,6 +167,7 @@ def test_engine_decode_through_graphs_matches_eager(tiny_model_dir):
     runner = llm.llm_engine.runner
     runner.capture_decode_graphs(4, 64, capture=stand_in)
     assert runner.graphs is not None and runner.graphs.sizes == [4, 2, 1]
+    assert graph_lines(caplog) == ["CUDA graphs: captured for decode at batch sizes 4, 2, 1"]
     got = llm.generate(prompts, params)
     assert replays  # decode steps went through the graphs
     for g, w in zip(got, want):
@@ -163,6 +175,17 @@ def test_engine_decode_through_graphs_matches_eager(tiny_model_dir):
         for lg, lw in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
             tok = next(iter(lw))
             assert abs(lg[tok].logprob - lw[tok].logprob) < 1e-4
+
+
+def test_eager_reasons_and_the_failed_capture_line():
+    from kvserve.engine.worker.cuda_graph import eager_reason, graphs_log_line
+
+    assert eager_reason("cuda", False, "triton") is None  # the one case that captures
+    assert eager_reason("cuda", True, "triton") == "--enforce-eager"
+    assert eager_reason("cuda", False, "torch") == "attention backend torch; captured with " \
+        "triton only"
+    assert graphs_log_line(None) == "CUDA graphs: not captured (the capture failed); decode " \
+        "runs eagerly"
 
 
 def test_enforce_eager_flag_reaches_the_engine_config():
