@@ -11,9 +11,6 @@ import pytest
 from kvserve.operator import fetch
 from kvserve.operator.model_uri import ModelURI, parse_model_uri
 
-MODEL = Path.home() / ".cache" / "kvserve" / "models" / "smollm2-135m-instruct"
-
-
 class FakeHub:
     """Writes a small model folder and counts downloads (stands in for the network only)."""
 
@@ -58,14 +55,15 @@ def test_a_folder_without_marker_is_refetched(tmp_path: Path) -> None:
     assert fetch.ensure(parse_model_uri("org/model"), tmp_path, {"hf": hub}) is True
 
 
-@pytest.mark.skipif(not (MODEL / "config.json").is_file(), reason="default model not cached")
-def test_known_names_go_through_kvserve_fetch_model(tmp_path: Path,
+def test_known_names_go_through_kvserve_fetch_model(tmp_path: Path, default_model_dir: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The real `kvserve fetch-model` CLI, run as the init container runs it; the claim is
-    seeded with the already-cached default model so nothing is downloaded."""
+    seeded with the default model (conftest's fixture fetches it once into the kvserve cache, as
+    every default-model test does) so the CLI itself downloads nothing."""
+    model = default_model_dir
     seeded = tmp_path / "models" / "smollm2-135m-instruct"
     seeded.mkdir(parents=True)
-    for item in MODEL.iterdir():
+    for item in model.iterdir():
         (seeded / item.name).symlink_to(item)
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     calls: list[str] = []
@@ -74,7 +72,7 @@ def test_known_names_go_through_kvserve_fetch_model(tmp_path: Path,
     def spy(location: ModelURI, target: Path) -> None:
         calls.append(location.path)
         target.mkdir(parents=True)  # the stale folder was removed: seed it again, then run
-        for item in MODEL.iterdir():
+        for item in model.iterdir():
             (target / item.name).symlink_to(item)
         real(location, target)
 
