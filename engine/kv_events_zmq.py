@@ -109,9 +109,9 @@ def chains(event: KVEvent) -> list[tuple[list[str], str | None, list[int]]]:
 
 def _extends(chain: tuple[list[str], str | None, list[int]], h: str, parent: str | None,
              lineage: dict[str, Any]) -> bool:
-    if h in lineage:
-        return parent is not None and parent == chain[0][-1]
-    return chain[0][-1] not in lineage  # blocks stored without lineage travel together
+    # A block stored without lineage (the host tier's) travels alone: nothing says it extends
+    # the block before it.
+    return h in lineage and parent is not None and parent == chain[0][-1]
 
 
 def _stored(hashes: list[str], parent: str | None, tokens: list[int], block_size: int,

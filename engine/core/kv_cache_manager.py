@@ -273,7 +273,7 @@ class KVCacheManager:
             return False
         if num_hit:
             self.pool.touch(on_device)
-            restored = iter(self._restore(flat) if num_restores else flat)
+            restored = iter(self._restore(flat, seq) if num_restores else flat)
             for t, group in zip(tables, hits):
                 t.extend(None if h is None else next(restored) for h in group)
             self.num_registered[seq.seq_id] = len(tables[0])
@@ -350,7 +350,7 @@ class KVCacheManager:
         else:
             self.pending_spills.append((medium, index, block_hash))
 
-    def _restore(self, hits: list[PrefixHit]) -> list[Block]:
+    def _restore(self, hits: list[PrefixHit], seq: Sequence) -> list[Block]:
         """Device blocks for `hits` in order: device hits as they are, host and disk hits in
         new blocks registered under their hash, with the copies into them queued."""
         assert self.host is not None
@@ -358,13 +358,14 @@ class KVCacheManager:
         slots = [self.host.restore(h.block_hash) for h in host_hits]  # pinned first: the
         num_new = sum(1 for h in hits if not isinstance(h, Block))  # allocation may evict
         fresh = iter(self._new_blocks(num_new))
+        at = {h: i for i, h in enumerate(self.hashes.get(seq.seq_id, []))}
         out: list[Block] = []
         for hit in hits:
             if isinstance(hit, Block):
                 out.append(hit)
                 continue
             b = next(fresh)
-            self.pool.cache_block(b, hit.block_hash)
+            self.pool.cache_block(b, hit.block_hash, *self._lineage(seq, at, hit.block_hash))
             out.append(b)
             if isinstance(hit, DiskHit):
                 self.pending_loads.append((hit.payload, b.block_id))
@@ -372,6 +373,17 @@ class KVCacheManager:
         restored = [b for b, hit in zip(out, hits) if isinstance(hit, HostHit)]
         self.pending_restores += [(s, b.block_id) for s, b in zip(slots, restored)]
         return out
+
+    def _lineage(self, seq: Sequence, at: dict[bytes, int],
+                 block_hash: bytes) -> tuple[bytes | None, list[int]]:
+        """(parent hash, tokens) of the seq's plain block at `at[block_hash]`, for its "stored"
+        event; (None, []) for another group's key."""
+        i = at.get(block_hash)
+        if i is None:
+            return None, []
+        bs = self.block_size
+        return (self.hashes[seq.seq_id][i - 1] if i else None), \
+            seq.token_range(i * bs, (i + 1) * bs)
 
     def take_tier_moves(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """This step's (device, host) offloads and (host, device) restores; the runner applies

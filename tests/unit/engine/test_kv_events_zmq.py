@@ -3,10 +3,13 @@ decoder written from vLLM's definition), and the real PUB + replay sockets."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 from conftest import free_port
 from vllm_kv_events import decode_batch, receive, replay, subscribe
 
+from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.core.block_hash import block_hashes
 from kvserve.engine.core.kv_events import KVEvent
@@ -34,6 +37,10 @@ def test_the_config_takes_vllms_fields_and_defaults():
     # EngineConfig (and so LLM(...), EngineArgs and --kv-events-config) takes it as JSON text
     engine = EngineConfig(kv_events_config='{"enable_kv_cache_events": true, "topic": "kv"}')
     assert engine.kv_events_config.topic == "kv"
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--kv-events-config", '{"enable_kv_cache_events": true}'])
+    assert EngineArgs.from_cli_args(args).create_engine_config().kv_events_config == \
+        KVEventsConfig(True)
 
 
 def test_a_stored_chain_is_one_blockstored_with_its_parent_and_tokens():
@@ -129,3 +136,9 @@ def test_the_offline_llm_refuses_events_with_its_engine_in_another_process(monke
     monkeypatch.setenv("KVSERVE_ENABLE_MULTIPROCESSING", "1")
     with pytest.raises(ConfigError, match="KVSERVE_ENABLE_MULTIPROCESSING"):
         LLM("no-such-model", kv_events_config={"enable_kv_cache_events": True})
+
+
+def test_blocks_stored_without_lineage_travel_one_per_event():
+    events = encode_batch(0.0, [KVEvent("stored", (A, B), "host")], 16)["events"]
+    assert [(e["block_hashes"], e["parent_block_hash"], e["token_ids"]) for e in events] == \
+        [([bytes.fromhex(A)], None, []), ([bytes.fromhex(B)], None, [])]

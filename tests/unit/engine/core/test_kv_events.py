@@ -71,3 +71,29 @@ def test_an_undrained_backlog_is_compacted_and_replays_to_what_the_tier_holds():
     events = log.drain()
     assert events[0] == KVEvent("cleared", medium="host")
     assert replay_kv_events(events) == {x.hex() for x in held}
+
+
+def test_the_cache_manager_stores_blocks_with_parent_and_tokens_restores_included():
+    from test_kv_cache_manager import BS, make_seq, prefill
+
+    from kvserve.engine.core.block_hash import block_hashes
+    from kvserve.engine.core.kv_cache_manager import KVCacheManager
+
+    kv = KVCacheManager(num_blocks=4, block_size=BS, num_host_blocks=8)
+    tokens = list(range(1, 14))  # three full blocks of 4 + one token
+    a, b, c = block_hashes(tokens, BS)
+    want = ((a, None, (1, 2, 3, 4)), (b, a, (5, 6, 7, 8)), (c, b, (9, 10, 11, 12)))
+    seq = make_seq(1, tokens)
+    prefill(kv, seq)
+    (stored,) = kv.pool.drain_events()
+    assert stored.block_hashes == (a, b, c) and stored.lineage == want
+    kv.free(seq)
+    other = make_seq(2, [99] * 13)  # takes every block: the first prompt's go to the host tier
+    prefill(kv, other)
+    kv.free(other)
+    kv.take_tier_moves()
+    kv.pool.drain_events()
+    again = make_seq(3, tokens + [7])
+    prefill(kv, again)  # its three blocks come back from the host tier
+    restored = [e for e in kv.pool.drain_events() if e.kind == "stored"]
+    assert [x for e in restored for x in e.lineage if x[0] in (a, b, c)] == list(want)
