@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,8 +76,9 @@ def router(fleet) -> Iterator[RouterThread]:
     rt = RouterThread(fleet.tokenizer, fleet.redis.url,
                       ("--lora-modules", *modules, "--lora-load-timeout", "30"))
     rt.wait()
-    wait_until(lambda: len(httpx.get(rt.url + "/health").json()["replicas"]) == 3, timeout=30,
-               what="the router to see the three replicas")
+    # the reset replicas' heartbeats (no adapter resident) have reached the router's table
+    wait_until(lambda: held(rt.url) == [[], [], []], timeout=30,
+               what="the router to see the three replicas, holding no adapter")
     try:
         yield rt
     finally:
@@ -89,7 +89,13 @@ async def _idle_and_reset(sim: SimFleet) -> None:
     while not sim.idle():
         await asyncio.sleep(0.05)
     sim.reset()
-    await asyncio.sleep(0.5)  # the heartbeats publish the empty adapter sets
+
+
+def held(router_url: str) -> list[list[str]]:
+    """The adapters each replica holds, in replica id order, as the router's table has them
+    (what it routes by)."""
+    replicas = httpx.get(router_url + "/health", timeout=10).json()["replicas"]
+    return [r["adapters"] for r in sorted(replicas, key=lambda r: r["id"])]
 
 
 def body(model: str, salt: int = 0, max_tokens: int = 2) -> dict:
@@ -159,17 +165,14 @@ def test_a_holder_is_preferred_over_a_prefix_match_and_lower_load(fleet, router)
                       timeout=30).status_code == 200
     assert httpx.post(fleet.sim.url(2) + "/v1/load_lora_adapter", timeout=30, json={
         "lora_name": "poem", "lora_path": ADAPTERS["poem"]}).status_code == 200
-    wait_until(lambda: any(m["id"] == "poem" and m.get("parent") == MODEL for m in
-                           httpx.get(router.url + "/v1/models").json()["data"]), timeout=10,
-               what="the router to list the adapter")
-    time.sleep(1.2)  # a router refresh after the heartbeat that lists it
+    wait_until(lambda: held(router.url) == [[], [], ["poem"]], timeout=10,
+               what="the router's table to have replica 2 holding the adapter")
     for k in range(3):
         resp = httpx.post(router.url + "/v1/completions", json=body("poem", salt=50 + k),
                           timeout=30)
         assert resp.status_code == 200, resp.text
     assert served_by(fleet, "poem") == {2: 3} and loads(fleet) == [0, 0, 1]
-    health = httpx.get(router.url + "/health", timeout=10).json()["replicas"]
-    assert [r["adapters"] for r in sorted(health, key=lambda r: r["id"])] == [[], [], ["poem"]]
+    assert held(router.url) == [[], [], ["poem"]]
 
 
 def test_an_adapter_evicted_since_the_heartbeat_is_loaded_again_not_404(fleet, router):
