@@ -7,83 +7,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kvserve.operator.errors import InvalidSpecError
-from kvserve.operator.model_uri import ModelURI, parse_model_uri
+from kvserve.operator.spec import ServiceSpec
 
-if TYPE_CHECKING:
-    from kvserve.operator.spec import ModelRef, ServiceSpec
-
-# Where `kvserve.operator.fetch --adapter` puts a hub adapter inside the weights cache.
-ADAPTERS_DIR = "adapters"
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 Obj = dict[str, Any]
-
-
-@dataclass(frozen=True)
-class LoraSpec:
-    enabled: bool = False
-    max_loras: int = 4
-    max_lora_rank: int = 16
-
-
-@dataclass(frozen=True)
-class AdapterSpec:
-    name: str
-    uri: str  # as written in the spec (status echoes it)
-    location: ModelURI
-    path: str  # what a replica loads: POST /v1/load_lora_adapter {"lora_path": path}
-
-    @property
-    def fetched(self) -> bool:
-        """A hub adapter: the fetch Job copies it into the weights cache first."""
-        return self.location.scheme == "hf"
-
-
-def parse_adapters(raw: list[dict], model: ModelRef, weights_dir: str) -> tuple[AdapterSpec, ...]:
-    """spec.adapters as AdapterSpecs; InvalidSpecError names the adapter and what to change."""
-    seen: set[str] = set()
-    out = []
-    for i, item in enumerate(raw):
-        name, uri = item["name"], item["uri"]
-        where = f"spec.adapters[{i}] ({name})"
-        if name in seen:
-            raise InvalidSpecError(f"{where}: the name is used twice", reason="InvalidAdapter")
-        if name == model.served_name:
-            raise InvalidSpecError(f"{where}: the name is the served model's own name; requests "
-                                   "could not tell them apart", reason="InvalidAdapter")
-        seen.add(name)
-        try:
-            location = parse_model_uri(uri)
-        except InvalidSpecError as exc:
-            raise InvalidSpecError(f"{where}: {exc}", reason="InvalidAdapter") from None
-        out.append(AdapterSpec(name, uri, location, _path(where, location, model, weights_dir)))
-    return tuple(out)
-
-
-def _path(where: str, loc: ModelURI, model: ModelRef, weights_dir: str) -> str:
-    if loc.scheme == "hf":
-        if model.cache is None:
-            raise InvalidSpecError(
-                f"{where}: a hub adapter is fetched into the weights cache; set "
-                "spec.model.cache (or put it on the model's claim: pvc://CLAIM/PATH)",
-                reason="InvalidAdapter")
-        return f"{weights_dir}/{ADAPTERS_DIR}/{loc.slug}"
-    if loc.scheme == "pvc":
-        claim = model.location.claim if model.location.scheme == "pvc" else \
-            (model.cache.claim_name if model.cache is not None else "")
-        if loc.claim != claim:
-            raise InvalidSpecError(
-                f"{where}: pvc://{loc.claim} is not the claim the engine pods mount "
-                f"({claim or 'none'}): a new volume would restart them; copy the adapter to "
-                "the model's claim", reason="InvalidAdapter")
-        return f"{weights_dir}/{loc.path}".rstrip("/")
-    if loc.scheme == "path" and loc.path.startswith("/"):
-        return loc.path
-    raise InvalidSpecError(f"{where}: write hf://ORG/NAME[:REVISION], pvc://CLAIM/PATH or an "
-                           "absolute path inside the image", reason="InvalidAdapter")
 
 
 def lora_enabled(spec: ServiceSpec) -> bool:

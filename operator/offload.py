@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.operator.errors import InvalidSpecError
+from kvserve.operator.quantity import GiB, parse_quantity, quantity
 
-GiB = 1 << 30
 DISK_PATH = "/var/cache/kvserve/kv"
 VOLUME = "kv-offload"
 Obj = dict[str, Any]
@@ -88,19 +88,9 @@ def engine_args(kv: KVOffloading | None) -> list[str]:
     return args
 
 
-def quantity(n: int) -> str:
-    """Bytes as a Kubernetes quantity, in Gi or Mi where exact."""
-    for suffix, unit in (("Gi", GiB), ("Mi", 1 << 20)):
-        if n % unit == 0:
-            return f"{n // unit}{suffix}"
-    return str(n)
-
-
 def _add(res: Obj, name: str, extra: int) -> None:
     """Add `extra` bytes to resource `name` in requests and limits where the user set it; a
     request appears if neither is set, so the scheduler reserves at least the tier."""
-    from kvserve.operator.spec import parse_quantity  # spec.py imports this module
-
     present = [k for k in ("requests", "limits") if name in res.get(k, {})]
     for k in present:
         res[k][name] = quantity(parse_quantity(res[k][name]) + extra)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.operator.kube import PLURALS, KubeClient
-from kvserve.operator.spec import quantity_value
+from kvserve.operator.quantity import quantity_value
 
 APPLIED_HASH = "kvserve.io/applied-hash"
 # Kinds never pruned when they leave the desired set: a weights cache is expensive to refill.

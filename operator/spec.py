@@ -7,24 +7,22 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvserve.operator.adapters import AdapterSpec, LoraSpec, parse_adapters
 from kvserve.operator.catalog import GPUS, MODELS, ModelArch, lookup_model
 from kvserve.operator.crd import DEFAULT_IMAGE, spec_schema
 from kvserve.operator.errors import InvalidSpecError
 from kvserve.operator.model_uri import ModelURI, parse_model_uri
 from kvserve.operator.offload import KVOffloading
 from kvserve.operator.offload import parse as parse_offloading
+from kvserve.operator.quantity import GiB, parse_quantity
 from kvserve.operator.trust import SecretRef, password_in_url
 from kvserve.service.prefix_index.redis_client import parse_redis_url
 
 if TYPE_CHECKING:
     from kvserve.operator.model_files import ModelReader
 
-GiB = 1 << 30
-_QUANTITY = re.compile(r"^([0-9.]+)([KMGTPE]i?|m|k)?$")
-_SUFFIX = {"": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
-           "E": 10**18, "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40,
-           "Pi": 1 << 50, "Ei": 1 << 60, "m": 1e-3}
+WEIGHTS_DIR = "/var/lib/kvserve/weights"  # where engine pods mount the weights cache (weights.py)
+# Where `kvserve.operator.fetch --adapter` puts a hub adapter inside the weights cache.
+ADAPTERS_DIR = "adapters"
 _TYPES = {"object": dict, "array": list, "string": str, "boolean": bool}
 
 
@@ -85,25 +83,6 @@ def schema_errors(schema: dict, value: Any, path: str = "spec") -> list[str]:
     return errors
 
 
-def quantity_value(text: str | int | float) -> float | None:
-    """The number a Kubernetes quantity stands for ("8Gi", "500m", 2), or None if it is not one."""
-    match = _QUANTITY.match(str(text).strip())
-    if not match:
-        return None
-    try:
-        return float(match.group(1)) * _SUFFIX[match.group(2) or ""]
-    except ValueError:
-        return None
-
-
-def parse_quantity(text: str | int | float) -> int:
-    """Bytes of a Kubernetes quantity such as "8Gi", "500M" or 1024."""
-    value = quantity_value(text)
-    if value is None:
-        raise InvalidSpecError(f"cannot read the quantity {text!r} (write e.g. 8Gi or 8000Mi)")
-    return int(value)
-
-
 @dataclass(frozen=True)
 class CacheSpec:
     """A weights cache claim: an existing one (create False) or one the operator owns."""
@@ -124,6 +103,70 @@ class ModelRef:
     location: ModelURI = field(default_factory=lambda: ModelURI("name", ""))
     cache: CacheSpec | None = None
     token_secret: SecretRef | None = None  # the hub token (gated models): sizing and pods
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    enabled: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    name: str
+    uri: str  # as written in the spec (status echoes it)
+    location: ModelURI
+    path: str  # what a replica loads: POST /v1/load_lora_adapter {"lora_path": path}
+
+    @property
+    def fetched(self) -> bool:
+        """A hub adapter: the fetch Job copies it into the weights cache first."""
+        return self.location.scheme == "hf"
+
+
+def parse_adapters(raw: list[dict], model: ModelRef, weights_dir: str) -> tuple[AdapterSpec, ...]:
+    """spec.adapters as AdapterSpecs; InvalidSpecError names the adapter and what to change."""
+    seen: set[str] = set()
+    out = []
+    for i, item in enumerate(raw):
+        name, uri = item["name"], item["uri"]
+        where = f"spec.adapters[{i}] ({name})"
+        if name in seen:
+            raise InvalidSpecError(f"{where}: the name is used twice", reason="InvalidAdapter")
+        if name == model.served_name:
+            raise InvalidSpecError(f"{where}: the name is the served model's own name; requests "
+                                   "could not tell them apart", reason="InvalidAdapter")
+        seen.add(name)
+        try:
+            location = parse_model_uri(uri)
+        except InvalidSpecError as exc:
+            raise InvalidSpecError(f"{where}: {exc}", reason="InvalidAdapter") from None
+        out.append(AdapterSpec(name, uri, location, _path(where, location, model, weights_dir)))
+    return tuple(out)
+
+
+def _path(where: str, loc: ModelURI, model: ModelRef, weights_dir: str) -> str:
+    if loc.scheme == "hf":
+        if model.cache is None:
+            raise InvalidSpecError(
+                f"{where}: a hub adapter is fetched into the weights cache; set "
+                "spec.model.cache (or put it on the model's claim: pvc://CLAIM/PATH)",
+                reason="InvalidAdapter")
+        return f"{weights_dir}/{ADAPTERS_DIR}/{loc.slug}"
+    if loc.scheme == "pvc":
+        claim = model.location.claim if model.location.scheme == "pvc" else \
+            (model.cache.claim_name if model.cache is not None else "")
+        if loc.claim != claim:
+            raise InvalidSpecError(
+                f"{where}: pvc://{loc.claim} is not the claim the engine pods mount "
+                f"({claim or 'none'}): a new volume would restart them; copy the adapter to "
+                "the model's claim", reason="InvalidAdapter")
+        return f"{weights_dir}/{loc.path}".rstrip("/")
+    if loc.scheme == "path" and loc.path.startswith("/"):
+        return loc.path
+    raise InvalidSpecError(f"{where}: write hf://ORG/NAME[:REVISION], pvc://CLAIM/PATH or an "
+                           "absolute path inside the image", reason="InvalidAdapter")
 
 
 @dataclass(frozen=True)
@@ -402,8 +445,6 @@ def parse_spec(body: dict, reader: ModelReader | None = None) -> ServiceSpec:
     redis_url, redis_deploy, redis_password = _redis(spec["redis"])
     ingress, gateway, monitoring = _traffic(spec)
     autoscaling = _autoscaling(spec)
-    from kvserve.operator.weights import WEIGHTS_DIR  # weights.py reads ServiceSpec
-
     adapters = parse_adapters(spec.get("adapters", []), model, WEIGHTS_DIR)
     lora = spec["engine"]["lora"]
     max_replicas = spec["replicas"] if autoscaling is None else autoscaling.max_replicas

@@ -6,9 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvserve.operator import trust
-from kvserve.operator.spec import ServiceSpec
+from kvserve.operator.spec import WEIGHTS_DIR, ServiceSpec
 
-WEIGHTS_DIR = "/var/lib/kvserve/weights"
 VOLUME = "weights"
 Obj = dict[str, Any]
 

@@ -6,6 +6,7 @@ and serves the app (service/server/app.py) until SIGTERM/SIGINT, then drains.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
@@ -18,6 +19,8 @@ from kvserve.engine.engine_core.core_client import CoreClient
 from kvserve.service.server.app import create_app
 from kvserve.service.server.config import ServerConfig
 from kvserve.service.server.drain import DrainingServer
+from kvserve.service.serve_args import (build_serve_parser, engine_config_from_args,
+                                        server_config_from_args, setup_logging)
 from kvserve.service.server.publishing import make_publisher
 
 logger = logging.getLogger("kvserve.service.api_server")
@@ -69,12 +72,16 @@ def _exit_soon(server: Any, died: list[BaseException], exc: BaseException) -> No
     threading.Timer(EXIT_AFTER_CORE_DEATH_S, stop).start()
 
 
+def serve(args: argparse.Namespace) -> int:
+    """`kvserve serve` and this module's own entry point: the parsed serve flags, served."""
+    setup_logging(args.log_level)
+    return run_server(engine_config_from_args(args), server_config_from_args(args))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m kvserve.service.api_server`: the flags of `kvserve serve`."""
-    from kvserve.service import cli
-
-    parser = cli.build_serve_parser(prog="python -m kvserve.service.api_server")
-    return cli.run_serve(parser.parse_args(argv))
+    parser = build_serve_parser(prog="python -m kvserve.service.api_server")
+    return serve(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
