@@ -9,7 +9,8 @@ import re
 import signal
 
 import httpx
-from server_process import api_server_process
+from conftest import wait_for
+from server_process import api_server_process, health
 
 
 def test_sigterm_drains_then_exits(tiny_model_dir, tmp_path):
@@ -24,13 +25,17 @@ def test_sigterm_drains_then_exits(tiny_model_dir, tmp_path):
                 lines = resp.iter_lines()
                 next(lines)
                 proc.send_signal(signal.SIGTERM)
-                # While it drains, new work is refused (503); once it has exited, the port is shut.
-                try:
-                    refused = httpx.post(url + "/v1/completions", json={**body, "stream": False})
-                    assert refused.status_code == 503
-                    assert refused.json()["error"]["type"] == "service_unavailable"
-                except httpx.ConnectError:
-                    pass
+                # From the signal on it drains: /health answers 503, then new work is refused
+                # with 503. Neither check may be skipped: the stream above still has ~399 tokens
+                # to generate, so the server cannot have drained and shut its port before them
+                # (a connection error here fails the test).
+                seen: list[int] = []
+                wait_for(lambda: seen.append(health(url)) or seen[-1] != 200, 30,
+                         "the server to start draining")
+                assert seen[-1] == 503, f"/health gave {seen[-1]} (0: no answer) while draining"
+                refused = httpx.post(url + "/v1/completions", json={**body, "stream": False})
+                assert refused.status_code == 503
+                assert refused.json()["error"]["type"] == "service_unavailable"
                 data = [line for line in lines if line.startswith("data: ")]
         assert data[-1] == "data: [DONE]", (data[-3:], log.read_text()[-3000:])
         assert json.loads(data[-2][6:]).get("usage", {}).get("completion_tokens") == 400, (
