@@ -2,7 +2,8 @@
 step N's sampled tokens, so the host's scheduling, input preparation and kernel launches run while
 the device still computes step N.
 
-How a step is split (`OverlappedStep` drives `LLMEngine`'s pieces):
+How a step is split (`OverlappedStep` drives `EngineCore`'s schedule, execute_model and
+update_from_output, engine/core/engine_core.py):
 - **launch**: schedule, build the inputs, run the forward and the sampler without reading
   anything back; advance each scheduled seq's computed count and give every sampled seq a
   placeholder token (`PLACEHOLDER`), so the next schedule already counts the token it will have.
@@ -29,18 +30,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from kvserve.engine.core.scheduler import SchedulerOutput
 from kvserve.engine.core.sequence import Sequence
-from kvserve.engine.sample.prompt_logprobs import append_entries
-from kvserve.engine.sample.prompt_logprobs import plan as plan_prompt_logprobs
 
-if TYPE_CHECKING:  # LLMEngine and its RequestState are `Any` here: llm_engine imports this
-    from kvserve.engine.outputs import RequestOutput
-    from kvserve.engine.sample.sampler import SamplerOutput
 
 # The token id of a sampled seq whose token is still on the device (never a vocabulary id: an
 # input row that kept it would fail the embedding lookup instead of computing garbage).
@@ -62,10 +58,7 @@ class InFlight:
     """A launched step whose sampled tokens are not read yet."""
 
     sched: SchedulerOutput
-    rows: list[int]  # batch index of each sampled row
-    result: SamplerOutput | None
-    prompt_plan: Any
-    prompt_result: Any
+    launched: Any  # EngineCore.execute_model's ModelStep: sampled rows, sampler output
     t0: float
     # each sampled row's seq and the index of its placeholder in the seq's output_token_ids
     placeholders: list[tuple[Sequence, int]] = field(default_factory=list)
@@ -74,10 +67,11 @@ class InFlight:
     def overlappable(self) -> bool:
         """Whether the next step may launch before this one's tokens are read: no prompt
         logprobs to append, no n > 1 parent that forks on this step's tokens."""
-        return self.prompt_plan is None and len(set(self.rows)) == len(self.rows)
+        rows = self.launched.rows
+        return self.launched.prompt_plan is None and len(set(rows)) == len(rows)
 
 
-def enabled(asked: bool | None, engine: Any) -> bool:
+def enabled(asked: bool | None, engine: Any) -> bool:  # engine: an EngineCore
     """`async_scheduling` as configured: None is on for a single-rank engine on a GPU (where
     the forward is asynchronous), off elsewhere; True forces it (EngineConfig refuses it with
     tensor parallelism)."""
@@ -96,33 +90,31 @@ def request_overlaps(state: Any) -> bool:
 
 
 class OverlappedStep:
-    """`LLMEngine.step`: launch, then finish; with async scheduling (`overlap`) the next step is
-    launched before the current one finishes, so at most one step is in flight between calls."""
+    """`EngineCore.step`'s driver: launch (schedule + execute), then finish (update from output);
+    with async scheduling (`overlap`) the next step is launched before the current one
+    finishes, so at most one step is in flight between calls."""
 
-    def __init__(self, engine: Any, overlap: bool) -> None:  # an LLMEngine
-        self.engine = engine
+    def __init__(self, core: Any, overlap: bool) -> None:  # an EngineCore
+        self.core = core
         self.overlap = overlap  # False: every step is launched and finished in one call
         self.inflight: InFlight | None = None
         self.overlapped_steps = 0  # steps launched while the previous one was in flight
 
-    def step(self) -> list[RequestOutput]:
-        e = self.engine
-        outputs, e._aborted = e._aborted, []
-        e._failed_now = set()
+    def step(self) -> list[Any]:
+        """The requests (the core's RequestStates) that moved in the step finished now."""
         self._drop_if_dead()  # its requests were aborted since the last call
         if self.inflight is None:
             self.inflight = self._launch(lookahead=None)
             if self.inflight is None:
-                return outputs
+                return []
         current, self.inflight = self.inflight, None
         if current.overlappable and self._may_overlap():
             self.inflight = self._launch(lookahead=current)
             if self.inflight is not None:
                 self.overlapped_steps += 1
-        outputs += self._finish(current)
+        moved = self._finish(current)
         self._drop_if_dead()  # every seq in it ended meanwhile: nothing to wait for
-        e.abort_request(list(e._failed_now))
-        return outputs
+        return moved
 
     def _drop_if_dead(self) -> None:
         """Finish and forget a step in flight whose seqs have all ended (it yields nothing; its
@@ -133,83 +125,62 @@ class OverlappedStep:
 
     def drain(self) -> None:
         """Finish the step in flight (before anything that changes the scheduler's or the
-        adapters' state outside a step); its outputs come with the next `step()`."""
+        adapters' state outside a step); its requests come with the next `step()`."""
         if self.inflight is None:
             return
         current, self.inflight = self.inflight, None
-        self.engine._aborted += self._finish(current)
+        self.core.pending += self._finish(current)
 
     def _may_overlap(self) -> bool:
-        e = self.engine
-        return self.overlap and e.logits_processors is None and all(
-            request_overlaps(s) for s in e.requests.values())
+        core = self.core
+        return self.overlap and core.logits_processors is None and all(
+            request_overlaps(s) for s in core.requests.values())
 
     def _launch(self, lookahead: InFlight | None) -> InFlight | None:
         """Schedule and launch one step. With `lookahead` (the step in flight) nothing is
         preempted, the seqs it surely finishes sit out, and its placeholders become device
         fills."""
-        e = self.engine
+        core = self.core
         t0 = time.perf_counter()
-        skip = _sure_to_finish(lookahead, e.max_model_len) if lookahead is not None else None
-        sched = e.scheduler.schedule(lookahead_skip=skip)
-        if sched.is_empty:
-            e.runner.move_blocks(sched)  # a swap-in may precede the seq's next forward
-            e._observe_copies()
+        skip = _sure_to_finish(lookahead, core.max_model_len) if lookahead is not None else None
+        sched = core.schedule(skip)
+        if sched is None:
             return None
-        rows, sampling = e._sampling_rows(sched)
-        if e.logits_processors is not None:
-            e.runner.logits_hook = e._logits_hook(sched, rows)
-        prompt_plan = plan_prompt_logprobs(sched.seqs, sched.num_tokens)
         fill = _fill(sched, lookahead) if lookahead is not None else None
-        result, prompt_result = e.runner.execute(sched, e.kv, rows, sampling, prompt_plan,
-                                                 e._lora_slots(sched), fill=fill)
-        if prompt_result is not None:  # before the seqs move on: the plan read their progress
-            append_entries(prompt_plan, prompt_result, e.tokenizer)  # type: ignore[arg-type]
-        for seq, n in zip(sched.seqs, sched.num_tokens):
-            seq.num_computed_tokens += n
+        launched = core.execute_model(sched, fill)
         placeholders: list[tuple[Sequence, int]] = []
-        if result is not None:
-            for r, i in enumerate(rows):
+        if launched.result is not None:
+            for r, i in enumerate(launched.rows):
                 seq = sched.seqs[i]
-                if r > 0 and rows[r - 1] == i:  # an n > 1 fork's row: it appends on finish
+                if r > 0 and launched.rows[r - 1] == i:  # an n > 1 fork's row: appends on finish
                     placeholders.append((seq, -1))
                     continue
                 seq.output_token_ids.append(PLACEHOLDER)
                 placeholders.append((seq, len(seq.output_token_ids) - 1))
-        return InFlight(sched, rows, result, prompt_plan if prompt_result is not None else None,
-                        prompt_result, t0, placeholders)
+        return InFlight(sched, launched, t0, placeholders)
 
-    def _finish(self, step: InFlight, observe: bool = True) -> list[RequestOutput]:
-        """Read the step's tokens and apply them (see the module doc)."""
-        e = self.engine
-        result = step.result
+    def _finish(self, step: InFlight, observe: bool = True) -> list[Any]:
+        """Read the step's tokens, put them in place of the placeholders, and hand them to
+        the core's update (see the module doc)."""
+        core = self.core
+        result = step.launched.result
         tokens = result.sampled_token_ids.tolist() if result is not None else []
-        now = time.monotonic()
-        live = [not s.is_finished and s.request_id in e.requests for s, _ in step.placeholders]
+        live = [not s.is_finished and s.request_id in core.requests for s, _ in step.placeholders]
         for (seq, k), tok, ok in zip(step.placeholders, tokens, live):
             if ok and k >= 0:
                 seq.output_token_ids[k] = tok
         for seq in step.sched.seqs:  # every computed token is known now: cache the full blocks
-            if not seq.is_finished and seq.request_id in e.requests:
-                e.kv.register_computed(seq)
-        touched: list[Any] = []
-        if result is not None:
-            # Each token is applied as the sync engine appends it: the seq's outputs end just
-            # before it (a later step's placeholder comes back after, unless the seq finished).
-            after: list[list[int] | None] = []
-            for (seq, k), ok in zip(step.placeholders, live):
-                after.append(seq.output_token_ids[k + 1:] if ok and k >= 0 else None)
-                if ok and k >= 0:
-                    del seq.output_token_ids[k:]
-            touched = e._apply_samples(step.sched, step.rows, result, now, tokens, after)
-        if observe:
-            e._observe_step(step.sched, time.perf_counter() - step.t0)
-        touched = [s for s in touched if s.request_id not in e._failed_now]
-        outputs = [e._make_output(s) for s in touched]
-        for s in touched:
-            if s.finished:
-                e.requests.pop(s.request_id, None)
-        return outputs
+            if not seq.is_finished and seq.request_id in core.requests:
+                core.kv.register_computed(seq)
+        # Each token is applied as the sync engine appends it: the seq's outputs end just
+        # before it (a later step's placeholder comes back after, unless the seq finished).
+        after: list[list[int] | None] = []
+        for (seq, k), ok in zip(step.placeholders, live):
+            after.append(seq.output_token_ids[k + 1:] if ok and k >= 0 else None)
+            if ok and k >= 0:
+                del seq.output_token_ids[k:]
+        seconds = time.perf_counter() - step.t0 if observe else None
+        return core.update_from_output(step.sched, step.launched, tokens, after, seconds)
 
 
 def _sure_to_finish(step: InFlight, max_model_len: int) -> set[int]:
@@ -226,7 +197,7 @@ def _sure_to_finish(step: InFlight, max_model_len: int) -> set[int]:
 def _fill(sched: SchedulerOutput, prev: InFlight) -> StepFill | None:
     """Where the new step's inputs take a token still on the device: each scheduled seq whose
     last input is its placeholder reads the previous step's sampled row."""
-    if prev.result is None:
+    if prev.launched.result is None:
         return None
     src = {id(seq): r for r, (seq, k) in enumerate(prev.placeholders) if k >= 0}
     index: list[int] = []
@@ -241,4 +212,4 @@ def _fill(sched: SchedulerOutput, prev: InFlight) -> StepFill | None:
             source.append(r)
     if not index:
         return None
-    return StepFill(index, source, prev.result.sampled_token_ids)
+    return StepFill(index, source, prev.launched.result.sampled_token_ids)

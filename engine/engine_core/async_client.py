@@ -1,6 +1,6 @@
 """AsyncMPEngine: the server's engine when the core runs in its own process. The same interface
 as the in-thread `AsyncEngine` (streams, drain, observers); one output thread here reads the
-core's step messages, detokenises (OutputProcessor) and hands outputs to the request streams
+core's step messages, detokenises (ClientOutputProcessor) and hands outputs to the request streams
 and the observers (metrics, the prefix-index publisher) while the core runs the next step."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from kvserve.engine.async_engine import (AsyncEngine, EngineDeadError, EngineObs
 from kvserve.engine.engine_core.core_client import POLL_S, CoreClient
 from kvserve.engine.engine_core.messages import (AbortRequests, AddRequest, CoreDead,
                                                  CoreStopped, StepMessage)
-from kvserve.engine.engine_core.output_processor import OutputProcessor
+from kvserve.engine.engine_core.client_outputs import ClientOutputProcessor
 from kvserve.engine.sample.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvserve.engine.async_engine")
@@ -38,7 +38,7 @@ class AsyncMPEngine(AsyncEngine):
         self.draining = False
         self.error: BaseException | None = None
         self.on_dead: list[Callable[[BaseException], None]] = []  # run once the core is gone
-        self.outputs = OutputProcessor(client.info.tokenizer)
+        self.outputs = ClientOutputProcessor(client.info.tokenizer)
         self._streams: dict[str, RequestStream] = {}
         self._pending: dict[str, _Add] = {}  # adds the core has not answered yet
         self._state = _State()

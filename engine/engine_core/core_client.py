@@ -21,7 +21,7 @@ import zmq
 
 from kvserve.engine.cpu_threads import spin_default_for_children
 
-from kvserve.engine.engine_core.core_loop import run_engine_core
+from kvserve.engine.engine_core.core_process import run_engine_core
 from kvserve.engine.engine_core.messages import (CoreDead, CoreReady, Shutdown, UtilityCall,
                                                  UtilityResult)
 from kvserve.engine.engine_core.serial import decode, encode

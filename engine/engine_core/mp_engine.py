@@ -9,7 +9,7 @@ from typing import Any
 from kvserve.engine.engine_core.core_client import POLL_S, CoreClient, EngineCoreDiedError
 from kvserve.engine.engine_core.messages import (AbortRequests, AddRequest, CoreDead,
                                                  StepMessage)
-from kvserve.engine.engine_core.output_processor import OutputProcessor
+from kvserve.engine.engine_core.client_outputs import ClientOutputProcessor
 from kvserve.engine.outputs import RequestOutput
 
 
@@ -20,7 +20,7 @@ class MPLLMEngine:
     def __init__(self, config: Any) -> None:
         self.client = CoreClient(config)
         self.config = config
-        self.outputs = OutputProcessor(self.client.info.tokenizer)
+        self.outputs = ClientOutputProcessor(self.client.info.tokenizer)
         self._unanswered: set[str] = set()  # adds sent, the core's answer not yet read
         self._refused: dict[str, BaseException] = {}  # adds the core refused, not yet raised
         self._errors: dict[str, BaseException] = {}  # requests that failed alone in a step

@@ -1,5 +1,7 @@
-"""Client side: step messages -> cumulative `RequestOutput`s, detokenising each request
-incrementally and checking its stop strings here, off the engine core's process."""
+"""Output processing on the client side of a core process: step messages -> cumulative
+`RequestOutput`s, detokenising each request incrementally and checking its stop strings here, off
+the engine core's process. The in-process counterpart, over the core's own request states, is
+engine/output_processor.py; both use engine/sample/detokenizer.py."""
 
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ class ClientRequest:
     lora_request: Any = None
 
 
-class OutputProcessor:
+class ClientOutputProcessor:
     """Per-request state of the client; `process` turns a step's deltas into outputs."""
 
     def __init__(self, tokenizer: Any) -> None:

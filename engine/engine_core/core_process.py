@@ -1,5 +1,6 @@
-"""The engine core process: builds the `LLMEngine` (and with it any tensor-parallel workers),
-then runs a busy loop: take new requests, aborts and utility calls, step, send one StepMessage
+"""The engine core process (vLLM's EngineCoreProc): builds the `LLMEngine` (its processor and
+`EngineCore`, and with them any tensor-parallel workers; its text is left to the client), then
+runs a busy loop: take new requests, aborts and utility calls, step, send one StepMessage
 holding every request's new tokens, finish reasons, logprobs, the step's stats and KV events.
 
 While the client handles step N's message, this process already runs step N+1."""

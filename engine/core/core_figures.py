@@ -1,0 +1,70 @@
+"""The engine core's figures: its `EngineStats` snapshot and the prefix-cache hashes a replica
+publishes (plain keys only: the router hashes as a one-group engine does)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from kvserve.engine.core.kv_cache_groups import is_plain_key
+from kvserve.engine.core.kv_events import KVEvent
+from kvserve.engine.stats import EngineStats
+
+
+def engine_stats(core: Any) -> EngineStats:
+    """`core` (an EngineCore) as one EngineStats, read from its KV manager's snapshot."""
+    cache, sch, block_size = core.kv.make_stats(), core.scheduler, core.block_size
+    # Group 0's table: one slot per token position, as with one group (other groups' pages
+    # hold other layers of the same positions, or none where a window released them).
+    seq_slots = sum(len(core.kv.block_ids(s)) for s in sch.running) * block_size
+    seq_tokens = sum(s.num_computed_tokens for s in sch.running)
+    waste = seq_slots - seq_tokens
+    return EngineStats(
+        num_running=len(sch.running), num_waiting=len(sch.waiting),
+        num_swapped=len(sch.swapped), kv_cache_usage=cache.usage,
+        block_size=block_size, num_total_blocks=cache.num_total_blocks,
+        num_free_blocks=cache.num_free_blocks, num_cached_blocks=cache.num_cached_blocks,
+        num_shared_blocks=cache.num_shared_blocks, num_cpu_blocks=cache.num_cpu_blocks,
+        num_free_cpu_blocks=cache.num_free_cpu_blocks,
+        prefix_cache_queries=cache.prefix_cache_queries,
+        prefix_cache_hits=cache.prefix_cache_hits,
+        num_preemptions=sch.num_preemptions, num_evictions=cache.num_evictions,
+        kv_slots_used=max(cache.allocated_slots - max(waste, 0), 0),
+        kv_slots_allocated=cache.allocated_slots, prompt_tokens=core.prompt_tokens,
+        generation_tokens=core.generation_tokens, kv_seq_tokens=seq_tokens,
+        kv_seq_slots=seq_slots, prefix_cache_host_hits=cache.prefix_cache_host_hits,
+        num_host_blocks=cache.num_host_blocks,
+        num_host_cached_blocks=cache.num_host_cached_blocks,
+        host_blocks_stored=cache.host.stored, host_blocks_restored=cache.host.restored,
+        host_blocks_evicted=cache.host.evicted,
+        offload_bytes_to_host=core.tiers.bytes_to_host,
+        offload_bytes_to_device=core.tiers.bytes_to_device,
+        prefix_cache_disk_hits=cache.prefix_cache_disk_hits,
+        num_disk_blocks=cache.num_disk_blocks,
+        num_disk_cached_blocks=cache.num_disk_cached_blocks,
+        disk_blocks_stored=cache.disk.stored, disk_blocks_restored=cache.disk.restored,
+        disk_blocks_evicted=cache.disk.evicted, disk_blocks_dropped=cache.disk_blocks_dropped,
+        disk_bad_files=cache.disk_bad_files, offload_bytes_to_disk=cache.disk_bytes_written,
+        offload_bytes_from_disk=cache.disk_bytes_read)
+
+
+def plain_events(events: list[KVEvent]) -> list[KVEvent]:
+    """The events' plain block hashes (group 0's keys); an event naming none is dropped."""
+    out: list[KVEvent] = []
+    for event in events:
+        if event.kind == "cleared":
+            out.append(event)
+            continue
+        keep = tuple(h for h in event.block_hashes if is_plain_key(h))
+        if keep:
+            out.append(replace(event, block_hashes=keep))
+    return out
+
+
+def cached_block_hashes(kv: Any, medium: str) -> list[str]:
+    """Every hash the device pool (or, `medium="host"` / "disk", that tier) holds now."""
+    if medium == "host":
+        return [h.hex() for h in kv.host.lru_hashes()] if kv.host else []
+    if medium == "disk":
+        return [h.hex() for h in kv.disk.lru_hashes()] if kv.disk else []
+    return [h for h in kv.pool.cached_hashes() if is_plain_key(h)]

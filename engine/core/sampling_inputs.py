@@ -1,0 +1,86 @@
+"""The sampler's inputs for one scheduled step: which batch rows are sampled (n > 1 parents
+repeat on their first token), their seeded generators, grammar matchers and custom logits
+processors. `core` is the `EngineCore` (engine/core/engine_core.py) that owns the requests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from kvserve.engine.core.scheduler import SchedulerOutput
+from kvserve.engine.core.sequence import Sequence
+from kvserve.engine.sample.sampler import SamplingMetadata, make_generator
+from kvserve.engine.structured_output.grammar import GrammarState
+
+
+def sampling_rows(core: Any, sched: SchedulerOutput
+                  ) -> tuple[list[int], SamplingMetadata | None]:
+    """Batch indices whose logits are sampled (prefill complete); n > 1 parents repeat. A
+    request whose generator or grammar cannot be made fails alone (`core.fail_request`)."""
+    rows: list[int] = []
+    seqs: list[Sequence] = []
+    for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_tokens)):
+        if seq.num_computed_tokens + n == seq.num_tokens:
+            for _ in range(1 + (seq.pending_forks if not seq.output_token_ids else 0)):
+                rows.append(i)
+                seqs.append(seq)
+    for r, seq in enumerate(seqs):
+        try:
+            generator_for(core, seq, r, seqs)
+            grammar_state(core, seq)
+        except Exception as exc:  # noqa: BLE001 - handed to that request's caller
+            core.fail_request(seq.request_id, exc)
+    if core.failed_now:
+        kept = [(i, s) for i, s in zip(rows, seqs) if s.request_id not in core.failed_now]
+        rows, seqs = [i for i, _ in kept], [s for _, s in kept]
+    if not rows:
+        return rows, None
+    return rows, _metadata(core, seqs)
+
+
+def _metadata(core: Any, seqs: list[Sequence]) -> SamplingMetadata:
+    gens: dict[int, torch.Generator] = {}
+    for r, seq in enumerate(seqs):
+        g = generator_for(core, seq, r, seqs)  # made above: cached in the request's state
+        if g is not None:
+            gens[r] = g
+    meta = SamplingMetadata.build(
+        [s.params for s in seqs], [s.prompt_token_ids for s in seqs],
+        [s.output_token_ids for s in seqs], gens, core.vocab_size, core.device,
+        eos_token_id=core.eos_token_ids)
+    if any(core.requests[s.request_id].grammar is not None for s in seqs):
+        meta.token_bitmask = core.grammars.token_bitmask([grammar_state(core, s) for s in seqs])
+    return meta
+
+
+def grammar_state(core: Any, seq: Sequence) -> GrammarState | None:
+    """The seq's matcher (made on first use: a forked sibling gets its own), in step with its
+    output tokens; None for an unconstrained request."""
+    state = core.requests[seq.request_id]
+    if state.grammar is None:
+        return None
+    matcher = state.matchers.get(seq.index)
+    if matcher is None:
+        matcher = state.matchers[seq.index] = core.grammars.matcher(state.grammar)
+    matcher.sync(seq.output_token_ids)
+    return matcher
+
+
+def generator_for(core: Any, seq: Sequence, row: int, seqs: list[Sequence]
+                  ) -> torch.Generator | None:
+    """Seeded requests: one generator per sample index, seeded with seed + index."""
+    if seq.params.seed is None:
+        return None
+    state = core.requests[seq.request_id]
+    repeat = sum(1 for s in seqs[:row] if s is seq)
+    index = seq.index if repeat == 0 else len(state.seqs) + repeat - 1
+    if index not in state.generators:
+        state.generators[index] = make_generator(seq.params.seed + index, core.device)
+    return state.generators[index]
+
+
+def logits_hook(procs: Any, sched: SchedulerOutput, rows: list[int]) -> Any:
+    """Custom logits processors over this step's rows (a row's key: its seq, fork number)."""
+    seqs = [sched.seqs[i] for i in rows]
+    keys = [(s.seq_id, rows[:r].count(i)) for r, (i, s) in enumerate(zip(rows, seqs))]
+    return lambda logits: procs.apply(logits, keys, seqs)
