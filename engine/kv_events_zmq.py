@@ -171,11 +171,10 @@ class ZmqKVEventPublisher:
 
     def close(self) -> None:
         """Send what is queued, then stop the thread and close the sockets; idempotent."""
-        if not self._thread.is_alive():
-            return
-        self._queue.put(None)
-        self._thread.join(timeout=5.0)
-        self._pub.close(linger=0)
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=5.0)
+        self._pub.close(linger=0)  # closing a closed socket does nothing
         if self._replay is not None:
             self._replay.close(linger=0)
 
