@@ -1,8 +1,8 @@
 """DiskTier paths test_disk_tier.py leaves open (mutation survivors, see docs/mutation.md): clear
 after the files are written, a block evicted and stored again while its first write waits, a
 write that fails, the event batching, close, a full queue waited for, the figures of the
-small-disk warning and of the refusals, a path with missing parents, the reuse log line, and a
-tier never closed at exit."""
+small-disk warning and of the refusals, a path with missing parents, the reuse log line, a
+tier never closed at exit, and a lock on descriptor 0 (stdin closed)."""
 
 from __future__ import annotations
 
@@ -361,3 +361,21 @@ def test_a_tier_never_closed_does_not_keep_its_process_alive(tmp_path):
         pytest.fail("a process with an open disk tier did not exit")
     assert done.returncode == 0 and done.stdout == "exiting\n", \
         f"a process with an open disk tier did not exit by itself: {done.returncode} {done.stderr}"
+
+
+def test_a_lock_on_descriptor_0_is_held_and_released(tmp_path):
+    # A process started with stdin closed (a daemon, some container runtimes) gets descriptor 0
+    # for the lock file: the tier is open, refuses a second claim and releases it on close, as on
+    # any other descriptor. In a child, whose stdin can be closed without harm; alarm: hang guard.
+    code = ("import os, signal, sys; signal.alarm(50); "
+            "from kvserve.engine.errors import ConfigError; "
+            "from kvserve.engine.kv_offload.disk_tier import DiskTier; "
+            f"make = lambda: DiskTier(sys.argv[1], 4 * {FILE}, {PAYLOAD}, 'layout'); "
+            "os.close(0); t = make(); assert t._lock_fd == 0, t._lock_fd; assert t.is_open\n"
+            "try:\n    make()\n    sys.exit('a second tier claimed the locked directory')\n"
+            "except ConfigError:\n    pass\n"
+            "t.close(); assert not t.is_open, 'still open after close'; "
+            "make().close(); print('released')")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout == "released\n", (done.returncode, done.stderr)
