@@ -5,8 +5,12 @@ alternating order on the same token ids."""
 from __future__ import annotations
 
 import json
+import os
+import queue
+import signal
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -18,20 +22,31 @@ from vllm_offline import MARK
 
 class VllmOfflineWorker:
     """The vLLM worker process: started at once (its ~100 s start-up overlaps kvserve's load),
-    driven one batch per `run()`. Its log goes to `log`."""
+    driven one batch per `run()`. A thread drains its stdout all the time, so vLLM's log lines
+    (written to `log`) never fill the pipe and stall it while this process is busy."""
 
     def __init__(self, cmd: list[str], env: dict[str, str], log: TextIO) -> None:
         self.log = log
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=log, text=True, bufsize=1, start_new_session=True)
+        self.answers: queue.Queue[str | None] = queue.Queue()
+        self.pump = threading.Thread(target=self._pump, daemon=True)
+        self.pump.start()
         self.info: dict[str, Any] = {}
 
-    def _read(self, kind: str) -> dict[str, Any]:
+    def _pump(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            if line.startswith(MARK + kind + " "):
-                return json.loads(line[len(MARK) + len(kind) + 1:])
-            self.log.write(line)
+            if line.startswith(MARK):
+                self.answers.put(line[len(MARK):])
+            else:
+                self.log.write(line)
+        self.answers.put(None)  # the worker closed its stdout: it has exited
+
+    def _read(self, kind: str) -> dict[str, Any]:
+        while (answer := self.answers.get()) is not None:
+            if answer.startswith(kind + " "):
+                return json.loads(answer[len(kind) + 1:])
         raise RuntimeError(f"the vLLM worker exited (code {self.proc.wait()}) before {kind}; "
                            f"see its log {self.log.name}")
 
@@ -50,9 +65,10 @@ class VllmOfflineWorker:
             self.proc.stdin.close()  # EOF: the worker leaves its loop and shuts vLLM down
         try:
             self.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        except subprocess.TimeoutExpired:  # its engine core too: the worker leads its own group
+            os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+        self.pump.join(10)  # its last log lines
 
 
 def run_kvserve(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:

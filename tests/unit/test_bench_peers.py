@@ -44,9 +44,9 @@ def test_vllm_env_binds_every_allowed_cpu_and_preloads_its_own_iomp() -> None:
 
 def test_vllm_command_lines() -> None:
     cmd = vllm_serve_cmd(Path("/v"), Path("/m"), 8123, "bfloat16", 2048)
-    assert cmd[:3] == ["/v/bin/vllm", "serve", "/m"]
+    assert cmd[:3] == ["/v/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     flags = dict(zip(cmd[3::2], cmd[4::2]))
-    assert flags == {"--host": "127.0.0.1", "--port": "8123", "--dtype": "bfloat16",
+    assert flags == {"--model": "/m", "--host": "127.0.0.1", "--port": "8123", "--dtype": "bfloat16",
                      "--max-model-len": "2048", "--seed": "0"}
     off = vllm_offline_cmd(Path("/v"), Path("/m"), Path("/p.json"), "bfloat16", 2048, 64)
     assert off[0] == "/v/bin/python" and Path(off[1]) == PEERS / "vllm_offline.py"
