@@ -103,3 +103,18 @@ def test_the_weights_init_container_gets_a_writable_tmp() -> None:
     (init,) = pod["initContainers"]
     assert init["securityContext"]["readOnlyRootFilesystem"] is True
     assert {"name": "tmp", "mountPath": "/tmp"} in init["volumeMounts"]
+
+
+def test_the_weights_init_container_mounts_only_its_tmp_and_the_claim() -> None:
+    """The fetch container writes the claim and its own scratch /tmp, nothing of the engine's
+    (its compile cache, its config): another mount is another pod template, so every engine pod
+    of the service would roll for it."""
+    from kvserve.operator.weights import VOLUME, WEIGHTS_DIR
+
+    pod = pods(built(cr(model={"name": "llama-3-8b", "cache": {"pvc": {"size": "60Gi"}}})))[
+        "Deployment/chat-engine"]
+    (init,) = pod["initContainers"]
+    assert init["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"},
+                                    {"name": VOLUME, "mountPath": WEIGHTS_DIR}]
+    assert {"name": "cache", "mountPath": "/var/cache/kvserve"} in \
+        pod["containers"][0]["volumeMounts"]  # the engine's scratch, not the fetcher's

@@ -106,3 +106,26 @@ def test_a_budget_of_exactly_the_blocks_needed_fits() -> None:
 def test_the_refusal_counts_one_request_when_max_num_seqs_is_unset() -> None:
     with pytest.raises(InsufficientGPUMemoryError, match="1 x 8192 tokens need 512 blocks"):
         plan(spec_of(model={"name": "llama-3-70b"}, gpu={"type": "L4", "maxPerReplica": 2}))
+
+
+def test_more_gpus_than_one_node_holds_are_refused_as_multi_node() -> None:
+    """Llama 3 70B on L4s (maxPerReplica 16): 8 sequences of 8192 tokens fit on 8 GPUs, one
+    node; 16 sequences need 16, two nodes' worth, which one pod cannot span: refused by name,
+    with the ways out, rather than rendered as a pod no node can schedule."""
+    def sized(seqs: int):
+        return plan(spec_of(model={"name": "llama-3-70b"}, gpu={"type": "L4", "maxPerReplica": 16},
+                            engine={"maxNumSeqs": seqs}))
+
+    assert sized(8).gpus_per_replica == 8  # exactly one node: allowed
+    with pytest.raises(InvalidSpecError) as refused:
+        sized(16)
+    assert refused.value.reason == "MultiNodeUnsupported"
+    assert str(refused.value) == (
+        "llama-3-70b needs 16 GPUs per replica, more than one node's 8: multi-node tensor "
+        "parallelism (one replica over several machines) is not supported. Lower "
+        "maxModelLen/maxNumSeqs, use kvCacheDtype fp8 or a bigger GPU type, or set "
+        "spec.gpu.maxPerReplica <= 8 (docs/guides/deploying.md: how it would map onto a "
+        "LeaderWorkerSet)")
+    with pytest.raises(InsufficientGPUMemoryError):  # capped at one node: simply too small
+        plan(spec_of(model={"name": "llama-3-70b"}, gpu={"type": "L4", "maxPerReplica": 8},
+                     engine={"maxNumSeqs": 16}))

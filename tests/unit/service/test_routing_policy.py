@@ -162,3 +162,20 @@ def test_min_match_zero_still_needs_a_match_for_prefix_routing():
     d = decide("prefix", cands(("a", 2, 1), ("b", 0, 0)), num_blocks=1, block_size=1, cfg=cfg)
     assert (d.applied, d.chosen.replica_id) == ("prefix", "a")
     assert decide("prefix", [], num_blocks=4, block_size=16, cfg=cfg).chosen is None
+
+
+def test_session_choice_is_highest_random_weight_over_blake2b_64():
+    """The session hash is a contract between router versions: during a rolling update old and
+    new routers run side by side, and a session must land on the same replica under both. So
+    the replica chosen is pinned to its definition: the highest 8-byte blake2b of
+    "key NUL replica id" (a lowest-weight order, or another digest size, moves the sessions)."""
+    import hashlib
+
+    c = cands(*[(f"r{i}", 0, 0) for i in range(5)])
+
+    def weight(key: str, rid: str) -> bytes:
+        return hashlib.blake2b(f"{key}\x00{rid}".encode(), digest_size=8).digest()
+
+    for key in (f"user-{i}" for i in range(50)):
+        want = sorted((x.replica_id for x in c), key=lambda rid: weight(key, rid), reverse=True)
+        assert [x.replica_id for x in rank_session(c, key)] == want
