@@ -72,6 +72,24 @@ class EngineCore:
         self.memory_budget = setup.budget
         self.host_plan = setup.host_plan  # the whole server's memory on this host (None: dry run)
         self.eos_token_ids, self.vocab_size = setup.eos_token_ids, setup.vocab_size
+        self._build_parts(config, setup)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                        backend=config.structured_outputs_backend)
+        self.logits_processors = logits_processors(config, self.device)
+        self.requests: dict[str, RequestState] = {}
+        self.pending: list[RequestState] = []  # aborted or drained: the next step returns them
+        self.errors: dict[str, BaseException] = {}  # requests that failed alone, not yet taken
+        self.failed_now: set[str] = set()  # ... of them, those that failed in this step
+        self.prompt_tokens = self.generation_tokens = 0
+        self._next_seq_id = 0
+        self.profiler = TorchProfiler()
+        self.async_scheduling = async_scheduling_enabled(config.async_scheduling, self)
+        self.stepper = OverlappedStep(self, overlap=self.async_scheduling)
+        self.model_weight_bytes = setup.budget.weight_bytes * config.tensor_parallel_size
+        log_start(self, setup)
+
+    def _build_parts(self, config: EngineConfig, setup: EngineSetup) -> None:
+        """The KV cache (and its tiers), the scheduler, the model runner and the adapters."""
         self.disk = disk_tier(config, setup, str(self.model_path))
         self.kv = KVCacheManager(setup.budget.num_blocks, config.block_size,
                                  config.enable_prefix_caching, setup.num_cpu_blocks,
@@ -88,20 +106,6 @@ class EngineCore:
         if self.device.type == "cuda" and not config.enforce_eager \
                 and self.runner.backend == "triton":
             capture_decode_graphs(self)
-        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
-                                        backend=config.structured_outputs_backend)
-        self.logits_processors = logits_processors(config, self.device)
-        self.requests: dict[str, RequestState] = {}
-        self.pending: list[RequestState] = []  # aborted or drained: the next step returns them
-        self.errors: dict[str, BaseException] = {}  # requests that failed alone, not yet taken
-        self.failed_now: set[str] = set()  # ... of them, those that failed in this step
-        self.prompt_tokens = self.generation_tokens = 0
-        self._next_seq_id = 0
-        self.profiler = TorchProfiler()
-        self.async_scheduling = async_scheduling_enabled(config.async_scheduling, self)
-        self.stepper = OverlappedStep(self, overlap=self.async_scheduling)
-        self.model_weight_bytes = setup.budget.weight_bytes * config.tensor_parallel_size
-        log_start(self, setup)
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, req: NewRequest) -> None:
