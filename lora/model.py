@@ -11,11 +11,10 @@ import torch
 from torch import Tensor, nn
 
 from kvserve.engine.errors import LoRAError
+from kvserve.engine.layers.linear import PACKED_MODULES
 from kvserve.lora.adapter import LoRAWeights
 from kvserve.lora.layers import LoRABatch, LoRALinear
 
-# our linear -> the HF projections it fuses, in output order
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 ROW_PARALLEL = ("o_proj", "down_proj")
 
 
@@ -72,9 +71,9 @@ class LoRAModel:
         if name == "qkv_proj":
             q, kv = parent.q_size, parent.kv_size
             kv_full = dims.num_kv_heads * dims.head_dim if dims is not None else kv * n
-            return [q, kv, kv], FUSED[name], (q * n, kv_full, kv_full)
+            return [q, kv, kv], PACKED_MODULES[name], (q * n, kv_full, kv_full)
         if name == "gate_up_proj":
-            return [out // 2] * 2, FUSED[name], (out // 2 * n,) * 2
+            return [out // 2] * 2, PACKED_MODULES[name], (out // 2 * n,) * 2
         return [out], (name,), (out,)
 
     # ---- adapters -----------------------------------------------------------------------------

@@ -17,6 +17,11 @@ from torch import Tensor, nn
 
 from kvserve.engine.distributed import TPShape
 
+# Our fused linears -> the checkpoint projections stacked in them, in output order (vLLM's
+# packed_modules_mapping): the model loader, quantised linears and LoRA all read this one map.
+PACKED_MODULES: dict[str, tuple[str, ...]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                                              "gate_up_proj": ("gate_proj", "up_proj")}
+
 
 def skip_init_linear(n_in: int, n_out: int, bias: bool, dtype: torch.dtype, device) -> nn.Linear:
     """A plain nn.Linear (column or row parallel: the caller passes this rank's sizes)."""

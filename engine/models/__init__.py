@@ -8,16 +8,18 @@ from kvserve.engine.errors import ConfigError
 from kvserve.engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from kvserve.engine.models.gpt_oss import GptOssForCausalLM
 from kvserve.engine.models.llama import LlamaForCausalLM
+from kvserve.engine.models.mistral import MistralForCausalLM
 from kvserve.engine.models.mixtral import MixtralForCausalLM
 from kvserve.engine.models.phi3 import Phi3ForCausalLM
+from kvserve.engine.models.qwen2 import Qwen2ForCausalLM
 from kvserve.engine.models.qwen2_moe import Qwen2MoeForCausalLM
 from kvserve.engine.models.qwen3 import Qwen3ForCausalLM
 from kvserve.engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,

@@ -1,7 +1,14 @@
-"""The decoder stack that Qwen3, Gemma 2/3 and Phi-3 share, configured by a DecoderSpec (which
-norms, which activation, q/k norms, per-layer windows and rope tables, soft caps); each family's
-file only reads its config into a spec. Weight names, fusing and tensor-parallel slicing are the
-Llama family's (LlamaForCausalLM.load_weights)."""
+"""The one decoder stack every family runs (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3 and, with
+FusedMoE layers, the MoE families), configured by a DecoderSpec (which norms, which activation,
+q/k norms, per-layer windows and rope tables, soft caps); each family's file only reads its
+config into a spec. Weight names, fusing and tensor-parallel slicing: weight_loader.py.
+
+One forward takes a flattened batch of prefill and decode tokens ([T] ids and positions, no
+padding); each layer writes its new K/V through the slot mapping and attends through the block
+tables with `kvserve.kernels`. With a TPGroup (tensor parallelism) each rank holds its heads, its
+slice of the MLP and of the vocabulary (engine/distributed.py), and all-reduces after o_proj,
+down_proj and the embedding; without one the model is the plain unsharded one, with no
+collective."""
 
 from __future__ import annotations
 
@@ -18,15 +25,33 @@ from kvserve.engine.layers.mlp import GatedMLP
 from kvserve.engine.layers.moe import FusedMoE, MoESpec
 from kvserve.engine.layers.rotary import RotaryEmbedding
 from kvserve.engine.layers.vocab_embedding import VocabParallelEmbedding
-from kvserve.engine.models.llama import LlamaDims, LlamaForCausalLM
+from kvserve.engine.models.weight_loader import FusedWeightLoader
 from kvserve.kernels.metadata import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class DecoderDims:
+    """The shapes a layer needs, read once from the HF config."""
+
+    hidden: int
+    intermediate: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab: int
+    eps: float
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    tie_embeddings: bool
 
 
 @dataclass(frozen=True)
 class DecoderSpec:
     """The layer choices of one family, read from its config."""
 
-    dims: LlamaDims
+    dims: DecoderDims
     gemma_norms: bool = False  # norms scale by 1 + w; extra norms after attention and MLP
     qk_norm: bool = False  # a per-head norm on q and k before RoPE
     activation: str = "silu"  # gate activation of the gated MLP: "silu" | "gelu_tanh"
@@ -55,12 +80,12 @@ class DecoderSpec:
         return cls(dim, self.dims.eps, dtype, device)
 
 
-def decoder_dims(config) -> LlamaDims:
-    """The shapes, read as Llama's are (the activation is the spec's business): q/k/v/o biases
-    with attention_bias, MLP biases with mlp_bias."""
+def decoder_dims(config) -> DecoderDims:
+    """The shapes (the activation is the spec's business): q/k/v/o biases with attention_bias,
+    MLP biases with mlp_bias."""
     heads = config.num_attention_heads
     bias = bool(getattr(config, "attention_bias", False))
-    return LlamaDims(
+    return DecoderDims(
         hidden=config.hidden_size, intermediate=config.intermediate_size,
         num_layers=config.num_hidden_layers, num_heads=heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
@@ -180,12 +205,13 @@ class DecoderModel(nn.Module):
         return self.norm(x, residual)[0]
 
 
-class DecoderForCausalLM(LlamaForCausalLM):
-    """A family's causal LM: `spec_from_config` (in the family's file) says which layers."""
+class DecoderForCausalLM(FusedWeightLoader, nn.Module):
+    """A family's causal LM over a paged KV cache (the interface ModelRunner uses):
+    `spec_from_config` (in the family's file) says which layers."""
 
     def __init__(self, config, dtype: torch.dtype, device: torch.device | None = None,
                  tp: TPGroup | None = None, max_model_len: int | None = None) -> None:
-        nn.Module.__init__(self)
+        super().__init__()
         self.config, self.dtype, self.tp = config, dtype, tp
         self.spec = spec = self.spec_from_config(config, max_model_len)
         self.dims = d = spec.dims
@@ -204,11 +230,24 @@ class DecoderForCausalLM(LlamaForCausalLM):
 
     @property
     def max_position(self) -> int:
+        """Longest position the rope tables cover (an upper bound for max_model_len)."""
         return min(rot.max_len for rot in self.model.rotary.values())
 
+    def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
+                attn: AttentionMetadata) -> Tensor:
+        """[T] token ids and positions -> hidden states [T, hidden] after the final norm."""
+        if self._ops is None:
+            self._ops = AttentionOps.resolve()
+        return self.model(input_ids, positions, kv_caches, attn, self._ops)
+
     def compute_logits(self, hidden: Tensor) -> Tensor | None:
-        """As Llama's, then the final soft cap (Gemma 2): c * tanh(logits / c)."""
-        logits = super().compute_logits(hidden)
+        """[S, hidden] -> logits [S, vocab] in the model's dtype; the sampler widens them to
+        float32 for every stage but a plain greedy argmax, which needs no copy. Tensor parallel:
+        each rank's vocabulary slice is gathered to rank 0; the other ranks get None. Then the
+        final soft cap, if the family has one (Gemma 2): c * tanh(logits / c)."""
+        logits = self.lm_head(hidden)
+        if self.tp is not None:
+            logits = self.tp.gather_logits(logits, self.dims.vocab)
         cap = self.spec.final_soft_cap
         if logits is None or cap is None:
             return logits

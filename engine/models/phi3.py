@@ -38,7 +38,7 @@ class Phi3ForCausalLM(DecoderForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """The fused checkpoint tensors are split back into HF's q/k/v and gate/up names, so
-        Llama's loader fuses (and, under tensor parallelism, slices) them as usual."""
+        the decoder's loader fuses (and, under tensor parallelism, slices) them as usual."""
         super().load_weights(self._unfused(weights))
 
     def _unfused(self, weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:

@@ -7,12 +7,9 @@ import torch
 from torch import Tensor, nn
 
 from kvserve.engine.errors import QuantizationError
+from kvserve.engine.layers.linear import PACKED_MODULES
 from kvserve.engine.layers.quantization.base import LinearMethod, QuantConfig
 from kvserve.engine.layers.quantization.qweight import QuantizedWeight, concat_rows
-
-# Our fused linears and the checkpoint projections stacked in them, in order (vLLM's name).
-DEFAULT_PACKED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
-                          "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 class QuantLinear(nn.Module):
@@ -101,7 +98,7 @@ def quantize_linears(model: nn.Module, config: QuantConfig, dtype: torch.dtype) 
     routed experts become one QuantLinear per expert and projection; its router stays dense.
     The config is asked with the checkpoint's module names (the model's
     `checkpoint_module_name`, e.g. Mixtral's block_sparse_moe.experts.N.w1)."""
-    packed = getattr(model, "packed_modules_mapping", DEFAULT_PACKED_MODULES)
+    packed = getattr(model, "packed_modules_mapping", PACKED_MODULES)
     ckpt = getattr(model, "checkpoint_module_name", None) or (lambda name: name)
     tied = _tied_weights(model)
     count = 0
