@@ -1,5 +1,5 @@
-"""`kvserve` command line: `serve`, `fetch-model`, plus `router`, `plan`, `render` and `operator`
-from their modules. The flags themselves are in service/flags.py."""
+"""`kvserve` command line: `serve`, `fetch-model`, plus `router`, `epp`, `plan`, `render` and
+`operator` from their modules. The flags themselves are in service/flags.py."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ __all__ = ["build_parser", "build_serve_parser", "engine_config_from_args", "mai
            "server_config_from_args"]
 
 # Modules that add their own subcommands with `register(subparsers)`, if installed.
-EXTERNAL_COMMANDS = ("kvserve.service.router.cli", "kvserve.operator.cli")
+EXTERNAL_COMMANDS = ("kvserve.service.router.cli", "kvserve.service.epp.cli",
+                     "kvserve.operator.cli")
 
 
 def run_serve(args: argparse.Namespace) -> int:
