@@ -260,3 +260,23 @@ def test_kvserve_render_prints_the_pool_objects() -> None:
     assert crd_errors(pool) == []
     assert sum(1 for d in docs if d["kind"] == "Deployment"
                and d["metadata"]["name"].endswith("-router")) == 0
+
+
+def test_the_real_epp_cli_reads_the_rendered_args_as_meant() -> None:
+    import argparse
+
+    from kvserve.service.epp import cli
+
+    objs = by_key(pool_cr(redis={"url": "redis://shared:6379/2"}))
+    container = objs["Deployment/chat-epp"]["spec"]["template"]["spec"]["containers"][0]
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    cfg = cli.config_from_args(parser.parse_args(container["args"][1:]))
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert (cfg.grpc_port, cfg.grpc_health_port, cfg.metrics_port) == (
+        ports["grpc"], ports["grpc-health"], ports["metrics"])
+    assert (cfg.pool_name, cfg.pool_namespace) == ("chat", NS)
+    assert objs[f"InferencePool/{cfg.pool_name}"]["metadata"]["namespace"] == cfg.pool_namespace
+    engine = objs["Deployment/chat-engine"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert (cfg.router.redis_url, cfg.router.service_name) == (
+        "redis://shared:6379/2", engine[engine.index("--service-name") + 1])
