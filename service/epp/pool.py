@@ -55,9 +55,11 @@ class PoolWatcher:
     the set changes (first read included). Kubernetes errors are logged, the last set kept."""
 
     def __init__(self, name: str, namespace: str, on_change: Callable[[tuple[str, ...]], None],
-                 interval: float = 2.0) -> None:
+                 interval: float = 2.0, clients: Callable[[], tuple[Any, Any]] | None = None
+                 ) -> None:
         self.name, self.namespace, self.interval = name, namespace, interval
         self.on_change = on_change
+        self.clients = clients or _clients  # (CoreV1Api, CustomObjectsApi)
         self.synced = False
         self._last: tuple[str, ...] | None = None
         self._task: asyncio.Task | None = None
@@ -71,7 +73,7 @@ class PoolWatcher:
             await asyncio.gather(self._task, return_exceptions=True)
 
     async def _loop(self) -> None:
-        core, custom = await asyncio.to_thread(_clients)
+        core, custom = await asyncio.to_thread(self.clients)
         while True:
             try:
                 endpoints = await asyncio.to_thread(self._read, core, custom)

@@ -4,6 +4,7 @@ health for the protocol's three names, Prometheus metrics, TLS with its self-sig
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 
 import grpc
@@ -28,7 +29,8 @@ def config(*flags: str):
     add_arguments(parser)
     return config_from_args(parser.parse_args(
         ["--host", "127.0.0.1", "--grpc-port", "0", "--grpc-health-port", str(free_port()),
-         "--metrics-port", str(free_port()), "--endpoints", "127.0.0.1:8101,127.0.0.1:8102", *flags]))
+         "--metrics-port", str(free_port()), "--endpoints", "127.0.0.1:8101,127.0.0.1:8102",
+         *flags]))
 
 
 def requests(body: bytes):
@@ -59,7 +61,7 @@ async def wait_ready(channel: grpc.aio.Channel) -> None:
         resp = await stub.Check(health_pb2.HealthCheckRequest(service="readiness"))
         if resp.status == SERVING:
             return
-        await __import__("asyncio").sleep(0.05)
+        await asyncio.sleep(0.05)
     raise AssertionError("never ready")
 
 
