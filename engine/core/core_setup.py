@@ -17,7 +17,7 @@ from kvserve.engine.kv_offload.disk_block_file import describe_layout
 from kvserve.engine.kv_offload.disk_tier import DiskTier
 from kvserve.engine.kv_offload.swap_cost import SwapCostModel
 from kvserve.engine.sample.tokenizer import chat_token_ids, prompt_token_ids
-from kvserve.engine.worker.checkpoint_size import weights_log_line
+from kvserve.engine.sizing.weights_size import weights_log_line
 from kvserve.engine.worker.cuda_graph import eager_reason, graphs_log_line
 from kvserve.engine.worker.model_runner import ModelRunner
 from kvserve.engine.worker.startup import EngineSetup

@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.engine.errors import ModelNotFoundError
+from kvserve.engine.sizing.gguf_table import find_gguf, gguf_tensor_bytes
 
 INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on the JSON header
 # Floating dtypes the engine casts to its compute dtype when it loads them.
-GGUF_NOT_SIZED = "GGUFNotSized"  # the reason local_checkpoint gives a GGUF-only folder
 CAST_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})  # GGUF's dense types are named the same
 
 
@@ -158,10 +158,7 @@ def local_checkpoint(folder: Path | str) -> Checkpoint:
     index = _read_json(folder / INDEX_FILE) if (folder / INDEX_FILE).is_file() else None
     shards = shard_names((p.name for p in folder.iterdir()), index)
     if not shards and any(folder.glob("*.gguf")):
-        # A GGUF tensor table is read with the loader's torch reader: worker/checkpoint_size.py
-        raise CheckpointReadError(f"{folder} holds a GGUF file and no *.safetensors: GGUF "
-                                  "checkpoints are sized by the engine (kvserve serve logs "
-                                  "their bytes), not from safetensors headers", GGUF_NOT_SIZED)
+        return gguf_checkpoint(folder, config)
     if not shards:
         raise CheckpointReadError(f"{folder} holds no *.safetensors weights (.bin/.pt "
                                   "checkpoints cannot be sized from headers)")
@@ -169,6 +166,38 @@ def local_checkpoint(folder: Path | str) -> Checkpoint:
     return Checkpoint(config, summarize(headers, str(folder), len(shards), tied(config)))
 
 
+def gguf_checkpoint(folder: Path, config: dict[str, Any] | None = None) -> Checkpoint:
+    """A model folder's GGUF file sized from its tensor table: each tensor at its stored bytes
+    (ggml blocks: codes with their fp16 scales), dtype named by its ggml type (Q4_1, F32...)."""
+    path = find_gguf(folder)
+    if path is None:
+        raise CheckpointReadError(f"{folder} holds no .gguf file")
+    config = config if config is not None else read_config(folder)
+    try:
+        by_type, count = gguf_tensor_bytes(path)
+    except (ValueError, OSError) as exc:
+        raise CheckpointReadError(f"{path}: not a readable GGUF file ({exc})") from exc
+    params = {k: p for k, (p, _) in by_type.items()}
+    size = {k: b for k, (_, b) in by_type.items()}
+    return Checkpoint(config, CheckpointWeights(params, size, count, 1, str(path)))
+
+
 def checkpoint_weight_bytes(path: Path | str) -> int:
     """Stored bytes of every tensor of a local checkpoint folder (quantised layouts included)."""
     return local_checkpoint(path).weights.total_bytes
+
+
+def weights_log_line(resident_bytes: int, model_path: Path | str, compute_dtype_bytes: int,
+                     quantization: str | None = None) -> str:
+    """The engine's startup line: the weight bytes it holds, and the checkpoint headers' figure
+    (what `kvserve plan` and the operator size with) when the folder is local and readable
+    (its GGUF file's tensor table with quantization="gguf")."""
+    line = f"model weights: {resident_bytes} bytes resident ({resident_bytes / (1 << 30):.3f} GiB)"
+    if not Path(model_path).is_dir():
+        return line
+    try:
+        read = gguf_checkpoint if quantization == "gguf" else local_checkpoint
+        headers = read(Path(model_path)).weights.resident_bytes(compute_dtype_bytes)
+    except CheckpointReadError as exc:
+        return f"{line}; checkpoint headers unreadable: {exc}"
+    return f"{line}; checkpoint headers say {headers} bytes"

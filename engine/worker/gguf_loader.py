@@ -13,7 +13,8 @@ import torch
 
 from kvserve.engine.errors import ModelNotFoundError, QuantizationError
 from kvserve.engine.layers.quantization.gguf import GGML_DENSE_TYPES, GGML_QUANT_TYPES, \
-    GGUFConfig, dequantize_gguf, ggml_type_name
+    GGUFConfig, dequantize_gguf
+from kvserve.engine.sizing.gguf_table import ggml_type_name
 
 # general.architecture -> the config.json model_type(s) it is served as. llama.cpp interleaves
 # q_proj's and k_proj's rows for its rotary kernel in llama files only (its converter's
@@ -28,15 +29,6 @@ _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
           "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}  # qwen3's
 _NOT_LINEAR = ("model.embed_tokens", "lm_head")
-
-
-def find_gguf(folder: Path) -> Path | None:
-    """The one *.gguf file of a model folder (None when there is none)."""
-    files = sorted(Path(folder).glob("*.gguf"))
-    if len(files) > 1:
-        raise ModelNotFoundError(f"{folder} holds {len(files)} GGUF files "
-                                 f"({', '.join(f.name for f in files)}); keep one per folder")
-    return files[0] if files else None
 
 
 def hf_name(gguf_name: str, arch: str = "llama") -> str:
@@ -115,14 +107,6 @@ class GGUFFile:
                 dense = _unpermute(dense, kv_heads if base.endswith("k_proj") else heads)
             yield name, dense
 
-    def weight_bytes(self) -> dict[str, tuple[int, int]]:
-        """ggml type name -> (parameters, bytes) of every tensor in the file."""
-        out: dict[str, tuple[int, int]] = {}
-        for t in self.reader.tensors:
-            kind = ggml_type_name(int(t.tensor_type))
-            params, size = out.get(kind, (0, 0))
-            out[kind] = (params + int(t.n_elements), size + int(t.n_bytes))
-        return out
 
 
 def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:

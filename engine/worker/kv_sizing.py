@@ -83,12 +83,11 @@ def host_plan(config: EngineConfig, model_path: Path | str, device: torch.device
 def _checkpoint_weight_bytes(model_path: Path | str, cfg: Any, dtype: torch.dtype) -> int:
     """The whole model's resident weight bytes before loading it: the checkpoint's safetensors
     headers, else our model built on the meta device."""
-    from kvserve.engine.sizing.weights_size import CheckpointReadError
-    from kvserve.engine.worker.checkpoint_size import engine_checkpoint
+    from kvserve.engine.sizing.weights_size import CheckpointReadError, local_checkpoint
 
     if Path(model_path).is_dir():
         try:
-            return engine_checkpoint(model_path).weights.resident_bytes(
+            return local_checkpoint(model_path).weights.resident_bytes(
                 torch.finfo(dtype).bits // 8)
         except CheckpointReadError:
             pass

@@ -264,7 +264,8 @@ def gguf_file(folder: Path, quantization: str | None):
     """The folder's GGUF file, opened, when it is what to load: `quantization="gguf"`, or a
     folder with a .gguf and no safetensors. The default model's folder gets its GGUF (the wheel's
     own file) on first use."""
-    from kvserve.engine.worker.gguf_loader import GGUFFile, find_gguf
+    from kvserve.engine.sizing.gguf_table import find_gguf
+    from kvserve.engine.worker.gguf_loader import GGUFFile
 
     if quantization not in (None, "gguf"):
         return None

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from kvserve.engine.errors import QuantizationError
+from kvserve.engine.sizing.gguf_table import ggml_type_name
 from kvserve.engine.layers.quantization.base import LinearMethod, QuantConfig
 from kvserve.engine.layers.quantization.qweight import QuantizedWeight
 
@@ -21,15 +22,6 @@ GGML_QUANT_TYPES = {8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20
                     12: ("Q4_K", 256, 144)}
 GGML_DENSE_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
 GROUP = 32  # every served type has one scale (and offset) per 32 inputs
-
-
-def ggml_type_name(type_id: int) -> str:
-    try:
-        from gguf import GGMLQuantizationType
-
-        return GGMLQuantizationType(type_id).name
-    except (ImportError, ValueError):
-        return f"ggml type {type_id}"
 
 
 def _f16(raw: Tensor) -> Tensor:

@@ -65,7 +65,7 @@ def test_the_operator_and_sizing_import_and_render_with_torch_blocked() -> None:
 
 def test_the_block_refuses_a_module_that_needs_torch() -> None:
     """The check above cannot pass vacuously: the same block fails the loader's GGUF reader."""
-    done = run(BLOCK_TORCH + "import kvserve.engine.worker.checkpoint_size\n")
+    done = run(BLOCK_TORCH + "import kvserve.engine.worker.gguf_loader\n")
     assert done.returncode != 0
     assert "torch is blocked: torch" in done.stderr
 
@@ -132,9 +132,31 @@ def test_nothing_the_operator_reaches_imports_torch_even_lazily() -> None:
 def test_the_walk_sees_a_torch_import_inside_a_function(tmp_path: Path) -> None:
     """The check above cannot pass vacuously: a function-level import is found and followed."""
     lazy = tmp_path / "lazy.py"
-    lazy.write_text("def f():\n    from kvserve.engine.worker import checkpoint_size\n")
+    lazy.write_text("def f():\n    from kvserve.engine.worker import gguf_loader\n")
     graph = {"kvserve.operator.lazy": imported_names("kvserve.operator.lazy", lazy),
-             "kvserve.engine.worker.checkpoint_size": {"torch"}}
+             "kvserve.engine.worker.gguf_loader": {"torch"}}
     reached = reached_from(["kvserve.operator.lazy"], graph)
     assert torch_users(reached, graph) == {
-        "kvserve.engine.worker.checkpoint_size": "kvserve.operator.lazy"}
+        "kvserve.engine.worker.gguf_loader": "kvserve.operator.lazy"}
+
+
+def test_a_gguf_folder_is_sized_with_torch_blocked(tmp_path: Path) -> None:
+    """`kvserve plan` and the operator size a GGUF-only folder (the default model's form) from
+    its tensor table without torch: the bytes equal what the gguf reader lists."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(tmp_path / "model.gguf"), "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((64, 32), dtype=np.float32))
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((32, 32), dtype=np.float16))
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file,
+                 writer.write_tensors_to_file):
+        step()
+    writer.close()
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    done = run(BLOCK_TORCH + "from kvserve.engine.sizing.weights_size import local_checkpoint\n"
+               "w = local_checkpoint(sys.argv[1]).weights\n"
+               "print(json.dumps([w.total_bytes, w.bytes_by_dtype]))\n", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == [64 * 32 * 4 + 32 * 32 * 2, {"F32": 64 * 32 * 4,
+                                                                   "F16": 32 * 32 * 2}]

@@ -18,9 +18,7 @@ from test_compressed_tensors import assert_matches_reference
 from kvserve.engine.errors import QuantizationError
 from kvserve.engine.layers.quantization import QuantLinear
 from kvserve.engine.layers.quantization.gguf import decode_blocks
-from kvserve.engine.sizing.weights_size import GGUF_NOT_SIZED, CheckpointReadError, \
-    local_checkpoint
-from kvserve.engine.worker.checkpoint_size import engine_checkpoint
+from kvserve.engine.sizing.weights_size import local_checkpoint
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -72,14 +70,11 @@ def test_a_gguf_serves_quantised_as_its_dequantised_dense_model(dense_dir, tmp_p
 
 
 def test_sizing_reads_the_gguf_bytes(dense_dir, tmp_path):
-    """The loader sizes a GGUF from its tensor table; the torch-free header reader (the
-    operator's) refuses it by name rather than importing the torch reader."""
+    """The torch-free header reader (the operator's and `kvserve plan`'s) sizes a GGUF-only
+    folder from its tensor table: each tensor at its stored bytes, named by its ggml type."""
     folder = write_gguf(dense_dir, tmp_path / "q", TYPES, tmp_path / "ref")
     reader = gguf.GGUFReader(str(folder / "model.gguf"))
-    with pytest.raises(CheckpointReadError, match="GGUF") as refused:
-        local_checkpoint(folder)
-    assert refused.value.reason == GGUF_NOT_SIZED
-    weights = engine_checkpoint(folder).weights
+    weights = local_checkpoint(folder).weights
     assert weights.total_bytes == sum(int(t.n_bytes) for t in reader.tensors)
     assert weights.parameters == sum(int(t.n_elements) for t in reader.tensors)
     assert weights.bytes_by_dtype["Q4_K"] == sum(int(t.n_bytes) for t in reader.tensors
