@@ -23,6 +23,7 @@ from kvserve.service.request_validation import read_json_body, validate_request
 from kvserve.service.router.adapters import AdapterLoadError
 from kvserve.service.router.config import RouterConfig
 from kvserve.service.router.drain import DrainMiddleware, DrainState
+from kvserve.service.router.migration import Migrator, migratable
 from kvserve.service.router.proxy import ClientGoneError, ClientWatch, NoReplicaError, Proxy
 from kvserve.service.router.routing import RouteInfo, Router
 from kvserve.service.routing_policy import Candidate
@@ -49,6 +50,7 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     router.metrics.draining.set_function(lambda: float(drain.draining))
     app.state.router, app.state.proxy, app.state.drain, app.state.config = \
         router, proxy, drain, cfg
+    app.state.migrator = Migrator(cfg, router, proxy)
     _add_routes(app, router, proxy)
     # Outermost last: drain (503), then auth (401, before any body is read), then the body cap.
     app.add_middleware(BodyLimitMiddleware, limit=cfg.max_body_bytes)
@@ -84,7 +86,7 @@ def _add_routes(app: FastAPI, router: Router, proxy: Proxy) -> None:
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE"])
     async def forward(path: str, request: Request) -> Response:
-        return await _forward(router, proxy, "/" + path, request)
+        return await _forward(router, proxy, "/" + path, request, app.state.migrator)
 
 
 def validated_body(path: str, body: bytes, limits: RequestLimits) -> dict[str, Any]:
@@ -95,9 +97,10 @@ def validated_body(path: str, body: bytes, limits: RequestLimits) -> dict[str, A
     return data
 
 
-async def _forward(router: Router, proxy: Proxy, path: str, request: Request) -> Response:
+async def _forward(router: Router, proxy: Proxy, path: str, request: Request,
+                   migrator: Migrator) -> Response:
     body = await request.body()
-    route = None
+    route, parsed = None, None
     if request.method == "POST" and path in _REQUEST_MODELS:
         try:
             parsed = validated_body(path, body, router.cfg.limits)
@@ -119,6 +122,10 @@ async def _forward(router: Router, proxy: Proxy, path: str, request: Request) ->
             on_missing = _reloader(router, route.adapter, request.headers)
     watch = ClientWatch(request.receive)
     try:
+        if parsed is not None and on_missing is None and migratable(router.cfg, path, parsed):
+            # a stream the router can move to another replica if its replica fails
+            return await migrator.forward(path, request.url.query, parsed, request.headers,
+                                          ranking, policy, route, watch)
         return await proxy.forward(request.method, path, request.url.query, body,
                                    request.headers, ranking, policy, route, watch, on_missing)
     except NoReplicaError as exc:

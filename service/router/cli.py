@@ -92,6 +92,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "when its holders are overloaded)")
     p.add_argument("--lora-load-timeout", type=float, default=d.lora_load_timeout,
                    help="seconds a replica gets to load a LoRA adapter the router asked for")
+    p.add_argument("--migration-limit", type=int, default=d.migration_limit,
+                   help="times one streamed completion or chat request may move to another "
+                        "replica when its replica dies or drains mid-stream (it goes on there as a "
+                        "continuation of the tokens delivered); past it the stream ends with an "
+                        "error event. 0 turns migration off")
+    p.add_argument("--migration-max-tokens", type=int, default=d.migration_max_tokens,
+                   help="do not migrate a stream longer than this many tokens (prompt + "
+                        "delivered): its re-prefill would cost more than a retry; 0 = no limit")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS,
                    help="log level of the router and uvicorn")
     add_limit_args(p)
@@ -126,7 +134,9 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
                         shared_load_interval=_non_negative(ns.shared_load_interval,
                                                            "--shared-load-interval"),
                         lora_modules=parse_lora_modules(ns.lora_modules),
-                        lora_load_timeout=_positive(ns.lora_load_timeout, "--lora-load-timeout"))
+                        lora_load_timeout=_positive(ns.lora_load_timeout, "--lora-load-timeout"),
+                        migration_limit=max(ns.migration_limit, 0),
+                        migration_max_tokens=max(ns.migration_max_tokens, 0))
 
 
 def parse_lora_modules(items: Sequence[str]) -> tuple[tuple[str, str], ...]:

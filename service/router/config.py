@@ -50,3 +50,9 @@ class RouterConfig:
     # replica loads it from (the same on every replica: the weights cache's mount).
     lora_modules: tuple[tuple[str, str], ...] = ()
     lora_load_timeout: float = 120.0  # --lora-load-timeout: one replica's load of one adapter
+    # --migration-limit: times one streamed request may move to another replica when its
+    # replica's stream breaks (service/router/migration.py); 0 turns migration off.
+    migration_limit: int = 3
+    # --migration-max-tokens: a stream longer than this (prompt + delivered tokens) is not
+    # migrated (its re-prefill would cost more than a retry); 0 = no limit.
+    migration_max_tokens: int = 0

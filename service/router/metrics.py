@@ -56,6 +56,11 @@ class RouterMetrics:
             "kvserve_router:adapter_load_seconds", "Time for a replica to load an adapter the "
             "router asked for", registry=r,
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0))
+        self.migrations = Counter(
+            "kvserve:router_migrations", "In-flight generations moved to another replica after "
+            "theirs broke, by reason (reset, eof, error_event, drain) and outcome (migrated; "
+            "retried: a whole request re-issued; limit, too_long, no_replica: the stream ended "
+            "with an error)", ["reason", "outcome"], registry=r)
         self.draining = Gauge("kvserve_router:draining", "1 while the router drains (SIGTERM)",
                               registry=r)
 

@@ -16,7 +16,18 @@ def _message_text(content: Any) -> Any:
 def prompt_tokens_for(tokenizer: Any, path: str, body: dict[str, Any],
                       chat_encoder: Any = None) -> list[int] | None:
     """Token ids of a chat or completion request body, via the engine's own tokenizer helpers
-    (`chat_encoder`: an engine.tokenizer.ChatEncoder over the same tokenizer, for speed)."""
+    (`chat_encoder`: an engine.tokenizer.ChatEncoder over the same tokenizer, for speed). A
+    migrated request's continuation follows its prompt: the replica's sequence, whose blocks
+    decide where it continues (service/router/migration.py)."""
+    tokens = _prompt_tokens(tokenizer, path, body, chat_encoder)
+    cont = body.get("continuation")
+    if tokens is not None and isinstance(cont, dict) and isinstance(cont.get("token_ids"), list):
+        tokens = tokens + [t for t in cont["token_ids"] if isinstance(t, int)]
+    return tokens
+
+
+def _prompt_tokens(tokenizer: Any, path: str, body: dict[str, Any],
+                   chat_encoder: Any = None) -> list[int] | None:
     from kvserve.engine.sample.tokenizer import chat_token_ids, prompt_token_ids
 
     if path.endswith("/chat/completions"):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import httpx
@@ -38,6 +38,15 @@ _HOP_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-
 _OWN_HEADERS = {"date", "server"}
 _RETRY_STATUS = {502, 503, 504}
 _DOWN_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+
+class Opened(NamedTuple):
+    """A replica's response once its first chunk arrived."""
+
+    cand: Candidate
+    resp: httpx.Response
+    first: bytes
+    chunks: AsyncIterator[bytes]
 
 
 class NoReplicaError(RuntimeError):
@@ -96,11 +105,22 @@ class Proxy:
                       route: RouteInfo | None = None, watch: ClientWatch | None = None,
                       on_missing: Callable[[Candidate], Awaitable[bool]] | None = None
                       ) -> Response:
-        """Send to the first candidate that answers; retry the next one on failure before byte 1.
-        ClientGoneError when `watch` sees the client leave first. `on_missing` (a registered LoRA
-        adapter's request): a replica answering 404 has the adapter loaded again by it and gets
-        the request once more; when that load fails (or the adapter is gone again) the next replica
-        is tried."""
+        """Send to the first candidate that answers and relay its answer raw (`open_first`)."""
+        opened = await self.open_first(method, path, query, body, headers, ranking, policy,
+                                       route, watch, on_missing)
+        return self._stream_back(*opened, route)
+
+    async def open_first(self, method: str, path: str, query: str, body: bytes, headers: Any,
+                         ranking: Sequence[Candidate], policy: str,
+                         route: RouteInfo | None = None, watch: ClientWatch | None = None,
+                         on_missing: Callable[[Candidate], Awaitable[bool]] | None = None
+                         ) -> Opened:
+        """The first candidate that answers, its response and first chunk; retry the next one on
+        failure before byte 1 (NoReplicaError when none answers). ClientGoneError when `watch`
+        sees the client leave first. `on_missing` (a registered LoRA adapter's request): a
+        replica answering 404 has the adapter loaded again by it and gets the request once more;
+        when that load fails (or the adapter is gone again) the next replica is tried. The
+        caller owns the response: `release` its replica and close it."""
         fwd = {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
         for cand in ranking:
             opened = await self._open(cand, method, path, query, body, fwd, watch)
@@ -127,7 +147,7 @@ class Proxy:
                 self.metrics.matched_tokens_by_tier.labels("device").inc(device)
                 self.metrics.matched_tokens_by_tier.labels("host").inc(host)
                 self.metrics.prompt_tokens.inc(route.prompt_tokens)
-            return self._stream_back(cand, resp, first, chunks, route)
+            return Opened(cand, resp, first, chunks)
         raise NoReplicaError(f"no replica could take the request ({len(ranking)} tried)")
 
     async def _discard(self, cand: Candidate, resp: httpx.Response) -> None:
@@ -168,6 +188,12 @@ class Proxy:
                            cand.replica_id, type(exc).__name__, exc)
             self.metrics.upstream_errors.labels(cand.replica_id, "before_first_byte").inc()
             self.metrics.retries.labels(cand.replica_id).inc()
+            if resp is not None and resp.headers.get("x-kvserve-migrate"):
+                # A draining replica handed a whole (non-streamed) request back: the next
+                # replica runs it, invisibly to the client.
+                self.metrics.migrations.labels("drain", "retried").inc()
+                logger.info("replica %s handed a request back (drain); re-issuing it",
+                            cand.replica_id)
             if isinstance(exc, (*_DOWN_ERRORS, UpstreamHungError)) or resp is not None:
                 # Refused, unreachable or answering 502/503/504. A dropped connection alone may be
                 # a keep-alive race with a healthy replica: the next connect attempt will tell.
@@ -209,6 +235,14 @@ class Proxy:
 
     def _stream_back(self, cand: Candidate, resp: httpx.Response, first: bytes,
                      chunks: AsyncIterator[bytes], route: RouteInfo | None) -> Response:
+        headers = self.response_headers(cand, resp, route)
+        sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+        return StreamingResponse(self._relay(cand, resp, first, chunks, sse),
+                                 status_code=resp.status_code, headers=headers)
+
+    def response_headers(self, cand: Candidate, resp: httpx.Response,
+                         route: RouteInfo | None) -> dict[str, str]:
+        """The replica's response headers as the client gets them."""
         headers = {k: v for k, v in resp.headers.items()
                    if k.lower() not in _HOP_HEADERS and k.lower() not in _OWN_HEADERS
                    and not k.lower().startswith("x-kvserve-")}
@@ -218,9 +252,7 @@ class Proxy:
                 device, host = route.split(cand.replica_id)
                 headers["x-kvserve-predicted-matched-tokens"] = str(device + host)
                 headers["x-kvserve-predicted-host-tokens"] = str(host)
-        sse = resp.headers.get("content-type", "").startswith("text/event-stream")
-        return StreamingResponse(self._relay(cand, resp, first, chunks, sse),
-                                 status_code=resp.status_code, headers=headers)
+        return headers
 
     async def _relay(self, cand: Candidate, resp: httpx.Response, first: bytes,
                      chunks: AsyncIterator[bytes], sse: bool) -> AsyncIterator[bytes]:
