@@ -113,6 +113,9 @@ class Migrator:
                 if self._cut_off():
                     yield _router_cut_off()
                     return
+                if state.ended_by_error:  # a client error or a deadline: it would repeat
+                    yield SSE_DONE.encode()
+                    return
                 unfinished = state.unfinished() if leg.choice is None else \
                     [leg.choice] if not state.choices[leg.choice].finished else []
                 if unfinished:

@@ -45,6 +45,7 @@ class SpliceState:
     choices: dict[int, ChoiceState] = field(default_factory=dict)
     usage: dict[str, Any] | None = None  # the latest usage chunk's usage
     migrations: int = 0
+    ended_by_error: bool = False  # an error event the client got: the stream is over
 
     def __post_init__(self) -> None:
         self.choices = {i: ChoiceState() for i in range(self.n)}
@@ -70,6 +71,7 @@ class SpliceState:
                 raise StreamBroken("drain", str(err.get("message")))
             if err.get("type") in _MIGRATABLE_ERRORS:
                 raise StreamBroken("error_event", str(err.get("message")))
+            self.ended_by_error = True
             return f"data: {payload}\n\n"
         self._rewrite_head(data)
         choices = [c for c in (self._choice(c, continuation) for c in data.get("choices") or [])

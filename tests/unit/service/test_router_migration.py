@@ -73,6 +73,9 @@ def fake_replica(name: str, script: Script) -> FastAPI:
                 if brk[1] == "error_event":
                     yield ('data: {"error": {"message": "engine core died", "type": '
                            '"server_error", "param": null, "code": null}}\n\ndata: [DONE]\n\n')
+                elif brk[1] == "timeout_event":
+                    yield ('data: {"error": {"message": "past its deadline", "type": '
+                           '"timeout_error", "param": null, "code": null}}\n\n')
                 elif brk[1] == "drain":
                     yield ('data: {"error": {"message": "draining", "type": "service_unavailable",'
                            ' "param": null, "code": 503, "kvserve_migrate": true}}\n\n')
@@ -87,9 +90,24 @@ def fake_replica(name: str, script: Script) -> FastAPI:
                                          "total_tokens": PROMPT_TOKENS + done})
         yield "data: [DONE]\n\n"
 
+    async def whole(body: dict):
+        """A non-streamed answer; a "reset" break dies after the status line went out."""
+        brk = script.take(name, body)
+        if brk is not None and brk[1] == "reset":
+            raise RuntimeError("the replica died")
+        text = "".join(f"c0w{k} " for k in range(body["max_tokens"]))
+        yield json.dumps({"id": f"id-{name}", "object": "text_completion", "model": "fake",
+                          "choices": [{"index": 0, "text": text, "finish_reason": "length"}]})
+
     @app.post("/v1/completions")
-    async def completions(request: Request) -> StreamingResponse:
+    async def completions(request: Request):
         body = await request.json()
+        if not body.get("stream"):
+            if script.breaks[len(script.bodies):][:1] == [(0, "drain")]:
+                script.take(name, body)
+                return JSONResponse({"error": {"message": "draining"}}, status_code=503,
+                                    headers={"x-kvserve-migrate": "1"})
+            return StreamingResponse(whole(body), media_type="application/json")
         return StreamingResponse(generate(body, False), media_type="text/event-stream")
 
     @app.post("/v1/chat/completions")
@@ -310,3 +328,25 @@ def test_a_client_error_event_is_passed_through_not_migrated():
     state = SpliceState(n=1, chat=False, keep_token_ids=False, want_usage=False)
     event = '{"error": {"message": "bad", "type": "invalid_request_error", "code": null}}'
     assert state.event(event, False) == f"data: {event}\n\n"
+
+
+@pytest.mark.parametrize("how", ["reset", "drain"])
+def test_a_whole_answer_whose_replica_fails_is_re_issued_invisibly(how):
+    script = Script(breaks=[(0, how)])
+    with fleet(script) as url:
+        resp = httpx.post(url + "/v1/completions", timeout=30,
+                          json={"model": "fake", "prompt": "p", "max_tokens": 5})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["text"] == expected(1, 5)[0]
+        assert len({name for name, _ in script.bodies}) == 2
+        assert metric(url, "kvserve:router_migrations_total", reason="drain",
+                      outcome="retried") == (1 if how == "drain" else 0)
+
+
+def test_an_error_event_that_would_repeat_ends_the_stream():
+    """A deadline's error event (504) is the client's answer: passed through, then [DONE]."""
+    script = Script(breaks=[(2, "timeout_event")])
+    with fleet(script) as url:
+        events = stream(url, "/v1/completions", {"prompt": "p", "max_tokens": 9})
+        assert events[-2]["error"]["type"] == "timeout_error" and events[-1] == "[DONE]"
+        assert len(script.bodies) == 1
