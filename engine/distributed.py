@@ -103,3 +103,16 @@ class TPGroup:
             t = t.cuda()
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         return t.tolist()
+
+
+def cleanup_dist_env_and_memory(shutdown_ray: bool = False) -> None:
+    """vLLM's teardown between two engines in one process: this process's default process group
+    (if it has one) destroyed, garbage collected, the accelerator's cached memory returned.
+    kvserve starts no Ray, so `shutdown_ray` asks nothing."""
+    import gc
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

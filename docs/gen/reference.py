@@ -538,10 +538,27 @@ def examples_section() -> list[str]:
     return lines
 
 
+PATHS = Path(__file__).with_name("vllm_paths.yaml")
+
+
+def vllm_paths_page() -> str:
+    """vllm_paths.yaml as a table: the vLLM path a script imports, the kvserve object it gets."""
+    rows = yaml.safe_load(PATHS.read_text())["paths"]
+    lines = ["# vLLM's module paths", "", HEADER.format(source="`docs/gen/vllm_paths.yaml` (every "
+             "row imported by `tests/unit/test_vllm_paths.py`)"),
+             "A vLLM script runs on kvserve with `vllm` changed to `kvserve` in its imports: each "
+             "path below resolves to the kvserve object on its right, which is defined once (the "
+             "paths outside kvserve's own folders are thin re-exports in `vllm_paths/`).", ""]
+    lines += table(["vLLM path", "kvserve object", "note"], [
+        [code(r["vllm"]), code(r["kvserve"]), cell(r.get("note", ""))] for r in rows])
+    return "\n".join(lines)
+
+
 PAGES: dict[str, Callable[[], str]] = {
     "reference/cli.md": cli_page,
     "reference/crd.md": crd_page,
     "reference/metrics.md": metrics_page,
     "reference/http-api.md": http_page,
     "reference/vllm-compat.md": vllm_page,
+    "reference/vllm-paths.md": vllm_paths_page,
 }

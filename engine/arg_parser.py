@@ -1,4 +1,5 @@
-"""vLLM's `vllm.utils` names that kvserve has: `FlexibleArgumentParser`."""
+"""vLLM's `FlexibleArgumentParser` (`vllm.utils.argparse_utils`): argparse that reads
+`--max_model_len` as `--max-model-len`."""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""`kvserve.renderers`, as `vllm.renderers`."""

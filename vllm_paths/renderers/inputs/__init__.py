@@ -1,0 +1,1 @@
+"""`kvserve.renderers.inputs`, as `vllm.renderers.inputs`."""

@@ -1,0 +1,1 @@
+"""`kvserve.v1.engine`, as `vllm.v1.engine`."""

@@ -1,0 +1,1 @@
+"""`kvserve.v1.metrics`, as `vllm.v1.metrics`."""

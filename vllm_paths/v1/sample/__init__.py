@@ -1,0 +1,1 @@
+"""`kvserve.v1.sample`, as `vllm.v1.sample`."""
