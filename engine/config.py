@@ -81,6 +81,9 @@ class EngineConfig:
     # vLLM's kv_events_config (JSON text, a dict or a KVEventsConfig): publish prefix-cache
     # changes in vLLM's wire format over ZMQ for external schedulers (engine/kv_events_zmq.py).
     kv_events_config: Any = None
+    # vLLM's enable_prompt_embeds: prompts may be [seq_len, hidden] embeddings in place of token
+    # ids (engine/prompt_embeds.py); such prompts skip the prefix cache.
+    enable_prompt_embeds: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_events_config is not None:

@@ -205,7 +205,8 @@ def make_engine(config: EngineConfig) -> Any:
 
 def _normalise_prompts(prompts: Any, prompt_token_ids: list[list[int]] | None
                        ) -> list[tuple[str | None, str | list[int]]]:
-    """(text, prompt) pairs from a string, token ids, {"prompt"|"prompt_token_ids"} dicts or lists."""
+    """(text, prompt) pairs from a string, token ids, {"prompt"|"prompt_token_ids"|"prompt_embeds"}
+    dicts or lists."""
     if prompts is None:
         if prompt_token_ids is None:
             raise InvalidRequestError("pass prompts or prompt_token_ids", "prompts")
@@ -217,6 +218,8 @@ def _normalise_prompts(prompts: Any, prompt_token_ids: list[list[int]] | None
     for p in prompts:
         if isinstance(p, str):
             out.append((p, p))
+        elif isinstance(p, dict) and "prompt_embeds" in p:  # vLLM's EmbedsPrompt
+            out.append((None, {"prompt_embeds": p["prompt_embeds"]}))
         elif isinstance(p, dict) and "prompt_token_ids" in p:
             out.append((p.get("prompt"), list(p["prompt_token_ids"])))
         elif isinstance(p, dict) and "prompt" in p:

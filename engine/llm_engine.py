@@ -90,6 +90,7 @@ class LLMEngine:
                     arrival_time: float | None = None, priority: int = 0,
                     cache_salt: str | None = None, lora_request: Any = None) -> None:
         """Queue a request; InvalidRequestError (with `.param`) if it can never be served.
+        `prompt`: text, token ids, or `{"prompt_embeds": tensor}` (with enable_prompt_embeds).
         `lora_request` (a LoRARequest): the adapter it runs with, read now if not yet known."""
         self.core.add_request(self.processor.process(
             request_id, prompt, params, arrival_time=arrival_time, priority=priority,

@@ -43,9 +43,12 @@ class OutputProcessor:
         # Complete once the prefill is (never changed after: a recompute skips what is recorded).
         prompt_lps = (state.seqs[0].prompt_logprobs or [None]) \
             if state.params.prompt_logprobs is not None else None  # [None]: a 1-token prompt
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs,
+        embeds = state.prompt_embeds
+        return RequestOutput(state.request_id, state.prompt,
+                             state.prompt_token_ids if embeds is None else None, outs,
                              finished=finished, num_cached_tokens=cached, metrics=state.metrics,
-                             prompt_logprobs=prompt_lps, lora_request=state.lora_request)
+                             prompt_logprobs=prompt_lps, lora_request=state.lora_request,
+                             num_prompt_embeds=0 if embeds is None else int(embeds.shape[0]))
 
 
 def known_tokens(seq: Sequence) -> list[int]:

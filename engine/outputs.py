@@ -44,7 +44,7 @@ class RequestMetrics:
 class RequestOutput:
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | None  # None: the prompt came as embeddings (as vLLM)
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
@@ -54,3 +54,10 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     extra: dict = field(default_factory=dict)
     lora_request: Any = None  # the LoRARequest it ran with (None: the base model)
+    num_prompt_embeds: int = 0  # rows of a prompt given as embeddings (prompt_token_ids None)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Positions the prompt filled: its token ids, or its embeddings' rows."""
+        ids = self.prompt_token_ids
+        return len(ids) if ids is not None else self.num_prompt_embeds

@@ -13,6 +13,7 @@ from typing import Any
 from kvserve.engine.core.engine_core import EngineCore
 from kvserve.engine.core.request import NewRequest, TextTracker
 from kvserve.engine.errors import InvalidRequestError
+from kvserve.engine.prompt_embeds import check_prompt_embeds, embeds_of
 from kvserve.engine.sample.best_of import expand
 from kvserve.engine.sample.detokenizer import core_makes_text
 from kvserve.engine.sample.sampling_params import SamplingParams
@@ -42,7 +43,13 @@ class Processor:
                 "(--scheduling-policy priority); this engine serves first come, first served",
                 "priority")
         lora_name = core.loras.name_for(lora_request)
-        ids = prompt_token_ids(core.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+        embeds = self._embeds(prompt, params)
+        if embeds is not None:  # placeholder ids: the runner feeds the embeddings instead
+            ids = [0] * embeds.shape[0]
+        else:
+            ids = prompt_token_ids(core.tokenizer, prompt) if isinstance(prompt, str) \
+                else list(prompt)
+        text_ids = ids if embeds is None else []  # the detokenizer's left context
         makes_text = detokenize or core_makes_text(params)
         params, best_of = expand(params)
         params = self.check(ids, params)
@@ -50,9 +57,24 @@ class Processor:
         return NewRequest(
             request_id, prompt if isinstance(prompt, str) else None, ids, params,
             arrival_time if arrival_time is not None else time.monotonic(),
-            lambda: self.new_text(ids, params, makes_text), priority=priority,
+            lambda: self.new_text(text_ids, params, makes_text), priority=priority,
             cache_salt=cache_salt, lora_name=lora_name, lora_request=lora_request,
-            grammar=grammar, best_of=best_of, makes_text=makes_text)
+            grammar=grammar, best_of=best_of, makes_text=makes_text, prompt_embeds=embeds)
+
+    def _embeds(self, prompt: Any, params: SamplingParams) -> Any:
+        """The checked embeddings of an `{"prompt_embeds": tensor}` prompt (None: text or
+        token ids); refused unless the engine enables them, or with prompt logprobs (whose
+        targets are the prompt's token ids)."""
+        embeds = embeds_of(prompt)
+        if embeds is None:
+            return None
+        core = self.core
+        embeds = check_prompt_embeds(embeds, core.config.enable_prompt_embeds,
+                                     core.hf_config.hidden_size)
+        if params.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt_logprobs is not supported with prompt_embeds: "
+                                      "the prompt has no token ids to score", "prompt_logprobs")
+        return embeds
 
     def check(self, ids: list[int], params: SamplingParams) -> SamplingParams:
         """`params` as the core runs them (max_tokens capped at the context), or

@@ -114,11 +114,13 @@ class EngineCore:
         seq = self.new_seq(req.request_id, 0, req.prompt_token_ids, req.params,
                            req.arrival_time, req.priority, req.cache_salt, req.lora_name)
         seq.pending_forks = req.params.n - 1
+        seq.prompt_embeds = req.prompt_embeds
         self.requests[req.request_id] = RequestState(
             req.request_id, req.prompt, req.prompt_token_ids, req.params, [seq],
             [req.new_text()], RequestMetrics(arrival_time=req.arrival_time),
             grammar=req.grammar, best_of=req.best_of, makes_text=req.makes_text,
-            lora_request=req.lora_request, new_text=req.new_text)
+            lora_request=req.lora_request, new_text=req.new_text,
+            prompt_embeds=req.prompt_embeds)
         self.scheduler.add(seq)
         self.prompt_tokens += len(req.prompt_token_ids)
 

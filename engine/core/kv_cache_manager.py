@@ -134,9 +134,10 @@ class KVCacheManager:
         holds (read and verified here, in one batch: a bad file ends the prefix). Changes
         nothing but the tiers' LRU order (and drops a bad disk file).
 
-        At least one token is always left to compute, since its logits are needed.
+        At least one token is always left to compute, since its logits are needed. A prompt
+        of embeddings is never looked up (its placeholder token ids say nothing of its KV).
         """
-        if not self.enable_caching:
+        if not self.enable_caching or seq.prompt_embeds is not None:
             return []
         if self.groups.is_hybrid or self.groups.slides:
             return self._lookup_groups(seq)
@@ -212,7 +213,7 @@ class KVCacheManager:
 
     def full_block_hashes(self, seq: Sequence, start_block: int, end_block: int) -> list[bytes]:
         """Hashes of the seq's full blocks in [start_block, end_block) (clipped to full ones)."""
-        if not self.enable_caching:
+        if not self.enable_caching or seq.prompt_embeds is not None:
             return []
         end = min(end_block, seq.num_tokens // self.block_size)
         return self._seq_hashes(seq, end)[start_block:end] if end > start_block else []
@@ -228,8 +229,9 @@ class KVCacheManager:
             self.prefix_stats.disk_hits += num_disk_hit_tokens
 
     def register_computed(self, seq: Sequence) -> None:
-        """Put the seq's newly full and computed blocks into the prefix cache."""
-        if not self.enable_caching:
+        """Put the seq's newly full and computed blocks into the prefix cache (never those of
+        a prompt of embeddings, as vLLM: their hashes would be of placeholder ids)."""
+        if not self.enable_caching or seq.prompt_embeds is not None:
             return
         num_full = seq.num_computed_tokens // self.block_size
         done = self.num_registered.get(seq.seq_id, 0)

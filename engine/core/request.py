@@ -43,6 +43,7 @@ class NewRequest:
     grammar: Any = None  # the compiled constraint of a structured-output request
     best_of: Any = None  # sample/best_of.BestOf: show only the best n of params.n candidates
     makes_text: bool = True  # False: the engine core's client detokenises (engine_core/)
+    prompt_embeds: Any = None  # [P, hidden] in place of the prompt's P (placeholder) token ids
 
 
 @dataclass
@@ -61,6 +62,7 @@ class RequestState:
     makes_text: bool = True  # False: the engine core's client detokenises (engine_core/)
     lora_request: Any = None  # the LoRARequest it runs with, shown on its outputs
     new_text: Callable[[], TextTracker] | None = None  # a fork's text tracker
+    prompt_embeds: Any = None  # the prompt came as embeddings: outputs show no token ids
 
     @property
     def finished(self) -> bool:

@@ -45,7 +45,9 @@ def _metadata(core: Any, seqs: list[Sequence]) -> SamplingMetadata:
         if g is not None:
             gens[r] = g
     meta = SamplingMetadata.build(
-        [s.params for s in seqs], [s.prompt_token_ids for s in seqs],
+        # an embeddings prompt's placeholder ids are no tokens: penalties see only its output
+        [s.params for s in seqs], [s.prompt_token_ids if s.prompt_embeds is None else []
+                                   for s in seqs],
         [s.output_token_ids for s in seqs], gens, core.vocab_size, core.device,
         eos_token_id=core.eos_token_ids)
     if any(core.requests[s.request_id].grammar is not None for s in seqs):

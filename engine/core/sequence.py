@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.engine.core.block_hash import extra_keys_for
 from kvserve.engine.sample.sampling_params import SamplingParams
@@ -34,6 +35,9 @@ class Sequence:
     priority: int = 0
     cache_salt: str | None = None
     lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
+    # [P, hidden] CPU tensor fed for the prompt positions in place of embedded token ids
+    # (engine/prompt_embeds.py); prompt_token_ids are then P placeholders (0), never hashed.
+    prompt_embeds: Any = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache (-1 = not looked up)

@@ -56,6 +56,7 @@ def fork(core: Any, parent: Sequence) -> Sequence:
     child.num_computed_tokens = parent.num_computed_tokens
     child.num_cached_tokens = parent.num_cached_tokens
     child.output_token_ids = list(parent.output_token_ids)
+    child.prompt_embeds = parent.prompt_embeds  # a recompute re-feeds them
     core.kv.fork(parent, child)
     core.scheduler.add_running(child)
     state.seqs.append(child)

@@ -11,6 +11,7 @@ from typing import Any
 
 from kvserve.engine.engine_core.messages import RequestDelta
 from kvserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvserve.engine.prompt_embeds import embeds_of, prompt_len
 from kvserve.engine.sample.detokenizer import (IncrementalDetokenizer, core_makes_text,
                                                new_detokenizer)
 
@@ -33,8 +34,9 @@ class ClientRequest:
     prompt: str | None
     params: Any
     whole: bool  # the core makes its text and sends whole outputs
-    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_token_ids: list[int] | None = field(default_factory=list)  # None: embeddings
     prompt_logprobs: list | None = None
+    num_prompt_embeds: int = 0  # rows of a prompt given as embeddings
     samples: dict[int, _Sample] = field(default_factory=dict)
     full: list[CompletionOutput] = field(default_factory=list)
     metrics: RequestMetrics | None = None
@@ -52,9 +54,11 @@ class ClientOutputProcessor:
 
     def add(self, request_id: str, prompt: str | list[int], params: Any,
             lora_request: Any = None) -> None:
-        self.requests[request_id] = ClientRequest(
+        req = self.requests[request_id] = ClientRequest(
             request_id, prompt if isinstance(prompt, str) else None, params,
             core_makes_text(params), lora_request=lora_request)
+        if embeds_of(prompt) is not None:  # as vLLM's: no token ids for embeddings
+            req.prompt_token_ids, req.num_prompt_embeds = None, prompt_len(prompt)
 
     def remove(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -113,7 +117,7 @@ class ClientOutputProcessor:
 
     def _detok(self, req: ClientRequest) -> IncrementalDetokenizer:
         p = req.params
-        return new_detokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens,
+        return new_detokenizer(self.tokenizer, req.prompt_token_ids or [], p.skip_special_tokens,
                                p.stop_strings, p.include_stop_str_in_output)
 
     def _output(self, req: ClientRequest) -> RequestOutput:
@@ -127,4 +131,5 @@ class ClientOutputProcessor:
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs,
                              finished=req.finished, num_cached_tokens=req.num_cached_tokens,
                              metrics=req.metrics, prompt_logprobs=req.prompt_logprobs,
+                             num_prompt_embeds=req.num_prompt_embeds,
                              lora_request=req.lora_request)

@@ -188,12 +188,16 @@ class DecoderModel(nn.Module):
         self.norm = spec.norm(d.hidden, dtype, device)
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
-                attn: AttentionMetadata, attn_ops: AttentionOps) -> Tensor:
+                attn: AttentionMetadata, attn_ops: AttentionOps,
+                embeds: tuple[Tensor, Tensor] | None = None) -> Tensor:
         if kv_caches:
             attn = attn_ops.prepare(attn, kv_caches[0][0].shape[1])
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        if embeds is not None:  # prompt embeddings replace the (scaled) lookups, as in HF
+            rows, values = embeds
+            x = x.index_copy(0, rows, values.to(x.dtype))
         ropes = {k: rot(positions) for k, rot in self.rotary.items()}  # once per step
         residual = None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
@@ -234,11 +238,13 @@ class DecoderForCausalLM(FusedWeightLoader, nn.Module):
         return min(rot.max_len for rot in self.model.rotary.values())
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
-                attn: AttentionMetadata) -> Tensor:
-        """[T] token ids and positions -> hidden states [T, hidden] after the final norm."""
+                attn: AttentionMetadata, embeds: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """[T] token ids and positions -> hidden states [T, hidden] after the final norm.
+        `embeds` (rows [E], values [E, hidden]): prompt embeddings that replace the embedded
+        ids of those rows (vLLM's prompt embeds; replicated on every tensor-parallel rank)."""
         if self._ops is None:
             self._ops = AttentionOps.resolve()
-        return self.model(input_ids, positions, kv_caches, attn, self._ops)
+        return self.model(input_ids, positions, kv_caches, attn, self._ops, embeds)
 
     def compute_logits(self, hidden: Tensor) -> Tensor | None:
         """[S, hidden] -> logits [S, vocab] in the model's dtype; the sampler widens them to

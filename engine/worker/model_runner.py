@@ -95,6 +95,9 @@ class StepInput:
     graph_size: int | None = None
     # input tokens still on the device (async scheduling's placeholders; single rank only)
     fill: Any = None
+    # prompt embeddings: (flattened rows [E] int64, values [E, hidden]) fed in place of the
+    # embedded ids of those rows (engine/prompt_embeds.py); every rank gets them
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class ModelRunner:
@@ -228,7 +231,27 @@ class ModelRunner:
                          _moves(sched))
         if lora_slots is not None and max(lora_slots) >= 0:
             step.lora_slots = torch.tensor(lora_slots, dtype=torch.int64)[seq_idx]
+        step.embeds = self._prompt_embeds(sched)
         return step
+
+    def _prompt_embeds(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's rows whose input is a prompt embedding and those embeddings (this chunk's
+        slice of each prompt; a recompute after preemption feeds them again), in the model's
+        dtype; None when no scheduled token has one."""
+        rows: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        offset = 0
+        dtype = getattr(self.model, "dtype", torch.float32)
+        for seq, n in zip(sched.seqs, sched.num_tokens):
+            s, p = seq.num_computed_tokens, seq.num_prompt_tokens
+            if seq.prompt_embeds is not None and s < p:
+                end = min(s + n, p)
+                rows.append(torch.arange(offset, offset + end - s))
+                values.append(seq.prompt_embeds[s:end].to(dtype))
+            offset += n
+        if not rows:
+            return None
+        return torch.cat(rows), torch.cat(values)
 
     def prepare(self, sched: SchedulerOutput, kv: KVCacheManager) -> tuple[torch.Tensor,
                                                                            torch.Tensor,
@@ -399,7 +422,8 @@ class ModelRunner:
         group (several run eagerly) without prompt logprobs, within the ladder. The driver
         decides it once and sends it with the step, so no rank decides on its own."""
         g = self.graphs
-        if g is None or step.prompt_rows or step.block_tables.shape[0] != 1:
+        if g is None or step.prompt_rows or step.embeds is not None \
+                or step.block_tables.shape[0] != 1:
             return None
         return g.size_for(step.seq_lens.shape[0], step.input_ids.shape[0],
                           step.block_tables.shape[2])
@@ -419,6 +443,10 @@ class ModelRunner:
         fill = self._fill(step)
         if fill is not None:
             fill(ids)
+        if step.embeds is not None:
+            embeds = (self._dev(step.embeds[0]), self._dev(step.embeds[1]))
+            return (self.model(ids, positions, self.kv_caches, meta, embeds=embeds),
+                    meta.query_start_loc)
         return self.model(ids, positions, self.kv_caches, meta), meta.query_start_loc
 
     def _fill(self, step: StepInput) -> Callable[[torch.Tensor], None] | None:
