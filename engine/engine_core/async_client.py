@@ -21,6 +21,9 @@ from kvserve.engine.engine_core.client_outputs import ClientOutputProcessor
 from kvserve.engine.sample.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvserve.engine.async_engine")
+# How long a stopping server waits for the core to answer its Shutdown (it reads its inbox
+# between two steps); past it the core process is terminated.
+CORE_STOP_S = 30.0
 
 
 class AsyncMPEngine(AsyncEngine):
@@ -80,11 +83,14 @@ class AsyncMPEngine(AsyncEngine):
         self._stop_core()
 
     def _stop_core(self) -> None:
+        """Bounded whatever the core does (issue 41): it gets CORE_STOP_S to answer the
+        Shutdown, then `close()` terminates it; the output thread is not waited for beyond
+        that, as it ends by itself once the sockets are closed."""
         self.client.shutdown()
-        self._stopped.wait(60 if self.client.is_alive() else 0)
+        self._stopped.wait(CORE_STOP_S if self.client.is_alive() else 0)
         if self._thread is not None:
-            self._thread.join(5)
-        self.client.close()
+            self._thread.join(2)
+        self.client.close(timeout_s=5.0)
 
     # ---- requests (event loop) ----------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -102,7 +108,8 @@ class AsyncMPEngine(AsyncEngine):
         self._clear_idle()
         self._pending[request_id] = _Add(request_id, prompt, params, priority, cache_salt,
                                          arrival, stream, accepted)
-        self.outputs.add(request_id, prompt, params, kwargs.get("lora_request"))
+        self.outputs.add(request_id, prompt, params, kwargs.get("lora_request"),
+                         kwargs.get("continuation"))
         self.client.send(AddRequest(request_id, prompt, params, dict(
             arrival_time=arrival, priority=priority, cache_salt=cache_salt, **kwargs)))
         await accepted

@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from typing import Any
 
 import zmq
@@ -30,6 +31,9 @@ from kvserve.engine.errors import KVServeError
 logger = logging.getLogger("kvserve.engine.core")
 
 POLL_S = 0.5  # how often a waiting reader checks that the core process still lives
+# The most `close()` waits for ZMQ's context to terminate; past it the context is left to the
+# process's exit rather than hang a shutdown (issue 41: a SIGTERM'd server hung in term()).
+TERM_TIMEOUT_S = 5.0
 
 
 class EngineCoreDiedError(KVServeError):
@@ -43,6 +47,9 @@ class CoreClient:
         self._dir = tempfile.mkdtemp(prefix="kvserve-core-")
         addresses = tuple(f"ipc://{self._dir}/{name}" for name in ("in", "out", "utility"))
         self._ctx = zmq.Context()
+        # Every socket of this context drops what it has not sent when closed: a message queued
+        # for a core that is gone must never hold up `term()`.
+        self._ctx.linger = 0
         self._requests = self._ctx.socket(zmq.PUSH)
         self._requests.bind(addresses[0])
         self._outputs = self._ctx.socket(zmq.PULL)
@@ -51,6 +58,7 @@ class CoreClient:
         self._utility.bind(addresses[2])
         self._send_lock = threading.Lock()  # the event loop, the output thread and callers send
         self._utility_lock = threading.Lock()
+        self._close_lock = threading.Lock()  # close() from the output thread, atexit or a caller
         self._call_ids = itertools.count()
         self.death: str | None = None  # why the core is gone, once it is
         self.closed = False
@@ -83,20 +91,27 @@ class CoreClient:
                 raise EngineCoreDiedError(f"the engine failed to start: {self.death}")
 
     # ---- messages --------------------------------------------------------------------------
-    def send(self, message: Any) -> None:
-        """Queue `message` for the core. Never blocks on a core that is gone: a PUSH socket
-        without a peer waits for one forever, so a message to a dead core is dropped (its
-        requests are failed by the output thread, which sees the death)."""
+    def send(self, message: Any, timeout_s: float | None = None) -> bool:
+        """Queue `message` for the core; False if it was dropped. Never blocks on a core that is
+        gone: a PUSH socket without a peer waits for one forever, so a message to a dead core is
+        dropped (its requests are failed by the output thread, which sees the death), and so is
+        one that a live core has not taken within `timeout_s` (None: no limit)."""
         data = encode(message)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._send_lock:
             while not self.closed:
+                if deadline is not None and time.monotonic() > deadline:
+                    return False
                 try:
-                    self._requests.send(data, zmq.NOBLOCK, copy=False)
-                    return
+                    # Copied (not zero-copy): a zero-copy frame still queued at close is freed
+                    # through pyzmq's garbage-collector thread, one more party to term().
+                    self._requests.send(data, zmq.NOBLOCK)
+                    return True
                 except zmq.Again:  # the queue is full, or the core stopped reading
                     if not self._check_alive():
-                        return
+                        return False
                     self._requests.poll(POLL_S * 1000, zmq.POLLOUT)
+        return False
 
     def recv(self, timeout_s: float) -> Any:
         """The next message from the core, or None after `timeout_s` (then `death` says
@@ -140,13 +155,26 @@ class CoreClient:
         if self._shutdown_sent or not self.is_alive():
             return
         self._shutdown_sent = True
-        self.send(Shutdown())
+        self.send(Shutdown(), timeout_s=5.0)  # a core that reads no more is stopped by close()
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Stop the core (and its tensor-parallel workers) and release the sockets; idempotent."""
-        if self.closed:
-            return
-        atexit.unregister(self.close)
+        """Stop the core (and its tensor-parallel workers) and release the sockets; idempotent,
+        thread-safe, and bounded: about `timeout_s` + 10 s however the core or ZMQ behave."""
+        with self._close_lock:
+            if self.closed:
+                return
+            atexit.unregister(self.close)
+            self._stop_process(timeout_s)
+            with self._send_lock:
+                self.closed = True
+                for sock in (self._requests, self._outputs, self._utility):
+                    sock.close(linger=0)
+            if not term_within(self._ctx, TERM_TIMEOUT_S):
+                logger.warning("engine core sockets: ZMQ did not terminate in %.0f s; left to "
+                               "the process exit", TERM_TIMEOUT_S)
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _stop_process(self, timeout_s: float) -> None:
         if self.process.is_alive():
             self.shutdown()
             self.process.join(timeout_s)
@@ -156,13 +184,7 @@ class CoreClient:
             self.process.join(5)
         if self.process.is_alive():
             self.process.kill()
-            self.process.join()
-        with self._send_lock:
-            self.closed = True
-            for sock in (self._requests, self._outputs, self._utility):
-                sock.close(linger=0)
-        self._ctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+            self.process.join(5)
 
     def __del__(self) -> None:  # an LLM dropped without shutdown(): no orphaned core
         try:
@@ -170,6 +192,16 @@ class CoreClient:
                 self.process.kill()
         except Exception:  # noqa: BLE001 - interpreter teardown
             pass
+
+
+def term_within(ctx: zmq.Context, timeout_s: float) -> bool:
+    """`ctx.term()`, waited for at most `timeout_s`; False if it is still waiting. term() blocks
+    while any socket of the context is open or still owes a message, so it runs in a daemon
+    thread: a shutdown path must end whatever a peer or another thread does."""
+    done = threading.Thread(target=ctx.term, name="kvserve-zmq-term", daemon=True)
+    done.start()
+    done.join(timeout_s)
+    return not done.is_alive()
 
 
 class EngineCoreProxy:

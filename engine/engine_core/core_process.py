@@ -27,6 +27,7 @@ logger = logging.getLogger("kvserve.engine.core")
 # While idle the core wakes this often: it checks its parent and workers, and sends the stats
 # and KV events (the prefix-index heartbeat reads them).
 IDLE_TICK_S = 1.0
+POLL_OUT_MS = 1000  # how often a core that cannot send checks its parent
 
 
 def run_engine_core(config: Any, addresses: tuple[str, str, str], parent_pid: int,
@@ -70,18 +71,18 @@ class EngineCoreProc:
             self.engine = LLMEngine.from_config(self.config)
         except BaseException as exc:  # noqa: BLE001 - the client raises it
             logger.exception("engine core: start-up failed")
-            self.outbox.send(encode(CoreDead(_describe(exc), during_startup=True)))
+            self._put(self.outbox, encode(CoreDead(_describe(exc), during_startup=True)))
             return
         self.engine.detokenize = False  # the client detokenises
         e = self.engine
-        self.outbox.send(encode(CoreReady(
+        self._put(self.outbox, encode(CoreReady(
             e.model_name, e.max_model_len, e.block_size, e.memory_budget, e.sampling_defaults,
             e.config, e.tokenizer, e.eos_token_ids, e.model_weight_bytes)))
         try:
             self._loop()
         except BaseException as exc:  # noqa: BLE001 - an engine fault: tell the client, exit
             logger.exception("engine core failed")
-            self.outbox.send(encode(CoreDead(_describe(exc))))
+            self._put(self.outbox, encode(CoreDead(_describe(exc))))
         finally:
             self.engine.shutdown()
 
@@ -119,7 +120,7 @@ class EngineCoreProc:
                 self._call(msg)
             elif isinstance(msg, Shutdown):
                 self.engine.abort_request(list(self.engine.requests))
-                self.outbox.send(encode(CoreStopped()))
+                self._put(self.outbox, encode(CoreStopped()))
                 return False
 
     def _add(self, msg: AddRequest) -> None:
@@ -139,7 +140,15 @@ class EngineCoreProc:
             data = encode(reply)
         except Exception as exc:  # noqa: BLE001 - raised in the caller
             data = encode(UtilityResult(msg.call_id, error=portable(exc)))
-        self.utility.send(data)
+        self._put(self.utility, data)
+
+    def _put(self, sock: zmq.Socket, data: Any, copy: bool = True) -> None:
+        """Send without ever blocking for good: a PUSH socket whose client is gone would wait
+        forever, so while it cannot send it checks that its parent still lives (issue 41)."""
+        while not sock.poll(POLL_OUT_MS, zmq.POLLOUT):
+            if os.getppid() != self.parent_pid:
+                raise SystemExit("the engine core's parent process exited")
+        sock.send(data, zmq.NOBLOCK, copy=copy)
 
     def _send_step(self, outputs: list[Any], errors: dict[str, BaseException]) -> None:
         engine = self.engine
@@ -148,7 +157,7 @@ class EngineCoreProc:
             self.tracker.forget(rid)
             self._whole.discard(rid)
         accepted, self._accepted = self._accepted, []
-        self.outbox.send(encode(StepMessage(
+        self._put(self.outbox, encode(StepMessage(
             accepted, deltas, {k: portable(v) for k, v in errors.items()}, engine.get_stats(),
             engine.drain_kv_events(("device", "host")), engine.drain_block_alloc_seconds(),
             engine.drain_restore_seconds(), time.monotonic())), copy=False)

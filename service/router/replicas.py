@@ -26,7 +26,8 @@ from kvserve.service.prefix_index.redis_client import async_redis
 from kvserve.service.prefix_index.replica_info import ReplicaInfo
 from kvserve.service.router.config import RouterConfig
 from kvserve.service.router.metrics import RouterMetrics
-from kvserve.service.router.shared_load import SharedInflight
+from kvserve.service.bounded import stop_task, within
+from kvserve.service.router.shared_load import CLOSE_TIMEOUT_S, SharedInflight
 from kvserve.service.routing_policy import Candidate
 
 logger = logging.getLogger("kvserve.router")
@@ -71,21 +72,23 @@ class ReplicaSet:
             self.shared.start()
 
     async def close(self) -> None:
-        tasks = [t for t in (self._task, self._pending_refresh) if t is not None]
-        for t in tasks:
-            t.cancel()
-        if self._task is not None:
-            await asyncio.gather(self._task, return_exceptions=True)
+        """Stop the loops and close Redis; each step bounded (service/bounded.py), so a Redis
+        or a replica that is gone never holds the router's shutdown."""
+        for task in (self._task, self._pending_refresh):
+            if task is not None:
+                await stop_task(task, CLOSE_TIMEOUT_S)
         if self.index is not None:
-            await self.index.close()
+            await within(self.index.close(), CLOSE_TIMEOUT_S, "closing the prefix index")
         if self.shared is not None:
             await self.shared.close()
-            await self.shared.client.aclose()
+            await within(self.shared.client.aclose(), CLOSE_TIMEOUT_S, "closing Redis")
 
     async def _refresh_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.refresh_interval)
             await self.refresh()
+            if asyncio.current_task().cancelling():  # refresh() took it for a Redis error
+                raise asyncio.CancelledError
 
     async def refresh(self) -> None:
         """Re-read the live replica set; this is also how the router notices Redis came back."""

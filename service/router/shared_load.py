@@ -26,6 +26,8 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from kvserve.service.bounded import stop_task, within
+
 logger = logging.getLogger("kvserve.router")
 
 # KEYS[1]: the set of router ids; ARGV[1]: key prefix of the per-router hashes; ARGV[2]: this
@@ -51,6 +53,9 @@ return out
 """
 
 
+CLOSE_TIMEOUT_S = 2.0  # the most close() waits for each of its steps
+
+
 def router_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
@@ -71,6 +76,7 @@ class SharedInflight:
         self._dirty = True
         self._task: asyncio.Task | None = None
         self._script: Any = None
+        self._closing = False
 
     def changed(self) -> None:
         """This router's counts changed: the next write sends them."""
@@ -80,22 +86,22 @@ class SharedInflight:
         self._script = self.client.register_script(_SUM_OTHERS)
         self._task = asyncio.create_task(self._loop(), name="kvserve-shared-inflight")
 
-    async def close(self) -> None:
+    async def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Stop the loop and leave the set of routers; bounded by about 2 x `timeout` even when
+        Redis does not answer or a library swallows the cancellation (issue 41: a router hung
+        13 minutes in "Waiting for application shutdown" on this loop)."""
+        self._closing = True
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await stop_task(self._task, timeout)
             self._task = None
-        try:  # leave at once rather than after the TTL
-            await self.client.pipeline(transaction=False).delete(
-                self.hash_prefix + self.router_id).srem(self.routers_key,
-                                                        self.router_id).execute()
-        except (RedisError, OSError):
-            pass
+        leave = self.client.pipeline(transaction=False).delete(  # now rather than after the TTL
+            self.hash_prefix + self.router_id).srem(self.routers_key, self.router_id).execute()
+        await within(leave, timeout, "leaving the routers' shared load")
 
     async def _loop(self) -> None:
         since_write = 0.0
         failing = False
-        while True:
+        while not self._closing:
             try:
                 if self._dirty or since_write >= self.ttl / 3:
                     await self.write()
@@ -103,6 +109,8 @@ class SharedInflight:
                 await self.read()
                 failing = False
             except (RedisError, OSError) as exc:
+                if self._closing or _cancelling():  # a cancellation turned into an error
+                    raise asyncio.CancelledError from exc
                 if not failing:
                     logger.warning("shared in-flight counts unavailable (%s); each router "
                                    "counts only its own until Redis answers", exc)
@@ -126,6 +134,11 @@ class SharedInflight:
         flat = await self._script(keys=[self.routers_key],
                                   args=[self.hash_prefix, self.router_id])
         self.others = {_text(flat[i]): int(flat[i + 1]) for i in range(0, len(flat) - 1, 2)}
+
+
+def _cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _text(value: Any) -> str:
