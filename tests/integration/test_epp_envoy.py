@@ -5,6 +5,7 @@ Envoy, 503 when nothing is eligible, FailClose and FailOpen once the EPP is stop
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import os
 import shutil
@@ -23,6 +24,11 @@ import pytest
 import yaml
 from conftest import ROOT, RedisServer, free_port
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvserve.engine.core.block_hash import block_hashes
+from kvserve.engine.sample.tokenizer import load_tokenizer
+from kvserve.service.prefix_index.lookup import PrefixIndex
+from kvserve.service.router.prompt_tokens import prompt_tokens_for
 
 pytestmark = pytest.mark.slow
 SERVICE = "epptest"
@@ -239,13 +245,32 @@ def one_request_on(gw: Gateway, before: dict[str, float]) -> str:
     return moved[0]
 
 
-def test_chats_sharing_a_system_prompt_land_on_its_holder(gateway):
+def held_blocks(gw: Gateway, model: Path, system: str) -> dict[str, int]:
+    """Leading blocks of the system prompt's chat that each replica holds, per Redis."""
+    body = {"messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": "seed"}]}
+    hashes = block_hashes(prompt_tokens_for(load_tokenizer(model), "/v1/chat/completions",
+                                            body), 16)
+
+    async def lookup() -> dict[str, int]:
+        index = PrefixIndex.from_url(gw.redis.url, SERVICE)
+        try:
+            return {m.replica.replica_id: m.matched_blocks for m in await index.lookup(hashes)}
+        finally:
+            await index.close()
+
+    return asyncio.run(lookup())
+
+
+def test_chats_sharing_a_system_prompt_land_on_its_holder(gateway, tiny_model_dir):
     client = gateway.client()
     for system in TENANTS:
         before = served(gateway)
         chat(client, system, "seed")
         holder = one_request_on(gateway, before)
-        time.sleep(1.5)  # the holder publishes its blocks to Redis (batched)
+        # The holder publishes its blocks to Redis in batches: route once they are there.
+        wait_until(lambda: held_blocks(gateway, tiny_model_dir, system).get(holder, 0) >= 3, 30,
+                   f"{holder} publishing the system prompt's blocks")
         for k in range(3):
             before = served(gateway)
             resp = chat(client, system, f"question {k}")
