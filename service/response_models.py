@@ -163,6 +163,7 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None  # with return_token_strs (vLLM's)
 
 
 class DetokenizeResponse(BaseModel):

@@ -28,6 +28,9 @@ from kvserve.service.response_models import (DetokenizeResponse, ModelCard, Mode
                                              TokenizeResponse)
 from kvserve.service.server.banner import banner
 from kvserve.service.server.chat import chat_prompt, create_chat_completion
+from kvserve.service.server.chat_batch import BatchChatCompletionRequest, add_chat_batch_route
+from kvserve.service.server.generate import add_generate_route
+from kvserve.service.server.generate_models import GenerateRequest
 from kvserve.service.server.completions import create_completion
 from kvserve.service.server.responses import create_response
 from kvserve.service.server.config import ServerConfig
@@ -38,6 +41,7 @@ from kvserve.service.server.lora_models import (LoadLoRAAdapterRequest, LoRAMode
                                                 runtime_updating_allowed)
 from kvserve.service.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvserve.service.server.openapi import install_openapi
+from kvserve.service.server.prefix_cache import add_prefix_cache_route, dev_mode
 from kvserve.service.server.publishing import PublisherObserver, stop_advertising
 from kvserve.service.tokenize_request import DetokenizeRequest, TokenizeRequest
 
@@ -47,7 +51,9 @@ logger = logging.getLogger("kvserve.service.api_server")
 REQUEST_BODIES: dict[str, Any] = {
     "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
     "/v1/responses": ResponsesRequest,
-    "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+    "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
+    "/inference/v1/generate": GenerateRequest,
+    "/v1/chat/completions/batch": BatchChatCompletionRequest}
 LORA_BODIES: dict[str, Any] = {"/v1/load_lora_adapter": LoadLoRAAdapterRequest,
                                "/v1/unload_lora_adapter": UnloadLoRAAdapterRequest}
 
@@ -135,6 +141,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics,
     if ctx.loras is not None and runtime_updating_allowed():
         add_lora_routes(app, ctx)
         bodies.update(LORA_BODIES)
+    if dev_mode():  # vLLM's VLLM_SERVER_DEV_MODE routes
+        add_prefix_cache_route(app, ctx)
     install_openapi(app, bodies)
     app.add_middleware(BodyLimitMiddleware, limit=config.max_body_bytes)
     if config.api_key:
@@ -157,6 +165,8 @@ def openapi_document() -> dict[str, Any]:
 
 
 def _add_routes(app: FastAPI, ctx: ServingContext, metrics: ServerMetrics) -> None:
+    add_generate_route(app, ctx)  # vLLM's token-level and batch routes, one module each
+    add_chat_batch_route(app, ctx)
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = await parse_body(request, CompletionRequest, ctx)
@@ -207,13 +217,16 @@ def _add_routes(app: FastAPI, ctx: ServingContext, metrics: ServerMetrics) -> No
         req = await parse_body(request, TokenizeRequest, ctx)
         ctx.resolve_model(req.model)
         if req.messages is not None:
-            chat = ChatCompletionRequest(messages=req.messages,
-                                         add_generation_prompt=req.add_generation_prompt)
+            chat = ChatCompletionRequest(
+                messages=req.messages, add_generation_prompt=req.add_generation_prompt,
+                chat_template=req.chat_template, chat_template_kwargs=req.chat_template_kwargs,
+                tools=req.tools)
             ids = await chat_prompt(ctx, chat)
         else:
             ids = await ctx.tokenizers.run(_tokenize, req.prompt or "", req.add_special_tokens)
+        strs = ctx.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len,
-                                             tokens=ids).model_dump())
+                                             tokens=ids, token_strs=strs).model_dump())
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> JSONResponse:

@@ -27,7 +27,8 @@ from kvserve.service.server.app import create_app
 from kvserve.service.server.config import ServerConfig
 
 POST_PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize",
-              "/v1/load_lora_adapter", "/v1/unload_lora_adapter"]
+              "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/inference/v1/generate",
+              "/v1/chat/completions/batch"]
 FUZZ = settings(max_examples=60, deadline=None, database=None, derandomize=True,
                 suppress_health_check=list(HealthCheck))
 
