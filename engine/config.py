@@ -16,6 +16,7 @@ PREEMPTION_MODES = ("auto", "recompute", "swap")
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
 # int8 | fp8 quantise a dense checkpoint at load; the others name a checkpoint's own format
 QUANTIZATION_METHODS = ("int8", "fp8", "compressed-tensors", "gptq", "awq", "gguf")
+LOAD_FORMATS = ("auto", "safetensors")
 
 
 @dataclass(frozen=True)
@@ -84,8 +85,20 @@ class EngineConfig:
     # vLLM's enable_prompt_embeds: prompts may be [seq_len, hidden] embeddings in place of token
     # ids (engine/prompt_embeds.py); such prompts skip the prefix cache.
     enable_prompt_embeds: bool = False
+    # vLLM's profiler_config ({"profiler": "torch", "torch_profiler_dir": ...}, JSON text or a
+    # ProfilerConfig): what LLM.start_profile() records and where (engine/profiler.py).
+    profiler_config: Any = None
+    # vLLM's load_format: "auto" (the checkpoint's safetensors or GGUF) or "sharded_state" (each
+    # tensor-parallel rank reads its own shard, written by LLM.save_sharded_state).
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
+        from kvserve.engine.profiler import parse_profiler_config
+
+        object.__setattr__(self, "profiler_config", parse_profiler_config(self.profiler_config))
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"load_format must be one of {LOAD_FORMATS}, got "
+                              f"{self.load_format!r}")
         if self.kv_events_config is not None:
             from kvserve.engine.kv_events_zmq import parse_kv_events_config
 

@@ -82,7 +82,7 @@ class EngineCore:
         self.failed_now: set[str] = set()  # ... of them, those that failed in this step
         self.prompt_tokens = self.generation_tokens = 0
         self._next_seq_id = 0
-        self.profiler = TorchProfiler()
+        self.profiler = TorchProfiler(config.profiler_config)
         self.async_scheduling = async_scheduling_enabled(config.async_scheduling, self)
         self.stepper = OverlappedStep(self, overlap=self.async_scheduling)
         self.model_weight_bytes = setup.budget.weight_bytes * config.tensor_parallel_size
