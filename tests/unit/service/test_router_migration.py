@@ -350,3 +350,18 @@ def test_an_error_event_that_would_repeat_ends_the_stream():
         events = stream(url, "/v1/completions", {"prompt": "p", "max_tokens": 9})
         assert events[-2]["error"]["type"] == "timeout_error" and events[-1] == "[DONE]"
         assert len(script.bodies) == 1
+
+
+def test_a_continuation_is_routed_by_its_prompt_and_delivered_tokens(tiny_model_dir):
+    """The router scores a continuation over the replica's whole sequence: the blocks of the
+    prompt and of the delivered tokens, as a replica that holds them has them cached."""
+    from kvserve.engine.sample.tokenizer import load_tokenizer
+    from kvserve.service.router.prompt_tokens import prompt_tokens_for
+
+    tok = load_tokenizer(str(tiny_model_dir))
+    body = {"messages": [{"role": "user", "content": "Where is the KV cache kept?"}]}
+    prompt = prompt_tokens_for(tok, "/v1/chat/completions", body)
+    cont = {**body, "continuation": {"token_ids": [5, 6, 7], "index": 1}}
+    assert prompt_tokens_for(tok, "/v1/chat/completions", cont) == prompt + [5, 6, 7]
+    assert prompt_tokens_for(tok, "/v1/completions",
+                             {"prompt": [1, 2], "continuation": {"token_ids": [3]}}) == [1, 2, 3]
