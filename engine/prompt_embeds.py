@@ -32,7 +32,10 @@ def embeds_of(prompt: Any) -> torch.Tensor | None:
 def prompt_len(prompt: Any) -> int:
     """How many positions a prompt fills: its embeddings' rows, else its token ids."""
     embeds = embeds_of(prompt)
-    return int(embeds.shape[0]) if embeds is not None else len(prompt)
+    if embeds is None:
+        return len(prompt)
+    shape = getattr(embeds, "shape", ())  # [seq, hidden], or [1, seq, hidden]
+    return int(shape[-2]) if len(shape) >= 2 else len(shape)
 
 
 def load_prompt_embeds(encoded: str | bytes, enabled: bool) -> torch.Tensor:
@@ -55,7 +58,7 @@ def load_prompt_embeds(encoded: str | bytes, enabled: bool) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise InvalidRequestError(
             f"prompt_embeds must hold a tensor, got {type(tensor).__name__}", "prompt_embeds")
-    return tensor
+    return tensor.squeeze(0) if tensor.dim() > 2 else tensor
 
 
 def check_prompt_embeds(tensor: Any, enabled: bool, hidden_size: int) -> torch.Tensor:

@@ -299,7 +299,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    "qwen3 (<think>...</think>; off with chat_template_kwargs enable_thinking "
                    "false)")
     g.add_argument("--enable-prompt-embeds", action="store_true",
-                   help="not supported (prompts are text or token ids): refused at start")
+                   help="accept prompt_embeds (base64 torch.save'd [seq_len, hidden] tensors) "
+                   "in /v1/completions; such prompts skip the prefix cache")
     g.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens (tells a client what "
                    "is in the prefix cache, so off by default)")
@@ -327,5 +328,3 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--advertise-url", default=None,
                    help="URL the router uses to reach this replica (default http://HOST:PORT)")
     r.add_argument("--replica-id", default=None, help="this replica's id (default HOST-PORT)")
-
-

@@ -184,25 +184,29 @@ def check_logprobs(value: int | None, param: str, limits: RequestLimits) -> None
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]] | None = None
     max_tokens: Int64 | None = DEFAULT_COMPLETION_MAX_TOKENS
     logprobs: Int64 | None = None
     echo: bool = False
     suffix: Any = None
-    prompt_embeds: Any = None
+    # vLLM's: base64 of torch.save'd [seq_len, hidden] tensors (--enable-prompt-embeds)
+    prompt_embeds: str | list[str] | None = None
 
     UNSUPPORTED: ClassVar[dict[str, Harmless]] = {
-        **SAMPLING_UNSUPPORTED, "suffix": asks_nothing, "prompt_embeds": asks_nothing}
+        **SAMPLING_UNSUPPORTED, "suffix": asks_nothing}
 
     def check(self, limits: RequestLimits = DEFAULT_LIMITS) -> None:
         super().check(limits)
         if not (self.echo and self.max_tokens == 0):  # echo alone scores the prompt (OpenAI's)
             check_max_tokens(self.max_tokens, "max_tokens")
         check_logprobs(self.logprobs, "logprobs", limits)
+        if self.prompt in (None, "") and not self.embeds_prompts():  # vLLM's rule and words
+            raise InvalidRequestError(
+                "Either prompt or prompt_embeds must be provided and non-empty.", param="prompt")
         if isinstance(self.prompt, list) and (not self.prompt or any(
                 isinstance(p, list) and not p for p in self.prompt)):
             raise InvalidRequestError("prompt must not be empty", param="prompt")
-        count = len(self.prompts())
+        count = len(self.prompts()) + len(self.embeds_prompts())
         if count > limits.max_prompts:
             raise InvalidRequestError(
                 f"prompt holds {count} prompts; at most {limits.max_prompts} are allowed in one "
@@ -221,9 +225,17 @@ class CompletionRequest(SamplingFields):
         dropped, as vLLM does)."""
         return self.echo and self.max_tokens == 0
 
+    def embeds_prompts(self) -> list[str]:
+        """The prompt_embeds field as a list of base64 tensors (served before the prompts)."""
+        e = self.prompt_embeds
+        return [] if e is None else [e] if isinstance(e, str) else list(e)
+
     def prompts(self) -> list[str | list[int]]:
-        """The prompt field as a list of prompts: text or token ids."""
+        """The prompt field as a list of prompts: text or token ids (none when it is empty
+        beside prompt_embeds, as vLLM)."""
         p = self.prompt
+        if p is None or p == "":
+            return []
         if isinstance(p, str):
             return [p]
         if all(isinstance(x, int) for x in p):

@@ -80,12 +80,8 @@ def _lora_modules(args: argparse.Namespace) -> list[Any]:
 
 
 def tool_options(args: argparse.Namespace) -> dict[str, Any]:
-    """--chat-template, --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser and
-    --enable-prompt-embeds as ServerConfig fields; ConfigError for a combination vLLM refuses, or
-    one we do not support."""
-    if args.enable_prompt_embeds:
-        raise ConfigError("--enable-prompt-embeds is not supported by kvserve: prompts are text "
-                          "or token ids (drop the flag)")
+    """--chat-template, --enable-auto-tool-choice, --tool-call-parser and --reasoning-parser as
+    ServerConfig fields; ConfigError for a combination vLLM refuses, or one we do not support."""
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (one of "
                           f"{', '.join(sorted(TOOL_PARSERS))})")

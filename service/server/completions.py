@@ -1,4 +1,5 @@
-"""POST /v1/completions: prompts (text, texts, token ids) to choices, streamed as SSE or whole."""
+"""POST /v1/completions: prompts (text, texts, token ids, vLLM's prompt_embeds) to choices,
+streamed as SSE or whole."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.engine.async_engine import RequestStream
+from kvserve.engine.errors import InvalidRequestError
 from kvserve.engine.outputs import Logprob, RequestOutput
+from kvserve.engine.prompt_embeds import EmbedsPrompt, load_prompt_embeds, prompt_len
 from kvserve.engine.sample.sampling_params import SamplingParams
 from kvserve.service.request_models import CompletionRequest
 from kvserve.service.response_models import (CompletionChoice, CompletionLogProbs,
@@ -33,11 +36,13 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest,
     model = ctx.resolve_model(req.model)
     deadline = ctx.deadline(raw, asyncio.get_running_loop().time())
     with ctx.admitted():
-        prompts = await before(deadline, ctx.encode_prompts(req.prompts()))
+        # vLLM's order: the prompt embeddings first, then the prompts
+        prompts: list[Any] = _embeds_prompts(ctx, req)
+        prompts += await before(deadline, ctx.encode_prompts(req.prompts()))
         ctx.check_prompts(prompts, "prompt")
         wanted = 1 if req.echo_only else req.max_tokens  # echo_only drops its one token
-        params = [req.sampling_params(ctx.max_tokens_for(len(ids), wanted), req.logprobs,
-                                      ctx.engine.sampling_defaults) for ids in prompts]
+        params = [req.sampling_params(ctx.max_tokens_for(prompt_len(p), wanted), req.logprobs,
+                                      ctx.engine.sampling_defaults) for p in prompts]
         echoes = [await ctx.decode(p) for p in prompts] if req.echo else [""] * len(prompts)
     request_id = random_id("cmpl")  # from here the engine counts it as waiting
     streams = await before(deadline, start_requests(
@@ -51,6 +56,16 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest,
     response = CompletionResponse(id=request_id, model=model, choices=choices,
                                   usage=usage_of(outputs, ctx.prompt_tokens_details))
     return JSONResponse(response.model_dump())
+
+
+def _embeds_prompts(ctx: ServingContext, req: CompletionRequest) -> list[EmbedsPrompt]:
+    """The request's prompt_embeds loaded as vLLM loads them (400 unless the server runs with
+    --enable-prompt-embeds; the engine checks their shape); echo cannot show them."""
+    encoded = req.embeds_prompts()
+    if encoded and req.echo:
+        raise InvalidRequestError("Echo is unsupported with prompt embeds.", param="echo")
+    enabled = ctx.engine.config.enable_prompt_embeds
+    return [{"prompt_embeds": load_prompt_embeds(e, enabled)} for e in encoded]
 
 
 def _choices(ctx: ServingContext, req: CompletionRequest, i: int, out: RequestOutput,

@@ -12,6 +12,7 @@ from fastapi import Request
 
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError
 from kvserve.engine.errors import InvalidRequestError
+from kvserve.engine.prompt_embeds import prompt_len
 from kvserve.engine.sample.tokenizer import prompt_token_ids, render_chat
 from kvserve.service.limits import DEFAULT_LIMITS, RequestLimits, check_prompt_tokens
 from kvserve.service.openai_errors import APIError
@@ -135,9 +136,10 @@ class ServingContext:
         return await self.tokenizers.run(_chat_ids, messages, add_generation_prompt,
                                          chat_template, template_kwargs, limit)
 
-    def check_prompts(self, prompts: Sequence[list[int]], param: str) -> None:
-        """400 when the tokenized prompts of one request hold more tokens than the cap."""
-        check_prompt_tokens([len(p) for p in prompts], self.limits, param)
+    def check_prompts(self, prompts: Sequence[Any], param: str) -> None:
+        """400 when the tokenized prompts (or prompt embeddings) of one request hold more
+        tokens than the cap."""
+        check_prompt_tokens([prompt_len(p) for p in prompts], self.limits, param)
 
     def max_tokens_for(self, prompt_len: int, requested: int | None,
                        param: str = "max_tokens", prompt_param: str = "prompt") -> int:

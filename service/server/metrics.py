@@ -225,7 +225,7 @@ class ServerMetrics:
             if t is None:
                 continue
             if not t.counted_prompt:
-                self.prompt_tokens.inc(len(out.prompt_token_ids))
+                self.prompt_tokens.inc(out.num_prompt_tokens)
                 t.counted_prompt = True
             total = sum(len(c.token_ids) for c in out.outputs)
             generated += self._observe_tokens(t, total - t.num_tokens, now)

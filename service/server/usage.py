@@ -11,7 +11,7 @@ from kvserve.service.server.chunk_json import usage_json
 
 def usage_counts(outputs: Sequence[RequestOutput]) -> tuple[int, int, int]:
     """(prompt, completion, cached prompt) tokens of `outputs`."""
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    prompt = sum(o.num_prompt_tokens for o in outputs)  # embeddings rows count as tokens
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     return prompt, completion, sum(o.num_cached_tokens for o in outputs)
 

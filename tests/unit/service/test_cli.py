@@ -232,11 +232,16 @@ def test_vllm_tool_calling_launch_line_and_chat_template(tmp_path):
 
 @pytest.mark.parametrize("argv, names", [
     (["--enable-auto-tool-choice"], "--tool-call-parser"),
-    (["--enable-prompt-embeds"], "--enable-prompt-embeds"),
 ])
 def test_vllm_flags_we_refuse_say_which(argv, names):
     with pytest.raises(ConfigError, match=names):
         cli.server_config_from_args(_serve(*argv))
+
+
+def test_enable_prompt_embeds_reaches_the_engine_config():
+    assert cli.engine_config_from_args(_serve("--enable-prompt-embeds")).enable_prompt_embeds
+    assert not cli.engine_config_from_args(_serve()).enable_prompt_embeds
+    cli.server_config_from_args(_serve("--enable-prompt-embeds"))  # no longer refused
 
 
 @pytest.mark.parametrize("argv", [["--tool-call-parser", "pythonic"],
