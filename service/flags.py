@@ -306,8 +306,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    "is in the prefix cache, so off by default)")
     g.add_argument("--allowed-origins", type=string_list, default=[],
                    help="CORS origins (comma-separated or JSON list); CORS is off when empty")
-    g.add_argument("--shutdown-grace-period", type=float, default=30.0,
-                   help="seconds running requests get to finish after SIGTERM")
+    g.add_argument("--shutdown-grace-period", "--drain-timeout", type=float, default=30.0,
+                   help="seconds running requests get to finish after SIGTERM; those still "
+                        "running then are handed back to the router to migrate (a 503 with "
+                        "kvserve_migrate; streams end with it as an SSE event)")
     g.add_argument("--log-level", default="info", choices=LOG_LEVELS,
                    help="log level of kvserve and uvicorn")
     g.add_argument("--lora-modules", nargs="+", type=lora_module, default=[],

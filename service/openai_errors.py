@@ -49,10 +49,12 @@ class APIError(Exception):
     """An error the server answers with `status` and OpenAI's error body."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None,
+                 body: dict | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers
+        self.body = body  # sent as it is instead of the built one (a drain's hand-back)
 
 
 def error_body(status: int, message: str, param: str | None = None,
@@ -85,6 +87,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        if exc.body is not None:
+            return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
         return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(InvalidRequestError)

@@ -21,14 +21,14 @@ from kvserve.service.response_models import (CompletionChoice, CompletionLogProb
                                              CompletionResponse, random_id)
 from kvserve.service.server.chunk_json import ChunkFramer, completion_choice
 from kvserve.service.server.context import ServingContext
-from kvserve.service.server.engine_streams import (before, collect, engine_error_status,
+from kvserve.service.server.engine_streams import (before, collect, stream_failure,
                                                    merge_streams, start_requests,
                                                    unless_disconnected, until)
 from kvserve.service.server.logprobs import (logprob_of, prompt_logprob_values,
                                              prompt_logprobs_json, token_text, top_logprobs)
 from kvserve.service.server.stream_deltas import Delta, StreamTracker, stop_hold
 from kvserve.service.server.usage import usage_of, usage_text
-from kvserve.service.sse import SSE_DONE, sse_error
+from kvserve.service.sse import SSE_DONE
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest,
@@ -162,7 +162,7 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str, 
             elif events:
                 yield "".join(events)
     except Exception as exc:  # noqa: BLE001 - the stream already started: report in-band
-        yield tail + sse_error(engine_error_status(exc), str(exc)) + SSE_DONE
+        yield tail + stream_failure(exc)
         return
     if req.include_usage:
         tail += framer.event([], usage_text(list(latest.values()), ctx.prompt_tokens_details))

@@ -18,6 +18,8 @@ from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.sample.sampling_params import SamplingParams
 from kvserve.service.openai_errors import APIError
 from kvserve.service.server.context import ServingContext, unavailable
+from kvserve.service.server.handback import handback_error, handback_event, handed_back
+from kvserve.service.sse import SSE_DONE, sse_error
 
 T = TypeVar("T")
 
@@ -130,6 +132,8 @@ async def collect(streams: Sequence[RequestStream],
         async for i, out in until(deadline, merge_streams(streams)):
             final[i] = out
     except (EngineDeadError, EngineDrainingError, RequestAbortedError) as exc:
+        if handed_back(exc):  # the drain timeout is over: the router re-issues it elsewhere
+            raise handback_error() from exc
         raise unavailable(exc) from exc
     except RequestTimedOutError:
         raise timed_out() from None
@@ -160,6 +164,14 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     if task.cancelled():
         raise ClientDisconnected()
     return task.result()
+
+
+def stream_failure(exc: BaseException) -> str:
+    """The last events of a stream that `exc` cut off: the hand-back event alone when the drain
+    timeout ended it (service/server/handback.py), else an error event and [DONE]."""
+    if handed_back(exc):
+        return handback_event()
+    return sse_error(engine_error_status(exc), str(exc)) + SSE_DONE
 
 
 def engine_error_status(exc: BaseException) -> int:

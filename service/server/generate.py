@@ -15,7 +15,7 @@ from kvserve.service.response_models import (ChatLogProbs, ChatTokenLogprob, Top
                                              UsageInfo, random_id)
 from kvserve.service.request_validation import read_json_body, validate_request
 from kvserve.service.server.context import ServingContext
-from kvserve.service.server.engine_streams import (before, collect, engine_error_status, stream_failure,
+from kvserve.service.server.engine_streams import (before, collect, stream_failure,
                                                    ClientDisconnected, merge_streams,
                                                    start_requests, unless_disconnected, until)
 from kvserve.service.server.generate_models import (GenerateRequest, GenerateResponse,
@@ -24,7 +24,7 @@ from kvserve.service.server.generate_models import (GenerateRequest, GenerateRes
                                                     GenerateStreamResponse)
 from kvserve.service.server.logprobs import MIN_LOGPROB, prompt_logprobs_json
 from kvserve.service.server.usage import usage_of
-from kvserve.service.sse import SSE_DONE, sse_error
+from kvserve.service.sse import SSE_DONE
 
 REQUEST_ID_HEADER = "x-request-id"  # vLLM's: it names the request instead of the body's id
 
