@@ -17,7 +17,15 @@ REDIS_PORT = 6379
 REDIS_IMAGE = "redis:7.4-alpine"
 CACHE_USAGE_METRIC = "vllm_kv_cache_usage_perc"  # vllm:kv_cache_usage_perc via prometheus-adapter
 WAITING_METRIC = "vllm_num_requests_waiting"  # vllm:num_requests_waiting via prometheus-adapter
-DRAIN_SECONDS = 120  # the engine finishes running requests on SIGTERM before exiting
+# A pod's stop, in order (a rolling update loses no stream): the preStop sleep lets the
+# endpoint leave the Service while the pod still serves; then SIGTERM: /health (the readiness
+# probe) answers 503, running requests get the drain timeout to finish, and those still running
+# are handed back to the router to migrate (issue 41); the margin covers that hand-back and the
+# engine's stop. terminationGracePeriodSeconds counts from the preStop hook, so it is the sum.
+PRESTOP_SLEEP_SECONDS = 5
+DRAIN_TIMEOUT_SECONDS = 100  # the replica's --drain-timeout (alias --shutdown-grace-period)
+HANDBACK_MARGIN_SECONDS = 15
+DRAIN_SECONDS = PRESTOP_SLEEP_SECONDS + DRAIN_TIMEOUT_SECONDS + HANDBACK_MARGIN_SECONDS  # 120
 Obj = dict[str, Any]
 
 
@@ -86,9 +94,9 @@ def engine_args(spec: ServiceSpec, sizing: Sizing) -> list[str]:
     url = redis_url(spec)
     if url:
         args += ["--redis-url", url]
-    # Drain inside the pod's termination grace period, leaving time for the preStop sleep.
+    # Drain inside the pod's termination grace period, after the preStop sleep.
     return args + ["--service-name", spec.name, "--advertise-url", f"http://$(POD_IP):{PORT}",
-                   "--shutdown-grace-period", str(DRAIN_SECONDS - 20)]
+                   "--shutdown-grace-period", str(DRAIN_TIMEOUT_SECONDS)]
 
 
 def pod_security() -> Obj:
@@ -99,6 +107,11 @@ def pod_security() -> Obj:
 def container_security() -> Obj:
     return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
             "capabilities": {"drop": ["ALL"]}}
+
+
+def prestop_sleep() -> Obj:
+    """Endpoints update before SIGTERM: the pod leaves the Service while it still serves."""
+    return {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}}
 
 
 def http_probe(period: int, failures: int) -> Obj:
@@ -180,7 +193,7 @@ def engine_container(spec: ServiceSpec, sizing: Sizing, mounts: list[Obj]) -> Ob
         "resources": engine_resources(spec, sizing),
         "startupProbe": http_probe(10, 180),  # model download + load: up to 30 minutes
         "readinessProbe": http_probe(5, 3), "livenessProbe": http_probe(15, 4),
-        "lifecycle": {"preStop": {"exec": {"command": ["sleep", "5"]}}},  # endpoints update first
+        "lifecycle": prestop_sleep(),
         "securityContext": container_security(), "volumeMounts": mounts,
     }
 
