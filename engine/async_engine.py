@@ -352,7 +352,7 @@ class AsyncEngine:
                 commands = self._next_commands()
                 if not self._apply(commands):
                     break
-                outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+                outputs = self.engine.step() if self.engine.has_runnable_requests() else []
                 self._fail_requests(self.engine.take_request_errors())
                 self._dispatch(outputs)
                 self._refresh_observers(outputs)
@@ -369,7 +369,7 @@ class AsyncEngine:
     def _next_commands(self) -> list[Any]:
         """Commands queued since the last step; blocks (up to idle_tick) when nothing runs."""
         commands: list[Any] = []
-        if not self.engine.has_unfinished_requests():
+        if not self.engine.has_runnable_requests():  # idle, or paused
             try:
                 commands.append(self._inbox.get(timeout=self.idle_tick))
             except queue.Empty:

@@ -1,11 +1,13 @@
 """vLLM's AsyncLLM (`vllm.v1.engine.async_llm.AsyncLLM`, also `vllm.AsyncLLMEngine`): `generate`
-as an async iterator with vLLM's RequestOutputKind, `abort`, `shutdown`. As vLLM v1's, the engine
+as an async iterator with vLLM's RequestOutputKind, `abort`, `shutdown`, and vLLM's
+`pause_generation` / `resume_generation` / `is_paused`. As vLLM v1's, the engine
 core runs in its own process (AsyncMPEngine over a CoreClient) by default (`--engine-core auto`'s
 rule, on a GPU and a CPU alike) or with `KVSERVE_ENABLE_MULTIPROCESSING=1`; with `=0` it steps
 in a thread of this process (AsyncEngine)."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import dataclasses
 from collections.abc import AsyncIterator
@@ -26,6 +28,11 @@ class AsyncLLM:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
         self._streams: dict[str, Any] = {}  # request id -> its RequestStream, while it runs
+        # Made by pause_generation in the caller's loop (a module-wide AsyncLLM may serve several
+        # loops one after the other): set at resume; None while not paused.
+        self._resumed: asyncio.Event | None = None
+        self._drained: asyncio.Event | None = None  # pause mode "wait": set when none runs
+        self._frozen = False  # paused in "keep" mode: the engine's scheduler is paused
         engine.start()
 
     @classmethod
@@ -66,6 +73,8 @@ class AsyncLLM:
         output, when it finishes). Leaving the loop early aborts the request."""
         if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
             prompt = prompt.get("prompt_token_ids") or prompt["prompt"]
+        if self._resumed is not None:  # paused: the request starts at resume_generation()
+            await self._resumed.wait()
         stream = await self.engine.add_request(request_id, prompt, sampling_params,
                                                priority=priority, lora_request=lora_request)
         kind = sampling_params.output_kind
@@ -84,6 +93,8 @@ class AsyncLLM:
                 yield _delta(final, sent) if kind is RequestOutputKind.DELTA else final
         finally:
             self._streams.pop(request_id, None)
+            if not self._streams and self._drained is not None:
+                self._drained.set()
 
     async def abort(self, request_id: str | list[str]) -> None:
         """Stop requests; each one's generate() yields a last output, finish_reason "abort"."""
@@ -92,6 +103,44 @@ class AsyncLLM:
         for rid in ids:
             if rid in self._streams:
                 self._streams[rid].put(_Aborted(rid))
+
+    async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
+        """vLLM's pause (to update weights, say): new requests wait for resume_generation();
+        in-flight ones are aborted ("abort"), finished ("wait") or frozen where they are
+        ("keep": the engine's scheduler pauses, they go on at resume). `clear_cache` then
+        forgets the prefix cache (not in "keep" mode, whose requests still hold their blocks)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        if self._resumed is None:
+            self._resumed = asyncio.Event()
+        if mode == "abort":
+            await self.abort(list(self._streams))
+        elif mode == "wait":
+            if self._streams:
+                self._drained = asyncio.Event()
+                await self._drained.wait()
+                self._drained = None
+        else:
+            await self.engine._call("pause_scheduler")
+            self._frozen = True
+        if clear_cache and mode != "keep":
+            await self.reset_prefix_cache()
+
+    async def resume_generation(self) -> None:
+        """Frozen requests go on and waiting generate() calls start."""
+        if self._frozen:
+            await self.engine._call("resume_scheduler")
+            self._frozen = False
+        resumed, self._resumed = self._resumed, None
+        if resumed is not None:
+            resumed.set()
+
+    async def is_paused(self) -> bool:
+        return self._resumed is not None
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's: forget the cached prefix blocks; False while running requests hold blocks."""
+        return await self.engine._call("reset_prefix_cache", reset_running_requests)
 
     def shutdown(self) -> None:
         """Abort what runs and stop the engine thread or core process (and its tensor-parallel
@@ -104,6 +153,7 @@ class AsyncLLM:
         return self.engine.is_running
 
 
+PAUSE_MODES = ("abort", "wait", "keep")
 AsyncLLMEngine = AsyncLLM  # vLLM v1's `from vllm import AsyncLLMEngine` is AsyncLLM
 
 

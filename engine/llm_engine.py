@@ -39,6 +39,8 @@ class LLMEngine:
         # False in the engine core process: its client detokenises and checks stop strings,
         # except for the requests `core_makes_text` names.
         self.detokenize = True
+        # vLLM's pause_generation(mode="keep"): the requests stay, no step runs until resume.
+        self.scheduler_paused = False
 
     def __getattr__(self, name: str) -> Any:
         if name in _CORE_ATTRS:
@@ -109,12 +111,30 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.core.requests) or bool(self.core.pending)
 
+    def has_runnable_requests(self) -> bool:
+        """Whether a step would do anything: unfinished requests and the scheduler not paused
+        (the engine loops block on their inbox otherwise)."""
+        return not self.scheduler_paused and self.has_unfinished_requests()
+
+    def pause_scheduler(self) -> None:
+        """Freeze every request where it is (vLLM's pause "keep" mode): step() does nothing."""
+        self.scheduler_paused = True
+
+    def resume_scheduler(self) -> None:
+        self.scheduler_paused = False
+
+    def is_scheduler_paused(self) -> bool:
+        return self.scheduler_paused
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.core.requests)
 
     def step(self) -> list[RequestOutput]:
         """One scheduler iteration and forward pass: the outputs of the requests that moved
-        (with async scheduling, those of the step launched by the previous call)."""
+        (with async scheduling, those of the step launched by the previous call); none while
+        the scheduler is paused."""
+        if self.scheduler_paused:
+            return []
         return [self.output.make_output(state) for state in self.core.step()]
 
     def _make_output(self, state: RequestState) -> RequestOutput:

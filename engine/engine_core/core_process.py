@@ -90,13 +90,13 @@ class EngineCoreProc:
         engine = self.engine
         self._send_step([], {})  # the client's gauges and the publisher see the empty engine
         while True:
-            if not engine.has_unfinished_requests() and not self.inbox.poll(IDLE_TICK_S * 1000):
+            if not engine.has_runnable_requests() and not self.inbox.poll(IDLE_TICK_S * 1000):
                 self._idle_checks()
                 self._send_step([], {})
                 continue
             if not self._take_inbox():
                 return
-            outputs = engine.step() if engine.has_unfinished_requests() else []
+            outputs = engine.step() if engine.has_runnable_requests() else []
             self._send_step(outputs, engine.take_request_errors())
 
     def _idle_checks(self) -> None:
