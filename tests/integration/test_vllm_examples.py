@@ -98,6 +98,9 @@ def check_offline(script: str, out: str, model_dir: Path, tmp_path: Path) -> Non
         assert out.count("Generation complete!") == 3 and "All streaming examples" in out
     if script == "offline/automatic_prefix_caching.py":
         assert out.count("Generation time:") == 2
+    if script == "offline/prompt_embed_inference.py":  # one prompt, then a batch of three
+        assert "[Single Inference Output]" in out and "[Batch Inference Outputs]" in out, out
+        assert re.findall(r"^A(\d): ", out, flags=re.M) == ["1", "2", "3"], out
     if script == "offline/structured_outputs.py":
         # SamplingParams' default max_tokens is 16 (vLLM's too) and max_model_len=100 cuts the
         # 96-token regex prompt of the tiny tokenizer at 4: outputs may stop early, so each must
