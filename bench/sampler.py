@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from kvserve.engine.sample.sampler import Sampler, SamplingMetadata, make_generator
+from kvserve.engine.sample.sampler import Sampler, SamplingMetadata
 from kvserve.engine.sample.sampling_params import SamplingParams
 
 
@@ -47,8 +47,7 @@ def main(rows: int = 64, vocab: int = 49152, reps: int = 15) -> None:
     sampler = Sampler()
     print(f"{rows} x {vocab}, fp32, 1 CPU thread, median CPU ms per call")
     for name, p in cases.items():
-        gens = {r: make_generator(r, "cpu") for r in range(rows)} if p.seed is not None else {}
-        meta = SamplingMetadata.build([p] * rows, prompts, outputs, gens, vocab, "cpu")
+        meta = SamplingMetadata.build([p] * rows, prompts, outputs, {}, vocab, "cpu")
         print(f"  {name:45s} {time_one(sampler, logits, meta, reps):8.1f}")
     meta = SamplingMetadata.build(
         [cases["temperature + top_p=0.9"]] * rows, prompts, outputs, {}, vocab, "cpu")

@@ -124,6 +124,7 @@ class _Add:
     stream: RequestStream
     accepted: asyncio.Future
     lora_request: Any = None
+    continuation: Any = None  # sample/continuation.Continuation
 
 
 @dataclass
@@ -262,8 +263,8 @@ class AsyncEngine:
     # ---- requests (event loop) ----------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                           *, priority: int = 0, cache_salt: str | None = None,
-                          arrival: float | None = None, lora_request: Any = None
-                          ) -> RequestStream:
+                          arrival: float | None = None, lora_request: Any = None,
+                          continuation: Any = None) -> RequestStream:
         """Hand a request to the engine; returns once the engine accepted it (InvalidRequestError
         and friends are raised here, before any output)."""
         self.check_accepting()
@@ -278,7 +279,7 @@ class AsyncEngine:
         self._clear_idle()
         self._inbox.put(_Add(request_id, prompt, params, priority, cache_salt,
                              time.monotonic() if arrival is None else arrival, stream, accepted,
-                             lora_request))
+                             lora_request, continuation))
         await accepted
         return stream
 
@@ -421,7 +422,8 @@ class AsyncEngine:
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
                                     arrival_time=cmd.arrival, priority=cmd.priority,
-                                    cache_salt=cmd.cache_salt, lora_request=cmd.lora_request)
+                                    cache_salt=cmd.cache_salt, lora_request=cmd.lora_request,
+                                    continuation=cmd.continuation)
         except Exception as e:  # noqa: BLE001 - handed to the caller (InvalidRequestError, ...)
             exc = e
         else:

@@ -17,6 +17,7 @@ from kvserve.engine.core.request import RequestState
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.processor import Processor
+from kvserve.engine.sample.continuation import Continuation
 from kvserve.engine.sample.generation_config import sampling_defaults
 from kvserve.engine.sample.sampling_params import SamplingParams
 from kvserve.engine.stats import EngineStats
@@ -90,13 +91,17 @@ class LLMEngine:
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                     arrival_time: float | None = None, priority: int = 0,
-                    cache_salt: str | None = None, lora_request: Any = None) -> None:
+                    cache_salt: str | None = None, lora_request: Any = None,
+                    continuation: Continuation | None = None) -> None:
         """Queue a request; InvalidRequestError (with `.param`) if it can never be served.
         `prompt`: text, token ids, or `{"prompt_embeds": tensor}` (with enable_prompt_embeds).
-        `lora_request` (a LoRARequest): the adapter it runs with, read now if not yet known."""
+        `lora_request` (a LoRARequest): the adapter it runs with, read now if not yet known.
+        `continuation`: output tokens already generated elsewhere; the request goes on after
+        them and its outputs show only what follows (engine/sample/continuation.py)."""
         self.core.add_request(self.processor.process(
             request_id, prompt, params, arrival_time=arrival_time, priority=priority,
-            cache_salt=cache_salt, lora_request=lora_request, detokenize=self.detokenize))
+            cache_salt=cache_salt, lora_request=lora_request, detokenize=self.detokenize,
+            continuation=continuation))
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Stop requests now; their blocks go back to the pool before this call returns."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvserve.engine.async_scheduling import PLACEHOLDER
+from kvserve.engine.core.beam_group import beam_outputs
 from kvserve.engine.core.request import RequestState, TextTracker
 from kvserve.engine.core.sequence import Sequence
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
@@ -30,16 +31,23 @@ class OutputProcessor:
                                params.stop_strings, params.include_stop_str_in_output)
 
     def make_output(self, state: RequestState) -> RequestOutput:
-        """The request's cumulative output as it stands."""
-        outs = [CompletionOutput(index=s.index, text=d.text, token_ids=known_tokens(s),
+        """The request's cumulative output as it stands; a continuation's shows only what
+        follows its tokens (their text, ids and the choice's index as the client sent them)."""
+        skip, chars = state.skip_tokens, state.skip_chars
+        outs = [CompletionOutput(index=state.first_index + s.index, text=d.text[chars:],
+                                 token_ids=known_tokens(s)[skip:],
                                  cumulative_logprob=s.cumulative_logprob if s.logprobs else None,
                                  logprobs=list(s.logprobs) if s.logprobs else None,
                                  finish_reason=s.finish_reason, stop_reason=s.stop_reason)
                 for s, d in zip(state.seqs, state.detoks)]
         cached = max(state.seqs[0].num_cached_tokens, 0)
+        if skip:  # a cached continuation token is no prompt token
+            cached = min(cached, len(state.prompt_token_ids))
         finished = state.finished or any(o.finish_reason == "abort" for o in outs)
         if state.best_of is not None:
             outs = select(outs, finished, state.best_of)
+        if state.beam is not None:  # a beam search's best beams (engine/core/beam_group.py)
+            outs = beam_outputs(state.beam, self.tokenizer, state.params.skip_special_tokens)
         # Complete once the prefill is (never changed after: a recompute skips what is recorded).
         prompt_lps = (state.seqs[0].prompt_logprobs or [None]) \
             if state.params.prompt_logprobs is not None else None  # [None]: a 1-token prompt

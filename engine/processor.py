@@ -15,6 +15,7 @@ from kvserve.engine.core.request import NewRequest, TextTracker
 from kvserve.engine.errors import InvalidRequestError
 from kvserve.engine.prompt_embeds import check_prompt_embeds, embeds_of
 from kvserve.engine.sample.best_of import expand
+from kvserve.engine.sample.continuation import Continuation
 from kvserve.engine.sample.detokenizer import core_makes_text
 from kvserve.engine.sample.sampling_params import SamplingParams
 from kvserve.engine.sample.tokenizer import prompt_token_ids
@@ -31,9 +32,11 @@ class Processor:
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                 arrival_time: float | None = None, priority: int = 0,
                 cache_salt: str | None = None, lora_request: Any = None,
-                detokenize: bool = True) -> NewRequest:
+                detokenize: bool = True, continuation: Continuation | None = None
+                ) -> NewRequest:
         """The checked request; `detokenize` False: the core's client makes the text, except
-        for the requests `core_makes_text` names."""
+        for the requests `core_makes_text` names. `continuation`: output tokens already
+        generated for it elsewhere (engine/sample/continuation.py)."""
         core = self.core
         if request_id in core.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
@@ -52,14 +55,27 @@ class Processor:
         text_ids = ids if embeds is None else []  # the detokenizer's left context
         makes_text = detokenize or core_makes_text(params)
         params, best_of = expand(params)
+        if continuation is not None:
+            continuation.check(params, core.vocab_size)
         params = self.check(ids, params)
         grammar = core.grammars.compile(params.constraint) if params.constraint else None
+        if continuation is not None and grammar is not None:
+            self._check_grammar(grammar, continuation)
         return NewRequest(
             request_id, prompt if isinstance(prompt, str) else None, ids, params,
             arrival_time if arrival_time is not None else time.monotonic(),
             lambda: self.new_text(text_ids, params, makes_text), priority=priority,
             cache_salt=cache_salt, lora_name=lora_name, lora_request=lora_request,
-            grammar=grammar, best_of=best_of, makes_text=makes_text, prompt_embeds=embeds)
+            grammar=grammar, best_of=best_of, makes_text=makes_text, prompt_embeds=embeds,
+            continuation=continuation)
+
+    def _check_grammar(self, grammar: Any, continuation: Continuation) -> None:
+        """A continuation the request's grammar refuses is a bad request, not a failed one."""
+        try:
+            self.core.grammars.matcher(grammar).sync(list(continuation.token_ids))
+        except ValueError as exc:
+            raise InvalidRequestError(f"the continuation does not follow the request's "
+                                      f"structured output: {exc}", "continuation") from None
 
     def _embeds(self, prompt: Any, params: SamplingParams) -> Any:
         """The checked embeddings of an `{"prompt_embeds": tensor}` prompt (None: text or

@@ -16,6 +16,7 @@ from typing import Any
 from kvserve.engine.async_scheduling import OverlappedStep
 from kvserve.engine.async_scheduling import enabled as async_scheduling_enabled
 from kvserve.engine.config import EngineConfig
+from kvserve.engine.core.beam_group import BeamGroup, beam_eos
 from kvserve.engine.core.core_figures import cached_block_hashes, engine_stats, plain_events
 from kvserve.engine.core.core_setup import (
     calibrate_kv_scales,
@@ -32,11 +33,13 @@ from kvserve.engine.core.kv_events import KVEvent
 from kvserve.engine.core.request import NewRequest, RequestState
 from kvserve.engine.core.sampling_inputs import logits_hook, sampling_rows
 from kvserve.engine.core.scheduler import SchedulerOutput
-from kvserve.engine.core.sequence import Sequence
+from kvserve.engine.core.sequence import Sequence, SequenceStatus
 from kvserve.engine.core.step_update import apply_samples
 from kvserve.engine.kv_offload.swap_cost import SwapCostModel
 from kvserve.engine.outputs import RequestMetrics
 from kvserve.engine.profiler import TorchProfiler
+from kvserve.engine.sample.beam_search import is_beam
+from kvserve.engine.sample.continuation import Continuation, prime
 from kvserve.engine.sample.prompt_logprobs import append_entries
 from kvserve.engine.sample.prompt_logprobs import plan as plan_prompt_logprobs
 from kvserve.engine.sample.sampler import SamplerOutput
@@ -121,8 +124,30 @@ class EngineCore:
             grammar=req.grammar, best_of=req.best_of, makes_text=req.makes_text,
             lora_request=req.lora_request, new_text=req.new_text,
             prompt_embeds=req.prompt_embeds)
-        self.scheduler.add(seq)
+        if is_beam(req.params):  # its seqs are beams, chosen together (core/beam_group.py)
+            seq.group = self.requests[req.request_id].beam = BeamGroup(
+                self.requests[req.request_id], req.params, beam_eos(self))
         self.prompt_tokens += len(req.prompt_token_ids)
+        if req.continuation is not None and self._continue(req.continuation, seq):
+            return
+        self.scheduler.add(seq)
+
+    def _continue(self, cont: Continuation, seq: Sequence) -> bool:
+        """Give the seq its continuation as output (prefilled with the prompt, counted toward
+        min_tokens and max_tokens; its text primes the tracker); True when that already ends
+        it by length: the next step returns it finished, with no new token."""
+        state = self.requests[seq.request_id]
+        seq.output_token_ids = list(cont.token_ids)
+        state.first_index, state.skip_tokens = cont.index, len(cont.token_ids)
+        state.skip_chars = prime(state.detoks[0], cont.token_ids)
+        if len(cont.token_ids) < seq.params.max_tokens \
+                and seq.num_tokens < self.max_model_len:  # type: ignore[operator]
+            return False
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"
+        state.detoks[0].flush(seq.output_token_ids)
+        state.metrics.finished_time = time.monotonic()
+        self.pending.append(self.requests.pop(seq.request_id))
+        return True
 
     def new_seq(self, request_id: str, index: int, ids: list[int], params: Any, arrival: float,
                 priority: int, cache_salt: str | None, lora_name: str | None = None) -> Sequence:

@@ -1,22 +1,23 @@
 """The sampler's inputs for one scheduled step: which batch rows are sampled (n > 1 parents
-repeat on their first token), their seeded generators, grammar matchers and custom logits
-processors. `core` is the `EngineCore` (engine/core/engine_core.py) that owns the requests."""
+repeat on their first token), which sample each row draws for (the seeded draw's key), grammar
+matchers and custom logits processors. `core` is the `EngineCore` (engine/core/engine_core.py)
+that owns the requests."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
 from kvserve.engine.core.scheduler import SchedulerOutput
 from kvserve.engine.core.sequence import Sequence
-from kvserve.engine.sample.sampler import SamplingMetadata, make_generator
+from kvserve.engine.sample.random_draw import check_seed
+from kvserve.engine.sample.sampler import SamplingMetadata
 from kvserve.engine.structured_output.grammar import GrammarState
 
 
 def sampling_rows(core: Any, sched: SchedulerOutput
                   ) -> tuple[list[int], SamplingMetadata | None]:
     """Batch indices whose logits are sampled (prefill complete); n > 1 parents repeat. A
-    request whose generator or grammar cannot be made fails alone (`core.fail_request`)."""
+    request whose seed or grammar cannot be used fails alone (`core.fail_request`)."""
     rows: list[int] = []
     seqs: list[Sequence] = []
     for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_tokens)):
@@ -26,7 +27,7 @@ def sampling_rows(core: Any, sched: SchedulerOutput
                 seqs.append(seq)
     for r, seq in enumerate(seqs):
         try:
-            generator_for(core, seq, r, seqs)
+            check_seed(seq.params.seed)
             grammar_state(core, seq)
         except Exception as exc:  # noqa: BLE001 - handed to that request's caller
             core.fail_request(seq.request_id, exc)
@@ -39,16 +40,12 @@ def sampling_rows(core: Any, sched: SchedulerOutput
 
 
 def _metadata(core: Any, seqs: list[Sequence]) -> SamplingMetadata:
-    gens: dict[int, torch.Generator] = {}
-    for r, seq in enumerate(seqs):
-        g = generator_for(core, seq, r, seqs)  # made above: cached in the request's state
-        if g is not None:
-            gens[r] = g
+    indices = {r: i for r, i in enumerate(sample_indices(core, seqs)) if i}
     meta = SamplingMetadata.build(
         # an embeddings prompt's placeholder ids are no tokens: penalties see only its output
         [s.params for s in seqs], [s.prompt_token_ids if s.prompt_embeds is None else []
                                    for s in seqs],
-        [s.output_token_ids for s in seqs], gens, core.vocab_size, core.device,
+        [s.output_token_ids for s in seqs], indices, core.vocab_size, core.device,
         eos_token_id=core.eos_token_ids)
     if any(core.requests[s.request_id].grammar is not None for s in seqs):
         meta.token_bitmask = core.grammars.token_bitmask([grammar_state(core, s) for s in seqs])
@@ -68,17 +65,19 @@ def grammar_state(core: Any, seq: Sequence) -> GrammarState | None:
     return matcher
 
 
-def generator_for(core: Any, seq: Sequence, row: int, seqs: list[Sequence]
-                  ) -> torch.Generator | None:
-    """Seeded requests: one generator per sample index, seeded with seed + index."""
-    if seq.params.seed is None:
-        return None
-    state = core.requests[seq.request_id]
-    repeat = sum(1 for s in seqs[:row] if s is seq)
-    index = seq.index if repeat == 0 else len(state.seqs) + repeat - 1
-    if index not in state.generators:
-        state.generators[index] = make_generator(seq.params.seed + index, core.device)
-    return state.generators[index]
+def sample_indices(core: Any, seqs: list[Sequence]) -> list[int]:
+    """Which of its request's samples each row draws for: the seq's own index, an n > 1
+    parent's repeats those its siblings get once forked (engine/core/step_update.py), all
+    shifted by the request's first index (a continuation's choice). A seeded row's draw is
+    keyed by it (engine/sample/random_draw.py)."""
+    out: list[int] = []
+    repeats: dict[int, int] = {}  # seq_id -> rows of it so far (a parent's repeats follow it)
+    for seq in seqs:
+        state = core.requests[seq.request_id]
+        repeat = repeats[seq.seq_id] = repeats.get(seq.seq_id, -1) + 1
+        index = seq.index if repeat == 0 else len(state.seqs) + repeat - 1
+        out.append(state.first_index + index)
+    return out
 
 
 def logits_hook(procs: Any, sched: SchedulerOutput, rows: list[int]) -> Any:

@@ -12,6 +12,7 @@ from typing import Any
 from kvserve.engine.engine_core.messages import RequestDelta
 from kvserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvserve.engine.prompt_embeds import embeds_of, prompt_len
+from kvserve.engine.sample.continuation import prime
 from kvserve.engine.sample.detokenizer import (IncrementalDetokenizer, core_makes_text,
                                                new_detokenizer)
 
@@ -24,6 +25,8 @@ class _Sample:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    skip_tokens: int = 0  # a continuation's tokens and text, left out of the outputs
+    skip_chars: int = 0
 
 
 @dataclass
@@ -43,6 +46,7 @@ class ClientRequest:
     num_cached_tokens: int = 0
     finished: bool = False
     lora_request: Any = None
+    continuation: Any = None  # sample/continuation.Continuation: output generated elsewhere
 
 
 class ClientOutputProcessor:
@@ -53,10 +57,10 @@ class ClientOutputProcessor:
         self.requests: dict[str, ClientRequest] = {}
 
     def add(self, request_id: str, prompt: str | list[int], params: Any,
-            lora_request: Any = None) -> None:
+            lora_request: Any = None, continuation: Any = None) -> None:
         req = self.requests[request_id] = ClientRequest(
             request_id, prompt if isinstance(prompt, str) else None, params,
-            core_makes_text(params), lora_request=lora_request)
+            core_makes_text(params), lora_request=lora_request, continuation=continuation)
         if embeds_of(prompt) is not None:  # as vLLM's: no token ids for embeddings
             req.prompt_token_ids, req.num_prompt_embeds = None, prompt_len(prompt)
 
@@ -95,7 +99,7 @@ class ClientOutputProcessor:
         for index, token_ids, logprobs, cumulative, finish_reason, stop_reason in outputs:
             s = req.samples.get(index)
             if s is None:
-                s = req.samples[index] = _Sample(self._detok(req))
+                s = req.samples[index] = self._sample(req)
             s.token_ids += token_ids
             if logprobs is not None:
                 if s.logprobs is None:
@@ -115,6 +119,15 @@ class ClientOutputProcessor:
                 req.metrics.finished_time = now
         return stopped and req.finished
 
+    def _sample(self, req: ClientRequest) -> _Sample:
+        """A sample's state; a continuation's starts with its tokens, their text primed."""
+        s = _Sample(self._detok(req))
+        if req.continuation is not None:
+            s.token_ids = list(req.continuation.token_ids)
+            s.skip_tokens = len(s.token_ids)
+            s.skip_chars = prime(s.detok, s.token_ids)
+        return s
+
     def _detok(self, req: ClientRequest) -> IncrementalDetokenizer:
         p = req.params
         return new_detokenizer(self.tokenizer, req.prompt_token_ids or [], p.skip_special_tokens,
@@ -124,7 +137,8 @@ class ClientOutputProcessor:
         if req.full or req.whole:
             outs = list(req.full)
         else:
-            outs = [CompletionOutput(i, s.detok.text, list(s.token_ids), s.cumulative_logprob,
+            outs = [CompletionOutput(i, s.detok.text[s.skip_chars:],
+                                     s.token_ids[s.skip_tokens:], s.cumulative_logprob,
                                      list(s.logprobs) if s.logprobs else None, s.finish_reason,
                                      s.stop_reason)
                     for i, s in sorted(req.samples.items())]

@@ -49,7 +49,8 @@ class MPLLMEngine:
 
             raise InvalidRequestError(f"request id {request_id!r} is already in use",
                                       "request_id")
-        self.outputs.add(request_id, prompt, params, kwargs.get("lora_request"))
+        self.outputs.add(request_id, prompt, params, kwargs.get("lora_request"),
+                         kwargs.get("continuation"))
         self._unanswered.add(request_id)
         self.client.send(AddRequest(request_id, prompt, params, kwargs))
 

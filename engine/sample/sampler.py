@@ -3,10 +3,10 @@
 Order (as vLLM v1): the grammar bitmask of constrained rows; raw logprobs = log_softmax(those
 logits); logit_bias; min_tokens masking; penalties
 (repetition over prompt+output, presence/frequency over output); greedy rows take the argmax;
-random rows are divided by their temperature, filtered by min_p, top_k, top_p and sampled with the
-exponential race `argmax(probs / Exponential(1))`, whose noise comes from the row's own
-`torch.Generator` when the request has a seed (so its tokens do not depend on the rest of the batch)
-and from one global draw otherwise.
+random rows are divided by their temperature, filtered by min_p, top_k, top_p and drawn by inverse
+CDF with one uniform per row (engine/sample/random_draw.py): a seeded row's uniform is a hash of
+(seed, sample index, output position), so its tokens depend neither on the rest of the batch nor
+on what ran before on this engine; other rows draw from torch's global generator.
 
 `python bench/sampler.py` times each setting against a full sort of every row (vLLM's top-p);
 its figures are in docs/perf.md.
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvserve.engine.sample.random_draw import inverse_cdf, row_uniform, row_uniforms
 from kvserve.engine.sample.sampling_params import SamplingParams
 from kvserve.engine.structured_output.grammar import apply_token_bitmask
 from kvserve.kernels import checks
@@ -29,13 +30,6 @@ from kvserve.kernels.cpu_ops import argmax
 GREEDY_EPS = 1e-5
 # top-k / top-p are solved on this many largest logits per row before falling back to a full sort.
 TOP_P_CANDIDATES = 1024
-
-
-def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
-    """A per-request generator: the same seed gives the same draws on the same device type."""
-    gen = torch.Generator(device=torch.device(device))
-    gen.manual_seed(seed)
-    return gen
 
 
 @dataclass
@@ -56,7 +50,8 @@ class SamplingMetadata:
     repetition_penalty: torch.Tensor  # fp32 [S]
     prompt_token_ids: list[list[int]] | None
     output_token_ids: list[list[int]] | None
-    generators: dict[int, torch.Generator]  # row -> generator of a seeded, non-greedy row
+    # (rows, float64 uniforms) of the seeded random rows (random_draw.row_uniform), rows ascending
+    seeded: tuple[torch.Tensor, torch.Tensor] | None
     max_num_logprobs: int | None  # None = no logprobs this step
     all_greedy: bool
     all_random: bool
@@ -80,12 +75,14 @@ class SamplingMetadata:
         params: list[SamplingParams],
         prompt_token_ids: list[list[int]],
         output_token_ids: list[list[int]],
-        generators: dict[int, torch.Generator],
+        sample_indices: dict[int, int],
         vocab_size: int,
         device: torch.device | str,
         eos_token_id: int | Sequence[int] | None = None,
     ) -> SamplingMetadata:
-        """Metadata for rows `params[i]`; the EOS id(s) are blocked under min_tokens."""
+        """Metadata for rows `params[i]`; the EOS id(s) are blocked under min_tokens.
+        `sample_indices`: row -> which of its request's samples it draws for (n > 1, a
+        continuation's choice; absent: 0); a seeded row's position is its output's length."""
         if not len(params) == len(prompt_token_ids) == len(output_token_ids):
             raise ValueError(
                 f"build() needs one prompt and one output list per row: got {len(params)} params, "
@@ -108,7 +105,7 @@ class SamplingMetadata:
             repetition_penalty=repetition,
             prompt_token_ids=None if flags.pop("no_repetition") else prompt_token_ids,
             output_token_ids=None if flags["no_penalties"] else output_token_ids,
-            generators={r: g for r, g in generators.items() if not greedy[r]},
+            seeded=_seeded_uniforms(params, greedy, output_token_ids, sample_indices, device),
             max_num_logprobs=max(wanted) if wanted else None,
             all_greedy=all(greedy), all_random=not any(greedy),
             min_tokens_block=_min_tokens_block(
@@ -136,6 +133,20 @@ def _fast_path_flags(
         no_top_p_top_k_min_p=no_top_p and no_min_p and no_top_k,
         no_top_p=no_top_p, no_min_p=no_min_p, no_top_k=no_top_k,
     )
+
+
+def _seeded_uniforms(
+    params: list[SamplingParams], greedy: list[bool], output_token_ids: list[list[int]],
+    sample_indices: dict[int, int], device: torch.device | str,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, uniforms) of the seeded random rows: keyed by (seed, sample index, position)."""
+    rows = [r for r, (p, g) in enumerate(zip(params, greedy)) if p.seed is not None and not g]
+    if not rows:
+        return None
+    values = [row_uniform(params[r].seed, sample_indices.get(r, 0), len(output_token_ids[r]))
+              for r in rows]  # type: ignore[arg-type]
+    return (torch.tensor(rows, dtype=torch.int64).to(device),
+            torch.tensor(values, dtype=torch.float64).to(device))
 
 
 def _min_tokens_block(
@@ -196,7 +207,7 @@ class SamplerOutput:
 
 @dataclass(frozen=True)
 class Sampler:
-    """Stateless: every per-request state (generators, token history) comes in the metadata.
+    """Stateless: every per-request state (seeded draws, token history) comes in the metadata.
 
     `top_p_candidates`: top-p is solved on this many largest logits per row before a full sort.
     """
@@ -237,7 +248,7 @@ class Sampler:
 
 
 def _sample_random(logits: torch.Tensor, meta: SamplingMetadata, candidates: int) -> torch.Tensor:
-    """Temperature, min_p, top_k, top_p, then the exponential race (greedy rows use T=1)."""
+    """Temperature, min_p, top_k, top_p, then the inverse-CDF draw (greedy rows use T=1)."""
     temperature = torch.where(meta.temperature < GREEDY_EPS, 1.0, meta.temperature)
     logits = logits / temperature.unsqueeze(1)  # out of place: the caller's tensor stays intact
     if not meta.no_top_p_top_k_min_p:
@@ -247,24 +258,7 @@ def _sample_random(logits: torch.Tensor, meta: SamplingMetadata, candidates: int
         top_p = None if meta.no_top_p else meta.top_p
         if top_k is not None or top_p is not None:
             logits = apply_top_k_top_p(logits, top_k, top_p, candidates)
-    return exponential_race(logits.softmax(dim=-1), meta.generators)
-
-
-def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """argmax(probs / E), E ~ Exponential(1) i.i.d.: a draw from `probs`, row by row (in place).
-
-    Seeded rows take E from their own generator, so their draw depends only on their seed, their
-    history and their own probabilities, never on the other rows of the batch. E = -log(U), U
-    uniform in [0, 1), is never 0 (0/0 = nan would win the argmax) and costs a third of
-    `Tensor.exponential_` on the CPU.
-    """
-    noise = torch.empty_like(probs)
-    if len(generators) < probs.shape[0]:
-        noise.uniform_()
-    for row, gen in generators.items():
-        noise[row].uniform_(generator=gen)
-    # probs / E with E = -log U is maximal where probs / log U (<= 0) is minimal: one pass less.
-    return probs.div_(noise.log_()).argmin(dim=-1)
+    return inverse_cdf(logits, row_uniforms(logits.shape[0], meta.seeded, logits.device))
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

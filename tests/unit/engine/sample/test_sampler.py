@@ -17,7 +17,6 @@ from kvserve.engine.sample.sampler import (
     apply_penalties,
     apply_top_k_top_p,
     flat_token_index,
-    make_generator,
 )
 from kvserve.engine.sample.sampling_params import SamplingParams
 
@@ -25,13 +24,13 @@ CPU = torch.device("cpu")
 INF = float("inf")
 
 
-def build(params, vocab, prompts=None, outputs=None, generators=None, eos=None):
+def build(params, vocab, prompts=None, outputs=None, sample_indices=None, eos=None):
     rows = len(params)
     return SamplingMetadata.build(
         params,
         prompts if prompts is not None else [[] for _ in range(rows)],
         outputs if outputs is not None else [[] for _ in range(rows)],
-        generators or {},
+        sample_indices or {},
         vocab,
         CPU,
         eos_token_id=eos,
@@ -197,8 +196,9 @@ LOGITS_8 = torch.tensor([1.5, 0.2, -0.7, 2.1, 0.0, -1.5, 0.9, 1.1])
 
 def draw_counts(params: SamplingParams, rows: int, seeded: bool = False) -> torch.Tensor:
     logits = LOGITS_8.expand(rows, 8).contiguous()
-    gens = {r: make_generator(10_000 + r, CPU) for r in range(rows)} if seeded else None
-    out = sample(logits, [params] * rows, generators=gens)
+    batch = [dataclasses.replace(params, seed=10_000 + r) for r in range(rows)] if seeded \
+        else [params] * rows
+    out = sample(logits, batch)
     return torch.bincount(out.sampled_token_ids, minlength=8).double()
 
 
@@ -251,17 +251,13 @@ def run_seeded_row(
     vocab = 2500  # above TOP_P_CANDIDATES: neighbours may need the full sort
     params = list(neighbours)
     params.insert(position, mine)
-    gens = {position: make_generator(mine.seed, CPU)}
-    for r, p in enumerate(params):
-        if p.seed is not None and r != position:
-            gens[r] = make_generator(p.seed, CPU)
     tokens = []
     outputs: list[list[int]] = [[] for _ in params]
     for step in range(steps):
         logits = seeded_logits(100 + step, len(params), vocab, scale=1.5)
         logits[position] = seeded_logits(200 + step, 1, vocab, scale=1.5)[0]
         meta = SamplingMetadata.build(
-            params, [[1, 2, 3]] * len(params), outputs, gens, vocab, CPU
+            params, [[1, 2, 3]] * len(params), outputs, {}, vocab, CPU
         )
         sampled = Sampler()(logits, meta).sampled_token_ids.tolist()
         tokens.append(sampled[position])
@@ -300,11 +296,28 @@ def test_same_seed_gives_same_tokens_anywhere_in_any_batch(mine):
     assert run_seeded_row(1, crowd_b, other_seed) != alone
 
 
-def test_make_generator_is_deterministic():
-    a = torch.rand(5, generator=make_generator(3, CPU))
-    b = torch.rand(5, generator=make_generator(3, CPU))
-    c = torch.rand(5, generator=make_generator(4, CPU))
-    assert torch.equal(a, b) and not torch.equal(a, c)
+def test_a_seeded_row_draws_by_its_position_not_by_its_history():
+    """The token at an output position depends on (seed, sample index, position) and the
+    logits alone: a row that starts at position 5 with another history of the same length
+    draws what a row that got there step by step draws (a continuation's exactness)."""
+    mine = SamplingParams(temperature=0.9, seed=77)
+    vocab, steps = 500, 10
+    logits = [seeded_logits(300 + s, 1, vocab, scale=1.0) for s in range(steps)]
+    history: list[int] = []
+    for s in range(steps):
+        history.append(int(sample(logits[s], [mine], outputs=[list(history)])
+                           .sampled_token_ids[0]))
+    other = [7, 7, 7, 7, 7]
+    for s in range(5, steps):
+        tok = int(sample(logits[s], [mine], outputs=[list(other)]).sampled_token_ids[0])
+        other.append(tok)
+    assert other[5:] == history[5:]
+    # the key has power: another sample index or another seed draws other tokens
+    moved = [int(sample(logits[s], [mine], outputs=[history[:s]], sample_indices={0: 1})
+                 .sampled_token_ids[0]) for s in range(steps)]
+    reseeded = [int(sample(logits[s], [dataclasses.replace(mine, seed=78)],
+                           outputs=[history[:s]]).sampled_token_ids[0]) for s in range(steps)]
+    assert moved != history and reseeded != history
 
 
 # --- penalties --------------------------------------------------------------------------------
@@ -448,11 +461,11 @@ def test_build_normalises_top_k_and_sets_fast_path_flags():
         SamplingParams(temperature=0.8, top_k=-1, seed=2, logprobs=2),
         SamplingParams(temperature=0.8, top_k=500, logprobs=5),
     ]
-    gens = {0: make_generator(1, CPU), 1: make_generator(2, CPU)}
-    meta = build(params, 100, generators=gens)
+    meta = build(params, 100)
     assert meta.top_k.tolist() == [100, 100, 100]
     assert meta.temperature.dtype == torch.float32 and meta.top_k.dtype == torch.int64
-    assert list(meta.generators) == [1]  # the greedy row's generator is never drawn from
+    assert meta.seeded[0].tolist() == [1]  # the greedy row draws nothing
+    assert meta.seeded[1].dtype == torch.float64
     assert meta.max_num_logprobs == 5
     assert not meta.all_greedy and not meta.all_random
     assert meta.no_penalties and meta.output_token_ids is None and meta.prompt_token_ids is None

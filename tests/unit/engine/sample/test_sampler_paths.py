@@ -95,15 +95,15 @@ def test_a_logit_bias_is_added_to_the_logit_and_token_0_takes_one():
 def test_a_top_k_of_0_set_after_construction_is_off():
     # SamplingParams maps top_k=0 to -1 when built; one set afterwards passes verify() (the
     # engine's check) and must mean "off" too: the same draws as -1 under the same seeds.
-    off = SamplingParams(temperature=1.0, top_k=-1)
-    zero = SamplingParams(temperature=1.0)
+    off = SamplingParams(temperature=1.0, top_k=-1, seed=5)
+    zero = SamplingParams(temperature=1.0, seed=5)
     zero.top_k = 0
     zero.verify()
     logits = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
 
     def draws(params):
-        gens = {r: torch.Generator().manual_seed(r) for r in range(8)}
-        meta = SamplingMetadata.build([params] * 8, [[]] * 8, [[]] * 8, gens, 16, CPU)
+        rows = {r: r for r in range(8)}  # one seeded draw per row: sample indices 0..7
+        meta = SamplingMetadata.build([params] * 8, [[]] * 8, [[]] * 8, rows, 16, CPU)
         return Sampler()(logits, meta).sampled_token_ids.tolist()
 
     assert draws(zero) == draws(off)
@@ -114,14 +114,14 @@ def test_a_temperature_of_exactly_the_greedy_threshold_is_sampled_as_the_params_
     # temperature, alone in its batch or next to a greedy row: its two tied top logits both come
     # up across seeds (the argmax would always take the first), and the third, 0.01 below them,
     # never does (it would at temperature 1).
-    params = SamplingParams(temperature=1e-5)
+    params = SamplingParams(temperature=1e-5, seed=3)
     assert not params.greedy
     rows = 32
     logits = torch.tensor([[3.0, 3.0, 2.99, 0.0]]).repeat(rows + 1, 1)
     for batch in ([params] * rows, [params] * rows + [SamplingParams(temperature=0.0)]):
-        gens = {r: torch.Generator().manual_seed(r) for r in range(rows)}
+        indices = {r: r for r in range(rows)}  # rows differ by their sample index
         n = len(batch)
-        meta = SamplingMetadata.build(batch, [[]] * n, [[]] * n, gens, 4, CPU)
+        meta = SamplingMetadata.build(batch, [[]] * n, [[]] * n, indices, 4, CPU)
         assert not meta.all_greedy
         sampled = Sampler()(logits[:n], meta).sampled_token_ids.tolist()
         assert set(sampled[:rows]) == {0, 1} and sampled[rows:] in ([], [0])
@@ -138,7 +138,7 @@ def test_metadata_built_by_hand_with_the_optional_flags_left_applies_every_filte
         temperature=f(1, 1, 1), top_p=f(1, 1, 0.5), top_k=torch.tensor([4, 1, 4]),
         min_p=f(0.5, 0, 0), presence_penalty=f(0, 0, 0), frequency_penalty=f(0, 0, 0),
         repetition_penalty=f(1, 1, 1), prompt_token_ids=None, output_token_ids=None,
-        generators={}, max_num_logprobs=None, all_greedy=False, all_random=True,
+        seeded=None, max_num_logprobs=None, all_greedy=False, all_random=True,
         no_penalties=True, no_top_p_top_k_min_p=False)
     seen = [set() for _ in range(rows)]
     for seed in range(64):
@@ -149,11 +149,10 @@ def test_metadata_built_by_hand_with_the_optional_flags_left_applies_every_filte
 
 
 def test_a_batch_of_seeded_rows_draws_nothing_from_the_global_generator():
-    # Each seeded row takes its noise from its own generator; the global one is left as it was,
+    # Each seeded row's uniform comes from its key; the global generator is left as it was,
     # so unseeded requests draw the same whatever seeded ones ran before them.
-    params = SamplingParams(temperature=1.0)
-    gens = {r: torch.Generator().manual_seed(r) for r in range(3)}
-    meta = SamplingMetadata.build([params] * 3, [[]] * 3, [[]] * 3, gens, 8, CPU)
+    params = SamplingParams(temperature=1.0, seed=0)
+    meta = SamplingMetadata.build([params] * 3, [[]] * 3, [[]] * 3, {0: 0, 1: 1, 2: 2}, 8, CPU)
     torch.manual_seed(1)
     state = torch.get_rng_state()
     Sampler()(torch.zeros(3, 8), meta)

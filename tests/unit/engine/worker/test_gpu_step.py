@@ -162,9 +162,9 @@ def test_a_host_read_in_the_step_is_caught(watched, monkeypatch):
     """The detector fails meaningfully: a `.item()` put back into the sampler is reported."""
     from kvserve.engine.sample import sampler
 
-    real = sampler.exponential_race
-    monkeypatch.setattr(sampler, "exponential_race",
-                        lambda probs, gens: probs.max().item() and real(probs, gens))
+    real = sampler.inverse_cdf
+    monkeypatch.setattr(sampler, "inverse_cdf",
+                        lambda logits, u: logits.max().item() and real(logits, u))
     prompts, params = _workload()
     watched.generate(prompts, params)
     assert any(r.startswith("item at ") for r in OnDevice.reads), OnDevice.reads
