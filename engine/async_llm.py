@@ -71,7 +71,7 @@ class AsyncLLM:
         """The request's outputs as they come, shaped by `sampling_params.output_kind`:
         CUMULATIVE (everything so far), DELTA (only the new tokens and text), FINAL_ONLY (one
         output, when it finishes). Leaving the loop early aborts the request."""
-        if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
+        if isinstance(prompt, dict) and "prompt_embeds" not in prompt:  # TextPrompt/TokensPrompt
             prompt = prompt.get("prompt_token_ids") or prompt["prompt"]
         if self._resumed is not None:  # paused: the request starts at resume_generation()
             await self._resumed.wait()

@@ -27,7 +27,8 @@ def params(kind: RequestOutputKind, n: int = 6) -> SamplingParams:
 
 def make_engine(model_dir) -> AsyncLLM:
     return AsyncLLM.from_engine_args(AsyncEngineArgs(
-        model=str(model_dir), dtype="float32", device="cpu", kv_cache_memory=1 << 22))
+        model=str(model_dir), dtype="float32", device="cpu", kv_cache_memory=1 << 22,
+        enable_prompt_embeds=True))
 
 
 @pytest.fixture(scope="module", params=["thread", "process"])
@@ -84,6 +85,27 @@ def test_output_kinds_follow_vllm(engine, llm: LLM):
     assert [o.finished for o in delta] == [False] * (len(delta) - 1) + [True]
     assert len(final) == 1 and final[0].finished
     assert final[0].outputs[0].token_ids == want_ids
+
+
+def test_prompt_embeds_give_the_token_prompts_output(engine, llm: LLM, tiny_model_dir):
+    """vLLM's EmbedsPrompt: HF's embedding rows of the prompt's ids give its output (the
+    tensor crosses to the core process too); no prompt token ids come back."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    want = llm.generate(PROMPT, params(RequestOutputKind.CUMULATIVE), use_tqdm=False)[0]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        embeds = hf.get_input_embeddings()(torch.tensor(want.prompt_token_ids))
+
+    async def run() -> list:
+        return [out async for out in engine.generate(
+            {"prompt_embeds": embeds}, params(RequestOutputKind.CUMULATIVE), "e")]
+    outs = asyncio.run(run())
+    assert outs[-1].outputs[0].token_ids == want.outputs[0].token_ids
+    assert outs[-1].outputs[0].text == want.outputs[0].text
+    assert outs[-1].prompt_token_ids is None
+    assert outs[-1].num_prompt_tokens == len(want.prompt_token_ids)
 
 
 def test_abort_ends_the_stream(engine):
