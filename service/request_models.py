@@ -7,6 +7,7 @@ from typing import Annotated, Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvserve.engine.errors import InvalidRequestError
+from kvserve.engine.sample.continuation import Continuation
 from kvserve.engine.sample.sampling_params import MAX_TOKEN_ID, SEED_MAX, SEED_MIN, SamplingParams
 from kvserve.engine.structured_output.params import StructuredOutputsParams
 from kvserve.service.limits import DEFAULT_LIMITS, RequestLimits
@@ -31,6 +32,15 @@ class OpenAIModel(BaseModel):
 
     def check(self, limits: RequestLimits = DEFAULT_LIMITS) -> None:
         """Cross-field checks and caps pydantic cannot express; InvalidRequestError (400)."""
+
+
+class ContinuationField(OpenAIModel):
+    """kvserve's `continuation`: the output tokens one choice already has (a router migrating a
+    request from a replica that died or drains); the request goes on after them and answers
+    only what follows (docs/guides/vllm.md, "Continuations and token ids")."""
+
+    token_ids: list[TokenId]
+    index: Annotated[int, Field(ge=0, le=SEED_MAX)] = 0
 
 
 class StreamOptions(OpenAIModel):
@@ -62,6 +72,8 @@ class SamplingFields(OpenAIModel):
     user: str | None = None
     priority: Int64 = 0
     cache_salt: CacheSalt | None = None
+    continuation: ContinuationField | None = None  # kvserve's: output generated elsewhere
+    return_token_ids: bool = False  # vLLM's: token ids of the prompt and of each choice/chunk
     # known, not supported (service/unsupported_fields.py): typed loosely so the 400 names the field
     use_beam_search: Any = None
     length_penalty: Any = None
@@ -119,6 +131,28 @@ class SamplingFields(OpenAIModel):
             raise InvalidRequestError("prompt_logprobs cannot be streamed (as vLLM): send the "
                                       "request with stream false", param="prompt_logprobs")
         self.constraint()  # a malformed schema, regex or tool is a 400 here
+        self._check_continuation()
+
+    def _check_continuation(self) -> None:
+        if self.continuation is None:
+            return
+        if self.n != 1 or (self.best_of or 1) != 1:
+            raise InvalidRequestError("a continuation continues one choice: send it with n = 1 "
+                                      "and no best_of, the choice's number as continuation.index",
+                                      param="continuation")
+        if self.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt_logprobs cannot be combined with a continuation "
+                                      "(the first request had them)", param="continuation")
+
+    def continuation_of(self) -> Continuation | None:
+        """The engine's Continuation of this request (None: an ordinary request)."""
+        c = self.continuation
+        return None if c is None else Continuation(tuple(c.token_ids), c.index)
+
+    @property
+    def continued_tokens(self) -> int:
+        """Output tokens the continuation brings: counted in usage.completion_tokens."""
+        return 0 if self.continuation is None else len(self.continuation.token_ids)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         defaults: dict[str, Any] | None = None) -> SamplingParams:
@@ -207,6 +241,9 @@ class CompletionRequest(SamplingFields):
                 isinstance(p, list) and not p for p in self.prompt)):
             raise InvalidRequestError("prompt must not be empty", param="prompt")
         count = len(self.prompts()) + len(self.embeds_prompts())
+        if self.continuation is not None and (count != 1 or self.echo):
+            raise InvalidRequestError("a continuation continues one prompt's choice: send one "
+                                      "prompt and no echo", param="continuation")
         if count > limits.max_prompts:
             raise InvalidRequestError(
                 f"prompt holds {count} prompts; at most {limits.max_prompts} are allowed in one "

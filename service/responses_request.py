@@ -16,7 +16,8 @@ from kvserve.service.unsupported_fields import Harmless, asks_nothing, refuse_un
 
 # Request fields passed through to the chat request as they are (vLLM's extras included).
 _PASSED = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "priority",
-           "cache_salt", "repetition_penalty", "presence_penalty", "frequency_penalty")
+           "cache_salt", "repetition_penalty", "presence_penalty", "frequency_penalty",
+           "continuation", "return_token_ids")
 
 
 class ResponsesRequest(OpenAIModel):
@@ -43,6 +44,9 @@ class ResponsesRequest(OpenAIModel):
     metadata: dict[str, str] | None = None
     user: str | None = None
     truncation: str | None = None
+    # kvserve's continuation and vLLM's return_token_ids: checked by the chat request
+    continuation: Any = None
+    return_token_ids: bool | None = None
     # known, not supported: a 400 naming the field unless its value asks for nothing
     previous_response_id: Any = None
     store: Any = None

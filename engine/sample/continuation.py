@@ -1,6 +1,6 @@
 """A continuation: output tokens a request already generated elsewhere (another replica, before
 it died or drained), appended after the prompt as output, so that the engine goes on as an
-uninterrupted run would (docs/reference/http-api.md, "Continuations")."""
+uninterrupted run would (docs/guides/vllm.md, "Continuations and token ids")."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The random draw of sampled rows: inverse CDF with one uniform per row. A seeded row's uniform
 is a counter-based hash of (seed, sample index, position), so the token drawn at an output
 position depends on nothing else: a continuation on another replica draws what the first one
-would have (docs/reference/http-api.md, "Continuations")."""
+would have (docs/guides/vllm.md, "Continuations and token ids")."""
 
 from __future__ import annotations
 

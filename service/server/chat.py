@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from dataclasses import dataclass
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ from kvserve.service.server.engine_streams import (before, collect, stream_failu
 from kvserve.service.server.logprobs import (logprob_of, prompt_logprobs_json, token_text,
                                              top_logprobs)
 from kvserve.service.server.stream_deltas import Delta, StreamTracker, stop_hold
+from kvserve.service.server.token_ids import event_with, with_fields
 from kvserve.service.server.usage import usage_of, usage_text
 from kvserve.service.sse import SSE_DONE
 from kvserve.service.tool_calls import (ToolCallStream, ToolPlan, finish_reason, parse_output,
@@ -64,9 +66,12 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     request_id = random_id("chatcmpl")  # from here the engine counts it as waiting
     streams = await before(deadline, start_requests(
         ctx, request_id, [prompt], [params], priority=req.priority, cache_salt=req.cache_salt,
-        lora_request=ctx.lora_request(req.model)))
+        lora_request=ctx.lora_request(req.model), continuation=req.continuation_of()))
     if req.stream:
-        body = _stream(ctx, req, request_id, model, streams, stop_hold(params), deadline, split)
+        primer = "" if req.continuation is None else await ctx.decode(
+            req.continuation.token_ids)
+        body = _stream(ctx, req, request_id, model, streams,
+                       _StreamPlan(stop_hold(params), deadline, split, prompt, primer))
         return StreamingResponse(body, media_type="text/event-stream")
     (out,) = await unless_disconnected(raw, collect(streams, deadline))
     choices = []
@@ -81,9 +86,15 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         for choice in choices:
             choice.logprobs = None
     response = ChatCompletionResponse(id=request_id, model=model, choices=choices,
-                                      usage=usage_of([out], ctx.prompt_tokens_details),
+                                      usage=usage_of([out], ctx.prompt_tokens_details,
+                                                     req.continued_tokens),
                                       prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs))
-    return JSONResponse(response.model_dump())
+    body = response.model_dump()
+    if req.return_token_ids:  # vLLM's: the prompt's ids on the response, each choice's its own
+        body["prompt_token_ids"] = prompt
+        for choice, c in zip(body["choices"], sorted(out.outputs, key=lambda c: c.index)):
+            choice["token_ids"] = list(c.token_ids)
+    return JSONResponse(body)
 
 
 def _message(plan: ToolPlan | None, text: str, split: Splitters | None
@@ -117,37 +128,61 @@ def _or_inf(value: float | None) -> float:
     return float("-inf") if value is None else value
 
 
+@dataclass
+class _StreamPlan:
+    hold: int  # characters held back for a possible stop string
+    deadline: float | None
+    split: Splitters | None  # the reasoning parser's splitters
+    prompt: list[int]  # the prompt's token ids (return_token_ids)
+    primer: str  # a continuation's text: the parsers' state starts after it
+
+
 async def _stream(ctx: ServingContext, req: ChatCompletionRequest, request_id: str, model: str,
-                  streams: list[RequestStream], hold: int, deadline: float | None,
-                  split: Splitters | None) -> AsyncIterator[str]:
+                  streams: list[RequestStream], sp: _StreamPlan) -> AsyncIterator[str]:
     """The SSE events of a streamed chat completion. The events of one engine output go out in
     one write (n choices, a reasoning and a content chunk), and the last with the usage chunk
     and [DONE]. Content chunks are framed by chunk_json; reasoning and tool-call chunks by their
-    models."""
+    models. With return_token_ids a choice's token ids ride on its next chunk (a parser may hold
+    text back: its ids wait with it)."""
     framer = ChunkFramer("chat.completion.chunk", request_id, model, int(time.time()))
+    pending: dict[int, list[int]] = {}  # token ids of each choice not yet sent
 
-    def chunk(choices: list[ChatStreamChoice], usage: str = "null") -> str:
-        return framer.event([c.model_dump_json() for c in choices], usage)
+    def take(index: int) -> list[int] | None:
+        return pending.pop(index, []) if req.return_token_ids else None
+
+    def chunk(choices: list[ChatStreamChoice], usage: str = "null",
+              ids: list[int] | None = None) -> str:
+        return framer.event([with_fields(c.model_dump_json(), token_ids=ids if j == 0 else None)
+                             for j, c in enumerate(choices)], usage)
 
     continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-    # the role first, as OpenAI does
-    yield "".join(framer.event([chat_choice(i, "", role="assistant")]) for i in range(req.n))
-    tracker = StreamTracker(hold=hold)
+    indices = [req.continuation.index] if req.continuation is not None else list(range(req.n))
+    # the role first, as OpenAI does (the prompt's ids on the first chunk: vLLM's)
+    roles = [framer.event([chat_choice(i, "", role="assistant")]) for i in indices]
+    if req.return_token_ids:
+        roles[0] = event_with(roles[0], prompt_token_ids=sp.prompt)
+    yield "".join(roles)
+    tracker = StreamTracker(hold=sp.hold)
     plan = req.tool_plan()
-    tools = {i: ToolCallStream(plan) for i in range(req.n)} if plan is not None else {}
-    splitters = {i: split() for i in range(req.n)} if split is not None else {}
+    tools = {i: ToolCallStream(plan) for i in indices} if plan is not None else {}
+    splitters = {i: sp.split() for i in indices} if sp.split is not None else {}
+    if sp.primer:  # restart the parsers from the whole text: its first part is delivered
+        for i in indices:
+            _prime(splitters.get(i), tools.get(i), sp.primer)
     last: RequestOutput | None = None
     tail = ""  # the finished output's events, sent with the usage chunk and [DONE]
     try:
-        async for _, out in until(deadline, merge_streams(streams)):
+        async for _, out in until(sp.deadline, merge_streams(streams)):
             last = out
             events: list[str] = []
             # the same for each of the output's choices: built once per engine output
-            usage = usage_text([out], ctx.prompt_tokens_details) if continuous else "null"
+            usage = usage_text([out], ctx.prompt_tokens_details, req.continued_tokens) \
+                if continuous else "null"
             for c in out.outputs:
                 delta = tracker.delta(c.index, c)
                 if delta is None:
                     continue
+                pending.setdefault(c.index, []).extend(delta.token_ids)
                 lp = _logprobs(ctx.tokenizer, delta.token_ids, delta.logprobs,
                                req.top_logprobs or 0) if req.logprobs else None
                 if splitters.get(c.index) is not None:
@@ -156,19 +191,20 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, request_id: s
                     if reasoning:
                         said = DeltaMessage(reasoning_content=reasoning, reasoning=reasoning)
                         events.append(chunk([ChatStreamChoice(index=c.index, delta=said,
-                                                              logprobs=lp)], usage))
+                                                              logprobs=lp)], usage, take(c.index)))
                         lp = None
                     if not text and delta.finish_reason is None:
                         continue
                     delta = dataclasses.replace(delta, text=text)
                 if c.index in tools:
-                    events += [chunk([piece], usage)
-                               for piece in _tool_chunks(c.index, tools[c.index], delta, lp)]
+                    pieces = _tool_chunks(c.index, tools[c.index], delta, lp)
+                    events += [chunk([piece], usage, take(c.index) if k == 0 else None)
+                               for k, piece in enumerate(pieces)]
                     continue
                 content = delta.text if delta.text or splitters.get(c.index) is None else None
-                events.append(framer.event([chat_choice(
+                events.append(framer.event([with_fields(chat_choice(
                     c.index, content, logprobs=lp, finish_reason=delta.finish_reason,
-                    stop_reason=delta.stop_reason)], usage))
+                    stop_reason=delta.stop_reason), token_ids=take(c.index))], usage))
             if out.finished:
                 tail += "".join(events)
             elif events:
@@ -177,8 +213,18 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, request_id: s
         yield tail + stream_failure(exc)
         return
     if req.include_usage and last is not None:
-        tail += framer.event([], usage_text([last], ctx.prompt_tokens_details))
+        tail += framer.event([], usage_text([last], ctx.prompt_tokens_details,
+                                            req.continued_tokens))
     yield tail + SSE_DONE
+
+
+def _prime(split: Any, tools: ToolCallStream | None, text: str) -> None:
+    """Feed a continuation's text to a choice's reasoning splitter and tool-call parser, their
+    output dropped (the client has it): they go on as after an uninterrupted stream."""
+    if split is not None:
+        _, text = split_delta(split, text, False)
+    if tools is not None and text:
+        tools.feed(text)
 
 
 def _tool_chunks(index: int, stream: ToolCallStream, delta: Delta, lp: ChatLogProbs | None

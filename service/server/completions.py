@@ -27,6 +27,7 @@ from kvserve.service.server.engine_streams import (before, collect, stream_failu
 from kvserve.service.server.logprobs import (logprob_of, prompt_logprob_values,
                                              prompt_logprobs_json, token_text, top_logprobs)
 from kvserve.service.server.stream_deltas import Delta, StreamTracker, stop_hold
+from kvserve.service.server.token_ids import with_fields
 from kvserve.service.server.usage import usage_of, usage_text
 from kvserve.service.sse import SSE_DONE
 
@@ -47,15 +48,22 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest,
     request_id = random_id("cmpl")  # from here the engine counts it as waiting
     streams = await before(deadline, start_requests(
         ctx, request_id, prompts, params, priority=req.priority, cache_salt=req.cache_salt,
-        lora_request=ctx.lora_request(req.model)))
+        lora_request=ctx.lora_request(req.model), continuation=req.continuation_of()))
     if req.stream:
         body = _stream(ctx, req, request_id, model, streams, params[0], echoes, deadline)
         return StreamingResponse(body, media_type="text/event-stream")
     outputs = await unless_disconnected(raw, collect(streams, deadline))
     choices = [c for i, out in enumerate(outputs) for c in _choices(ctx, req, i, out, echoes[i])]
     response = CompletionResponse(id=request_id, model=model, choices=choices,
-                                  usage=usage_of(outputs, ctx.prompt_tokens_details))
-    return JSONResponse(response.model_dump())
+                                  usage=usage_of(outputs, ctx.prompt_tokens_details,
+                                                 req.continued_tokens))
+    body = response.model_dump()
+    if req.return_token_ids:  # vLLM's: each choice its ids and its prompt's
+        ids = [(c.token_ids, out.prompt_token_ids) for out in outputs
+               for c in sorted(out.outputs, key=lambda c: c.index)]
+        for choice, (tokens, prompt) in zip(body["choices"], ids):
+            choice["token_ids"], choice["prompt_token_ids"] = list(tokens), prompt
+    return JSONResponse(body)
 
 
 def _embeds_prompts(ctx: ServingContext, req: CompletionRequest) -> list[EmbedsPrompt]:
@@ -140,6 +148,7 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str, 
     tracker = StreamTracker(hold=stop_hold(params))
     latest: dict[int, RequestOutput] = {}
     echoed: set[int] = set()
+    with_prompt: set[int] = set()  # choices whose prompt_token_ids were sent
     tail = ""  # the events once every prompt has finished, sent with the usage and [DONE]
     try:
         async for i, out in until(deadline, merge_streams(streams)):
@@ -155,8 +164,14 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str, 
                     prefix = echoes[i]
                     prompt_part = _echo_logprobs(ctx.tokenizer, out, req.logprobs)
                     echoed.add(index)
+                ids: dict[str, list[int] | None] = {}
+                if req.return_token_ids:  # the prompt's ids on the choice's first chunk
+                    ids["token_ids"] = delta.token_ids
+                    if index not in with_prompt:
+                        ids["prompt_token_ids"] = out.prompt_token_ids
+                        with_prompt.add(index)
                 events.append(_chunk(ctx, req, framer, index, delta, prefix, prompt_part,
-                                     len(echoes[i]), latest))
+                                     len(echoes[i]), latest, ids))
             if len(latest) == len(streams) and all(o.finished for o in latest.values()):
                 tail += "".join(events)
             elif events:
@@ -165,13 +180,14 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, request_id: str, 
         yield tail + stream_failure(exc)
         return
     if req.include_usage:
-        tail += framer.event([], usage_text(list(latest.values()), ctx.prompt_tokens_details))
+        tail += framer.event([], usage_text(list(latest.values()), ctx.prompt_tokens_details,
+                                            req.continued_tokens))
     yield tail + SSE_DONE
 
 
 def _chunk(ctx: ServingContext, req: CompletionRequest, framer: ChunkFramer, index: int,
            delta: Delta, prefix: str, prompt_part: CompletionLogProbs | None, echo_len: int,
-           latest: dict[int, RequestOutput]) -> str:
+           latest: dict[int, RequestOutput], ids: dict[str, list[int] | None]) -> str:
     """One choice's chunk; the first of an echoed choice starts with the prompt (and its
     logprobs). With echo and max_tokens 0 the generated token is not shown."""
     text, lp = prefix, prompt_part
@@ -182,7 +198,8 @@ def _chunk(ctx: ServingContext, req: CompletionRequest, framer: ChunkFramer, ind
                                  offset))
     usage = "null"
     if req.stream_options and req.stream_options.continuous_usage_stats:
-        usage = usage_text(list(latest.values()), ctx.prompt_tokens_details)
-    return framer.event([completion_choice(index, text, logprobs=lp,
-                                           finish_reason=delta.finish_reason,
-                                           stop_reason=delta.stop_reason)], usage)
+        usage = usage_text(list(latest.values()), ctx.prompt_tokens_details,
+                           req.continued_tokens)
+    choice = completion_choice(index, text, logprobs=lp, finish_reason=delta.finish_reason,
+                               stop_reason=delta.stop_reason)
+    return framer.event([with_fields(choice, **ids)], usage)

@@ -27,15 +27,18 @@ T = TypeVar("T")
 async def start_requests(ctx: ServingContext, base_id: str, prompts: Sequence[list[int]],
                          params: Sequence[SamplingParams], *, priority: int = 0,
                          cache_salt: str | None = None,
-                         lora_request: Any = None) -> list[RequestStream]:
-    """One engine request per prompt; if one is refused, the ones already started are aborted."""
+                         lora_request: Any = None, continuation: Any = None
+                         ) -> list[RequestStream]:
+    """One engine request per prompt; if one is refused, the ones already started are aborted.
+    `continuation` (one prompt only): output tokens generated elsewhere."""
     arrival = time.monotonic()
     streams: list[RequestStream] = []
+    extra = {} if continuation is None else {"continuation": continuation}
     try:
         for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
             streams.append(await ctx.engine.add_request(
                 f"{base_id}-{i}", ids, p, priority=priority, cache_salt=cache_salt,
-                arrival=arrival, lora_request=lora_request))
+                arrival=arrival, lora_request=lora_request, **extra))
     except BaseException as exc:
         ctx.engine.abort([s.request_id for s in streams])
         if isinstance(exc, (EngineDrainingError, EngineDeadError)):

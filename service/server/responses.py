@@ -105,7 +105,7 @@ class _Retold:
         self.seq += 1
         return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
 
-    def reasoning(self, delta: str) -> list[str]:
+    def reasoning(self, delta: str, ids: list[int] | None = None) -> list[str]:
         out = []
         if self.open is None or self.open["type"] != "reasoning":
             out += self.close()
@@ -113,10 +113,10 @@ class _Retold:
             out.append(self._added())
         self.text += delta
         out.append(self.event("response.reasoning_text.delta", **self._at(), content_index=0,
-                              delta=delta))
+                              delta=delta, **_ids(ids)))
         return out
 
-    def content(self, delta: str) -> list[str]:
+    def content(self, delta: str, ids: list[int] | None = None) -> list[str]:
         out = []
         if self.open is None or self.open["type"] != "message":
             out += self.close()
@@ -126,7 +126,7 @@ class _Retold:
                                   part={"type": "output_text", "text": "", "annotations": []}))
         self.text += delta
         out.append(self.event("response.output_text.delta", **self._at(), content_index=0,
-                              delta=delta, logprobs=[]))
+                              delta=delta, logprobs=[], **_ids(ids)))
         return out
 
     def call(self, d: dict[str, Any]) -> list[str]:
@@ -177,6 +177,11 @@ class _Retold:
         return {"item_id": (self.open or {})["id"], "output_index": len(self.output)}
 
 
+def _ids(ids: list[int] | None) -> dict[str, Any]:
+    """return_token_ids (kvserve's, on the Responses stream): a text delta's token ids."""
+    return {} if ids is None else {"token_ids": ids}
+
+
 async def _chat_chunks(writes: AsyncIterator[Any]) -> AsyncIterator[dict[str, Any]]:
     """The chat stream's chunks as dicts, until [DONE]; one write may hold several events."""
     async for raw in writes:
@@ -204,11 +209,13 @@ async def _events(base: dict[str, Any], chunks: AsyncIterator[Any]) -> AsyncIter
         usage = chunk.get("usage") or usage
         for choice in chunk.get("choices", []):
             delta = choice.get("delta") or {}
+            ids = choice.get("token_ids")  # return_token_ids: on the delta that carries them
             if delta.get("reasoning_content"):
-                for event in told.reasoning(delta["reasoning_content"]):
+                for event in told.reasoning(delta["reasoning_content"], ids):
                     yield event
+                ids = None
             if delta.get("content"):
-                for event in told.content(delta["content"]):
+                for event in told.content(delta["content"], ids):
                     yield event
             for d in delta.get("tool_calls") or []:
                 for event in told.call(d):
