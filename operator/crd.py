@@ -239,6 +239,11 @@ def _routing() -> Schema:
                               enum=["FailOpen", "FailClose"], default="FailClose"),
         "eppReplicas": _typed("integer", "inferencePool: endpoint picker pods.", minimum=1,
                               maximum=20, default=1),
+        "secureServing": _typed("boolean", "inferencePool: the endpoint picker serves ext_proc "
+                                "over TLS with a self-signed certificate (`--secure-serving`), as "
+                                "Istio's gateway expects (with a DestinationRule that skips "
+                                "verification; see the gateway guide). Its gRPC health port "
+                                "stays plaintext for the kubelet's probes.", default=False),
     }, default={})
 
 

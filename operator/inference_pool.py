@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.operator import monitoring, weights
 from kvserve.operator.spec import ServiceSpec
 
 Obj = dict[str, Any]
@@ -16,6 +17,7 @@ POOL_KIND = "InferencePool"
 GRPC_PORT = 9002  # ext_proc: the port GIE's gateways default to for an EPP Service
 HEALTH_PORT = 9003  # gRPC health: services "liveness" and "readiness"
 METRICS_PORT = 9090
+METRICS_CONTAINER_PORT, METRICS_SERVICE_PORT = "metrics", "http-metrics"  # the port's names
 DRAIN_SECONDS = 30
 
 
@@ -43,10 +45,23 @@ def epp_name(spec: ServiceSpec) -> str:
     return f"{spec.name}-epp"
 
 
+def tokenizer(spec: ServiceSpec) -> str:
+    """The router's --tokenizer (resources.router_tokenizer, tested equal): a pvc:// model's
+    folder on its claim (mounted by the EPP too), else the hub id the EPP fetches itself.
+    Without it the EPP would load the model the replicas announce, a path it does not mount."""
+    return weights.model_path(spec) if _on_claim(spec) else spec.model.source
+
+
+def _on_claim(spec: ServiceSpec) -> bool:
+    return spec.model.location.scheme == "pvc"
+
+
 def epp_args(spec: ServiceSpec, redis_url: str | None) -> list[str]:
     args = ["epp", "--grpc-port", str(GRPC_PORT), "--grpc-health-port", str(HEALTH_PORT),
             "--metrics-port", str(METRICS_PORT), "--pool-name", pool_name(spec),
             "--pool-namespace", spec.namespace]
+    args += ["--tokenizer", tokenizer(spec)]
+    args += ["--secure-serving"] if spec.routing.secure_serving else []
     if not redis_url:
         return args
     # As the router: the password stays in the env (KVSERVE_REDIS_PASSWORD from the Secret), and
@@ -65,14 +80,16 @@ def epp_container(spec: ServiceSpec, kit: Kit) -> Obj:
         "args": epp_args(spec, kit.redis_url), "env": kit.env,
         "ports": [{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
                   {"name": "grpc-health", "containerPort": HEALTH_PORT, "protocol": "TCP"},
-                  {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
+                  {"name": METRICS_CONTAINER_PORT, "containerPort": METRICS_PORT,
+                   "protocol": "TCP"}],
         "resources": {"requests": {"cpu": "250m", "memory": "512Mi"},
                       "limits": {"memory": "2Gi"}},
         "readinessProbe": grpc_probe("readiness", 5, 3),
         "livenessProbe": grpc_probe("liveness", 15, 4),
         "securityContext": kit.container_security,
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"},
-                         {"name": "cache", "mountPath": "/var/cache/kvserve"}],
+                         {"name": "cache", "mountPath": "/var/cache/kvserve"},
+                         *([weights.engine_mount()] if _on_claim(spec) else [])],
     }
 
 
@@ -81,7 +98,8 @@ def epp_deployment(spec: ServiceSpec, kit: Kit) -> Obj:
     pod = {"serviceAccountName": epp_name(spec), "automountServiceAccountToken": True,
            "securityContext": kit.pod_security, "terminationGracePeriodSeconds": DRAIN_SECONDS,
            "containers": [epp_container(spec, kit)],
-           "volumes": [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}]}
+           "volumes": [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}},
+                       *([weights.volume(spec)] if _on_claim(spec) else [])]}
     scrape = {"prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT),
               "prometheus.io/path": "/metrics"}
     return {"apiVersion": "apps/v1", "kind": "Deployment",
@@ -97,7 +115,7 @@ def epp_service(spec: ServiceSpec, kit: Kit) -> Obj:
               "protocol": "TCP", "appProtocol": "http2"},  # gateways speak gRPC (HTTP/2) to it
              {"name": "grpc-health", "port": HEALTH_PORT, "targetPort": HEALTH_PORT,
               "protocol": "TCP"},
-             {"name": "http-metrics", "port": METRICS_PORT, "targetPort": METRICS_PORT,
+             {"name": METRICS_SERVICE_PORT, "port": METRICS_PORT, "targetPort": METRICS_PORT,
               "protocol": "TCP"}]
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": kit.metadata(epp_name(spec), "epp"),
@@ -154,8 +172,10 @@ def objects(spec: ServiceSpec, kit: Kit) -> list[Obj]:
     if not spec.routing.inference_pool:
         return []
     route = http_route(spec, kit)
+    monitors = monitoring.epp_monitors(spec, kit.metadata(epp_name(spec), "monitoring"),
+                                       METRICS_SERVICE_PORT, METRICS_CONTAINER_PORT)
     return [*epp_rbac(spec, kit), epp_deployment(spec, kit), epp_service(spec, kit),
-            inference_pool(spec, kit), *([route] if route else [])]
+            inference_pool(spec, kit), *([route] if route else []), *monitors]
 
 
 def share_pool_ownership(objs: list[Obj]) -> None:

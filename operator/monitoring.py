@@ -50,6 +50,25 @@ def pod_monitor(spec: ServiceSpec, meta: Obj) -> Obj | None:
                      "podTargetLabels": TARGET_LABELS}}
 
 
+def epp_monitors(spec: ServiceSpec, meta: Obj, service_port: str, pod_port: str) -> list[Obj]:
+    """spec.routing.mode inferencePool: the endpoint picker's /metrics, on a port of its own (so
+    monitors of their own: every port a monitor names is one each object it selects has)."""
+    out = []
+    if spec.monitoring.service_monitor:
+        endpoint = {"port": service_port, "path": "/metrics", "interval": spec.monitoring.interval}
+        out.append({"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
+                    "metadata": _meta(spec, meta),
+                    "spec": {"selector": _selector(spec, ["epp"]), "endpoints": [endpoint],
+                             "podTargetLabels": TARGET_LABELS}})
+    if spec.monitoring.pod_monitor:
+        endpoint = {"port": pod_port, "path": "/metrics", "interval": spec.monitoring.interval}
+        out.append({"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
+                    "metadata": _meta(spec, meta),
+                    "spec": {"selector": _selector(spec, ["epp"]),
+                             "podMetricsEndpoints": [endpoint], "podTargetLabels": TARGET_LABELS}})
+    return out
+
+
 def engine_series(spec: ServiceSpec, metric: str, engine_deployment: str) -> str:
     """A selector of one service's engine pods: Deployment pods are <deployment>-<rs>-<id>."""
     return (f'{metric}{{namespace="{spec.namespace}",'

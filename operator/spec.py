@@ -191,6 +191,7 @@ class RoutingSpec:
     mode: str = "router"  # "router" | "inferencePool"
     failure_mode: str = "FailClose"  # the pool's endpointPickerRef.failureMode
     epp_replicas: int = 1
+    secure_serving: bool = False  # the EPP's ext_proc port over TLS (self-signed)
 
     @property
     def inference_pool(self) -> bool:
@@ -441,7 +442,8 @@ def parse_spec(body: dict, reader: ModelReader | None = None) -> ServiceSpec:
     gpu_type, memory = device_memory(spec)
     router = spec["router"]
     r = spec["routing"]
-    routing = RoutingSpec(r["mode"], r["failureMode"], r["eppReplicas"])
+    routing = RoutingSpec(r["mode"], r["failureMode"], r["eppReplicas"],
+                          r.get("secureServing", False))
     redis_url, redis_deploy, redis_password = _redis(spec["redis"])
     ingress, gateway, monitoring = _traffic(spec)
     autoscaling = _autoscaling(spec)

@@ -44,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool-namespace", default=d.pool_namespace,
                    help="namespace of --pool-name")
     p.add_argument("--secure-serving", action="store_true",
-                   help="serve gRPC over TLS with a self-signed certificate")
+                   help="serve the ext_proc port over TLS with a self-signed certificate "
+                        "(the --grpc-health-port stays plaintext for kubelet probes)")
     p.add_argument("--fallback-list", action="store_true",
                    help="send every eligible endpoint, best first (ip:port,ip:port), for "
                         "gateways that retry down the list; Envoy's ORIGINAL_DST takes one")

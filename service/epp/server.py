@@ -1,6 +1,6 @@
 """The EPP process: the ext_proc gRPC service and gRPC health on --grpc-port, health alone on
---grpc-health-port, Prometheus on --metrics-port, over one Router fed by static endpoints, Redis
-heartbeats or an InferencePool."""
+--grpc-health-port (plaintext always, for the kubelet), Prometheus on --metrics-port, over one
+Router fed by static endpoints, Redis heartbeats or an InferencePool."""
 
 from __future__ import annotations
 
@@ -105,7 +105,9 @@ class EppServer:
         self._servers.append(main)
         if self.cfg.grpc_health_port:
             side = self._grpc_server(with_ext_proc=False)
-            self.ports["health"] = self._bind(side, self.cfg.grpc_health_port, creds)
+            # Plaintext even with --secure-serving: the kubelet's gRPC probes cannot speak TLS,
+            # and this port carries the health service alone.
+            self.ports["health"] = self._bind(side, self.cfg.grpc_health_port, None)
             self._servers.append(side)
         for s in self._servers:
             await s.start()

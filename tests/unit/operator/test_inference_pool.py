@@ -123,8 +123,8 @@ def test_the_epp_runs_the_pool_flags_and_the_routers_redis() -> None:
     assert container["command"] == ["kvserve"]
     assert container["args"] == [
         "epp", "--grpc-port", "9002", "--grpc-health-port", "9003", "--metrics-port", "9090",
-        "--pool-name", "chat", "--pool-namespace", NS, "--redis-url", "redis://shared:6379/2",
-        "--service-name", "chat"]
+        "--pool-name", "chat", "--pool-namespace", NS, "--tokenizer", "meta-llama/Meta-Llama-3-8B",
+        "--redis-url", "redis://shared:6379/2", "--service-name", "chat"]
     engine = objs["Deployment/chat-engine"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert engine[engine.index("--service-name") + 1] == "chat"  # the key space they publish in
     password = next(e for e in container["env"] if e["name"] == REDIS_PASSWORD_ENV)
@@ -144,7 +144,7 @@ def test_the_epp_uses_the_services_own_redis_or_none() -> None:
     none = by_key(pool_cr(redis={"deploy": False}))
     args = none["Deployment/chat-epp"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--redis-url" not in args and "--service-name" not in args
-    assert args[-2:] == ["--pool-namespace", NS]
+    assert args[args.index("--pool-namespace") + 1] == NS
     assert "Deployment/chat-redis" not in none
 
 
@@ -280,3 +280,74 @@ def test_the_real_epp_cli_reads_the_rendered_args_as_meant() -> None:
     engine = objs["Deployment/chat-engine"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert (cfg.router.redis_url, cfg.router.service_name) == (
         "redis://shared:6379/2", engine[engine.index("--service-name") + 1])
+
+
+PVC_MODEL = {"name": "llama-3-8b", "uri": "pvc://model-store/llama-3-8b-instruct"}
+
+
+@pytest.mark.parametrize("model", [{"name": "llama-3-8b"}, PVC_MODEL], ids=["hub", "pvc"])
+def test_the_epp_tokenizes_with_the_routers_tokenizer(model: dict) -> None:
+    router = by_key(cr(model=model))["Deployment/chat-router"]["spec"]["template"]["spec"]
+    epp = by_key(pool_cr(model=model))["Deployment/chat-epp"]
+    kubernetes_validate.validate(epp, "1.31", strict=True)
+    r_args, pod = router["containers"][0]["args"], epp["spec"]["template"]["spec"]
+    e_args = pod["containers"][0]["args"]
+    tokenizer = e_args[e_args.index("--tokenizer") + 1]
+    assert tokenizer == r_args[r_args.index("--tokenizer") + 1]
+    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]
+              if "persistentVolumeClaim" in v}
+    if model is PVC_MODEL:  # the files are on the claim: the EPP mounts it, read-only, as the router
+        assert list(claims.values()) == ["model-store"]
+        (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] in claims]
+        assert tokenizer.startswith(mount["mountPath"] + "/") and mount["readOnly"] is True
+        assert mount in router["containers"][0]["volumeMounts"]
+    else:  # a hub id the EPP fetches itself, like the router
+        assert tokenizer == "meta-llama/Meta-Llama-3-8B" and claims == {}
+
+
+@pytest.mark.parametrize("secure", [None, False, True])
+def test_secure_serving_reaches_the_epp_flag(secure: bool | None) -> None:
+    import argparse
+
+    from kvserve.service.epp import cli
+
+    routing = {} if secure is None else {"secureServing": secure}
+    container = by_key(pool_cr(routing=routing))["Deployment/chat-epp"]["spec"]["template"][
+        "spec"]["containers"][0]
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    assert cli.config_from_args(parser.parse_args(container["args"][1:])).secure_serving is \
+        bool(secure)
+    # The kubelet's gRPC probes speak plaintext: they stay on the health port, which the EPP
+    # serves without TLS even with --secure-serving (tests/unit/service/test_epp_server.py).
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"]["port"] == 9003
+
+
+def test_secure_serving_must_be_a_boolean() -> None:
+    with pytest.raises(InvalidSpecError) as err:
+        parse_spec(pool_cr(routing={"secureServing": "yes"}))
+    assert str(err.value).startswith("spec.routing.secureServing")
+
+
+def test_the_epp_metrics_port_has_monitors_of_its_own() -> None:
+    from test_monitor_ports import matches
+
+    objs = by_key(pool_cr(monitoring={"serviceMonitor": True, "podMonitor": True}))
+    sm, pm = objs["ServiceMonitor/chat-epp"], objs["PodMonitor/chat-epp"]
+    assert crd_errors(sm) == [] and crd_errors(pm) == []
+    services = [o for o in objs.values() if o["kind"] == "Service"
+                and matches(sm["spec"]["selector"], o["metadata"]["labels"])]
+    assert [s["metadata"]["name"] for s in services] == ["chat-epp"]
+    (port,) = [p for p in services[0]["spec"]["ports"] if p["name"] == sm["spec"]["endpoints"][0][
+        "port"]]
+    assert port["port"] == 9090  # the EPP's --metrics-port
+    pods = [o["spec"]["template"] for o in objs.values() if o["kind"] == "Deployment"
+            and matches(pm["spec"]["selector"], o["spec"]["template"]["metadata"]["labels"])]
+    assert len(pods) == 1 and pods[0]["metadata"]["labels"]["app.kubernetes.io/component"] == "epp"
+    ports = {p["name"]: p["containerPort"] for p in pods[0]["spec"]["containers"][0]["ports"]}
+    assert ports[pm["spec"]["podMetricsEndpoints"][0]["port"]] == 9090
+    # Without spec.monitoring, no monitors at all; in router mode, no EPP monitors.
+    assert not any(k.endswith("Monitor/chat-epp") for k in by_key(pool_cr()))
+    router_mode = by_key(cr(monitoring={"serviceMonitor": True, "podMonitor": True}))
+    assert not any(k.endswith("Monitor/chat-epp") for k in router_mode)

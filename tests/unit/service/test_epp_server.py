@@ -108,5 +108,10 @@ async def test_secure_serving_speaks_tls_with_its_self_signed_certificate():
             with pytest.raises(grpc.aio.AioRpcError):
                 await health_pb2_grpc.HealthStub(channel).Check(
                     health_pb2.HealthCheckRequest(service="liveness"), timeout=2)
+        # The health-only port stays plaintext: the kubelet's gRPC probes speak no TLS.
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.ports['health']}") as channel:
+            resp = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="liveness"), timeout=5)
+            assert resp.status == SERVING
     finally:
         await server.stop(grace=0)
