@@ -84,7 +84,7 @@ def enabled(asked: bool | None, engine: Any) -> bool:  # engine: an EngineCore
 def request_overlaps(state: Any) -> bool:
     """Whether a request's sampling can run a step ahead of its tokens (see the module doc)."""
     p = state.params
-    return (state.grammar is None and p.n == 1 and state.best_of is None
+    return (state.grammar is None and p.n == 1 and state.best_of is None and state.beam is None
             and p.prompt_logprobs is None and p.presence_penalty == 0.0
             and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0)
 

@@ -9,12 +9,14 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from kvserve.engine.arg_utils import split_vllm_kwargs
+from kvserve.engine.beam_llm import beam_search
 from kvserve.engine.config import DEFAULT_MODEL, EngineConfig, structured_outputs_backend
 from kvserve.engine.engine_core import MULTIPROCESSING_ENV, env_engine_core  # noqa: F401
 from kvserve.engine.errors import ConfigError, InvalidRequestError, RequestFailedError
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.metrics_reader import Metric, metrics_of
 from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.sample.beam_search import BeamSearchOutput, BeamSearchParams
 from kvserve.engine.sample.sampling_params import SamplingParams
 from kvserve.engine.sample.tokenizer import chat_token_ids
 
@@ -112,6 +114,15 @@ class LLM:
             raise InvalidRequestError(f"got {len(priority)} priorities for {len(items)} prompts",
                                       "priority")
         return self._run(items, sampling_params, use_tqdm, priority, lora_request)
+
+    def beam_search(self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams,
+                    lora_request: Any = None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """vLLM's beam search: the best `params.beam_width` sequences of each prompt (prompt
+        tokens included), best first; the beams share their blocks (engine/beam_llm.py).
+        `concurrency_limit` is accepted: every prompt's group is scheduled like a request."""
+        return beam_search(self, _normalise_prompts(prompts, None), params, lora_request,
+                           use_tqdm)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

@@ -9,6 +9,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvserve.engine.core.beam_group import future_beams, members
 from kvserve.engine.core.kv_cache_manager import DiskHit, HostHit, KVCacheManager, Spill
 from kvserve.engine.core.scheduling_policy import add_waiting, order_key, victim
 from kvserve.engine.core.sequence import Sequence, SequenceStatus
@@ -97,12 +98,18 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n == 0:  # a beam whose group waits for its other beams: nothing to compute
+                i += 1
+                continue
             while not self.kv.allocate_slots(seq, n):
-                evicted = victim(self.running, self.config.policy)
-                if self.running.index(evicted) < i:  # already scheduled: the loop shifts back
-                    i -= 1
-                self._preempt(evicted, out)
-                if evicted is seq:
+                # a beam search's running beams go together (engine/core/beam_group.py)
+                evicted = [s for s in members(victim(self.running, self.config.policy))
+                           if s.status == SequenceStatus.RUNNING]
+                # already scheduled: the loop shifts back
+                i -= sum(1 for s in evicted if self.running.index(s) < i)
+                for s in evicted:
+                    self._preempt(s, out)
+                if seq in evicted:
                     break
             else:
                 out.seqs.append(seq)
@@ -188,8 +195,8 @@ class Scheduler:
     def _has_seq_room(self, seq: Sequence) -> bool:
         """Whether `seq` and the siblings it will fork after its prefill (n > 1) fit within
         max_num_seqs next to the running seqs and the forks those still owe."""
-        taken = len(self.running) + sum(s.pending_forks for s in self.running)
-        return taken + 1 + seq.pending_forks <= self.config.max_num_seqs
+        taken = len(self.running) + sum(s.pending_forks + future_beams(s) for s in self.running)
+        return taken + 1 + seq.pending_forks + future_beams(seq) <= self.config.max_num_seqs
 
     def running_loras(self) -> set[str]:
         """The LoRA adapters of the running seqs (each holds a device slot)."""

@@ -51,6 +51,9 @@ class Sequence:
     prompt_logprobs: list | None = None
     # The n > 1 parent samples n tokens after its prefill and forks its siblings then.
     pending_forks: int = 0
+    # A beam search's seqs share one group (engine/core/beam_group.py): admitted and preempted
+    # together, and their tokens chosen together.
+    group: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

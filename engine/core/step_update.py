@@ -5,6 +5,7 @@ rules (stop tokens, EOS, stop strings, length, a terminated grammar). `core` is 
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from kvserve.engine.core.request import RequestState
@@ -34,6 +35,10 @@ def apply_samples(core: Any, sched: SchedulerOutput, rows: list[int], result: Sa
         if seq.is_finished or seq.request_id not in core.requests:
             continue  # ended (aborted, or stopped by the step before) while in flight
         state = core.requests[seq.request_id]
+        if state.beam is not None:  # a beam's candidates: its group chooses (core/beam_group.py)
+            if _beam_report(core, state, seq, lps[r] if lps else [], lp_ids[r] if lp_ids else []):
+                touched[state.request_id] = state
+            continue
         try:  # detokenizing and stop checks are this request's own business
             append_token(core, state, seq, tok, now,
                          (lps[r], lp_ids[r]) if lps and lp_ids else None,
@@ -44,6 +49,20 @@ def apply_samples(core: Any, sched: SchedulerOutput, rows: list[int], result: Sa
             seq.output_token_ids += after[r]
         touched[state.request_id] = state
     return list(touched.values())
+
+
+def _beam_report(core: Any, state: RequestState, seq: Sequence, lp: list[float],
+                 lp_ids: list[int]) -> bool:
+    """Hand a beam's top 2 * width candidates to its group; True once the group is done."""
+    now = time.monotonic()
+    if state.metrics.first_token_time is None:
+        state.metrics.first_token_time = now
+    state.metrics.last_token_time = now
+    try:
+        state.beam.report(core, seq, lp[1:], lp_ids[1:])
+    except Exception as exc:  # noqa: BLE001 - handed to that request's caller
+        core.fail_request(seq.request_id, exc)
+    return bool(state.beam.done)
 
 
 def fork(core: Any, parent: Sequence) -> Sequence:

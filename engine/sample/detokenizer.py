@@ -175,4 +175,5 @@ def core_makes_text(params: Any) -> bool:
     """Requests whose text the engine core makes even when its client detokenises: best_of (the
     ranking sees whole candidates) and n > 1 with stop strings (one sample cannot be aborted
     alone). `params` as the caller sent them (before best_of expands n)."""
-    return bool(params.stop_strings and params.n > 1) or (params.best_of or 0) > params.n
+    return bool(params.stop_strings and params.n > 1) or (params.best_of or 0) > params.n \
+        or hasattr(params, "beam_width")  # a beam search: the core ranks whole beams
