@@ -146,7 +146,7 @@ class EngineCore:
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"
         state.detoks[0].flush(seq.output_token_ids)
         state.metrics.finished_time = time.monotonic()
-        self.pending.append(self.requests.pop(seq.request_id))
+        self.pending.append(state)  # known (`requests`) until the next step returns it
         return True
 
     def new_seq(self, request_id: str, index: int, ids: list[int], params: Any, arrival: float,
@@ -184,6 +184,9 @@ class EngineCore:
         `update_from_output`; with async scheduling the next step's schedule and execute come
         before this step's update."""
         moved, self.pending = self.pending, []
+        for state in moved:  # a continuation that ended as it was added
+            if state.finished and self.requests.get(state.request_id) is state:
+                del self.requests[state.request_id]
         self.failed_now = set()
         moved += self.stepper.step()
         self.abort_requests(self.failed_now)  # returned by the next step

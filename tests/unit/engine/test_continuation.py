@@ -159,3 +159,28 @@ def test_the_client_side_text_of_a_core_process_continues_too(engine):
         outs += client.process([delta])[0]
     assert outs[-1].outputs[0].token_ids == new
     assert text_after(full, k) + outs[-1].outputs[0].text == final.text
+
+
+def test_a_core_process_continues_as_the_engine_here(engine, tiny_model_dir):
+    """The same continuations through an engine core process (its client makes the text):
+    seeded and already at max_tokens."""
+    from kvserve.engine.engine_core import MULTIPROCESSING_ENV
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv(MULTIPROCESSING_ENV, "1")
+    remote = make_llm(tiny_model_dir, max_model_len=128)
+    mp.undo()
+    try:
+        final = run(engine, SEEDED)[-1].outputs[0]
+        cont = Continuation(tuple(final.token_ids[:6]))
+        here = run(engine, SEEDED, cont)[-1].outputs[0]
+        there = run(remote.llm_engine, SEEDED, cont)[-1].outputs[0]
+        assert (there.token_ids, there.text) == (here.token_ids, here.text)
+        assert there.token_ids == final.token_ids[6:]
+        short = dataclasses.replace(SEEDED, max_tokens=6)
+        done_here = run(engine, short, cont)[-1].outputs[0]
+        done_there = run(remote.llm_engine, short, cont)[-1].outputs[0]
+        assert done_there.token_ids == [] and done_there.finish_reason == "length"
+        assert done_there.text == done_here.text
+    finally:
+        remote.shutdown()
