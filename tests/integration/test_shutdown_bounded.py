@@ -146,3 +146,21 @@ def test_a_router_whose_replica_was_killed_exits_on_sigterm(tiny_model_dir, tmp_
                     router.proc.wait()
     finally:
         redis.stop()
+
+
+def test_the_watchdog_ends_a_shutdown_past_its_deadline(tiny_model_dir, tmp_path, monkeypatch):
+    """With no grace and no margin, the watchdog's deadline is the signal itself: it fires
+    before uvicorn's own shutdown (which waits 0.1 s at least) and ends the process with status
+    3, the threads' stacks in the log and the engine core killed."""
+    monkeypatch.setenv("KVSERVE_SHUTDOWN_MARGIN_S", "0")
+    log = tmp_path / "server.log"
+    with api_server_process(tiny_model_dir, log, "--max-model-len", "512",
+                            "--shutdown-grace-period", "0", engine_core="process"
+                            ) as (proc, _):
+        pid = core_pid(log)
+        proc.send_signal(signal.SIGTERM)
+        assert exits_within(proc, SLACK_S, log) == 3
+    text = log.read_text()
+    assert "shutdown did not end in time" in text
+    assert "Thread 0x" in text or "Current thread 0x" in text  # faulthandler's dump
+    wait_for(lambda: gone(pid), SLACK_S, "the engine core to be killed")
