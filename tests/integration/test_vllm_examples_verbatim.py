@@ -1,0 +1,133 @@
+"""vLLM's current example scripts as a user moving from vLLM runs them: tests/vllm_examples/
+holds copies (same path as under vLLM's examples/) with only `vllm` -> `kvserve` in the imports
+and the model changed to the default model's name. Each runs as its own process on the real
+default model: offline ones alone, online ones against one `kvserve serve` started for all of
+them, whose URL replaces vLLM's `localhost:8000` when the script is run. Which scripts run, and
+why the others do not, is the `current` list of docs/gen/vllm_examples.yaml."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from server_process import api_server_process
+
+ROOT = Path(__file__).resolve().parents[2]
+COPIES = ROOT / "tests" / "vllm_examples"
+LISTED = yaml.safe_load((ROOT / "docs" / "gen" / "vllm_examples.yaml").read_text())["current"]
+MODEL = "smollm2-135m-instruct"  # the name every copy uses (a known name; a folder here too)
+
+
+def runs(kind: str) -> list[str]:
+    return [e["name"] for e in LISTED if e["kind"] == kind and e["status"] == "runs"]
+
+
+def argv_of(name: str) -> list[str]:
+    return next(e.get("argv", []) for e in LISTED if e["name"] == name)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, default_model_dir) -> Path:
+    """The scripts' working directory: `smollm2-135m-instruct` there is the default model's
+    folder, so transformers' AutoTokenizer.from_pretrained(MODEL) finds it offline."""
+    work = tmp_path_factory.mktemp("vllm-examples")
+    (work / MODEL).symlink_to(default_model_dir, target_is_directory=True)
+    return work
+
+
+def run_script(path: Path, workdir: Path, argv: list[str], url: str | None = None) -> str:
+    """Run the copy as `python <copy> argv` in `workdir` (with vLLM's localhost:8000 pointed at
+    `url`); its stdout, after checking it exited 0."""
+    if url is not None:
+        text = path.read_text().replace("http://localhost:8000", url)
+        path = workdir / path.name
+        path.write_text(text)
+    env = {**os.environ, "KVSERVE_KV_CACHE_MEMORY": str(256 << 20), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, str(path), *argv], cwd=workdir, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{path.name} exited {proc.returncode}:\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+def check_offline(name: str, out: str, tokenizer) -> None:
+    """What each script's own calls must print."""
+    if name in ("offline_inference/basic/basic.py", "features/logits_processor/custom.py"):
+        assert len(re.findall(r"^Prompt: ", out, flags=re.M)) == 4, out
+    if name == "features/logits_processor/custom.py":
+        outputs = [eval(o) for o in re.findall(r"^Output:\s+(.*)$", out, flags=re.M)]  # noqa: S307
+        # SamplingParams' default max_tokens 16: the targeted requests are their token 16 times
+        assert outputs[0] == tokenizer.decode([128] * 16), outputs
+        assert outputs[2] == tokenizer.decode([67] * 16), outputs
+        assert outputs[1] != outputs[0] and outputs[3] != outputs[2]
+    if name == "features/reset_kv/reset_kv_offline.py":
+        assert "Resetting prefix cache at 10" in out
+        finished = re.findall(r"^RequestOutput\(request_id='(\d+)'", out, flags=re.M)
+        assert sorted(finished) == ["0", "1", "2", "3"], out
+    if name == "features/automatic_prefix_caching/automatic_prefix_caching_offline.py":
+        assert out.count("Generation time:") == 2, out
+    if name == "features/structured_outputs/structured_outputs_offline.py":
+        found = dict(re.findall(r"^Structured outputs by (\w+): (.*)$", out, flags=re.M))
+        assert found["Choice"] in ("Positive", "Negative"), found
+        # the stop drops the "\n"; MAX_TOKENS (50) may cut the address short
+        assert re.fullmatch(r"\w+(@(\w+(\.(c(om?)?)?)?)?)?", found["Regex"]), found
+        assert found["JSON"].startswith("{"), found
+        assert re.fullmatch(r"SELECT col_[12]  from table_[12]  where col_[12] = [12] ",
+                            found["Grammar"]), found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", runs("offline"))
+def test_offline_example(name, workdir, default_model_dir):
+    from transformers import AutoTokenizer
+
+    out = run_script(COPIES / name, workdir, argv_of(name))
+    check_offline(name, out, AutoTokenizer.from_pretrained(default_model_dir))
+    if name == "features/batch_invariance/reproducibility_offline.py":
+        assert len(re.findall(r"^Generated text: ", out, flags=re.M)) == 4, out
+        assert run_script(COPIES / name, workdir, []) == out  # the same samples, run again
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    with api_server_process(default_model_dir, log, "--served-model-name", MODEL,
+                            "--kv-cache-memory", "256MiB", "--max-model-len", "2048",
+                            timeout=300) as (_, url):
+        yield url
+
+
+def check_online(name: str, out: str) -> None:
+    if name == "online_serving/token_generation_client.py":
+        assert "'request_id': 'generate-tokens-" in out and "Token generation results:" in out
+        assert "'finish_reason': 'length'" in out or "'finish_reason': 'stop'" in out, out
+    if name == "online_serving/batched_chat_completions.py":
+        sections = out.split("=== Example ")[1:]
+        assert len(sections) == 5, out
+        assert [len(re.findall(r"^  \[\d\] ", s, flags=re.M)) for s in sections] == \
+            [1, 2, 2, 2, 2], out
+        assert re.findall(r"^  \[\d\] (.*)$", sections[2], flags=re.M) in (
+            [a, b] for a in ("yes", "no") for b in ("yes", "no")), sections[2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", runs("online"))
+def test_online_example(name, server, workdir):
+    check_online(name, run_script(COPIES / name, workdir, argv_of(name), url=server))
+
+
+def test_every_copy_is_listed_and_names_its_source():
+    listed = {e["name"] for e in LISTED if e["status"] == "runs"}
+    present = {str(p.relative_to(COPIES)) for p in COPIES.rglob("*.py")}
+    assert listed == present
+    for name in present:
+        head = " ".join(line.lstrip("# ") for line in (COPIES / name).read_text().splitlines()[:3])
+        assert f"vLLM's examples/{name} (vllm-project/vllm" in head, (name, head)
+    for e in LISTED:
+        assert e["kind"] in ("offline", "online") and e["status"] in (
+            "runs", "needs a larger model", "missing", "not applicable"), e
+        assert e["status"] == "runs" or e.get("note"), e
