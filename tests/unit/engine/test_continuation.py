@@ -184,3 +184,18 @@ def test_a_core_process_continues_as_the_engine_here(engine, tiny_model_dir):
         assert done_there.text == done_here.text
     finally:
         remote.shutdown()
+
+
+def test_the_prefix_cache_serves_prompt_and_continuation(engine):
+    """A continuation's lookup covers prompt + continuation: after the uninterrupted run, the
+    blocks of its prompt and first 30 output tokens are found (the last token is computed)."""
+    params = dataclasses.replace(GREEDY, max_tokens=40)
+    final = run(engine, params)[-1].outputs[0]
+    prompt_len = len(engine.tokenizer(PROMPT)["input_ids"])
+    before = engine.get_stats().prefix_cache_hits
+    rest = run(engine, params, Continuation(tuple(final.token_ids[:30])))[-1]
+    hits = engine.get_stats().prefix_cache_hits - before
+    block = engine.block_size
+    assert hits == (prompt_len + 30 - 1) // block * block > prompt_len
+    assert rest.outputs[0].token_ids == final.token_ids[30:]
+    assert rest.num_cached_tokens <= prompt_len  # usage's cached tokens are prompt tokens
