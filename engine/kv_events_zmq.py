@@ -145,6 +145,9 @@ class ZmqKVEventPublisher:
         self._topic = config.topic.encode()
         self._ctx = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
+        # A batch no subscriber took is dropped at close: the shared context's term() (and so a
+        # server's exit) never waits for a subscriber that is gone.
+        self._pub.linger = 0
         self._pub.set_hwm(config.hwm)
         endpoint = config.endpoint
         if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
@@ -154,6 +157,7 @@ class ZmqKVEventPublisher:
         self._replay = None
         if config.replay_endpoint:
             self._replay = self._ctx.socket(zmq.ROUTER)
+            self._replay.linger = 0
             self._replay.bind(config.replay_endpoint)
         self._thread = threading.Thread(target=self._run, name="kv-events-zmq", daemon=True)
         self._thread.start()
