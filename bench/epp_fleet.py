@@ -64,6 +64,14 @@ def _returned(replies: list, field: str) -> tuple[bytes, Any]:
     return body, headers
 
 
+async def _body(receive: Any) -> bytes:
+    body, more = b"", True
+    while more:
+        msg = await receive()
+        body, more = body + msg.get("body", b""), msg.get("more_body", False)
+    return body
+
+
 class EppGateway:
     """ASGI app: POST -> the EPP's ext_proc stream -> the picked simulated replica; /health and
     /metrics as the router serves them (bench/fleet.py reads both)."""
@@ -83,9 +91,6 @@ class EppGateway:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
             return await self._lifespan(receive, send)
-        from starlette.requests import Request
-
-        request = Request(scope, receive)
         if scope["path"] == "/health":
             return await self._json(send, 200, {"replicas": [
                 {"id": i.replica_id, "url": i.url} for i in self.router.replicas.routable()]})
@@ -93,7 +98,7 @@ class EppGateway:
             from prometheus_client import generate_latest
             return await self._raw(send, 200, generate_latest(self.router.metrics.registry),
                                    b"text/plain")
-        await self._proxy(scope["path"], await request.body(), send)
+        await self._proxy(scope["path"], await _body(receive), send)
 
     async def _lifespan(self, receive: Any, send: Any) -> None:
         import httpx

@@ -127,7 +127,7 @@ def test_every_python_folder_of_a_component_is_a_listed_package() -> None:
 
 # Import names whose distribution is spelled differently on PyPI.
 DISTRIBUTION_OF = {"yaml": "pyyaml", "lz4": "lz4", "compressed_tensors": "compressed-tensors",
-                   "zmq": "pyzmq"}
+                   "zmq": "pyzmq", "envoy": "xds-protos"}
 # Imported only to report "not installed": llama-cpp-python compiles llama.cpp at install time.
 OPTIONAL_BENCH_IMPORTS = {"llama_cpp"}
 
