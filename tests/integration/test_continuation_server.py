@@ -5,9 +5,11 @@ greedy and seeded; `return_token_ids` lists, in every chunk, the ids of that chu
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from server_thread import ServerThread
@@ -41,15 +43,19 @@ def body(chat: bool, sampling: dict[str, Any], **extra: Any) -> dict[str, Any]:
 
 
 def stream(client, chat: bool, sampling: dict, **extra: Any) -> tuple[list, dict]:
-    """(text, token ids) of each chunk of a stream, and its usage."""
+    """(text, token ids) of each chunk of a stream, and its usage (with the prompt's ids the
+    first chunk carried: the chat chunk's, or the completion choice's)."""
     api = client.chat.completions if chat else client.completions
-    chunks, usage = [], None
+    chunks, usage, prompt_ids = [], None, None
     for ch in api.create(stream=True, stream_options={"include_usage": True},
                          **body(chat, sampling, **extra)):
         usage = ch.usage or usage
+        if prompt_ids is None:
+            prompt_ids = getattr(ch if chat else ch.choices[0], "prompt_token_ids", None)
         for c in ch.choices:
             text = (c.delta.content or "") if chat else c.text
             chunks.append((text, list(getattr(c, "token_ids", None) or []), c.index))
+    assert prompt_ids is not None and len(prompt_ids) == usage.prompt_tokens
     return chunks, usage.model_dump()
 
 
@@ -110,6 +116,10 @@ def test_continuation_index_max_tokens_and_refusals(client):
     rest = client.completions.create(**body(False, GREEDY, continuation={
         "token_ids": ids[:5], "index": 1}))
     assert rest.choices[0].index == 1 and rest.choices[0].token_ids == ids[5:]
+    scored = client.completions.create(**{**body(False, GREEDY, continuation={
+        "token_ids": ids[:5]}), "logprobs": 1})
+    lp = scored.choices[0].logprobs  # the new tokens' only, offsets from the answer's start
+    assert len(lp.tokens) == 15 and lp.text_offset[0] == 0
     # already at max_tokens: it ends at once with what the run said at its end (the bytes of
     # a character its last tokens left incomplete, which a stream holds until then)
     chunks, _ = stream(client, False, GREEDY)
@@ -139,3 +149,22 @@ def test_a_responses_continuation_answers_the_rest(client):
                                    extra_body={"continuation": {"token_ids": sent_ids}})
     assert sent_text + rest.output_text == text
     assert rest.usage.output_tokens == usage["completion_tokens"]
+
+
+def test_responses_text_deltas_carry_their_token_ids(server):
+    """/v1/responses streamed with return_token_ids: each text delta event names its tokens."""
+    req = {"model": "tiny", "input": CHAT[0]["content"], "max_output_tokens": 12,
+           "temperature": 0.0, "stream": True, "return_token_ids": True}
+    ids, text, usage = [], "", None
+    with httpx.stream("POST", server.url + "/v1/responses", json=req, timeout=60) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            if event["type"] == "response.output_text.delta":
+                ids += event["token_ids"]
+                text += event["delta"]
+            elif event["type"] == "response.completed":
+                usage = event["response"]["usage"]
+    assert text and len(ids) <= usage["output_tokens"]
+    assert len(ids) >= usage["output_tokens"] - 1  # all but an EOS whose text is empty
