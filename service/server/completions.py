@@ -38,7 +38,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest,
     deadline = ctx.deadline(raw, asyncio.get_running_loop().time())
     with ctx.admitted():
         # vLLM's order: the prompt embeddings first, then the prompts
-        prompts: list[Any] = _embeds_prompts(ctx, req)
+        prompts: list[Any] = await before(deadline, _embeds_prompts(ctx, req))
         prompts += await before(deadline, ctx.encode_prompts(req.prompts()))
         ctx.check_prompts(prompts, "prompt")
         wanted = 1 if req.echo_only else req.max_tokens  # echo_only drops its one token
@@ -66,13 +66,19 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest,
     return JSONResponse(body)
 
 
-def _embeds_prompts(ctx: ServingContext, req: CompletionRequest) -> list[EmbedsPrompt]:
+async def _embeds_prompts(ctx: ServingContext, req: CompletionRequest) -> list[EmbedsPrompt]:
     """The request's prompt_embeds loaded as vLLM loads them (400 unless the server runs with
-    --enable-prompt-embeds; the engine checks their shape); echo cannot show them."""
+    --enable-prompt-embeds; the engine checks their shape), off the event loop since a tensor
+    may be large; echo cannot show them."""
     encoded = req.embeds_prompts()
-    if encoded and req.echo:
+    if not encoded:
+        return []
+    if req.echo:
         raise InvalidRequestError("Echo is unsupported with prompt embeds.", param="echo")
-    enabled = ctx.engine.config.enable_prompt_embeds
+    return await ctx.tokenizers.run(_load_embeds, encoded, ctx.engine.config.enable_prompt_embeds)
+
+
+def _load_embeds(_tokenizer: Any, encoded: list[str], enabled: bool) -> list[EmbedsPrompt]:
     return [{"prompt_embeds": load_prompt_embeds(e, enabled)} for e in encoded]
 
 
