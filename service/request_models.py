@@ -10,6 +10,7 @@ from kvserve.engine.errors import InvalidRequestError
 from kvserve.engine.sample.continuation import Continuation
 from kvserve.engine.sample.sampling_params import MAX_TOKEN_ID, SEED_MAX, SEED_MIN, SamplingParams
 from kvserve.engine.structured_output.params import StructuredOutputsParams
+from kvserve.service.beam_request import beam_sampling_params, check_beam
 from kvserve.service.limits import DEFAULT_LIMITS, RequestLimits
 from kvserve.service.structured_outputs import constraint_of
 from kvserve.service.unsupported_fields import (SAMPLING_UNSUPPORTED, Harmless, asks_nothing,
@@ -106,6 +107,7 @@ class SamplingFields(OpenAIModel):
 
     def check(self, limits: RequestLimits = DEFAULT_LIMITS) -> None:
         refuse_unsupported(self, self.UNSUPPORTED)
+        check_beam(self)  # use_beam_search, length_penalty (service/beam_request.py)
         if not 1 <= self.n <= limits.max_n:
             raise InvalidRequestError(f"n must be in [1, {limits.max_n}] (--max-n), got "
                                       f"{self.n}", param="n")
@@ -163,6 +165,8 @@ class SamplingFields(OpenAIModel):
                                            if k != "max_tokens"}}
         own = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p",
                                                "repetition_penalty")}
+        if self.use_beam_search:
+            return beam_sampling_params(self, max_tokens)
         return SamplingParams(
             n=self.n,
             best_of=self.best_of,

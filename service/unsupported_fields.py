@@ -34,9 +34,8 @@ def refuse_unsupported(req: BaseModel, table: dict[str, Harmless], prefix: str =
 
 
 # Known to OpenAI or vLLM for both completions and chat completions.
+# (use_beam_search and length_penalty run there: service/beam_request.py)
 SAMPLING_UNSUPPORTED: dict[str, Harmless] = {
-    "use_beam_search": asks_nothing,
-    "length_penalty": lambda v, _: v is None or v == 1.0,
     "early_stopping": asks_nothing,
     "guided_whitespace_pattern": asks_nothing,
     "allowed_token_ids": asks_nothing,
@@ -46,5 +45,11 @@ SAMPLING_UNSUPPORTED: dict[str, Harmless] = {
     "return_tokens_as_token_ids": asks_nothing,
     "store": asks_nothing,
     "service_tier": lambda v, _: v in (None, "auto", "default"),
+}
+# The token-level route (/inference/v1/generate) runs no beam search, as vLLM's.
+GENERATE_UNSUPPORTED: dict[str, Harmless] = {
+    "use_beam_search": asks_nothing,
+    "length_penalty": lambda v, _: v is None or v == 1.0,
+    **SAMPLING_UNSUPPORTED,
 }
 

@@ -14,7 +14,7 @@ from kvserve.service.request_models import (CacheSalt, Int64, OpenAIModel, Sampl
                                             StreamOptions, TokenId, check_logprobs,
                                             check_max_tokens)
 from kvserve.service.response_models import ChatLogProbs, PromptLogprobs, UsageInfo
-from kvserve.service.unsupported_fields import (SAMPLING_UNSUPPORTED, Harmless, asks_nothing,
+from kvserve.service.unsupported_fields import (GENERATE_UNSUPPORTED, Harmless, asks_nothing,
                                                 refuse_unsupported)
 
 
@@ -55,7 +55,7 @@ class GenerateRequest(OpenAIModel):
 
     def check(self, limits: RequestLimits = DEFAULT_LIMITS) -> None:
         refuse_unsupported(self, self.UNSUPPORTED)
-        refuse_unsupported(self.sampling_params, SAMPLING_UNSUPPORTED, "sampling_params.")
+        refuse_unsupported(self.sampling_params, GENERATE_UNSUPPORTED, "sampling_params.")
         self.sampling_params.check(limits)
         if self.stream and self.sampling_params.prompt_logprobs is not None:
             raise InvalidRequestError("prompt_logprobs cannot be streamed (as vLLM): send the "

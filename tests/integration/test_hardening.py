@@ -190,10 +190,10 @@ def test_chat_top_logprobs_cap(server):
 UNSUPPORTED = [
     ("/v1/chat/completions", "functions", [{"name": "f"}]),
     ("/v1/chat/completions", "function_call", {"name": "f"}),
-    ("/v1/chat/completions", "use_beam_search", True),
+    ("/v1/chat/completions", "early_stopping", True),
     ("/v1/chat/completions", "truncate_prompt_tokens", 4),
     ("/v1/chat/completions", "continue_final_message", True),
-    ("/v1/completions", "use_beam_search", True),
+    ("/v1/completions", "early_stopping", True),
     ("/v1/completions", "logits_processors", ["x"]),
     ("/v1/completions", "allowed_token_ids", [1, 2]),
     ("/v1/completions", "bad_words", ["x"]),

@@ -174,8 +174,8 @@ def test_unsupported_fields_are_named_and_harmless_values_pass():
     with pytest.raises(InvalidRequestError) as info:
         ChatCompletionRequest.model_validate({
             "messages": [{"role": "user", "content": "x"}],
-            "use_beam_search": True}).check()
-    assert info.value.param == "use_beam_search"
+            "bad_words": ["x"]}).check()
+    assert info.value.param == "bad_words"
     ChatCompletionRequest.model_validate({
         "messages": [{"role": "user", "content": "x"}], "tools": [], "tool_choice": "auto",
         "response_format": {"type": "text"}, "best_of": 1}).check()
