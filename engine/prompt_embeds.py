@@ -51,7 +51,7 @@ def load_prompt_embeds(encoded: str | bytes, enabled: bool) -> torch.Tensor:
             tensor = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
             if isinstance(tensor, torch.Tensor):
                 tensor = tensor.to_dense()
-    except Exception as exc:  # noqa: BLE001 - torch.load raises many types on bad bytes
+    except Exception as exc:  # torch.load raises many types on bad bytes
         raise InvalidRequestError(
             "prompt_embeds must be base64 of a tensor saved with torch.save; could not load it "
             f"({type(exc).__name__})", "prompt_embeds") from exc
