@@ -202,8 +202,10 @@ async def _events(base: dict[str, Any], chunks: AsyncIterator[Any]) -> AsyncIter
     async for chunk in _chat_chunks(chunks):
         if "error" in chunk:  # failed mid-stream: say so in-band, as the Responses API does
             err = chunk["error"]
+            # A drain's hand-back keeps its mark, for the router to migrate the request.
+            handback = {"kvserve_migrate": True} if err.get("kvserve_migrate") else {}
             yield told.event("error", code=err.get("code"), message=err.get("message"),
-                             param=err.get("param"))
+                             param=err.get("param"), **handback)
             return
         base["model"] = chunk.get("model", base["model"])
         usage = chunk.get("usage") or usage
