@@ -7,8 +7,10 @@ import asyncio
 import logging
 from typing import Any
 
+from kvserve.service.bounded import stop_task
 from kvserve.service.router.prompt_tokens import prompt_tokens_for
 from kvserve.service.router.replicas import ReplicaSet
+from kvserve.service.router.shared_load import CLOSE_TIMEOUT_S
 
 logger = logging.getLogger("kvserve.router")
 
@@ -29,9 +31,8 @@ class RouterTokenizer:
             self._task = asyncio.create_task(self._load_loop())
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        if self._task is not None:  # bounded: a load stuck in a thread never holds the exit
+            await stop_task(self._task, CLOSE_TIMEOUT_S)
 
     async def _try_load(self) -> bool:
         """Load the tokenizer (off the event loop); False when no name is known or it failed."""
