@@ -16,7 +16,7 @@ PREEMPTION_MODES = ("auto", "recompute", "swap")
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
 # int8 | fp8 quantise a dense checkpoint at load; the others name a checkpoint's own format
 QUANTIZATION_METHODS = ("int8", "fp8", "compressed-tensors", "gptq", "awq", "gguf")
-LOAD_FORMATS = ("auto", "safetensors")
+LOAD_FORMATS = ("auto", "safetensors", "sharded_state")
 
 
 @dataclass(frozen=True)

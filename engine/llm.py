@@ -89,9 +89,17 @@ class LLM:
         if self._kv_events is not None:
             self._kv_events.publish(self.llm_engine.drain_kv_events(("device", "host")))
 
+    def save_sharded_state(self, path: str, pattern: str | None = None,
+                           max_size: int | None = None) -> None:
+        """Each tensor-parallel rank writes its shard of the model as safetensors files in
+        `path`; copy the model folder's other files there and load it with
+        `LLM(path, load_format="sharded_state", tensor_parallel_size=<the same>)`."""
+        self.llm_engine.save_sharded_state(path, pattern, max_size)
+
     def start_profile(self) -> None:
-        """Start the torch profiler (vLLM's); the trace goes to $KVSERVE_TORCH_PROFILER_DIR or
-        $VLLM_TORCH_PROFILER_DIR at stop_profile(). ConfigError when neither is set."""
+        """Start the torch profiler (vLLM's); the trace goes to profiler_config's
+        torch_profiler_dir, else $KVSERVE_TORCH_PROFILER_DIR or $VLLM_TORCH_PROFILER_DIR, at
+        stop_profile(). ConfigError when none is set."""
         self.llm_engine.start_profile()
 
     def stop_profile(self) -> None:

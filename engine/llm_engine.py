@@ -121,6 +121,16 @@ class LLMEngine:
         (the engine loops block on their inbox otherwise)."""
         return not self.scheduler_paused and self.has_unfinished_requests()
 
+    def save_sharded_state(self, path: str, pattern: str | None = None,
+                           max_size: int | None = None) -> None:
+        """Each tensor-parallel rank's shard to `path` (load it with load_format="sharded_state")."""
+        self.core.save_sharded_state(path, pattern, max_size)
+
+    @property
+    def engine_core(self) -> EngineCore:
+        """vLLM's `llm.llm_engine.engine_core` (`.save_sharded_state(path, pattern, max_size)`)."""
+        return self.core
+
     def pause_scheduler(self) -> None:
         """Freeze every request where it is (vLLM's pause "keep" mode): step() does nothing."""
         self.scheduler_paused = True

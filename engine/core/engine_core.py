@@ -287,6 +287,23 @@ class EngineCore:
             self.kv.disk.clear()
         return True
 
+    def save_sharded_state(self, path: str, pattern: str | None = None,
+                           max_size: int | None = None) -> None:
+        """vLLM's: every tensor-parallel rank writes its own shard of the model to `path`
+        (engine/worker/sharded_state.py); `load_format="sharded_state"` reads them back."""
+        from kvserve.engine.errors import ConfigError
+        from kvserve.engine.worker.sharded_state import ShardedStateLoader
+
+        if self.config.enable_lora or self.config.quantization is not None:
+            raise ConfigError("save_sharded_state saves dense models without LoRA; drop "
+                              "enable_lora / quantization")
+        workers = self.runner.workers
+        if workers is not None:
+            workers.broadcast("save_sharded", (path, pattern, max_size))
+        ShardedStateLoader.save_model(self.runner.model, path, pattern, max_size, rank=0)
+        if workers is not None:
+            workers.wait_for("saved")
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers and keep the cached blocks on the disk tier."""
         self.stepper.drain()  # a step in flight writes the KV the disk tier keeps

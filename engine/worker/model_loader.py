@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from kvserve.engine.errors import ModelNotFoundError
+from kvserve.engine.errors import ConfigError, ModelNotFoundError
 from kvserve.paths import cache_root
 
 if TYPE_CHECKING:
@@ -227,13 +227,15 @@ def load_model(model_path: Path | str, dtype: torch.dtype, device: torch.device,
                tp: "TPGroup | None" = None,
                max_model_len: int | None = None,
                quantization: str | None = None,
-               hf_overrides: Any = None) -> tuple[nn.Module, object]:
+               hf_overrides: Any = None,
+               load_format: str = "auto") -> tuple[nn.Module, object]:
     """Our model class for the config's architecture, with the HF weights streamed into it (on
     CPU with its linears prepacked for oneDNN unless `pack_linears=False`). With `tp`, this
     rank's shard only: each rank reads just its slices of the checkpoint. `max_model_len` (None:
     the model's own context) fixes what depends on it at build time (LongRoPE's factor set). A
     checkpoint's `quantization_config` (or `quantization`="int8"|"fp8" for a dense one) makes the
-    linears it names QuantLinears, their weights kept quantised."""
+    linears it names QuantLinears, their weights kept quantised. `load_format="sharded_state"`
+    reads this rank's shard files (engine/worker/sharded_state.py) instead of the checkpoint."""
     from kvserve.engine.layers.quantization import finish_quantized, quant_config_for, \
         quantize_linears
     from kvserve.engine.models import model_class_for
@@ -249,8 +251,16 @@ def load_model(model_path: Path | str, dtype: torch.dtype, device: torch.device,
     quant = gguf.quant_config() if gguf is not None else quant_config_for(config, quantization)
     if quant is not None:
         logger.info("quantised linears (%s): %d", quant.name, quantize_linears(model, quant, dtype))
-    model.load_weights(gguf.weights(config) if gguf is not None
-                       else iter_weights(folder, lazy=tp is not None))
+    if load_format == "sharded_state":
+        from kvserve.engine.worker.sharded_state import ShardedStateLoader
+
+        if quant is not None:
+            raise ConfigError("load_format='sharded_state' holds dense models; this one is "
+                              f"quantised ({quant.name})")
+        ShardedStateLoader.load_model_shard(model, folder, rank=tp.rank if tp else 0)
+    else:
+        model.load_weights(gguf.weights(config) if gguf is not None
+                           else iter_weights(folder, lazy=tp is not None))
     finish_quantized(model, device)
     if device.type == "cpu" and pack_linears:
         from kvserve.engine.layers.packed_linear import pack_linears as pack

@@ -162,7 +162,8 @@ def _start_workers(config: EngineConfig, model_path: Path | str, dtype: torch.dt
                                   max_model_len=config.max_model_len,
                                   quantization=config.quantization,
                                   hf_overrides=config.hf_overrides,
-                                  lora=config.lora_config())
+                                  lora=config.lora_config(),
+                                  load_format=config.load_format)
     logger.info("tensor parallel: %d ranks (%s), %d torch thread(s) per rank", n,
                 "nccl" if device.type == "cuda" else "gloo", group.spec.threads)
     return group, tp
@@ -180,6 +181,8 @@ def _set_up_rank0(config: EngineConfig, model_path: Path | str,
         extra["quantization"] = config.quantization
     if config.hf_overrides is not None:
         extra["hf_overrides"] = config.hf_overrides
+    if config.load_format == "sharded_state":
+        extra["load_format"] = config.load_format
     model, cfg = load_model(model_path, dtype, device, revision=config.revision, **extra)
     if config.enable_lora:  # before the budget: the adapter slots' buffers are weights too
         from kvserve.lora.model import attach_lora

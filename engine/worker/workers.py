@@ -56,6 +56,7 @@ class WorkerSpec:
     quantization: str | None = None  # online quantisation of a dense checkpoint (int8 | fp8)
     hf_overrides: Any = None  # vLLM's: a dict or callable over the HF config (every rank)
     lora: Any = None  # a LoRAConfig: wrap the linears for adapters (enable_lora)
+    load_format: str = "auto"  # "sharded_state": each rank reads its own shard files
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ def worker_main(rank: int, spec: WorkerSpec, conn: Connection) -> None:
         model, _ = load_model(spec.model_path, spec.dtype, rank_device(rank, spec.device_type),
                               revision=spec.revision, tp=tp, max_model_len=spec.max_model_len,
                               quantization=spec.quantization,
-                              hf_overrides=spec.hf_overrides)
+                              hf_overrides=spec.hf_overrides, load_format=spec.load_format)
         if spec.lora is not None:
             from kvserve.lora.model import attach_lora
 
@@ -150,6 +151,10 @@ def _serve(rank: int, model: torch.nn.Module, spec: WorkerSpec, conn: Connection
             runner.apply_lora(*arg)  # type: ignore[union-attr]
         elif cmd == "capture":  # every rank together; the driver keeps graphs only if all did
             conn.send(("captured", runner.try_capture(*arg)))  # type: ignore[union-attr]
+        elif cmd == "save_sharded":  # LLM.save_sharded_state: every rank its own files
+            from kvserve.engine.worker.sharded_state import ShardedStateLoader
+
+            conn.send(("saved", ShardedStateLoader.save_model(model, *arg, rank=rank)))
         elif cmd == "drop_graphs":  # another rank's capture failed: every rank runs eagerly
             runner.graphs = None  # type: ignore[union-attr]
         else:
@@ -221,7 +226,8 @@ class WorkerGroup:
               device_type: str, size: int,
               max_model_len: int | None = None,
               quantization: str | None = None,
-              hf_overrides: Any = None, lora: Any = None) -> tuple["WorkerGroup", TPGroup]:
+              hf_overrides: Any = None, lora: Any = None,
+              load_format: str = "auto") -> tuple["WorkerGroup", TPGroup]:
         """Spawn the workers and join the group as rank 0 (returns once all ranks joined)."""
         if torch.distributed.is_initialized():
             raise WorkerDiedError(
@@ -231,7 +237,7 @@ class WorkerGroup:
         threads = rank_threads(size)[0]  # each rank's share of the CPUs this host lets us use
         spec = WorkerSpec(str(model_path), revision, dtype, device_type, size,
                           f"file://{store}", threads, max_model_len, quantization,
-                          hf_overrides, lora)
+                          hf_overrides, lora, load_format)
         group = cls(spec)
         try:
             try:

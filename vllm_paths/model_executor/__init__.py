@@ -1,0 +1,1 @@
+"""`kvserve.model_executor`, as `vllm.model_executor`."""
