@@ -125,6 +125,10 @@ class ExtProcStream:
         return [pb.ProcessingResponse(response_headers=pb.HeadersResponse())]
 
     def _response_body(self, chunk: pb.HttpBody) -> Replies:
+        if self.usage is None and chunk.body:
+            # response_header_mode SKIP (a round trip less before the first byte): no
+            # content-type seen, so an SSE stream is told by its first bytes.
+            self.usage = UsageReader(chunk.body.lstrip().startswith((b"data:", b":")))
         if self.usage is not None:
             self.usage.feed(chunk.body, chunk.end_of_stream)
         if chunk.end_of_stream:

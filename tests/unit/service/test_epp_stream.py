@@ -148,6 +148,26 @@ async def test_response_chunks_are_echoed_usage_counted_and_the_slot_released():
     assert sum(picker.router.replicas.inflight.values()) == 0
 
 
+async def test_usage_is_counted_when_envoy_skips_the_response_headers():
+    """response_header_mode SKIP: the first response message is a body chunk; an SSE stream is
+    recognised by its bytes and its usage counted, a JSON answer's too."""
+    for chunks, tokens in (([b'data: {"choices": []}\n\n', b'data: {"choices": [], "usage": '
+                             b'{"prompt_tokens": 5, "completion_tokens": 3}}\n\ndata: [DONE]\n\n'],
+                            (5, 3)),
+                           ([b'{"choices": [], "usage": {"prompt_tokens": 4, ',
+                             b'"completion_tokens": 1}}'], (4, 1))):
+        stream, picker, metrics = make_stream()
+        await stream.handle(headers_msg())
+        await stream.handle(body_msg(BODY.encode(), True))
+        before = (metrics.tokens.labels("prompt")._value.get(),
+                  metrics.tokens.labels("completion")._value.get())
+        for i, chunk in enumerate(chunks):
+            await stream.handle(body_msg(chunk, i == len(chunks) - 1, response=True))
+        assert (metrics.tokens.labels("prompt")._value.get() - before[0],
+                metrics.tokens.labels("completion")._value.get() - before[1]) == tokens
+        assert sum(picker.router.replicas.inflight.values()) == 0
+
+
 async def test_fallback_list_sends_every_endpoint_best_first():
     stream, _, _ = make_stream(fallback_list=True)
     await stream.handle(headers_msg())
