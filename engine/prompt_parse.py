@@ -1,11 +1,34 @@
-"""vLLM's `parse_model_prompt`: a prompt as `LLM.generate` takes it (text, token ids, or a
-{"prompt" | "prompt_token_ids" | "prompt_embeds"} dict) normalised to a dict. kvserve serves
-decoder-only models, so this is vLLM's decoder-only path."""
+"""vLLM's prompt types (`vllm.inputs`: `TextPrompt`, `TokensPrompt`, `EmbedsPrompt`, the dicts
+`LLM.generate` takes) and `parse_model_prompt`, which normalises any prompt to one of them.
+kvserve serves decoder-only models, so this is vLLM's decoder-only path."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NotRequired, TypedDict, Union
+
+
+class TextPrompt(TypedDict):
+    prompt: str
+    cache_salt: NotRequired[str]
+
+
+class TokensPrompt(TypedDict):
+    prompt_token_ids: list[int]
+    prompt: NotRequired[str]  # carried along, not tokenised again
+    cache_salt: NotRequired[str]
+
+
+class EmbedsPrompt(TypedDict):
+    prompt_embeds: Any  # a [seq_len, hidden] torch.Tensor (enable_prompt_embeds)
+    prompt: NotRequired[str]
+    prompt_token_ids: NotRequired[list[int]]
+    prompt_is_token_ids: NotRequired[list[bool]]
+    cache_salt: NotRequired[str]
+
+
+SingletonPrompt = Union[str, list[int], TextPrompt, TokensPrompt, EmbedsPrompt]
+PromptType = SingletonPrompt  # no encoder-decoder prompts: decoder-only models
 
 
 def parse_model_prompt(model_config: Any, prompt: object) -> dict[str, Any]:

@@ -86,3 +86,15 @@ def test_cleanup_dist_env_and_memory_ends_this_process_group(tmp_path):
     cleanup_dist_env_and_memory()
     assert not torch.distributed.is_initialized()
     cleanup_dist_env_and_memory(shutdown_ray=False)  # nothing to end: still fine
+
+
+def test_vllm_prompt_dicts_drive_llm_generate(llm):
+    from kvserve import SamplingParams
+    from kvserve.inputs import TextPrompt, TokensPrompt
+
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ids = llm.get_tokenizer()("The quick brown fox").input_ids
+    by_text, by_ids = llm.generate([TextPrompt(prompt="The quick brown fox"),
+                                    TokensPrompt(prompt_token_ids=ids)], greedy, use_tqdm=False)
+    assert by_text.prompt_token_ids == ids
+    assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
