@@ -104,7 +104,7 @@ def test_the_engine_core_killed_ends_an_idle_server_with_the_reason(tiny_model_d
     monkeypatch.setenv("KVSERVE_EXIT_AFTER_CORE_DEATH_S", "1")
     log = tmp_path / "server.log"
     with api_server_process(tiny_model_dir, log, "--max-model-len", "512",
-                            engine_core="process") as (proc, url):
+                            engine_core="process") as (proc, _):
         os.kill(core_pid(log), signal.SIGKILL)
         assert exits_within(proc, 1 + SHUTDOWN_MARGIN_S + SLACK_S, log) == 1
     assert "exit code -9" in log.read_text()
