@@ -1,0 +1,310 @@
+"""Request migration on real parts: three `kvserve serve` replicas (tiny fp32 model, CPU), a real
+Redis, the router (round robin, so every kind of stream has one on each replica). A replica is
+SIGKILLed while streams are mid-way: every stream completes and equals an undisturbed run, token
+for token (greedy, seeded sampling at 0.8, a JSON schema, a stop string, n = 2). A rolling drain
+(SIGTERM of one replica, then of another) hands every unfinished stream over, losing none. A
+request that breaks more often than --migration-limit ends with an error event naming it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import RedisServer, free_port
+from test_router import SERVICE, Proc, RouterThread, spawn, wait_healthy, wait_until
+
+pytestmark = pytest.mark.slow
+
+RIDS = ("m1", "m2", "m3")
+SCHEMA = {"type": "object", "required": ["words"], "properties": {"words": {
+    "type": "array", "minItems": 16, "maxItems": 16,
+    "items": {"type": "string", "maxLength": 6}}}}
+MAX_TOKENS = 400
+
+
+def spawn_replica(rid: str, model: Path, redis_url: str, tmp: Path) -> Proc:
+    """A replica of the service (as test_router's) that hands its unfinished streams back to the
+    router as soon as it gets SIGTERM (a drain period of 0 s: the test knows they were running)."""
+    port = free_port()
+    return spawn(rid, ["kvserve.service.cli", "serve", str(model), "--served-model-name", "tiny",
+                       "--device", "cpu", "--dtype", "float32", "--kv-cache-memory", "8MiB",
+                       "--host", "127.0.0.1", "--port", str(port), "--redis-url", redis_url,
+                       "--service-name", SERVICE, "--replica-id", rid,
+                       "--advertise-url", f"http://127.0.0.1:{port}", "--log-level", "warning",
+                       "--engine-core", "thread", "--shutdown-grace-period", "0"],
+                 port, tmp)
+
+
+@dataclass
+class Fleet:
+    redis: RedisServer
+    model: Path
+    tmp: Path
+    replicas: dict[str, Proc] = field(default_factory=dict)
+
+    def ensure_alive(self, count: int = len(RIDS)) -> None:
+        """`count` replicas running (killed ones are started again under their ids)."""
+        dead = [rid for rid in RIDS if rid not in self.replicas
+                or self.replicas[rid].proc.poll() is not None]
+        for rid in dead[:max(0, count - (len(RIDS) - len(dead)))]:
+            self.replicas[rid] = spawn_replica(rid, self.model, self.redis.url, self.tmp)
+        deadline = time.monotonic() + 240
+        for p in self.replicas.values():
+            if p.proc.poll() is None:
+                wait_healthy(p, deadline)
+
+
+@pytest.fixture(scope="module")
+def fleet(redis_binary, tiny_model_dir, tmp_path_factory) -> Iterator[Fleet]:
+    tmp = tmp_path_factory.mktemp("router-migration")
+    redis = RedisServer(redis_binary, tmp)
+    redis.start()
+    f = Fleet(redis, tiny_model_dir, tmp)
+    try:
+        f.ensure_alive()
+        yield f
+    finally:
+        for p in f.replicas.values():
+            if p.proc.poll() is None:
+                p.proc.kill()
+            p.proc.wait()
+        redis.stop()
+
+
+def router(f: Fleet, *flags: str) -> RouterThread:
+    rt = RouterThread(f.model, f.redis.url, ("--policy", "round-robin", "--down-cooldown", "30",
+                                             *flags))
+    rt.wait()
+    live = {p.url for p in f.replicas.values() if p.proc.poll() is None}
+    wait_until(lambda: {r["url"] for r in httpx.get(rt.url + "/health").json()["replicas"]}
+               == live, timeout=60, what="the router seeing every live replica")
+    return rt
+
+
+@dataclass
+class Result:
+    replica: str = ""  # the id of the replica that took the request
+    events: list = field(default_factory=list)
+    chunks: int = 0  # chunks with text
+
+    def texts(self) -> dict[int, str]:
+        out: dict[int, str] = {}
+        for e in self.events:
+            for c in e.get("choices", []) if isinstance(e, dict) else []:
+                piece = c["text"] if "text" in c else (c["delta"].get("content") or "")
+                out[c["index"]] = out.get(c["index"], "") + piece
+        return out
+
+    def token_ids(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for e in self.events:
+            for c in e.get("choices", []) if isinstance(e, dict) else []:
+                out.setdefault(c["index"], []).extend(c.get("token_ids") or [])
+        return out
+
+    def finishes(self) -> dict[int, str]:
+        return {c["index"]: c["finish_reason"] for e in self.events if isinstance(e, dict)
+                for c in e.get("choices", []) if c.get("finish_reason")}
+
+    def usage(self) -> dict | None:
+        return next((e["usage"] for e in reversed(self.events)
+                     if isinstance(e, dict) and e.get("usage")), None)
+
+
+def requests(stop: str | None = None) -> list[tuple[str, dict]]:
+    """Five kinds of stream, three of each in a row (round robin: one of each per replica)."""
+    chat = "/v1/chat/completions"
+    cmpl = "/v1/completions"
+    use = {"stream": True, "model": "tiny", "stream_options": {"include_usage": True},
+           "return_token_ids": True}
+    out = []
+    for i in range(3):
+        out.append((chat, {**use, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                           "messages": [{"role": "user", "content": f"greedy story {i}"}]}))
+    for i in range(3):
+        out.append((cmpl, {**use, "max_tokens": MAX_TOKENS, "temperature": 0.8, "seed": 7 + i,
+                           "ignore_eos": True, "prompt": f"seeded story {i}"}))
+    for i in range(3):
+        out.append((chat, {**use, "max_tokens": MAX_TOKENS, "temperature": 0,
+                           "response_format": {"type": "json_schema", "json_schema": {
+                               "name": "words", "schema": SCHEMA}},
+                           "messages": [{"role": "user", "content": f"json please {i}"}]}))
+    for i in range(3):
+        out.append((cmpl, {**use, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                           "prompt": f"stop story {i}", **({"stop": [stop]} if stop else {})}))
+    for i in range(3):
+        out.append((cmpl, {**use, "max_tokens": MAX_TOKENS // 2, "temperature": 0.8, "n": 2,
+                           "seed": 70 + i, "ignore_eos": True, "prompt": f"two stories {i}"}))
+    return out
+
+
+async def run_streams(url: str, reqs: list[tuple[str, dict]], kill=None) -> list[Result]:
+    """Start the streams in order (each once its first chunk came back: round robin follows
+    the order); `kill(results)` is awaited alongside."""
+    results = [Result() for _ in reqs]
+    async with httpx.AsyncClient(timeout=300) as client:
+        async def one(i: int, started: asyncio.Event) -> None:
+            path, body = reqs[i]
+            async with client.stream("POST", url + path, json=body) as resp:
+                assert resp.status_code == 200, await resp.aread()
+                results[i].replica = resp.headers["x-kvserve-replica"]
+                started.set()
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: "):
+                        payload = line[6:]
+                        event = payload if payload == "[DONE]" else json.loads(payload)
+                        results[i].events.append(event)
+                        if isinstance(event, dict) and any(
+                                c.get("text") or (c.get("delta") or {}).get("content")
+                                for c in event.get("choices", [])):
+                            results[i].chunks += 1
+        tasks = []
+        for i in range(len(reqs)):
+            started = asyncio.Event()
+            tasks.append(asyncio.create_task(one(i, started)))
+            await asyncio.wait({tasks[-1], asyncio.ensure_future(started.wait())},
+                               return_when=asyncio.FIRST_COMPLETED)
+        if kill is not None:
+            tasks.append(asyncio.create_task(kill(results)))
+        await asyncio.gather(*tasks)
+    return results
+
+
+def assert_whole(r: Result, ref: Result) -> None:
+    chunks = [e for e in r.events if isinstance(e, dict)]
+    assert not any("error" in e for e in chunks), chunks[-3:]
+    assert r.events.count("[DONE]") == 1 and r.events[-1] == "[DONE]"
+    assert len({(e["id"], e["created"], e["model"]) for e in chunks}) == 1
+    ids, want = r.token_ids(), ref.token_ids()
+    for i in want:  # the first differing position, where a diff would be long
+        n = next((k for k, (a, b) in enumerate(zip(ids.get(i, []), want[i])) if a != b), None)
+        assert n is None and len(ids.get(i, [])) == len(want[i]), \
+            (i, n, len(ids.get(i, [])), len(want[i]))
+    assert r.texts() == ref.texts()
+    assert r.finishes() == ref.finishes()
+    assert r.usage()["completion_tokens"] == ref.usage()["completion_tokens"]
+    assert r.usage()["prompt_tokens"] == ref.usage()["prompt_tokens"]
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.fixture(scope="module")
+def refs(fleet) -> tuple[list[tuple[str, dict]], list[Result]]:
+    """The streams and their undisturbed run, through a router over the whole fleet."""
+    fleet.ensure_alive()
+    rt = router(fleet, "--expose-routing-headers")
+    try:
+        plain = asyncio.run(run_streams(rt.url, requests()[9:12]))
+        # a stop string from the middle of the undisturbed text: it stops there, not at once
+        reqs = requests(plain[0].texts()[0][150:156])
+        return reqs, asyncio.run(run_streams(rt.url, reqs))
+    finally:
+        rt.stop()
+
+
+def test_a_killed_replicas_streams_complete_elsewhere_as_an_undisturbed_run(fleet, refs):
+    reqs, reference = refs
+    fleet.ensure_alive()
+    rt = router(fleet, "--expose-routing-headers")
+    try:
+        victim = fleet.replicas["m2"]
+        killed_at: list[dict[int, int]] = []
+
+        async def kill(results: list[Result]) -> None:
+            mine = [r for r in results if r.replica == "m2"]
+            while not all(r.chunks >= 12 for r in mine):
+                await asyncio.sleep(0.005)
+            killed_at.append({i: len(r.events) for i, r in enumerate(results)})
+            victim.proc.send_signal(signal.SIGKILL)
+
+        results = asyncio.run(run_streams(rt.url, reqs, kill))
+        on_victim = [i for i, r in enumerate(results) if r.replica == "m2"]
+        assert len(on_victim) == 5  # one stream of each kind
+        for r, ref in zip(results, reference):
+            assert_whole(r, ref)
+        # the victim's streams were mid-way when it died (none had finished), so they migrated
+        assert not any("[DONE]" in results[i].events[:killed_at[0][i]] for i in on_victim)
+        assert metric(rt.url, "kvserve:router_migrations_total", outcome="migrated") \
+            == len(on_victim)
+        for i in (6, 7, 8):  # the schema held across the break
+            assert len(json.loads(results[i].texts()[0])["words"]) == 16
+    finally:
+        rt.stop()
+
+
+def test_a_rolling_drain_hands_every_stream_over(fleet, refs):
+    """SIGTERM m1, and once it has exited m2: each hands its unfinished streams back, the router
+    moves them on (a stream may move twice), nothing is lost."""
+    reqs, reference = refs
+    fleet.ensure_alive()
+    rt = router(fleet, "--expose-routing-headers")
+    try:
+        running: list[int] = []  # m1's unfinished streams at its SIGTERM
+
+        async def drain(results: list[Result]) -> None:
+            for rid in ("m1", "m2"):
+                proc = fleet.replicas[rid].proc
+                seen = [r.chunks for r in results]
+                while not all(r.chunks >= s + 12 or "[DONE]" in r.events
+                              for r, s in zip(results, seen)):
+                    await asyncio.sleep(0.005)
+                if rid == "m1":
+                    running.extend(i for i, r in enumerate(results)
+                                   if r.replica == rid and "[DONE]" not in r.events)
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.to_thread(proc.wait, 60)
+
+        results = asyncio.run(run_streams(rt.url, reqs, drain))
+        for r, ref in zip(results, reference):
+            assert_whole(r, ref)
+        assert running  # the drain had streams to hand back
+        assert metric(rt.url, "kvserve:router_migrations_total", reason="drain",
+                      outcome="migrated") >= 1, [
+            line for line in httpx.get(rt.url + "/metrics").text.splitlines() if "migr" in line]
+        assert metric(rt.url, "kvserve:router_migrations_total", outcome="limit") == 0
+    finally:
+        rt.stop()
+
+
+def test_the_migration_limit_ends_the_stream_with_an_error_naming_it(fleet):
+    fleet.ensure_alive(2)
+    rt = router(fleet, "--migration-limit", "1", "--expose-routing-headers")
+    try:
+        body = {"stream": True, "model": "tiny", "max_tokens": 480, "temperature": 0,
+                "ignore_eos": True, "prompt": "a story told twice"}
+        (ref,) = asyncio.run(run_streams(rt.url, [("/v1/completions", body)]))
+
+        async def kill_twice(results: list[Result]) -> None:
+            r = results[0]
+            first = fleet.replicas[r.replica]
+            while r.chunks < 10:
+                await asyncio.sleep(0.005)
+            first.proc.send_signal(signal.SIGKILL)
+            seen = r.chunks
+            while r.chunks < seen + 10:  # delivered by the continuation's replica
+                await asyncio.sleep(0.005)
+            for p in fleet.replicas.values():  # the continuation's replica among them
+                if p is not first and p.proc.poll() is None:
+                    p.proc.send_signal(signal.SIGKILL)
+
+        (r,) = asyncio.run(run_streams(rt.url, [("/v1/completions", body)], kill_twice))
+        error = r.events[-2]["error"]
+        assert r.events[-1] == "[DONE]"
+        assert error["code"] == "migration_limit" and "--migration-limit 1" in error["message"]
+        assert ref.texts()[0].startswith(r.texts()[0]) and r.texts()[0]
+        assert metric(rt.url, "kvserve:router_migrations_total", outcome="limit") == 1
+    finally:
+        rt.stop()
