@@ -89,6 +89,11 @@ class LLM:
         if self._kv_events is not None:
             self._kv_events.publish(self.llm_engine.drain_kv_events(("device", "host")))
 
+    @classmethod
+    def from_engine_args(cls, engine_args: Any) -> LLM:
+        """vLLM's: an LLM from an EngineArgs (every field by name)."""
+        return cls(**vars(engine_args))
+
     def save_sharded_state(self, path: str, pattern: str | None = None,
                            max_size: int | None = None) -> None:
         """Each tensor-parallel rank writes its shard of the model as safetensors files in

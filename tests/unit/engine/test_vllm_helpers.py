@@ -98,3 +98,15 @@ def test_vllm_prompt_dicts_drive_llm_generate(llm):
                                     TokensPrompt(prompt_token_ids=ids)], greedy, use_tqdm=False)
     assert by_text.prompt_token_ids == ids
     assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
+
+
+def test_llm_from_engine_args_is_vllms(llm, tiny_model_dir):
+    """vLLM's sharded-state examples build their LLM with LLM.from_engine_args(EngineArgs)."""
+    from kvserve import LLM, EngineArgs, SamplingParams
+
+    other = LLM.from_engine_args(EngineArgs(model=str(tiny_model_dir), dtype="float32",
+                                            device="cpu", kv_cache_memory=1 << 22))
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert other.generate("Hello", greedy, use_tqdm=False)[0].outputs[0].token_ids == \
+        llm.generate("Hello", greedy, use_tqdm=False)[0].outputs[0].token_ids
+    other.shutdown()
