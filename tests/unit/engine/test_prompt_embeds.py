@@ -121,6 +121,22 @@ def test_embeds_skip_the_prefix_cache(llm, hf):
     assert zeros[0].num_cached_tokens == 0
 
 
+def test_repetition_penalty_counts_only_the_output_as_hf(llm, hf):
+    """HF's generate from inputs_embeds penalises only the new tokens (the prompt has no ids);
+    kvserve gives its tokens under a repetition penalty. (Token 0, the placeholder id, never
+    competes on this model, so counting it would pass here too: sampling_inputs.py leaves it
+    out by construction.)"""
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=2.0)
+    for embeds in random_embeds(hf):
+        ours = generate(llm, [embeds], sp)[0].outputs[0].token_ids
+        with torch.no_grad():
+            ref = hf.generate(inputs_embeds=embeds[None], max_new_tokens=12, do_sample=False,
+                              repetition_penalty=2.0,
+                              attention_mask=torch.ones(1, len(embeds), dtype=torch.long))
+        ref = ref[0].tolist()  # HF stops at EOS; kvserve ignores it here
+        assert len(ref) >= 5 and ours[:len(ref)] == ref
+
+
 def test_n_samples_fork_from_the_embeds_prefill(llm, hf):
     embeds = random_embeds(hf, lens=(19, 37), seed=5)
     outputs = generate(llm, embeds, greedy(n=2, temperature=1.0, seed=7))
