@@ -11,12 +11,20 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 
-from kvserve.engine.config import DEFAULT_MODEL, KV_CACHE_DTYPES, MODEL_DTYPES, PREEMPTION_MODES, \
-    QUANTIZATION_METHODS, STRUCTURED_OUTPUTS_BACKENDS, EngineConfig
+from kvserve.engine.config import (
+    DEFAULT_MODEL,
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    MODEL_DTYPES,
+    PREEMPTION_MODES,
+    QUANTIZATION_METHODS,
+    STRUCTURED_OUTPUTS_BACKENDS,
+    EngineConfig,
+)
 from kvserve.engine.defaults import BLOCK_SIZES
 from kvserve.service.limits import RequestLimits
-from kvserve.service.server.lora_models import lora_module
 from kvserve.service.reasoning import REASONING_PARSERS
+from kvserve.service.server.lora_models import lora_module
 from kvserve.service.tool_parsers import TOOL_PARSERS
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -244,6 +252,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help='vLLM\'s KV events over ZMQ for external schedulers (llm-d, GIE EPPs), '
                    'e.g. \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
                    '"replay_endpoint": "tcp://*:5558"}\'')
+    g.add_argument("--profiler-config", default=None, metavar="JSON",
+                   help='vLLM\'s profiler config: torch.profiler traces of the engine, e.g. '
+                   '\'{"profiler": "torch", "torch_profiler_dir": "./traces"}\'')
+    g.add_argument("--load-format", default=d("load_format"), choices=LOAD_FORMATS,
+                   help="auto (the checkpoint's safetensors or GGUF), safetensors, or "
+                        "sharded_state (each tensor-parallel rank reads the shard "
+                        "LLM.save_sharded_state wrote)")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="allow model code from the hub (off: only built-in architectures)")
     lora = parser.add_argument_group("LoRA adapters")
@@ -330,3 +345,5 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--advertise-url", default=None,
                    help="URL the router uses to reach this replica (default http://HOST:PORT)")
     r.add_argument("--replica-id", default=None, help="this replica's id (default HOST-PORT)")
+
+
