@@ -56,14 +56,20 @@ def run_script(path: Path, workdir: Path, argv: list[str], url: str | None = Non
 
 def check_offline(name: str, out: str, tokenizer) -> None:
     """What each script's own calls must print."""
-    if name in ("offline_inference/basic/basic.py", "features/logits_processor/custom.py"):
+    if name == "offline_inference/basic/basic.py" or "logits_processor/" in name:
         assert len(re.findall(r"^Prompt: ", out, flags=re.M)) == 4, out
-    if name == "features/logits_processor/custom.py":
+    if "logits_processor/" in name:
         outputs = [eval(o) for o in re.findall(r"^Output:\s+(.*)$", out, flags=re.M)]  # noqa: S307
-        # SamplingParams' default max_tokens 16: the targeted requests are their token 16 times
-        assert outputs[0] == tokenizer.decode([128] * 16), outputs
-        assert outputs[2] == tokenizer.decode([67] * 16), outputs
-        assert outputs[1] != outputs[0] and outputs[3] != outputs[2]
+        # SamplingParams' default max_tokens 16: the targeted requests are their token 16 times,
+        # except custom_req_init.py's, whose processor turns itself off off CUDA
+        targets = [tokenizer.decode([128] * 16), tokenizer.decode([67] * 16)]
+        hit = [outputs[0], outputs[2]] == targets
+        assert hit != name.endswith("custom_req_init.py"), outputs
+        assert outputs[1] not in targets and outputs[3] not in targets
+    if name == "features/pause_resume/pause_resume_offline.py":
+        assert "Test passed! Engine paused" in out and "Resumed!" in out, out
+    if name == "features/sharded_state/load_sharded_state_offline.py":
+        assert "using format sharded_state" in out and "Full output: Hello, world!" in out
     if name == "features/reset_kv/reset_kv_offline.py":
         assert "Resetting prefix cache at 10" in out
         finished = re.findall(r"^RequestOutput\(request_id='(\d+)'", out, flags=re.M)
@@ -85,8 +91,15 @@ def check_offline(name: str, out: str, tokenizer) -> None:
 def test_offline_example(name, workdir, default_model_dir):
     from transformers import AutoTokenizer
 
+    if name.endswith("load_sharded_state_offline.py") and not (workdir / "sharded").is_dir():
+        save = "features/sharded_state/save_sharded_state_offline.py"  # writes what it loads
+        run_script(COPIES / save, workdir, argv_of(save))
     out = run_script(COPIES / name, workdir, argv_of(name))
     check_offline(name, out, AutoTokenizer.from_pretrained(default_model_dir))
+    if name.endswith("save_sharded_state_offline.py"):
+        assert list((workdir / "sharded").glob("*.safetensors"))
+    if name == "features/profiling/simple_profiling_offline.py":
+        assert any((workdir / "vllm_profile").iterdir())  # the trace it asked for
     if name == "features/batch_invariance/reproducibility_offline.py":
         assert len(re.findall(r"^Generated text: ", out, flags=re.M)) == 4, out
         assert run_script(COPIES / name, workdir, []) == out  # the same samples, run again
@@ -121,9 +134,10 @@ def test_online_example(name, server, workdir):
 
 
 def test_every_copy_is_listed_and_names_its_source():
-    listed = {e["name"] for e in LISTED if e["status"] == "runs"}
+    # every runnable one is here; a copy kept of one that does not run yet is listed with why
     present = {str(p.relative_to(COPIES)) for p in COPIES.rglob("*.py")}
-    assert listed == present
+    assert {e["name"] for e in LISTED if e["status"] == "runs"} <= present
+    assert present <= {e["name"] for e in LISTED}
     for name in present:
         head = " ".join(line.lstrip("# ") for line in (COPIES / name).read_text().splitlines()[:3])
         assert f"vLLM's examples/{name} (vllm-project/vllm" in head, (name, head)
