@@ -137,11 +137,12 @@ def test_stream_tracker_holds_back_a_possible_stop_string():
     hold = stop_hold(SamplingParams(stop=["END"]))
     assert hold == 2
     tracker = StreamTracker(hold=hold)
-    first = tracker.delta(0, _out("abcE", [1]))
-    assert first.text == "ab"  # "cE" could still grow into "...END"
+    assert tracker.delta(0, _out("ab", [1])) is None  # "ab" could still grow into "...END"
+    first = tracker.delta(0, _out("abcE", [1, 2]))
+    assert first.text == "ab" and first.token_ids == [1]  # "cE" held, with its token
     # The engine cut "EN..." off when the stop string completed: the client never saw it.
     last = tracker.delta(0, _out("abc", [1, 2, 3], "stop"))
-    assert first.text + last.text == "abc"
+    assert first.text + last.text == "abc" and last.token_ids == [2, 3]
 
 
 def test_json_depth_is_counted_exactly_and_deep_input_never_recurses():
