@@ -169,3 +169,16 @@ def beam_eos(core: Any) -> int | None:
     if eos is None and core.eos_token_ids:
         eos = min(core.eos_token_ids)
     return eos
+
+
+def group_fits(seq: Sequence, waiting: Any, free_blocks: int, block_size: int) -> bool:
+    """Whether the pool can take back every waiting beam of `seq`'s group (none of them
+    running: a group is admitted whole, so no beam sits holding blocks for a sibling that cannot
+    come in) with a block each to grow or copy into, and a first seq its future forks' blocks.
+    An upper bound: prefix-cache hits only lower it."""
+    group = seq.group
+    if group is None or any(s.status == SequenceStatus.RUNNING for s in group.live()):
+        return True
+    back = [s for s in waiting if s.group is group]
+    need = sum(-(-s.num_tokens // block_size) + 1 for s in back) + future_beams(seq)
+    return need <= free_blocks

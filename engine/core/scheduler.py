@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvserve.engine.core.beam_group import future_beams, members
+from kvserve.engine.core.beam_group import future_beams, group_fits, members
 from kvserve.engine.core.kv_cache_manager import DiskHit, HostHit, KVCacheManager, Spill
 from kvserve.engine.core.scheduling_policy import add_waiting, order_key, victim
 from kvserve.engine.core.sequence import Sequence, SequenceStatus
@@ -175,7 +176,9 @@ class Scheduler:
         """swap: whenever the CPU pool has room; auto: when it has room and the cost model
         says copying the seq's blocks out and back beats recomputing its tokens."""
         mode = self.config.preemption_mode
-        if mode == "recompute" or not self.kv.can_swap_out(seq):
+        # A beam group recomputes: swapping copies each beam's blocks out, shared ones again
+        # for every beam, and brings the beams back one by one.
+        if mode == "recompute" or seq.group is not None or not self.kv.can_swap_out(seq):
             return False
         if mode == "swap" or self.swap_advisor is None:
             return True
@@ -244,6 +247,9 @@ class Scheduler:
         loras = self.running_loras()
         while self.waiting and budget > 0 and self._has_seq_room(self.waiting[0]):
             seq = self.waiting[0]
+            if not group_fits(seq, self.waiting, self.kv.pool.num_free_blocks,
+                              self.kv.block_size):  # a beam group comes back whole
+                break
             if not self._lora_fits(seq, set(loras)):  # its adapter waits for a free slot
                 deferred.append(self.waiting.popleft())
                 continue
@@ -252,7 +258,7 @@ class Scheduler:
             owed = seq.wants_prompt_logprobs
             hits = [] if owed else self.kv.lookup_prefix(seq)
             nxt = [] if owed else self.kv.full_block_hashes(seq, len(hits), len(hits) + 1)
-            if nxt and nxt[0] in pending:
+            if nxt and nxt[0] in pending and seq.group is None:  # a beam group comes in whole
                 deferred.append(self.waiting.popleft())
                 continue
             cached = len(hits) * self.kv.block_size
