@@ -142,12 +142,18 @@ class Migrator:
         try:
             while True:
                 payloads, buffer = split_events(buffer)
+                # one write per upstream chunk, as the replica wrote its events
+                outs: list[str] = []
                 for payload in payloads:
                     if payload == "[DONE]":
+                        if outs:
+                            yield "".join(outs)
                         return
                     out = state.event(payload, continuation=leg.choice is not None)
                     if out is not None:
-                        yield out
+                        outs.append(out)
+                if outs:
+                    yield "".join(outs)
                 chunk = await anext(chunks, None)
                 if chunk is None:
                     return
