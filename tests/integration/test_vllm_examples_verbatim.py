@@ -7,6 +7,7 @@ why the others do not, is the `current` list of docs/gen/vllm_examples.yaml."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -115,6 +116,14 @@ def server(default_model_dir, tmp_path_factory):
 
 
 def check_online(name: str, out: str) -> None:
+    if name == "features/structured_outputs/structured_outputs_client.py":
+        found = dict(re.findall(r"^(\w+):\n  Content: (.*)$", out, flags=re.M))
+        assert set(found) == {"choice", "regex", "json", "grammar"}, out
+        assert eval(found["choice"]) in ("positive", "negative")  # noqa: S307
+        assert re.fullmatch(r"[a-z0-9.]{1,20}@\w{6,10}\.com\n", eval(found["regex"]))  # noqa: S307
+        assert json.loads(eval(found["json"]))["car_type"] in ("SEDAN", "SUV", "TRUCK", "COUPE")  # noqa: S307
+        assert re.fullmatch(r"SELECT col_[12]  from table_[12]  where col_[12] = [12] ",
+                            eval(found["grammar"])), found  # noqa: S307
     if name == "online_serving/token_generation_client.py":
         assert "'request_id': 'generate-tokens-" in out and "Token generation results:" in out
         assert "'finish_reason': 'length'" in out or "'finish_reason': 'stop'" in out, out
