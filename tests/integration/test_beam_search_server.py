@@ -89,3 +89,20 @@ def test_what_beam_search_cannot_do_is_a_400_naming_the_field(client, extra, par
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4,
                                   extra_body=extra)
     assert param in str(info.value)
+
+
+@pytest.mark.slow
+def test_kvserve_serve_with_the_engine_core_in_a_process(tiny_model_dir, tmp_path, expected):
+    """`kvserve serve` as a process, its engine core in another: the core ranks the beams and
+    sends them whole to the API process."""
+    import openai
+    from server_process import api_server_process
+
+    texts, reasons = expected
+    with api_server_process(tiny_model_dir, tmp_path / "log", engine_core="process") as (_, url):
+        client = openai.Client(base_url=url + "/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        out = client.completions.create(model=model, prompt=PROMPT, n=3, max_tokens=6,
+                                        temperature=0, extra_body=BEAM)
+    assert [c.text for c in out.choices] == texts
+    assert [c.finish_reason for c in out.choices] == reasons
