@@ -38,7 +38,7 @@ class GenerateSamplingParams(SamplingFields):
 class GenerateRequest(OpenAIModel):
     request_id: str = Field(default_factory=lambda: uuid.uuid4().hex, max_length=256)
     token_ids: list[TokenId] = Field(min_length=1)
-    sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
+    sampling_params: GenerateSamplingParams  # required, as in vLLM
     model: str | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None

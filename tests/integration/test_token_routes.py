@@ -100,8 +100,9 @@ def test_generate_without_max_tokens_fills_the_context(server):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"token_ids": []}, "token_ids"),
-    ({"token_ids": [1], "features": {"mm_hashes": {}}}, "features"),
+    ({"token_ids": [], "sampling_params": {}}, "token_ids"),
+    ({"token_ids": [1]}, "sampling_params"),  # required, as in vLLM
+    ({"token_ids": [1], "sampling_params": {}, "features": {"mm_hashes": {}}}, "features"),
     ({"token_ids": [1], "sampling_params": {"max_tokens": MAX_MODEL_LEN}},
      "sampling_params.max_tokens"),
     ({"token_ids": [1], "sampling_params": {"use_beam_search": True}},
