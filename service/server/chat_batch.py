@@ -42,6 +42,9 @@ class BatchChatCompletionRequest(ChatCompletionRequest):
         if self.tools:
             raise InvalidRequestError("Batch chat completions do not support tools; remove "
                                       "`tools`", param="tools")
+        if self.continuation is not None:  # kvserve's, for one migrated choice
+            raise InvalidRequestError("Batch chat completions do not take a continuation; send "
+                                      "it to /v1/chat/completions", param="continuation")
         if self.n != 1:
             raise InvalidRequestError("Batch chat completions do not support `n > 1`. Please "
                                       "set `n` to 1.", param="n")
@@ -104,4 +107,8 @@ async def create_batch(ctx: ServingContext, reqs: list[ChatCompletionRequest],
                 reasoning_content=reasoning, reasoning=reasoning)))
     response = ChatCompletionResponse(id=request_id, model=model, choices=choices,
                                       usage=usage_of(outputs, ctx.prompt_tokens_details))
-    return JSONResponse(response.model_dump())
+    body = response.model_dump()
+    if first.return_token_ids:  # vLLM's: each choice's ids (no prompt ids on a batch)
+        for choice, out in zip(body["choices"], outputs):
+            choice["token_ids"] = list(out.outputs[0].token_ids)
+    return JSONResponse(body)

@@ -139,6 +139,17 @@ def test_chat_batch_answers_each_conversation_as_chat_completions_would(server):
     assert body["usage"]["completion_tokens"] == 10
 
 
+def test_chat_batch_returns_each_choices_token_ids_when_asked(server, tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    r = chat(server.url, "/v1/chat/completions/batch", {"messages": CONVERSATIONS,
+                                                        "return_token_ids": True})
+    for choice in r.json()["choices"]:
+        assert len(choice["token_ids"]) == 5
+        assert tok.decode(choice["token_ids"]) == choice["message"]["content"]
+    plain = chat(server.url, "/v1/chat/completions/batch", {"messages": CONVERSATIONS}).json()
+    assert all("token_ids" not in c for c in plain["choices"])
+
+
 def test_chat_batch_applies_the_shared_constraint_to_every_conversation(server):
     r = chat(server.url, "/v1/chat/completions/batch", {
         "messages": CONVERSATIONS, "structured_outputs": {"regex": "(yes|no)"},
@@ -152,6 +163,7 @@ def test_chat_batch_applies_the_shared_constraint_to_every_conversation(server):
     ({"stream": True}, "stream"), ({"n": 2}, "n"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"messages": [[]]}, "messages"), ({"messages": []}, "messages"),
+    ({"continuation": {"index": 0, "token_ids": [5]}}, "continuation"),
 ])
 def test_chat_batch_refusals_name_the_field(server, extra, param):
     r = chat(server.url, "/v1/chat/completions/batch", {"messages": CONVERSATIONS, **extra})
