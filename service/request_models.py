@@ -73,8 +73,12 @@ class SamplingFields(OpenAIModel):
     user: str | None = None
     priority: Int64 = 0
     cache_salt: CacheSalt | None = None
-    continuation: ContinuationField | None = None  # kvserve's: output generated elsewhere
-    return_token_ids: bool = False  # vLLM's: token ids of the prompt and of each choice/chunk
+    continuation: ContinuationField | None = Field(None, description=(
+        "kvserve's: the output one choice already has (token ids, its index); the request goes "
+        "on after it and answers only what follows. n = 1, one prompt, no echo."))
+    return_token_ids: bool = Field(False, description=(
+        "vLLM's: each choice (each stream chunk) carries the token ids of its text, and the "
+        "prompt's once"))
     # known, not supported (service/unsupported_fields.py): typed loosely so the 400 names the field
     use_beam_search: Any = None
     length_penalty: Any = None
