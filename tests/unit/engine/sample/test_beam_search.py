@@ -122,3 +122,24 @@ def test_score_leaves_a_final_eos_out():
     assert beam_score(10, -5.0, False, 1.0) == -0.5
     assert beam_score(11, -5.0, True, 1.0) == -0.5
     assert beam_score(4, -2.0, False, 0.0) == -2.0
+
+
+@pytest.mark.slow
+def test_default_model_beams_equal_hf_generate(default_model_dir):
+    """The default model (fp32): width 3, 6 tokens, no EOS in play, as HF's beam search."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    llm = make_llm(default_model_dir, max_model_len=512, kv_cache_memory=64 << 20)
+    try:
+        prompt = llm.get_tokenizer().encode("The capital of France is")
+        ours = _search(llm, prompt, 3, 6, ignore_eos=True, length_penalty=1.0)
+    finally:
+        llm.shutdown()
+    ref = hf.generate(torch.tensor([prompt]), num_beams=3, num_return_sequences=3,
+                      do_sample=False, max_new_tokens=6, early_stopping="never",
+                      eos_token_id=None, pad_token_id=0, return_dict_in_generate=True,
+                      output_scores=True)
+    assert [s.tokens for s in ours] == ref.sequences.tolist()
+    torch.testing.assert_close(torch.tensor([s.cum_logprob for s in ours], dtype=torch.float64),
+                               ref.sequences_scores.double() * 6, atol=1e-3, rtol=0)
