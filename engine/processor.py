@@ -109,9 +109,10 @@ class Processor:
             raise InvalidRequestError(
                 f"logit_bias names token ids past the vocabulary ({vocab}): {bias[:5]}",
                 "logit_bias")
-        if params.n > self.core.config.max_num_seqs:
+        seqs = max(params.n, getattr(params, "beam_width", 1))  # a beam group runs them all
+        if seqs > self.core.config.max_num_seqs:
             raise InvalidRequestError(
-                f"n={params.n} exceeds max_num_seqs {self.core.config.max_num_seqs}", "n")
+                f"n={seqs} exceeds max_num_seqs {self.core.config.max_num_seqs}", "n")
         self._check_kv_fits(len(ids) + params.max_tokens)  # type: ignore[operator]
         return params
 

@@ -65,3 +65,18 @@ def test_a_preempted_group_finds_the_same_beams(tmp_path):
         assert [s.tokens for s in g.sequences] == [s.tokens for s in r.sequences]
         torch.testing.assert_close([s.cum_logprob for s in g.sequences],
                                    [s.cum_logprob for s in r.sequences], atol=1e-4, rtol=0)
+
+
+def test_a_group_wider_than_max_num_seqs_is_refused(tmp_path):
+    import pytest
+
+    from kvserve.engine.errors import InvalidRequestError
+
+    path = build_family(tmp_path / "m", "Qwen3ForCausalLM")
+    llm = make_llm(path, block_size=8, max_num_seqs=4)
+    try:
+        with pytest.raises(InvalidRequestError, match="max_num_seqs"):
+            llm.llm_engine.add_request("wide", [5, 6, 7], beam_params(6, 4))
+        assert not llm.llm_engine.has_unfinished_requests()
+    finally:
+        llm.shutdown()
