@@ -296,7 +296,7 @@ def test_the_epp_tokenizes_with_the_routers_tokenizer(model: dict) -> None:
     assert tokenizer == r_args[r_args.index("--tokenizer") + 1]
     claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]
               if "persistentVolumeClaim" in v}
-    if model is PVC_MODEL:  # the files are on the claim: the EPP mounts it, read-only, as the router
+    if model is PVC_MODEL:  # the files are on the claim: the EPP mounts it read-only, as the router
         assert list(claims.values()) == ["model-store"]
         (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] in claims]
         assert tokenizer.startswith(mount["mountPath"] + "/") and mount["readOnly"] is True
