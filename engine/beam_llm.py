@@ -8,8 +8,12 @@ from typing import Any
 
 from kvserve.engine.errors import InvalidRequestError
 from kvserve.engine.outputs import RequestOutput
-from kvserve.engine.sample.beam_search import (BeamSearchOutput, BeamSearchParams,
-                                               BeamSearchSequence, beam_params)
+from kvserve.engine.sample.beam_search import (
+    BeamSearchOutput,
+    BeamSearchParams,
+    BeamSearchSequence,
+    beam_params,
+)
 
 
 def beam_search(llm: Any, items: list[tuple[str | None, Any]], params: BeamSearchParams,

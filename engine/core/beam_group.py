@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
 from kvserve.engine.core.sequence import Sequence, SequenceStatus
 from kvserve.engine.outputs import CompletionOutput, Logprob
 from kvserve.engine.sample.beam_search import BeamParams, beam_score, candidate_entry, choose

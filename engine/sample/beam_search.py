@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
 from kvserve.engine.outputs import Logprob
 from kvserve.engine.sample.sampling_params import SamplingParams
 

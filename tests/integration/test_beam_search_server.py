@@ -7,11 +7,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from server_thread import ServerThread
-from test_api_server import start_server
-
 from conftest import make_llm
 from kvserve.engine.sample.beam_search import BeamSearchParams
+from server_thread import ServerThread
+from test_api_server import start_server
 
 PROMPT = "The quick brown fox"
 
@@ -65,8 +64,8 @@ def test_a_streamed_beam_search_comes_whole_at_its_end(client, expected):
 
 
 def test_chat_beam_search_returns_n_choices(client):
-    kw = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
-              temperature=0)
+    kw = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+          "temperature": 0}
     beams = client.chat.completions.create(n=4, extra_body={"use_beam_search": True}, **kw)
     assert len(beams.choices) == 4
     assert len({c.message.content for c in beams.choices}) == 4

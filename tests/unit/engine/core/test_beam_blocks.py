@@ -4,10 +4,11 @@ cannot hold is preempted whole and still finds the same beams."""
 
 from __future__ import annotations
 
+import pytest
 import torch
-
 from conftest import make_llm
 from family_checks import build_family, prompts
+from kvserve.engine.errors import InvalidRequestError
 from kvserve.engine.sample.beam_search import BeamSearchParams, beam_params
 
 
@@ -68,10 +69,6 @@ def test_a_preempted_group_finds_the_same_beams(tmp_path):
 
 
 def test_a_group_wider_than_max_num_seqs_is_refused(tmp_path):
-    import pytest
-
-    from kvserve.engine.errors import InvalidRequestError
-
     path = build_family(tmp_path / "m", "Qwen3ForCausalLM")
     llm = make_llm(path, block_size=8, max_num_seqs=4)
     try:

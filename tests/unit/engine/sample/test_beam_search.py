@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import make_llm
 from family_checks import build_family, hf_model, prompts
 from kvserve.engine.sample.beam_search import BeamSearchParams, beam_score, choose
