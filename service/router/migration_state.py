@@ -148,7 +148,9 @@ def split_events(buffer: bytes) -> tuple[list[str], bytes]:
     *events, rest = buffer.split(b"\n\n")
     payloads = []
     for event in events:
-        for line in event.decode().splitlines():
-            if line.startswith("data:"):
-                payloads.append(line[5:].strip())
+        # Lines end at "\n" alone: JSON leaves U+2028, U+0085 and the like unescaped in text,
+        # and str.splitlines would cut an event there.
+        for line in event.split(b"\n"):
+            if line.startswith(b"data:"):
+                payloads.append(line[5:].strip().decode())
     return payloads, rest

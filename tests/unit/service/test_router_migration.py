@@ -365,3 +365,16 @@ def test_a_continuation_is_routed_by_its_prompt_and_delivered_tokens(tiny_model_
     assert prompt_tokens_for(tok, "/v1/chat/completions", cont) == prompt + [5, 6, 7]
     assert prompt_tokens_for(tok, "/v1/completions",
                              {"prompt": [1, 2], "continuation": {"token_ids": [3]}}) == [1, 2, 3]
+
+
+def test_text_with_unicode_line_separators_stays_one_event():
+    """JSON leaves U+2028, U+0085 and U+001D-like separators of str.splitlines in text as is
+    (a random model emits them): an event is cut only at its newline."""
+    state = SpliceState(n=1, chat=False, keep_token_ids=False, want_usage=False)
+    chunk = {"id": "a", "object": "text_completion", "created": 1, "model": "m", "usage": None,
+             "choices": [{"index": 0, "text": "a\u2028b\x85c\u2029d", "token_ids": [1]}]}
+    raw = f"data: {json.dumps(chunk, ensure_ascii=False)}\r\n\r\n".encode().replace(
+        b"\r\n\r\n", b"\n\n")
+    (payload,), rest = split_events(raw)
+    out = json.loads(split_events(state.event(payload, False).encode())[0][0])
+    assert out["choices"][0]["text"] == "a\u2028b\x85c\u2029d" and rest == b""
