@@ -9,7 +9,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvserve.engine.core.beam_group import future_beams, members
 from kvserve.engine.core.beam_group import future_beams, group_fits, members
 from kvserve.engine.core.kv_cache_manager import DiskHit, HostHit, KVCacheManager, Spill
 from kvserve.engine.core.scheduling_policy import add_waiting, order_key, victim
