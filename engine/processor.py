@@ -114,7 +114,22 @@ class Processor:
             raise InvalidRequestError(
                 f"n={seqs} exceeds max_num_seqs {self.core.config.max_num_seqs}", "n")
         self._check_kv_fits(len(ids) + params.max_tokens)  # type: ignore[operator]
+        if getattr(params, "beam_width", 1) > 1:
+            self._check_beams_fit(len(ids), params.max_tokens, params.beam_width)  # type: ignore
         return params
+
+    def _check_beams_fit(self, prompt: int, max_tokens: int, width: int) -> None:
+        """A beam group is admitted and preempted whole: the KV cache must hold its prompt's
+        full blocks once and every beam's own blocks when all diverge at the first token."""
+        core = self.core
+        num_blocks, bs = core.memory_budget.num_blocks, core.block_size
+        need = prompt // bs + width * -(-(prompt % bs + max_tokens) // bs)
+        if need > num_blocks:
+            raise InvalidRequestError(
+                f"a beam search of width {width} needs up to {need} KV blocks (the prompt's "
+                f"{prompt // bs} shared, then each beam's own) but the whole KV cache holds "
+                f"{num_blocks}; lower max_tokens or the width, or give the engine more KV "
+                "memory (kv_cache_memory / gpu_memory_utilization)", "max_tokens")
 
     def _check_prompt(self, ids: list[int]) -> None:
         vocab, limit = self.core.vocab_size, self.core.max_model_len

@@ -86,6 +86,7 @@ class Scheduler:
                 budget = self._schedule_swapped(out, budget)
                 if not self.swapped:
                     self._schedule_waiting(out, budget)
+            self._release_stalled_beams(out)
         out.blocks_to_copy = self.kv.take_pending_copies()
         out.blocks_to_offload, out.blocks_to_restore = self.kv.take_tier_moves()
         out.blocks_to_spill, out.blocks_to_load = self.kv.take_disk_moves()
@@ -117,6 +118,16 @@ class Scheduler:
                 budget -= n
                 i += 1
         return budget
+
+    def _release_stalled_beams(self, out: SchedulerOutput) -> None:
+        """A step that schedules nothing while beams wait, holding blocks, for siblings the
+        pool cannot admit would repeat forever: those beams go back to the waiting queue
+        (recompute; their blocks stay in the prefix cache), so the group comes back whole."""
+        if out.seqs or not self.waiting:
+            return
+        stalled = [s for s in self.running if s.group is not None]
+        for seq in reversed(stalled):
+            self._preempt(seq, out)
 
     def _schedule_running_ahead(self, out: SchedulerOutput, budget: int, skip: set[int]
                                 ) -> tuple[int, bool]:
@@ -246,8 +257,9 @@ class Scheduler:
         loras = self.running_loras()
         while self.waiting and budget > 0 and self._has_seq_room(self.waiting[0]):
             seq = self.waiting[0]
-            if not group_fits(seq, self.waiting, self.kv.pool.num_free_blocks,
-                              self.kv.block_size):  # a beam group comes back whole
+            # a beam group comes back whole; with nothing running, waiting frees nothing
+            if self.running and not group_fits(seq, self.waiting, self.kv.pool.num_free_blocks,
+                                               self.kv.block_size):
                 break
             if not self._lora_fits(seq, set(loras)):  # its adapter waits for a free slot
                 deferred.append(self.waiting.popleft())

@@ -43,7 +43,9 @@ def test_width_8_holds_a_1k_token_prompt_once(tmp_path):
         llm.shutdown()
 
 
-def test_a_preempted_group_finds_the_same_beams(tmp_path):
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("blocks", [22, 16])
+def test_a_preempted_group_finds_the_same_beams(tmp_path, blocks):
     """Four beam searches in a pool that holds about two: groups are preempted whole (by
     recompute) and readmitted; every one ends with the beams it finds alone."""
     path = build_family(tmp_path / "m", "LlamaForCausalLM")
@@ -54,8 +56,10 @@ def test_a_preempted_group_finds_the_same_beams(tmp_path):
         ref = [alone.beam_search([{"prompt_token_ids": p}], params)[0] for p in token_prompts]
     finally:
         alone.shutdown()
-    # 22 blocks of 8 tokens (768 bytes a token): about two groups of 11 blocks
-    tight = make_llm(path, block_size=8, kv_cache_memory=22 * 8 * 768, max_model_len=64)
+    # 22 blocks of 8 tokens (768 bytes a token): about two groups of 11 blocks; 16: one group
+    # at a time, readmitted with nothing running (it used to wait forever for blocks no one
+    # would free, or hold some beams while the rest could not come in)
+    tight = make_llm(path, block_size=8, kv_cache_memory=blocks * 8 * 768, max_model_len=64)
     try:
         got = tight.beam_search([{"prompt_token_ids": p} for p in token_prompts], params)
         assert tight.llm_engine.scheduler.num_preemptions > 0
@@ -75,5 +79,18 @@ def test_a_group_wider_than_max_num_seqs_is_refused(tmp_path):
         with pytest.raises(InvalidRequestError, match="max_num_seqs"):
             llm.llm_engine.add_request("wide", [5, 6, 7], beam_params(6, 4))
         assert not llm.llm_engine.has_unfinished_requests()
+    finally:
+        llm.shutdown()
+
+
+def test_a_group_the_whole_cache_cannot_hold_is_refused(tmp_path):
+    """Admitted and preempted whole, a group must fit the pool when all its beams diverge."""
+    path = build_family(tmp_path / "m", "LlamaForCausalLM")
+    llm = make_llm(path, block_size=8, kv_cache_memory=12 * 8 * 768, max_model_len=64)
+    try:
+        with pytest.raises(InvalidRequestError, match="beam search of width 4 needs up to 14"):
+            llm.llm_engine.add_request("big", list(range(5, 28)), beam_params(4, 10))
+        assert not llm.llm_engine.has_unfinished_requests()
+        llm.llm_engine.add_request("fits", list(range(5, 28)), beam_params(2, 10))  # 2 + 2 x 3
     finally:
         llm.shutdown()
