@@ -123,8 +123,18 @@ class AsyncLLM:
         else:
             await self.engine._call("pause_scheduler")
             self._frozen = True
+            await self._delivered()
         if clear_cache and mode != "keep":
             await self.reset_prefix_cache()
+
+    async def _delivered(self, rounds: int = 1000) -> None:
+        """Let every reader take the outputs of the steps run before the pause (they reach
+        this loop before the pause's answer): once it returns, a frozen request shows no new
+        token until resume_generation()."""
+        for _ in range(rounds):
+            if all(s._queue.empty() for s in self._streams.values()):
+                return
+            await asyncio.sleep(0)
 
     async def resume_generation(self) -> None:
         """Frozen requests go on and waiting generate() calls start."""

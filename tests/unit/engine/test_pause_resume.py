@@ -57,6 +57,7 @@ async def test_keep_freezes_the_running_request_and_holds_new_ones(engine):
     task = asyncio.create_task(collect(engine, "kept", 12, outs))
     await until(outs, 2)
     await engine.pause_generation(mode="keep")
+    shown = len(outs)  # what the reader holds once the pause returns: nothing comes after it
     assert await engine.is_paused()
     before = (await core(engine, "get_stats")).generation_tokens
     late: list = []
@@ -64,6 +65,7 @@ async def test_keep_freezes_the_running_request_and_holds_new_ones(engine):
     assert await spin_the_loop(engine) == [False] * 5  # the frozen request still holds blocks
     assert (await core(engine, "get_stats")).generation_tokens == before
     assert await core(engine, "get_num_unfinished_requests") == 1 and late == []
+    assert len(outs) == shown  # the step before the pause reached the reader before it returned
     await engine.resume_generation()
     assert not await engine.is_paused()
     await asyncio.gather(task, late_task)
