@@ -38,6 +38,7 @@ class AsyncMPEngine(AsyncEngine):
         self.observers = list(observers)
         self.idle_tick = idle_tick  # the core sends a message every second while idle anyway
         self.last_stats: Any = None
+        self.steps_seen = 0  # StepMessages the output thread has dispatched
         self.draining = False
         self.error: BaseException | None = None
         self.on_dead: list[Callable[[BaseException], None]] = []  # run once the core is gone
@@ -125,14 +126,25 @@ class AsyncMPEngine(AsyncEngine):
         event loop; the resident-adapter snapshot the heartbeat reads is refreshed with it."""
         self.check_accepting()
 
-        def call() -> Any:
+        def call() -> tuple[Any, int]:
             try:
-                return self.client.call_utility(method, *args)
+                result = self.client.call_utility(method, *args)
+                return result, self.client.steps_before_reply
             finally:
                 if self.config.enable_lora:
                     self.resident_adapters = tuple(self.client.call_utility("resident_loras"))
 
-        return await asyncio.to_thread(call)
+        result, steps = await asyncio.to_thread(call)
+        await self._caught_up(steps)
+        return result
+
+    async def _caught_up(self, steps: int, timeout_s: float = 5.0) -> None:
+        """The answer comes on its own socket: wait (bounded) until the output thread has
+        dispatched every step the core sent before it, so a call's effect (a pause) is seen
+        after those steps' outputs, as in the engine-in-a-thread mode."""
+        deadline = time.monotonic() + timeout_s
+        while self.steps_seen < steps and time.monotonic() < deadline and self.error is None:
+            await asyncio.sleep(0.001)
 
     def abort(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -175,6 +187,7 @@ class AsyncMPEngine(AsyncEngine):
             self.client.send(AbortRequests(stopped))
         self._fail_requests(msg.errors)
         self._dispatch(outputs)
+        self.steps_seen += 1
         self.last_stats = msg.stats
         self.engine.alloc_seconds += msg.alloc_seconds
         self.engine.restore_seconds += msg.restore_seconds

@@ -60,6 +60,7 @@ class CoreClient:
         self._utility_lock = threading.Lock()
         self._close_lock = threading.Lock()  # close() from the output thread, atexit or a caller
         self._call_ids = itertools.count()
+        self.steps_before_reply = 0  # the last utility reply's steps_sent
         self.death: str | None = None  # why the core is gone, once it is
         self.closed = False
         self._shutdown_sent = False
@@ -143,6 +144,7 @@ class CoreClient:
                 reply: UtilityResult = decode(self._utility.recv())
                 if reply.call_id != call_id:  # the answer of a call whose caller gave up
                     continue
+                self.steps_before_reply = reply.steps_sent
                 if reply.error is not None:
                     raise reply.error
                 return reply.result

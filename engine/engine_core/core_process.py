@@ -60,6 +60,7 @@ class EngineCoreProc:
         self.inbox, self.outbox, self.utility = inbox, outbox, utility
         self.parent_pid = parent_pid
         self.tracker = DeltaTracker()
+        self.steps_sent = 0  # StepMessages sent: a utility reply says how many came before it
         self.engine: Any = None
         self._accepted: list[tuple[str, BaseException | None]] = []
         self._whole: set[str] = set()  # requests whose text the core makes (sent whole)
@@ -136,10 +137,11 @@ class EngineCoreProc:
     def _call(self, msg: UtilityCall) -> None:
         try:
             result = getattr(self.engine, msg.method)(*msg.args, **msg.kwargs)
-            reply = UtilityResult(msg.call_id, result)
+            reply = UtilityResult(msg.call_id, result, steps_sent=self.steps_sent)
             data = encode(reply)
         except Exception as exc:  # noqa: BLE001 - raised in the caller
-            data = encode(UtilityResult(msg.call_id, error=portable(exc)))
+            data = encode(UtilityResult(msg.call_id, error=portable(exc),
+                                        steps_sent=self.steps_sent))
         self._put(self.utility, data)
 
     def _put(self, sock: zmq.Socket, data: Any, copy: bool = True) -> None:
@@ -161,6 +163,7 @@ class EngineCoreProc:
             accepted, deltas, {k: portable(v) for k, v in errors.items()}, engine.get_stats(),
             engine.drain_kv_events(("device", "host")), engine.drain_block_alloc_seconds(),
             engine.drain_restore_seconds(), time.monotonic())), copy=False)
+        self.steps_sent += 1
 
 
 def _describe(exc: BaseException) -> str:

@@ -87,6 +87,7 @@ class UtilityResult:
     call_id: int
     result: Any = None
     error: BaseException | None = None
+    steps_sent: int = 0  # StepMessages the core sent before this reply (another socket)
 
 
 @dataclass
