@@ -21,7 +21,7 @@ from kvserve.service.server.config import ServerConfig
 from kvserve.service.server.drain import DrainingServer
 from kvserve.service.serve_args import (build_serve_parser, engine_config_from_args,
                                         server_config_from_args, setup_logging)
-from kvserve.service.server.publishing import make_publisher
+from kvserve.service.server.publishing import make_publisher, replica_role
 
 logger = logging.getLogger("kvserve.service.api_server")
 # Seconds between the engine core's death and the server's exit: open streams send their error
@@ -47,7 +47,9 @@ def run_server(engine_config: Any, config: ServerConfig) -> int:
     # (`app` is bound below, before the publisher's first heartbeat).
     adapters = ((lambda: app.state.engine.resident_loras())
                 if getattr(info.config, "enable_lora", False) else None)
-    publisher = make_publisher(config, model, info.block_size, adapters=adapters)
+    publisher = make_publisher(config, model, info.block_size, adapters=adapters,
+                               role=replica_role(getattr(engine_config, "kv_transfer_config",
+                                                         None)))
     app = create_app(engine, config, publisher)
     server = DrainingServer.for_app(app, config.host, config.port, config.log_level.lower())
     died: list[BaseException] = []

@@ -6,7 +6,8 @@ one replica); when no replica holds at least `min_match_tokens` of the prompt it
 least-load. A block a replica holds only in host memory (offloaded) counts `host_weight` of a device
 block in `matched_fraction`: restoring it is a copy, far cheaper than a prefill but not free, so a
 device hit ranks above a host hit above a miss. `least-load`, `round-robin` and `session`
-(rendezvous hash on a header value) ignore the index. Every ranking lists all candidates, so the
+(rendezvous hash on a header value) ignore the index. `pd` (prefill/decode disaggregation,
+service/router/pd.py) ranks the decode-capable replicas as `prefix` does. Every ranking lists all candidates, so the
 router retries the next one when a replica fails.
 
 A request for a LoRA adapter is ranked by the policy first, then `prefer_adapter` moves the
@@ -21,7 +22,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-POLICIES = ("prefix", "least-load", "round-robin", "session")
+POLICIES = ("prefix", "least-load", "round-robin", "session", "pd")
 
 
 class UnknownPolicyError(ValueError):
@@ -39,6 +40,7 @@ class Candidate:
     kv_cache_usage: float = 0.0
     matched_blocks: int = 0  # leading blocks of the prompt this replica already holds
     host_blocks: int = 0  # of those, the ones it holds only in its host-memory tier
+    role: str = "both"  # prefill / decode / both (its heartbeat's role; --policy pd)
 
 
 @dataclass(frozen=True)
@@ -144,7 +146,7 @@ def decide(policy: str, cands: Sequence[Candidate], *, num_blocks: int = 0, bloc
     """Rank `cands` under `policy`; `counter` is the router's request counter (rotation, ties)."""
     if policy not in POLICIES:
         raise UnknownPolicyError(f"unknown routing policy {policy!r}; choose one of {POLICIES}")
-    if policy == "prefix":
+    if policy in ("prefix", "pd"):  # pd: the caller passes the decode-capable replicas
         ranked, applied = rank_prefix(cands, num_blocks, block_size, cfg, counter)
     elif policy == "round-robin":
         ranked, applied = rank_round_robin(cands, counter), policy

@@ -8,7 +8,9 @@ scripts work on a Cluster, and different services spread over the nodes.
                                 heartbeat_at, draining ("1" while the replica drains: routers
                                 skip it), signature (hex HMAC-SHA256 of id, url and heartbeat_at
                                 under KVSERVE_REGISTRATION_TOKEN; replica_info.py),
-                                adapters (JSON list of the LoRA adapters it holds; absent: none);
+                                adapters (JSON list of the LoRA adapters it holds; absent: none),
+                                role (prefill, decode or both: its --kv-transfer-config's
+                                kv_role; absent: both);
                                 EXPIREs after `ttl` (3 heartbeats) without a refresh
     h:<hash>              SET   the inverted index: who holds block <hash> (engine.block_hash,
                                 32 hex digits), as integers 2*slot (device pool) and 2*slot+1

@@ -36,6 +36,7 @@ from redis.exceptions import RedisError
 from kvserve.service.prefix_index.keys import IndexKeys
 from kvserve.service.prefix_index.redis_client import async_redis, redact_url
 from kvserve.service.prefix_index.replica_info import (ADAPTERS_FIELD, REGISTRATION_TOKEN_ENV,
+                                                       ROLE_BOTH, ROLE_FIELD, ROLES,
                                                        SIGNATURE_FIELD, encode_adapters,
                                                        sign_heartbeat)
 from kvserve.service.prefix_index.scripts import (CLEAR_SCRIPT, SWEEP_BUDGET, UPDATE_SCRIPT,
@@ -61,8 +62,12 @@ class PrefixIndexPublisher:
                  block_size: int, heartbeat_interval: float = 1.0, *,
                  max_pending_hashes: int = 200_000, ttl: float | None = None,
                  timeout: float = 0.5, registration_token: str | None = None,
-                 adapters: Callable[[], Iterable[str]] | None = None) -> None:
+                 adapters: Callable[[], Iterable[str]] | None = None,
+                 role: str = ROLE_BOTH) -> None:
+        if role not in ROLES:
+            raise ValueError(f"replica role {role!r} is not one of {', '.join(ROLES)}")
         self.redis_url, self.replica_id, self.url = redis_url, replica_id, url
+        self.role = role  # prefill / decode / both: routers with --policy pd read it
         # The LoRA adapters resident now, read at each heartbeat (None: a replica without LoRA).
         self._adapters = adapters
         self._last_adapters = "[]"
@@ -252,7 +257,7 @@ class PrefixIndexPublisher:
         beat_at = f"{time.time():.6f}"
         fields = {"url": self.url, "model": self.model, "block_size": self.block_size,
                   "num_running": running, "num_waiting": waiting, "kv_cache_usage": usage,
-                  "heartbeat_at": beat_at}
+                  "heartbeat_at": beat_at, ROLE_FIELD: self.role}
         if self._adapters is not None:
             fields[ADAPTERS_FIELD] = self._adapter_names()
         if self._token is not None:

@@ -1,6 +1,6 @@
 """What a replica's heartbeat tells the router (URL, model, block size, load, draining, resident
-LoRA adapters) and the registration signature that proves the replica holds the service's shared
-token."""
+LoRA adapters, prefill/decode role) and the registration signature that proves the replica holds
+the service's shared token."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 # The heartbeat hash's fields (service/prefix_index/keys.py), in the order the lookup returns them.
 INFO_FIELDS = ("url", "model", "block_size", "num_running", "num_waiting", "kv_cache_usage",
-               "heartbeat_at", "draining", "signature", "adapters")
+               "heartbeat_at", "draining", "signature", "adapters", "role")
 # `draining` = "1" while the replica drains (SIGTERM): routers stop sending to it at once.
 DRAINING_FIELD = "draining"
 DRAINING_VALUE = "1"
@@ -26,6 +26,12 @@ REGISTRATION_TOKEN_ENV = "KVSERVE_REGISTRATION_TOKEN"
 # `adapters` = a JSON list of the LoRA adapter names the replica holds now (absent in heartbeats of
 # replicas without LoRA, or from before the field existed: read as none).
 ADAPTERS_FIELD = "adapters"
+# `role` = what the replica does in prefill/decode disaggregation, from its --kv-transfer-config's
+# kv_role: "prefill" (kv_producer), "decode" (kv_consumer) or "both" (kv_both, or no connector).
+# Absent (a replica from before the field, or without a connector) reads as "both".
+ROLE_FIELD = "role"
+ROLE_PREFILL, ROLE_DECODE, ROLE_BOTH = "prefill", "decode", "both"
+ROLES = (ROLE_PREFILL, ROLE_DECODE, ROLE_BOTH)
 # Field values a replica could plausibly send; anything larger is garbage, not a heartbeat.
 _MAX_FIELD_CHARS = 2048
 # The adapter list is longer: a replica may hold hundreds of adapters in host memory.
@@ -63,6 +69,7 @@ class ReplicaInfo:
     heartbeat_at_raw: str = ""  # the stored string, which the signature covers
     signature: str = ""
     adapters: frozenset[str] = frozenset()  # LoRA adapters resident on the replica
+    role: str = ROLE_BOTH  # prefill, decode or both (ROLE_FIELD)
 
     @property
     def load(self) -> int:
@@ -90,7 +97,23 @@ class ReplicaInfo:
             num_waiting=_int(f, "num_waiting", 0),
             kv_cache_usage=_float(f, "kv_cache_usage"), heartbeat_at=_float(f, "heartbeat_at"),
             draining=f["draining"] == DRAINING_VALUE, heartbeat_at_raw=f["heartbeat_at"],
-            signature=f["signature"], adapters=parse_adapters(f[ADAPTERS_FIELD]))
+            signature=f["signature"], adapters=parse_adapters(f[ADAPTERS_FIELD]),
+            role=parse_role(f[ROLE_FIELD]))
+
+
+def parse_role(text: str) -> str:
+    """A heartbeat's role ("" = both); MalformedHeartbeatError for anything else."""
+    if not text:
+        return ROLE_BOTH
+    if text not in ROLES:
+        raise MalformedHeartbeatError(f"role {text[:40]!r} is not one of {', '.join(ROLES)}")
+    return text
+
+
+def role_of_kv_role(kv_role: str | None) -> str:
+    """The heartbeat role of a connector's kv_role (vLLM's names): kv_producer -> prefill,
+    kv_consumer -> decode, kv_both or none -> both."""
+    return {"kv_producer": ROLE_PREFILL, "kv_consumer": ROLE_DECODE}.get(kv_role or "", ROLE_BOTH)
 
 
 def encode_adapters(names: Iterable[str]) -> str:

@@ -5,6 +5,7 @@ replicas would, then routed by their prompt and adapter (loaded on a replica fir
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -20,11 +21,13 @@ from kvserve.service.openai_errors import APIError, error_response
 from kvserve.service.chat_request import ChatCompletionRequest
 from kvserve.service.request_models import CompletionRequest
 from kvserve.service.request_validation import read_json_body, validate_request
+from kvserve.service.router import pd
 from kvserve.service.router.adapters import AdapterLoadError
 from kvserve.service.router.config import RouterConfig
 from kvserve.service.router.drain import DrainMiddleware, DrainState
 from kvserve.service.router.migration import Migrator, migratable
-from kvserve.service.router.proxy import ClientGoneError, ClientWatch, NoReplicaError, Proxy
+from kvserve.service.router.proxy import (ClientGoneError, ClientWatch, NoReplicaError, Proxy,
+                                          forward_headers)
 from kvserve.service.router.routing import RouteInfo, Router
 from kvserve.service.routing_policy import Candidate
 
@@ -67,7 +70,7 @@ def _add_routes(app: FastAPI, router: Router, proxy: Proxy) -> None:
         up = replicas.routable()
         body = {"status": "ok" if up else "no replicas", "redis_up": replicas.redis_up,
                 "policy": router.cfg.policy,
-                "replicas": [{"id": i.replica_id, "url": i.url, "load": i.load,
+                "replicas": [{"id": i.replica_id, "url": i.url, "load": i.load, "role": i.role,
                               "inflight": replicas.inflight.get(i.replica_id, 0),
                               "adapters": sorted(i.adapters)} for i in up]}
         return JSONResponse(body, status_code=200 if up else 503)
@@ -120,6 +123,9 @@ async def _forward(router: Router, proxy: Proxy, path: str, request: Request,
             return _unavailable(str(exc))
         if router.adapters.registered(route.adapter):
             on_missing = _reloader(router, route.adapter, request.headers)
+    if route is not None and route.pd_plan is not None and parsed is not None:
+        parsed, body = await _pd_prefill(router, proxy, path, parsed, body, request.headers,
+                                         route)
     watch = ClientWatch(request.receive)
     try:
         if parsed is not None and on_missing is None and migratable(router.cfg, path, parsed):
@@ -135,6 +141,36 @@ async def _forward(router: Router, proxy: Proxy, path: str, request: Request,
         return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
     finally:
         await watch.stop()
+
+
+async def _pd_prefill(router: Router, proxy: Proxy, path: str, parsed: dict[str, Any],
+                      body: bytes, headers: Any, route: RouteInfo
+                      ) -> tuple[dict[str, Any], bytes]:
+    """--policy pd: the prompt prefilled on a prefill replica when the plan says so, and the
+    decode request's body with its kv_transfer_params; the request unchanged otherwise (the
+    decode replica prefills locally). A client's own kv_transfer_params (a P/D sidecar in
+    front) are left alone."""
+    plan = route.pd_plan
+    assert plan is not None
+    if "kv_transfer_params" in parsed:
+        return parsed, body
+    decision = pd.LOCAL_ADAPTER if route.adapter is not None and plan.remote else plan.decision
+    if decision == pd.REMOTE:
+        assert proxy.http is not None
+        start = time.perf_counter()
+        got = await pd.remote_prefill(proxy.http, path, parsed, forward_headers(headers),
+                                      plan.prefill, router.cfg.pd, router.replicas.acquire,
+                                      router.replicas.release)
+        router.metrics.pd_prefill_seconds.observe(time.perf_counter() - start)
+        if got is None:
+            decision = pd.FALLBACK
+        else:
+            parsed = {**parsed, "kv_transfer_params": got[0]}
+            body = json.dumps(parsed).encode()
+            route.pd_prefilled_by = got[1]
+    route.pd_decision = decision
+    router.metrics.pd_decisions.labels(decision).inc()
+    return parsed, body
 
 
 async def _adapter_ranking(router: Router, route: RouteInfo, ranking: list[Candidate],

@@ -19,6 +19,7 @@ from kvserve.service.prefix_index.replica_info import REGISTRATION_TOKEN_ENV
 from kvserve.service.router.app import create_app
 from kvserve.service.router.config import RouterConfig
 from kvserve.service.router.drain import DrainingRouterServer
+from kvserve.service.router.pd import PDConfig
 from kvserve.service.routing_policy import POLICIES, PolicyConfig
 
 logger = logging.getLogger("kvserve.router")
@@ -36,7 +37,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", default="",
                    help="comma-separated replica URLs: the set without Redis, the fallback with it")
     p.add_argument("--policy", choices=POLICIES, default=d.policy,
-                   help="prefix: replica holding the longest prompt prefix, unless overloaded")
+                   help="prefix: replica holding the longest prompt prefix, unless overloaded; "
+                        "pd: prefill/decode disaggregation (decode replica by prefix, long "
+                        "uncached prompts prefilled on a prefill replica)")
+    p.add_argument("--pd-threshold", type=int, default=d.pd.threshold,
+                   help="--policy pd: uncached prompt tokens (prompt minus the decode replica's "
+                        "cached prefix) above which a prefill replica does the prefill")
+    p.add_argument("--pd-max-prefill-queue", type=int, default=d.pd.max_prefill_queue,
+                   help="--policy pd: a prefill replica with more requests running + waiting "
+                        "is not used; when all have more, the decode replica prefills locally")
+    p.add_argument("--pd-prefill-timeout", type=float, default=d.pd.prefill_timeout,
+                   help="--policy pd: seconds a prefill replica gets to answer before the "
+                        "decode replica prefills locally")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer path or model name (default: the model the replicas announce)")
     p.add_argument("--session-header", default=d.session_header,
@@ -120,7 +132,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
     return RouterConfig(host=ns.host, port=ns.port, redis_url=ns.redis_url,
                         service_name=ns.service_name, replicas=replicas, policy=ns.policy,
                         tokenizer=ns.tokenizer, session_header=ns.session_header.lower(),
-                        policy_cfg=pc, block_size=ns.block_size, down_cooldown=ns.down_cooldown,
+                        policy_cfg=pc, pd=_pd_config(ns), block_size=ns.block_size, down_cooldown=ns.down_cooldown,
                         connect_timeout=_positive(ns.upstream_connect_timeout,
                                                   "--upstream-connect-timeout"),
                         first_byte_timeout=_positive(ns.upstream_first_byte_timeout,
@@ -163,6 +175,14 @@ def parse_lora_modules(items: Sequence[str]) -> tuple[tuple[str, str], ...]:
             raise SystemExit(f"kvserve router: --lora-modules names adapter {name!r} twice")
         out[name.strip()] = path.strip()
     return tuple(out.items())
+
+
+def _pd_config(ns: argparse.Namespace) -> PDConfig:
+    try:
+        return PDConfig(threshold=ns.pd_threshold, max_prefill_queue=ns.pd_max_prefill_queue,
+                        prefill_timeout=ns.pd_prefill_timeout)
+    except ValueError as exc:
+        raise SystemExit(f"kvserve router: {exc}") from None
 
 
 def _positive(value: float, flag: str) -> float:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from kvserve.engine.defaults import BLOCK_SIZE
 from kvserve.service.limits import RequestLimits
+from kvserve.service.router.pd import PDConfig
 from kvserve.service.routing_policy import PolicyConfig
 
 
@@ -22,6 +23,7 @@ class RouterConfig:
     tokenizer: str | None = None  # path or model name; default: the replicas' model
     session_header: str = "x-session-id"
     policy_cfg: PolicyConfig = field(default_factory=PolicyConfig)
+    pd: PDConfig = field(default_factory=PDConfig)  # --policy pd: --pd-threshold etc. (pd.py)
     block_size: int = BLOCK_SIZE  # used for static replicas (Redis replicas announce theirs)
     refresh_interval: float = 1.0
     # --shared-load-interval: how often routers exchange their in-flight counts through Redis

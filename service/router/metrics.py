@@ -61,6 +61,17 @@ class RouterMetrics:
             "theirs broke, by reason (reset, eof, error_event, drain) and outcome (migrated; "
             "retried: a whole request re-issued; limit, too_long, no_replica: the stream ended "
             "with an error)", ["reason", "outcome"], registry=r)
+        self.pd_decisions = Counter(
+            "kvserve:router_pd_decisions", "--policy pd: where each request's prompt was "
+            "prefilled: remote (a prefill replica, blocks handed to the decode replica), "
+            "local_short (uncached part within --pd-threshold), local_busy (prefill queues above "
+            "--pd-max-prefill-queue), local_no_prefiller, local_unknown_prompt (not tokenized), "
+            "fallback (the remote prefill failed or gave no kv_transfer_params: local prefill)",
+            ["decision"], registry=r)
+        self.pd_prefill_seconds = Histogram(
+            "kvserve:router_pd_prefill_seconds", "--policy pd: time of a remote prefill (the "
+            "prefill replica's answer), successful or not", registry=r,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0))
         self.draining = Gauge("kvserve_router:draining", "1 while the router drains (SIGTERM)",
                               registry=r)
 

@@ -75,6 +75,8 @@ class Migrating:
             index, ids = continuation
             body.update(n=1, continuation={"token_ids": ids, "index": index})
             body.pop("best_of", None)
+            # A remote prefill's blocks were for the first leg (--policy pd): prefill here.
+            body.pop("kv_transfer_params", None)
         return body
 
 

@@ -40,6 +40,11 @@ _RETRY_STATUS = {502, 503, 504}
 _DOWN_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
+def forward_headers(headers: Any) -> dict[str, str]:
+    """A client's request headers as a replica gets them (hop-by-hop ones recomputed)."""
+    return {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
+
+
 class Opened(NamedTuple):
     """A replica's response once its first chunk arrived."""
 
@@ -121,7 +126,7 @@ class Proxy:
         replica answering 404 has the adapter loaded again by it and gets the request once more;
         when that load fails (or the adapter is gone again) the next replica is tried. The
         caller owns the response: `release` its replica and close it."""
-        fwd = {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
+        fwd = forward_headers(headers)
         for cand in ranking:
             opened = await self._open(cand, method, path, query, body, fwd, watch)
             if opened is None and not self.replicas.is_down(cand.replica_id):
@@ -252,6 +257,10 @@ class Proxy:
                 device, host = route.split(cand.replica_id)
                 headers["x-kvserve-predicted-matched-tokens"] = str(device + host)
                 headers["x-kvserve-predicted-host-tokens"] = str(host)
+                if route.pd_decision is not None:  # --policy pd
+                    headers["x-kvserve-pd-decision"] = route.pd_decision
+                    if route.pd_prefilled_by is not None:
+                        headers["x-kvserve-prefill-replica"] = route.pd_prefilled_by
         return headers
 
     async def _relay(self, cand: Candidate, resp: httpx.Response, first: bytes,

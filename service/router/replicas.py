@@ -192,7 +192,7 @@ class ReplicaSet:
         others = self.shared.others.get(rid, 0) if self.shared is not None else 0
         load = max(info.load, self.inflight.get(rid, 0) + others)
         return Candidate(info.replica_id, info.url, load, info.kv_cache_usage, matched_blocks,
-                         host_blocks)
+                         host_blocks, info.role)
 
     def announced_model(self) -> str | None:
         """The model a replica announced (the router's tokenizer by default)."""
@@ -215,7 +215,7 @@ class ReplicaSet:
             matched, host = counts.get(rid, _NO_MATCH)
             # `candidate`'s load, inlined: a method call per replica costs ~10% of a decision
             load = max(info.load, inflight.get(rid, 0) + others.get(rid, 0))
-            cand = Candidate(rid, info.url, load, info.kv_cache_usage, matched, host)
+            cand = Candidate(rid, info.url, load, info.kv_cache_usage, matched, host, info.role)
             (downs if down and down.get(rid, 0.0) > now else out).append(cand)
         return out or downs
 

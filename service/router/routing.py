@@ -1,6 +1,8 @@
 """The routing decision of one request: tokenize like the engine, ask Redis once how much of the
 prompt each live replica holds, rank the replicas by the policy (service/routing_policy.py); a
-request naming a LoRA adapter goes to its holders first, or says where to load it."""
+request naming a LoRA adapter goes to its holders first, or says where to load it. Under
+`--policy pd` the ranking is over the decode-capable replicas and the route carries the prefill
+plan (service/router/pd.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Any
 from kvserve.service.prefix_index.extra_keys import block_extra_keys
 from kvserve.service.router.adapters import Adapters
 from kvserve.service.router.config import RouterConfig
+from kvserve.service.router import pd
 from kvserve.service.router.metrics import RouterMetrics
 from kvserve.service.router.replicas import ReplicaSet
 from kvserve.service.router.tokenizer import RouterTokenizer
@@ -28,6 +31,9 @@ class RouteInfo:
     adapter: str | None = None  # the LoRA adapter the request names
     load_on: Candidate | None = None  # where to load it first (no usable replica holds it)
     resident: bool = False  # the first-ranked replica holds the adapter
+    pd_plan: pd.PDPlan | None = None  # --policy pd: remote or local prefill (service/router/pd.py)
+    pd_decision: str | None = None  # what happened (pd.DECISIONS): the plan, or fallback
+    pd_prefilled_by: str | None = None  # the prefill replica that did the prefill
 
     def split(self, replica_id: str) -> tuple[int, int]:
         """(device, host) predicted matched tokens of a replica, capped at the prompt."""
@@ -54,7 +60,7 @@ class Router:
 
     async def start(self) -> None:
         await self.replicas.start()
-        if self.cfg.policy == "prefix":
+        if self.cfg.policy in ("prefix", "pd"):
             await self.prompts.start()
         self.replicas.update_gauges()
 
@@ -66,10 +72,12 @@ class Router:
         start = time.perf_counter()
         replicas = self.replicas
         block_size = replicas.block_size()
-        use_index = self.cfg.policy == "prefix" and replicas.index is not None and \
+        is_pd = self.cfg.policy == "pd"
+        use_index = self.cfg.policy in ("prefix", "pd") and replicas.index is not None and \
             replicas.redis_up
         adapter = self.adapters.adapter_of(body.get("model"), replicas.known)
-        tokens = self.prompts.prompt_tokens(path, body) if use_index else None
+        # pd needs the prompt's length even without the index (its threshold)
+        tokens = self.prompts.prompt_tokens(path, body) if use_index or is_pd else None
         hashes: list[str] = []
         if tokens:
             from kvserve.engine.core.block_hash import block_hashes
@@ -78,18 +86,28 @@ class Router:
                                   block_extra_keys(body.get("cache_salt"), adapter))
         # Only prefix routing needs Redis per request; the others use the set refreshed each second.
         counts = await replicas.match_counts(hashes) if use_index else {}
-        cands = replicas.candidates(counts)
-        policy = self.cfg.policy if (replicas.redis_up or self.cfg.policy != "prefix") \
+        everyone = replicas.candidates(counts)
+        cands = pd.decode_capable(everyone) if is_pd else everyone
+        policy = self.cfg.policy if (use_index or self.cfg.policy not in ("prefix", "pd")) \
             else "least-load"
         session = headers.get(self.cfg.session_header) or body.get("user")
         self.counter += 1
         decision = decide(policy, cands, num_blocks=len(hashes), block_size=block_size,
                           cfg=self.cfg.policy_cfg, counter=self.counter, session_key=session)
+        if is_pd:  # prefill-only replicas last: a fallback when every decode replica fails
+            ids = {c.replica_id for c in cands}
+            decision = Decision(decision.ranking + tuple(
+                c for c in everyone if c.replica_id not in ids), decision.policy,
+                decision.applied)
         route = RouteInfo(decision, len(tokens or ()),
                           {rid: n * block_size for rid, (n, _) in counts.items()},
                           {rid: h * block_size for rid, (_, h) in counts.items()})
         if adapter is not None:
             self._prefer_adapter(route, adapter)
+        if is_pd:
+            route.pd_plan = pd.plan(route.decision.chosen, everyone,
+                                    None if tokens is None else len(tokens), block_size,
+                                    self.cfg.pd, self.cfg.policy_cfg, len(hashes), self.counter)
         self.metrics.decision_seconds.observe(time.perf_counter() - start)
         return route
 

@@ -3,6 +3,7 @@ and the engine observer that feeds it after every step."""
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 from collections.abc import Callable, Iterable
@@ -43,10 +44,24 @@ async def stop_advertising(publisher: Any) -> None:
         logger.exception("prefix index: could not deregister this replica")
 
 
+def replica_role(kv_transfer_config: Any) -> str:
+    """The role a replica announces in its heartbeat (prefill, decode or both) from its
+    --kv-transfer-config: a JSON string, a dict or a config object with `kv_role`; None: both."""
+    from kvserve.service.prefix_index.replica_info import role_of_kv_role
+
+    cfg = kv_transfer_config
+    if isinstance(cfg, str):
+        cfg = json.loads(cfg) if cfg.strip() else None
+    kv_role = cfg.get("kv_role") if isinstance(cfg, dict) else getattr(cfg, "kv_role", None)
+    return role_of_kv_role(kv_role if isinstance(kv_role, str) else None)
+
+
 def make_publisher(config: ServerConfig, model: str, block_size: int,
-                   adapters: Callable[[], Iterable[str]] | None = None) -> Any:
+                   adapters: Callable[[], Iterable[str]] | None = None,
+                   role: str = "both") -> Any:
     """The Redis prefix-index publisher when --redis-url is set (None otherwise); `adapters`
-    names the LoRA adapters held now, read at each heartbeat."""
+    names the LoRA adapters held now, read at each heartbeat; `role` is the replica's part in
+    prefill/decode disaggregation (`replica_role`)."""
     if not config.redis_url:
         return None
     try:
@@ -62,5 +77,5 @@ def make_publisher(config: ServerConfig, model: str, block_size: int,
         redis_url=config.redis_url, service=config.service_name,
         replica_id=config.replica_id or f"{host}-{config.port}",
         url=config.advertise_url or f"http://{host}:{config.port}", model=model,
-        block_size=block_size, adapters=adapters)
+        block_size=block_size, adapters=adapters, role=role)
 
