@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 
 
 class _Node:
-    """One edge-compressed node; the tokens on its incoming edge are seqs[ref_seq][ref_idx:+length]."""
+    """One edge-compressed node; its incoming edge's tokens are seqs[ref_seq][ref_idx:+length]."""
 
-    __slots__ = ("children", "count", "endpoints", "length", "parent", "ref_idx", "ref_seq", "token")
+    __slots__ = ("children", "count", "endpoints", "length", "parent", "ref_idx", "ref_seq",
+                 "token")
 
     def __init__(self, token: int = -1, parent: _Node | None = None, count: int = 0,
                  length: int = 0, ref_seq: int = -1, ref_idx: int = -1) -> None:

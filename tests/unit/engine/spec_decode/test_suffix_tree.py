@@ -1,4 +1,5 @@
-"""The suffix tree against brute force: substring counts and greedy drafts, under appends and removals."""
+"""The suffix tree against brute force: substring counts and greedy drafts, under appends and
+removals."""
 
 from __future__ import annotations
 
