@@ -11,7 +11,7 @@ from typing import Any
 
 from kvserve.engine.sizing.memory import LayerGroup
 from kvserve.engine.sizing.model_shape import (
-    head_dim, kv_heads, layer_groups, moe_shape, parameter_count, text_config,
+    active_parameter_count, head_dim, kv_heads, layer_groups, moe_shape, parameter_count, text_config,
 )
 from kvserve.engine.sizing.weights_size import Checkpoint, CheckpointWeights
 
@@ -36,6 +36,11 @@ class ModelArch:
     layer_groups: tuple[LayerGroup, ...] = ()  # empty: every layer full attention
     weights: CheckpointWeights | None = None  # from the safetensors headers, when read
     origin: str = "catalog"  # where the figures come from, for status and `kvserve plan`
+    active_parameters: int = 0  # an MoE's parameters per token (top-k experts); 0: all
+
+    def active_share(self) -> float:
+        """The share of the weights one decoded token reads (1.0 for a dense model)."""
+        return self.active_parameters / self.parameters if self.active_parameters else 1.0
 
     def weight_bytes(self, compute_dtype_bytes: int) -> int:
         """Resident weight bytes: the headers' (quantised tensors at their stored bytes), or
@@ -62,7 +67,8 @@ def arch_from_config(config: dict[str, Any], source: str, parameters: int | None
         vocab=c["vocab_size"], parameters=parameters or count,
         dtype=dtype if dtype in ("float32", "float16", "bfloat16") else "bfloat16",
         max_model_len=int(c.get("max_position_embeddings") or 4096), source=source,
-        layer_groups=layer_groups(config), weights=weights, origin=origin)
+        layer_groups=layer_groups(config), weights=weights, origin=origin,
+        active_parameters=active_parameter_count(config) if moe else 0)
 
 
 def arch_from_checkpoint(checkpoint: Checkpoint, source: str) -> ModelArch:
@@ -105,6 +111,12 @@ MODELS: dict[str, ModelArch] = {
 #     hub they are sized at those bytes; this entry sizes the bf16 layout the engine loads.
 #   mixtral-8x7b: mistralai/Mixtral-8x7B-Instruct-v0.1's config.json (sliding_window null)
 #   phi-4: microsoft/phi-4's config.json (Phi3ForCausalLM, 40 KV-grouped heads, 16384 context)
+#   llama-3.1-405b: meta-llama/Llama-3.1-405B-Instruct's config.json (126 layers, 128 heads, 8 KV
+#     heads, hidden 16384, MLP 53248); the models that need more than one 8-GPU node at 16 bits
+#   qwen3-235b-a22b: Qwen/Qwen3-235B-A22B's config.json (94 layers, 64 heads, 4 KV heads x 128,
+#     128 experts x 1536, top 8)
+# DeepSeek-V3/R1 is not here: its attention (MLA) caches one 576-wide latent per token and layer,
+# which the per-head KV formula of engine/sizing/memory.py would overstate 70-fold.
 _LLAMA31 = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
             "vocab_size": 128256, "max_position_embeddings": 131072, "torch_dtype": "bfloat16"}
@@ -153,6 +165,16 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
         "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None,
         "vocab_size": 32000, "max_position_embeddings": 32768, "torch_dtype": "bfloat16"}),
+    "llama-3.1-405b": ("meta-llama/Llama-3.1-405B-Instruct", {
+        **_LLAMA31, "hidden_size": 16384, "intermediate_size": 53248, "num_hidden_layers": 126,
+        "num_attention_heads": 128}),
+    "qwen3-235b-a22b": ("Qwen/Qwen3-235B-A22B", {
+        "model_type": "qwen3_moe", "hidden_size": 4096, "intermediate_size": 12288,
+        "head_dim": 128, "num_hidden_layers": 94, "num_attention_heads": 64,
+        "num_key_value_heads": 4, "num_experts": 128, "num_experts_per_tok": 8,
+        "moe_intermediate_size": 1536, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "vocab_size": 151936, "max_position_embeddings": 40960, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16"}),
     "phi-4": ("microsoft/phi-4", {
         "model_type": "phi3", "hidden_size": 5120, "intermediate_size": 17920,
         "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 10,
@@ -181,6 +203,7 @@ ALIASES: dict[str, str] = {
     **{source.lower(): key for key, (source, _) in CONFIGS.items()},
     "meta-llama/llama-3.1-8b": "llama-3.1-8b",
     "meta-llama/llama-3.1-70b": "llama-3.1-70b",
+    "meta-llama/llama-3.1-405b": "llama-3.1-405b",
     "google/gemma-3-27b-pt": "gemma-3-27b",
     "mistralai/mixtral-8x7b-v0.1": "mixtral-8x7b",
 }
@@ -190,16 +213,19 @@ ALIASES: dict[str, str] = {
 class GPUType:
     memory_bytes: int  # total device memory as the driver reports it (nvidia-smi)
     product: str  # the `nvidia.com/gpu.product` label GPU feature discovery sets
+    memory_bandwidth: float = 0.0  # bytes/s of device memory (the datasheet's figure)
+    per_node: int = 8  # GPUs in the usual node of this type (8-GPU HGX boards, g5/g6.48xlarge)
 
 
+TB = 1e12
 GPUS: dict[str, GPUType] = {
-    "L4": GPUType(23034 * MiB, "NVIDIA-L4"),
-    "A10G": GPUType(23028 * MiB, "NVIDIA-A10G"),
-    "L40S": GPUType(46068 * MiB, "NVIDIA-L40S"),
-    "A100-40GB": GPUType(40960 * MiB, "NVIDIA-A100-SXM4-40GB"),
-    "A100-80GB": GPUType(81920 * MiB, "NVIDIA-A100-SXM4-80GB"),
-    "H100-80GB": GPUType(81559 * MiB, "NVIDIA-H100-80GB-HBM3"),
-    "H200-141GB": GPUType(143771 * MiB, "NVIDIA-H200"),
+    "L4": GPUType(23034 * MiB, "NVIDIA-L4", 0.3 * TB),
+    "A10G": GPUType(23028 * MiB, "NVIDIA-A10G", 0.6 * TB),
+    "L40S": GPUType(46068 * MiB, "NVIDIA-L40S", 0.864 * TB),
+    "A100-40GB": GPUType(40960 * MiB, "NVIDIA-A100-SXM4-40GB", 1.555 * TB),
+    "A100-80GB": GPUType(81920 * MiB, "NVIDIA-A100-SXM4-80GB", 2.039 * TB),
+    "H100-80GB": GPUType(81559 * MiB, "NVIDIA-H100-80GB-HBM3", 3.35 * TB),
+    "H200-141GB": GPUType(143771 * MiB, "NVIDIA-H200", 4.8 * TB),
 }
 
 

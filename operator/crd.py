@@ -10,6 +10,7 @@ from typing import Any
 
 from kvserve.engine.defaults import (BLOCK_SIZE, BLOCK_SIZES, GPU_MEMORY_UTILIZATION, GPUS_PER_NODE,
                                      MAX_LORA_RANK, MAX_NUM_SEQS, SWAP_SPACE_GIB)
+from kvserve.engine.sizing.parallel_layout import DEFAULT_TARGET_CONCURRENCY
 from kvserve.lora.config import MAX_LORA_RANKS
 from kvserve.operator.catalog import GPUS
 
@@ -21,6 +22,7 @@ SINGULAR = "kvinferenceservice"
 SHORT_NAMES = ["kvis"]
 API_VERSION = f"{GROUP}/{VERSION}"
 DEFAULT_IMAGE = "ghcr.io/kvserve/kvserve:0.1.0"
+MAX_GPUS_PER_REPLICA = 128  # 16 nodes of 8
 
 Schema = dict[str, Any]
 
@@ -169,9 +171,28 @@ def _gpu() -> Schema:
         "type": _typed("string", "GPU type from the catalog.", enum=sorted(GPUS)),
         "memoryGiB": _typed("number", "Memory per GPU in GiB, for a type outside the catalog "
                             "(overrides type's figure).", minimum=1, maximum=4096),
-        "maxPerReplica": _typed("integer", "Most GPUs one replica may use (tensor parallel).",
-                                minimum=1, maximum=16, default=GPUS_PER_NODE),
+        "maxPerReplica": _typed("integer", "Most GPUs one replica may use (tensor parallel x "
+                                "pipeline parallel); unset: as many as the sizing needs, up to "
+                                f"{MAX_GPUS_PER_REPLICA}.", minimum=1,
+                                maximum=MAX_GPUS_PER_REPLICA),
+        "perNode": _typed("integer", "GPUs per node (default: the GPU type's usual node, "
+                          f"{GPUS_PER_NODE}). Tensor parallel stays within a node; a replica "
+                          "needing more GPUs spans nodes with pipeline parallel, as a "
+                          "LeaderWorkerSet (leaderworkerset.x-k8s.io/v1).", minimum=1,
+                          maximum=64),
     }, default={})
+
+
+def _sizing() -> Schema:
+    return _obj("What the replicas are sized for.", {
+        "targetConcurrency": _typed(
+            "integer", "Concurrent requests of maxModelLen tokens the service must hold: the "
+            "operator picks tensor parallel, pipeline parallel and the replica count that hold "
+            "them at the fewest GPUs, and runs at least that many replicas (spec.replicas and "
+            "autoscaling.maxReplicas still bound it). Unset: the layout is planned for "
+            f"{DEFAULT_TARGET_CONCURRENCY} requests and spec.replicas replicas run.",
+            minimum=1, maximum=1000000),
+    })
 
 
 def _autoscaling() -> Schema:
@@ -345,6 +366,7 @@ def spec_schema() -> Schema:
                          "kind clusters (sized by resources.limits.memory).",
                          enum=["cuda", "cpu"], default="cuda"),
         "gpu": _gpu(),
+        "sizing": _sizing(),
         "adapters": _adapters(),
         "replicas": _typed("integer", "Engine replicas (the HPA's target when autoscaling).",
                            minimum=0, maximum=1000, default=1),
@@ -359,7 +381,20 @@ def spec_schema() -> Schema:
 
 def status_schema() -> Schema:
     sizing = _obj("What the memory budget chose (as `kvserve plan --output json`).", {
-        "gpusPerReplica": _typed("integer", "GPUs per replica."),
+        "gpusPerReplica": _typed("integer", "GPUs per replica (tensorParallelSize x "
+                                 "pipelineParallelSize)."),
+        "tensorParallelSize": _typed("integer", "Tensor-parallel ranks (within a node)."),
+        "pipelineParallelSize": _typed("integer", "Pipeline stages (across nodes)."),
+        "nodesPerReplica": _typed("integer", "Pods (nodes) per replica: above 1, a "
+                                  "LeaderWorkerSet group."),
+        "gpusPerNode": _typed("integer", "GPUs each pod of a replica uses."),
+        "targetConcurrency": _typed("integer", "The concurrency target it was sized for."),
+        "replicasForTarget": _typed("integer", "Replicas that hold the target."),
+        "alternatives": _typed("array", "Layouts not chosen, and why.",
+                               items={"type": "object",
+                                      "x-kubernetes-preserve-unknown-fields": True}),
+        "warnings": _typed("array", "Latency or bandwidth caveats of the chosen layout.",
+                           items={"type": "string"}),
         "weightBytes": _typed("integer", "Weight bytes per replica: from the checkpoint's "
                               "safetensors headers when the operator read them (quantised "
                               "tensors at their stored bytes), else parameters x dtype bytes.",

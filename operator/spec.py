@@ -7,8 +7,9 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvserve.engine.defaults import GPUS_PER_NODE
 from kvserve.operator.catalog import GPUS, MODELS, ModelArch, lookup_model
-from kvserve.operator.crd import DEFAULT_IMAGE, spec_schema
+from kvserve.operator.crd import DEFAULT_IMAGE, MAX_GPUS_PER_REPLICA, spec_schema
 from kvserve.operator.errors import InvalidSpecError
 from kvserve.operator.model_uri import ModelURI, parse_model_uri
 from kvserve.operator.offload import KVOffloading
@@ -267,6 +268,9 @@ class ServiceSpec:
     adapters: tuple[AdapterSpec, ...] = ()  # spec.adapters (operator/adapters.py)
     lora: LoraSpec = LoraSpec()  # spec.engine.lora
     routing: RoutingSpec = RoutingSpec()  # spec.routing
+    gpus_per_node: int = GPUS_PER_NODE  # spec.gpu.perNode, else the GPU type's node
+    target_concurrency: int | None = None  # spec.sizing.targetConcurrency
+    memory_bandwidth: float = 0.0  # bytes/s per GPU (catalog), for the latency estimate
 
 
 def _arch_from_spec(a: dict, source: str) -> ModelArch:
@@ -383,6 +387,13 @@ def device_memory(spec: dict) -> tuple[str | None, int]:
         f"set spec.gpu.type (one of {', '.join(GPUS)}) or spec.gpu.memoryGiB")
 
 
+def node_shape(spec: dict, gpu_type: str | None) -> tuple[int, float]:
+    """(GPUs per node, memory bandwidth per GPU) from spec.gpu.perNode and the catalog."""
+    known = GPUS.get(gpu_type or "")
+    per_node = spec["gpu"].get("perNode") or (known.per_node if known else GPUS_PER_NODE)
+    return int(per_node), known.memory_bandwidth if known else 0.0
+
+
 def _autoscaling(spec: dict) -> Autoscaling | None:
     a = spec.get("autoscaling")
     if a is None:
@@ -450,12 +461,15 @@ def parse_spec(body: dict, reader: ModelReader | None = None) -> ServiceSpec:
     adapters = parse_adapters(spec.get("adapters", []), model, WEIGHTS_DIR)
     lora = spec["engine"]["lora"]
     max_replicas = spec["replicas"] if autoscaling is None else autoscaling.max_replicas
+    per_node, bandwidth = node_shape(spec, gpu_type)
     return ServiceSpec(
         name=meta.get("name", ""), namespace=meta.get("namespace", "default"),
         uid=meta.get("uid", ""), model=model,
         engine=engine_spec(spec["engine"], model.arch, max_replicas),
         device=spec["device"], gpu_type=gpu_type, gpu_memory_bytes=memory,
-        max_gpus_per_replica=spec["gpu"]["maxPerReplica"], replicas=spec["replicas"],
+        max_gpus_per_replica=spec["gpu"].get("maxPerReplica", MAX_GPUS_PER_REPLICA),
+        replicas=spec["replicas"], gpus_per_node=per_node, memory_bandwidth=bandwidth,
+        target_concurrency=spec.get("sizing", {}).get("targetConcurrency"),
         # inferencePool mode: the gateway and the endpoint picker route; no router Deployment.
         autoscaling=autoscaling, router_enabled=router["enabled"] and not routing.inference_pool,
         router_policy=router["policy"], router_replicas=router["replicas"],

@@ -115,3 +115,15 @@ def parameter_count(config: Config) -> int:
     per_layer = sum(_attention_params(c) + _mlp_params(c, i) + norms for i in range(n))
     embeddings = vocab * hidden * (1 if c.get("tie_word_embeddings") else 2)
     return embeddings + per_layer + hidden  # + the final norm
+
+
+def active_parameter_count(config: Config) -> int:
+    """Parameters one token reads: an MoE layer's top-k experts instead of all of them (the
+    decode-latency bound reads these from memory); the dense count for a dense model."""
+    c = text_config(config)
+    moe = moe_shape(c)
+    if moe is None:
+        return parameter_count(config)
+    top = moe.experts_per_token
+    return parameter_count({**c, "text_config": None, "num_local_experts": top,
+                            "num_experts": top})

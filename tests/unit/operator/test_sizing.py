@@ -36,9 +36,14 @@ def test_llama2_7b_fp16_on_a100_80gb_by_hand() -> None:
 
 
 def test_llama3_70b_needs_more_than_one_gpu() -> None:
-    s = sized(model={"name": "llama-3-70b"}, gpu={"type": "H100-80GB"})
+    s = sized(model={"name": "llama-3-70b"}, gpu={"type": "H100-80GB"},
+              sizing={"targetConcurrency": 1})
     # 141 GB of bf16 weights cannot fit one 80 GB GPU; two hold them plus one 8192-token request.
     assert s.gpus_per_replica == 2
+    # The default target (32 requests) needs TP 4: TP 2 holds 3, so 11 replicas, 22 GPUs.
+    default = sized(model={"name": "llama-3-70b"}, gpu={"type": "H100-80GB"})
+    assert (default.tensor_parallel_size, default.replicas_for_target) == (4, 1)
+    assert default.target_concurrency == 32 and default.max_concurrency >= 32
     assert s.weight_bytes == 70_553_706_496 * 2
     per_gpu_block = 2 * 80 * (8 // 2) * 128 * 2 * 16      # KV heads split across the 2 GPUs
     assert s.bytes_per_block == 2 * per_gpu_block
@@ -75,16 +80,17 @@ def test_impossible_spec_is_refused_with_the_numbers() -> None:
 
 
 def test_gpu_counts_divide_the_heads() -> None:
-    # qwen2.5-7b has 28 attention heads: 8 GPUs cannot split them, so 4 is the most tried.
+    # qwen2.5-7b has 28 attention heads: 8 GPUs cannot split them, so TP 4 is the most tried
+    # (then two pipeline stages of 4 within maxPerReplica 8).
     with pytest.raises(InsufficientGPUMemoryError) as err:
-        sized(model={"name": "qwen2.5-7b"}, gpu={"type": "L4"},
+        sized(model={"name": "qwen2.5-7b"}, gpu={"type": "L4", "maxPerReplica": 8},
               engine={"maxModelLen": 32768, "maxNumSeqs": 256})
-    assert "4 x L4" in str(err.value)
+    assert "8 x L4" in str(err.value) and "(2 pipeline stages of 4)" in str(err.value)
 
 
 def test_memory_gib_overrides_the_catalog_and_cpu_uses_the_pod_limit() -> None:
     custom = sized(model={"name": "llama-2-7b"}, gpu={"memoryGiB": 48},
-                   engine={"maxModelLen": 4096})
+                   engine={"maxModelLen": 4096}, sizing={"targetConcurrency": 8})
     assert custom.device_memory_bytes == 48 * GiB and custom.gpus_per_replica == 1
     cpu = sized(model={"name": "smollm2-135m"}, device="cpu",
                 resources={"limits": {"memory": "4Gi"}}, engine={"maxModelLen": 2048})

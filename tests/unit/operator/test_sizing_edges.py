@@ -33,7 +33,7 @@ def test_more_gpus_than_kv_heads_are_allowed_when_they_divide_evenly() -> None:
 
 def test_a_tensor_parallel_replica_totals_its_gpus_shares() -> None:
     spec = spec_of(model={"name": "llama-3-70b"}, gpu={"type": "H100-80GB"},
-                   engine={"kvOffloading": {"hostGiB": 4}})
+                   engine={"kvOffloading": {"hostGiB": 4}}, sizing={"targetConcurrency": 1})
     s, rank = plan(spec), budget_per_gpu(spec, 2)
     assert s.gpus_per_replica == 2
     assert (s.kv_bytes, s.bytes_per_block) == (2 * rank.kv_bytes, 2 * rank.bytes_per_block)
@@ -108,24 +108,21 @@ def test_the_refusal_counts_one_request_when_max_num_seqs_is_unset() -> None:
         plan(spec_of(model={"name": "llama-3-70b"}, gpu={"type": "L4", "maxPerReplica": 2}))
 
 
-def test_more_gpus_than_one_node_holds_are_refused_as_multi_node() -> None:
+def test_more_gpus_than_one_node_hold_become_pipeline_stages_across_nodes() -> None:
     """Llama 3 70B on L4s (maxPerReplica 16): 8 sequences of 8192 tokens fit on 8 GPUs, one
-    node; 16 sequences need 16, two nodes' worth, which one pod cannot span: refused by name,
-    with the ways out, rather than rendered as a pod no node can schedule."""
-    def sized(seqs: int):
-        return plan(spec_of(model={"name": "llama-3-70b"}, gpu={"type": "L4", "maxPerReplica": 16},
+    node; 16 sequences need 16, two nodes' worth: TP 8 within each node, two pipeline stages
+    across them (a LeaderWorkerSet of 2 pods), never TP 16 over the node link."""
+    def sized(seqs: int, most: int = 16):
+        return plan(spec_of(model={"name": "llama-3-70b"},
+                            gpu={"type": "L4", "maxPerReplica": most},
                             engine={"maxNumSeqs": seqs}))
 
-    assert sized(8).gpus_per_replica == 8  # exactly one node: allowed
-    with pytest.raises(InvalidSpecError) as refused:
-        sized(16)
-    assert refused.value.reason == "MultiNodeUnsupported"
-    assert str(refused.value) == (
-        "llama-3-70b needs 16 GPUs per replica, more than one node's 8: multi-node tensor "
-        "parallelism (one replica over several machines) is not supported. Lower "
-        "maxModelLen/maxNumSeqs, use kvCacheDtype fp8 or a bigger GPU type, or set "
-        "spec.gpu.maxPerReplica <= 8 (docs/guides/deploying.md: how it would map onto a "
-        "LeaderWorkerSet)")
+    one = sized(8)
+    assert (one.gpus_per_replica, one.nodes_per_replica, one.pipeline_parallel_size) == (8, 1, 1)
+    two = sized(16)
+    assert (two.tensor_parallel_size, two.pipeline_parallel_size) == (8, 2)
+    assert (two.gpus_per_replica, two.nodes_per_replica, two.gpus_per_pod) == (16, 2, 8)
+    assert {"verdict": "cross-node TP"}.items() <= two.alternatives[-1].items()
+    assert two.warnings and "pipeline across 2 nodes" in two.warnings[0]
     with pytest.raises(InsufficientGPUMemoryError):  # capped at one node: simply too small
-        plan(spec_of(model={"name": "llama-3-70b"}, gpu={"type": "L4", "maxPerReplica": 8},
-                     engine={"maxNumSeqs": 16}))
+        sized(16, most=8)
