@@ -27,6 +27,9 @@ class EngineConfig:
     dtype: str = "auto"  # "auto" = float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     tensor_parallel_size: int = 1
+    # Pipeline stages (engine/worker/pipeline.py): the layers split over P stages of N ranks
+    # each, P x N ranks in all; VLLM_PP_LAYER_PARTITION (a comma list) overrides the split.
+    pipeline_parallel_size: int = 1
     max_model_len: int | None = None  # None = the model's own context length
     max_num_seqs: int = MAX_NUM_SEQS
     max_num_batched_tokens: int | None = None  # None = max(2048, max_model_len) capped by it
@@ -82,6 +85,12 @@ class EngineConfig:
     # vLLM's kv_events_config (JSON text, a dict or a KVEventsConfig): publish prefix-cache
     # changes in vLLM's wire format over ZMQ for external schedulers (engine/kv_events_zmq.py).
     kv_events_config: Any = None
+    # vLLM's kv_transfer_config (JSON text, a dict or a KVTransferConfig): a KV connector moving
+    # blocks between replicas, e.g. prefill -> decode (engine/kv_transfer/).
+    kv_transfer_config: Any = None
+    # vLLM's speculative_config (a dict, JSON text or a SpeculativeConfig): draft tokens with
+    # ngram / suffix / draft_model / eagle / eagle3 and verify them exactly (engine/spec_decode/).
+    speculative_config: Any = None
     # vLLM's enable_prompt_embeds: prompts may be [seq_len, hidden] embeddings in place of token
     # ids (engine/prompt_embeds.py); such prompts skip the prefix cache.
     enable_prompt_embeds: bool = False
@@ -104,6 +113,12 @@ class EngineConfig:
 
             object.__setattr__(self, "kv_events_config",
                                parse_kv_events_config(self.kv_events_config))
+        if self.kv_transfer_config is not None:
+            from kvserve.engine.kv_transfer.config import parse_kv_transfer_config
+
+            object.__setattr__(self, "kv_transfer_config",
+                               parse_kv_transfer_config(self.kv_transfer_config))
+        self._check_speculative()
         if isinstance(self.hf_overrides, str):
             object.__setattr__(self, "hf_overrides", parse_hf_overrides(self.hf_overrides))
         if self.hf_overrides is not None and not (isinstance(self.hf_overrides, dict)
@@ -116,9 +131,10 @@ class EngineConfig:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ConfigError(
                 f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        self._check_pipeline()
         if self.block_size not in BLOCK_SIZES:
             raise ConfigError(f"block_size must be 8, 16 or 32, got {self.block_size}")
-        if self.async_scheduling and self.tensor_parallel_size > 1:
+        if self.async_scheduling and self.world_size > 1:
             raise ConfigError("async scheduling runs on one rank: every tensor-parallel rank "
                               "would need the sampled ids it reads on the device; drop "
                               "--async-scheduling or use tensor_parallel_size=1")
@@ -186,9 +202,49 @@ class EngineConfig:
         if not self.kv_offloading_size:
             raise ConfigError("kv_offloading_disk_path keeps blocks the host tier evicts, so it "
                               "needs kv_offloading_size > 0 (GiB of host memory) too")
-        if self.tensor_parallel_size > 1:
-            raise ConfigError("the KV disk tier supports tensor_parallel_size=1 only; drop "
-                              "kv_offloading_disk_path or use one rank")
+        if self.world_size > 1:
+            raise ConfigError("the KV disk tier supports one rank only (tensor_parallel_size="
+                              "pipeline_parallel_size=1); drop kv_offloading_disk_path or use "
+                              "one rank")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one replica: pipeline stages x tensor-parallel ranks."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def _check_pipeline(self) -> None:
+        """pipeline_parallel_size: an integer >= 1, and what pipeline stages cannot do yet
+        refused by name (whether the layers split is checked with the model's config)."""
+        pp = self.pipeline_parallel_size
+        if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
+            raise ConfigError(f"pipeline_parallel_size must be an integer >= 1, got {pp!r}")
+        if pp == 1:
+            return
+        if self.calculate_kv_scales:
+            raise ConfigError("calculate_kv_scales runs one calibration batch through the whole "
+                              "model in one rank; with pipeline_parallel_size > 1 give the fp8 "
+                              "scales in the checkpoint or use kv_cache_dtype='auto'")
+        if self.load_format == "sharded_state":
+            raise ConfigError("load_format='sharded_state' holds one shard per tensor-parallel "
+                              "rank of a single stage; load the checkpoint itself with "
+                              "pipeline_parallel_size > 1")
+
+    def _check_speculative(self) -> None:
+        """speculative_config parsed (SpeculativeConfig), and what it cannot run with refused."""
+        from kvserve.engine.spec_decode.config import parse_speculative_config
+
+        spec = parse_speculative_config(self.speculative_config)
+        object.__setattr__(self, "speculative_config", spec)
+        if spec is None:
+            return
+        if self.async_scheduling:
+            raise ConfigError("speculative decoding runs its steps in turn (the next drafts "
+                              "need this step's tokens); drop --async-scheduling or "
+                              "speculative_config")
+        tp = spec.draft_tensor_parallel_size
+        if tp is not None and tp not in (1, self.tensor_parallel_size):
+            raise ConfigError(f"draft_tensor_parallel_size must be 1 or the target's "
+                              f"tensor_parallel_size ({self.tensor_parallel_size}), got {tp}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> "EngineConfig":

@@ -77,21 +77,24 @@ class TPShape:
 
 
 class TPGroup:
-    """This process's rank in the default torch.distributed group, and the model's collectives."""
+    """This process's rank in its tensor-parallel group, and the model's collectives. `group`:
+    the torch.distributed subgroup of one pipeline stage's ranks (None: the default group, the
+    whole world); `first`: the global rank of the group's rank 0 (where logits gather)."""
 
-    def __init__(self, rank: int, size: int) -> None:
-        self.rank, self.size = rank, size
+    def __init__(self, rank: int, size: int, group: object | None = None,
+                 first: int = 0) -> None:
+        self.rank, self.size, self.group, self.first = rank, size, group, first
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum the ranks' partial results in place (after o_proj, down_proj, the embedding)."""
-        torch.distributed.all_reduce(x)
+        torch.distributed.all_reduce(x, group=self.group)
         return x
 
     def gather_logits(self, local: torch.Tensor, vocab: int) -> torch.Tensor | None:
         """[S, vocab_per_rank] on every rank -> [S, vocab] on rank 0 (None elsewhere)."""
         local = local.contiguous()
         parts = [torch.empty_like(local) for _ in range(self.size)] if self.rank == 0 else None
-        torch.distributed.gather(local, parts, dst=0)
+        torch.distributed.gather(local, parts, dst=self.first, group=self.group)
         if parts is None:
             return None
         return torch.cat(parts, dim=-1)[:, :vocab]
@@ -101,7 +104,7 @@ class TPGroup:
         t = torch.tensor(values, dtype=torch.float64)
         if torch.distributed.get_backend() == "nccl":
             t = t.cuda()
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.group)
         return t.tolist()
 
 

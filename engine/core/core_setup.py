@@ -4,6 +4,7 @@ cached blocks on the disk tier at shutdown. `core` is the `EngineCore`."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 from typing import Any
@@ -20,6 +21,7 @@ from kvserve.engine.sample.tokenizer import chat_token_ids, prompt_token_ids
 from kvserve.engine.sizing.weights_size import weights_log_line
 from kvserve.engine.worker.cuda_graph import eager_reason, graphs_log_line
 from kvserve.engine.worker.model_runner import ModelRunner
+from kvserve.kernels.backend import resolve_backend
 from kvserve.engine.worker.startup import EngineSetup
 
 logger = logging.getLogger("kvserve.engine")
@@ -34,14 +36,44 @@ def make_scheduler(config: EngineConfig, setup: EngineSetup, kv: KVCacheManager,
         max_loras=config.max_loras if config.enable_lora else 0), kv, swap_cost)
 
 
-def make_runner(config: EngineConfig, setup: EngineSetup, disk: DiskTier | None) -> ModelRunner:
+def make_runner(config: EngineConfig, setup: EngineSetup, disk: DiskTier | None,
+                kv_view: Any = None) -> ModelRunner:
+    backend = config.attention_backend
+    if kv_view is not None and resolve_backend(backend, setup.device) == "cpu":
+        backend = "torch"  # the C++ CPU kernels take contiguous caches; a shared view is strided
     return ModelRunner(
         setup.model, num_layers=setup.num_layers, num_kv_heads=setup.num_kv_heads,
         head_dim=setup.head_dim, num_blocks=setup.budget.num_blocks,
         block_size=config.block_size, kv_dtype=setup.kv_dtype, device=setup.device,
-        num_cpu_blocks=setup.num_cpu_blocks, attention_backend=config.attention_backend,
+        num_cpu_blocks=setup.num_cpu_blocks, attention_backend=backend,
         workers=setup.workers, num_host_blocks=setup.num_host_blocks, disk=disk,
-        kv_groups=setup.kv_groups)
+        kv_groups=setup.kv_groups, kv_view=kv_view, link=setup.link)
+
+
+def seat_setup(config: EngineConfig, setup: EngineSetup, seat: Any) -> EngineSetup:
+    """The setup of a model on a shared KV pool (worker/kv_region.PoolSeat): its blocks are the
+    pool's pages; the tiers and ranks that assume a pool of one's own are refused by name."""
+    for flag, on in (("tensor_parallel_size > 1", config.tensor_parallel_size > 1),
+                     ("swap_space", setup.num_cpu_blocks > 0),
+                     ("kv_offloading_size", setup.num_host_blocks > 0),
+                     ("enable_lora", config.enable_lora)):
+        if on:
+            raise ConfigError(f"{flag} is not supported for a model on a shared KV pool "
+                              "(several models in one server); drop it")
+    seat.shared.open(setup.budget, setup.device, config.enable_prefix_caching)
+    seat.shared.pool.join(seat.member, setup.budget.bytes_per_block)
+    pages = seat.shared.pool.num_pages
+    budget = dataclasses.replace(setup.budget, num_blocks=pages,
+                                 kv_bytes=pages * seat.shared.pool.page_bytes)
+    return dataclasses.replace(setup, budget=budget)
+
+
+def seat_view(setup: EngineSetup, seat: Any) -> Any:
+    """The model's KV tensor over the shared region (None without a seat)."""
+    if seat is None:
+        return None
+    return seat.shared.region.view(setup.kv_groups.page_layers, setup.budget.block_size,
+                                   setup.num_kv_heads, setup.head_dim, setup.kv_dtype)
 
 
 def disk_tier(config: EngineConfig, setup: EngineSetup, model_path: str) -> DiskTier | None:

@@ -8,6 +8,7 @@ a KV connector around `schedule` and `execute_model`, a pipeline stage inside th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Iterable
@@ -20,6 +21,8 @@ from kvserve.engine.core.beam_group import BeamGroup, beam_eos
 from kvserve.engine.core.core_figures import cached_block_hashes, engine_stats, plain_events
 from kvserve.engine.core.core_setup import (
     calibrate_kv_scales,
+    seat_setup,
+    seat_view,
     capture_decode_graphs,
     disk_tier,
     log_start,
@@ -36,6 +39,7 @@ from kvserve.engine.core.scheduler import SchedulerOutput
 from kvserve.engine.core.sequence import Sequence, SequenceStatus
 from kvserve.engine.core.step_update import apply_samples
 from kvserve.engine.kv_offload.swap_cost import SwapCostModel
+from kvserve.engine.kv_transfer.factory import engine_connectors
 from kvserve.engine.outputs import RequestMetrics
 from kvserve.engine.profiler import TorchProfiler
 from kvserve.engine.sample.beam_search import is_beam
@@ -44,6 +48,7 @@ from kvserve.engine.sample.prompt_logprobs import append_entries
 from kvserve.engine.sample.prompt_logprobs import plan as plan_prompt_logprobs
 from kvserve.engine.sample.sampler import SamplerOutput
 from kvserve.engine.sample.tokenizer import load_tokenizer
+from kvserve.engine.spec_decode.speculator import Speculator, make_speculator
 from kvserve.engine.stats import EngineStats, TierFigures
 from kvserve.engine.structured_output.grammar import GrammarCompiler
 from kvserve.engine.worker.model_loader import load_model, resolve_model
@@ -61,13 +66,20 @@ class ModelStep:
                  prompt_result: Any) -> None:
         self.rows, self.result = rows, result
         self.prompt_plan, self.prompt_result = prompt_plan, prompt_result
+        self.spec: Any = None  # speculative decoding's SpecPlan (engine/spec_decode/)
+        self.starts: list[int] = []  # each seq's computed count before the step
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, seat: Any = None) -> None:
         self.config = config
+        # `seat` (worker/kv_region.PoolSeat): this model's place on a KV pool shared with other
+        # models of this process; None: a pool of its own.
+        self.seat = seat
         self.model_path = resolve_model(config.model, config.revision)
         setup: EngineSetup = set_up(config, self.model_path, load_model)
+        if seat is not None:
+            setup = seat_setup(config, setup, seat)
         self.device, self.dtype, self.hf_config = setup.device, setup.dtype, setup.hf_config
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_path,
                                         config.trust_remote_code)
@@ -79,11 +91,13 @@ class EngineCore:
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                         backend=config.structured_outputs_backend)
         self.logits_processors = logits_processors(config, self.device)
+        self.spec = make_speculator(self)  # speculative decoding (None: off)
         self.requests: dict[str, RequestState] = {}
         self.pending: list[RequestState] = []  # aborted or drained: the next step returns them
         self.errors: dict[str, BaseException] = {}  # requests that failed alone, not yet taken
         self.failed_now: set[str] = set()  # ... of them, those that failed in this step
         self.prompt_tokens = self.generation_tokens = 0
+        self.prompt_tokens_computed = 0  # prompt positions run through the model (not cached)
         self._next_seq_id = 0
         self.profiler = TorchProfiler(config.profiler_config)
         self.async_scheduling = async_scheduling_enabled(config.async_scheduling, self)
@@ -94,20 +108,28 @@ class EngineCore:
     def _build_parts(self, config: EngineConfig, setup: EngineSetup) -> None:
         """The KV cache (and its tiers), the scheduler, the model runner and the adapters."""
         self.disk = disk_tier(config, setup, str(self.model_path))
+        seat = self.seat
         self.kv = KVCacheManager(setup.budget.num_blocks, config.block_size,
                                  config.enable_prefix_caching, setup.num_cpu_blocks,
-                                 setup.num_host_blocks, self.disk, setup.kv_groups)
+                                 setup.num_host_blocks, self.disk, setup.kv_groups,
+                                 **({} if seat is None else {
+                                     "shared": seat.shared.pool, "member": seat.member,
+                                     "model_key": seat.model_key}))
         self.swap_cost = SwapCostModel(setup.budget.bytes_per_block)
         self.scheduler = make_scheduler(config, setup, self.kv, self.swap_cost)
-        self.runner = make_runner(config, setup, self.disk)
+        self.runner = make_runner(config, setup, self.disk, seat_view(setup, seat))
         self.tiers = TierFigures()
+        self.kv_connector = engine_connectors(config, self.runner, setup.kv_groups,
+                                              setup.hf_config)
+        if self.kv_connector is not None:  # (scheduler side, worker side)
+            self.scheduler.connector, self.runner.kv_connector = self.kv_connector
         self.loras = EngineLoRAs.create(config, self.runner)
         if config.calculate_kv_scales and setup.kv_dtype == FP8_DTYPE:
             calibrate_kv_scales(self)
         # Captured batches are planned once, with no host look at their lengths: Triton only.
         # Tensor-parallel engines capture on every rank; LoRA slots are step inputs like the rest.
         if self.device.type == "cuda" and not config.enforce_eager \
-                and self.runner.backend == "triton":
+                and self.runner.backend == "triton" and config.pipeline_parallel_size == 1:
             capture_decode_graphs(self)
 
     # ---- requests -----------------------------------------------------------------------------
@@ -155,9 +177,17 @@ class EngineCore:
         return Sequence(self._next_seq_id, request_id, index, ids, params, arrival_time=arrival,
                         priority=priority, cache_salt=cache_salt, lora_name=lora_name)
 
+    def turn(self) -> Any:
+        """The shared pool's turn (engines of one process step one at a time); else nothing."""
+        return self.seat.shared.pool.lock if self.seat is not None else contextlib.nullcontext()
+
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Stop requests now; their blocks go back to the pool before this call returns, and
         the next step returns them finished with reason "abort"."""
+        with self.turn():
+            self._abort(request_ids)
+
+    def _abort(self, request_ids: Iterable[str]) -> None:
         for rid in list(request_ids):
             state = self.requests.pop(rid, None)
             if state is None:
@@ -183,19 +213,28 @@ class EngineCore:
         stepper (engine/async_scheduling.py) runs `schedule`, `execute_model` and
         `update_from_output`; with async scheduling the next step's schedule and execute come
         before this step's update."""
-        moved, self.pending = self.pending, []
-        for state in moved:  # a continuation that ended as it was added
-            if state.finished and self.requests.get(state.request_id) is state:
-                del self.requests[state.request_id]
-        self.failed_now = set()
-        moved += self.stepper.step()
-        self.abort_requests(self.failed_now)  # returned by the next step
+        with self.turn():
+            moved, self.pending = self.pending, []
+            for state in moved:  # a continuation that ended as it was added
+                if state.finished and self.requests.get(state.request_id) is state:
+                    del self.requests[state.request_id]
+            self.failed_now = set()
+            moved += self.stepper.step()
+            self.abort_requests(self.failed_now)  # returned by the next step
         return list({id(s): s for s in moved}.values())
 
     def schedule(self, skip: set[int] | None = None) -> SchedulerOutput | None:
         """The scheduler's next batch (`skip`: seqs the step in flight surely finishes); None
         when nothing runs (a swap-in may still precede the seq's next forward)."""
+        if self.kv_connector is not None:  # free the blocks the decode side has pulled
+            sending, recving = self.runner.kv_connector.get_finished()
+            self.scheduler.connector.update_connector_output(sending, recving)
+            self.scheduler.free_sent(sending)
+        if self.spec is not None and skip is None:
+            self.spec.propose(self)  # drafts on the decoding seqs, for the scheduler to fit
         sched = self.scheduler.schedule(lookahead_skip=skip)
+        if self.spec is not None:
+            Speculator.take_drafts(sched)
         if sched.is_empty:
             self.runner.move_blocks(sched)
             self.observe_copies()
@@ -206,20 +245,31 @@ class EngineCore:
         """Launch the forward and the sampler for `sched` without reading the tokens back
         (`fill`: inputs the device supplies, engine/async_scheduling.py's StepFill); each
         scheduled seq's computed count moves on."""
-        rows, sampling = sampling_rows(self, sched)
+        spec = None
+        if sched.spec_token_ids:  # speculative decoding: every drafted position is sampled
+            rows, _ = sampling_rows(self, sched, with_metadata=False)
+            rows, sampling, spec = Speculator.expand_rows(self, sched, rows)
+        else:
+            rows, sampling = sampling_rows(self, sched)
         if self.logits_processors is not None:
             self.runner.logits_hook = logits_hook(self.logits_processors, sched, rows)
         prompt_plan = plan_prompt_logprobs(sched.seqs, sched.num_tokens)
         lora_slots = self.loras.slots([s.lora_name for s in sched.seqs],
                                       self.scheduler.running_loras())
-        result, prompt_result = self.runner.execute(sched, self.kv, rows, sampling, prompt_plan,
-                                                    lora_slots, fill=fill)
+        result, prompt_result = self.runner.execute(
+            sched, self.kv, rows, sampling, prompt_plan, lora_slots, fill=fill,
+            sample_offsets=spec.offsets if spec is not None else None)
+        starts = [seq.num_computed_tokens for seq in sched.seqs]
         if prompt_result is not None:  # before the seqs move on: the plan read their progress
             append_entries(prompt_plan, prompt_result, self.tokenizer)  # type: ignore[arg-type]
         for seq, n in zip(sched.seqs, sched.num_tokens):
+            self.prompt_tokens_computed += max(0, min(n, seq.num_prompt_tokens
+                                                      - seq.num_computed_tokens))
             seq.num_computed_tokens += n
-        return ModelStep(rows, result, prompt_plan if prompt_result is not None else None,
+        step = ModelStep(rows, result, prompt_plan if prompt_result is not None else None,
                          prompt_result)
+        step.spec, step.starts = spec, starts
+        return step
 
     def update_from_output(self, sched: SchedulerOutput, step: ModelStep, tokens: list[int],
                            after: list[list[int] | None], seconds: float | None
@@ -228,9 +278,16 @@ class EngineCore:
         requests that moved, finished ones forgotten. `seconds`: the step's time for the swap
         cost model (None: not a step's time)."""
         touched: list[RequestState] = []
-        if step.result is not None:
+        generated = self.generation_tokens
+        if step.result is not None and step.spec is not None:  # a verification step
+            touched = self.spec.apply(self, sched, step, tokens, time.monotonic())
+        elif step.result is not None:
             touched = apply_samples(self, sched, step.rows, step.result, time.monotonic(),
                                     tokens, after)
+        if self.spec is not None:
+            self.spec.hidden_states(self, sched, step)
+            if seconds is not None:
+                self.spec.observe_step(sched, self.generation_tokens - generated, seconds)
         if seconds is not None:
             self.observe_step(sched, seconds)
         touched = [s for s in touched if s.request_id not in self.failed_now]
@@ -307,6 +364,9 @@ class EngineCore:
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers and keep the cached blocks on the disk tier."""
         self.stepper.drain()  # a step in flight writes the KV the disk tier keeps
+        if self.kv_connector is not None:
+            for side in self.kv_connector:
+                side.shutdown()
         if self.runner.workers is not None:
             self.runner.workers.close()
         if self.disk is not None and self.disk.is_open:

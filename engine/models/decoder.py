@@ -8,10 +8,15 @@ padding); each layer writes its new K/V through the slot mapping and attends thr
 tables with `kvserve.kernels`. With a TPGroup (tensor parallelism) each rank holds its heads, its
 slice of the MLP and of the vocabulary (engine/distributed.py), and all-reduces after o_proj,
 down_proj and the embedding; without one the model is the plain unsharded one, with no
-collective."""
+collective. With a PPStage (pipeline parallelism, engine/worker/pipeline.py) it holds only its
+stage's layers (the others are PPMissingLayer placeholders, as vLLM's), the embedding on the
+first stage, the final norm and lm_head on the last; a stage after the first starts from the
+previous stage's (hidden states, residual), and a stage before the last returns them."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +31,11 @@ from kvserve.engine.layers.moe import FusedMoE, MoESpec
 from kvserve.engine.layers.rotary import RotaryEmbedding
 from kvserve.engine.layers.vocab_embedding import VocabParallelEmbedding
 from kvserve.engine.models.weight_loader import FusedWeightLoader
+from kvserve.engine.worker.pipeline import PPStage
 from kvserve.kernels.metadata import AttentionMetadata
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -166,12 +175,22 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+class PPMissingLayer(nn.Module):
+    """A part another pipeline stage holds (a layer, the embedding, the final norm)."""
+
+    def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003 - never called
+        raise RuntimeError("this pipeline stage does not hold that part of the model")
+
+
 class DecoderModel(nn.Module):
     def __init__(self, config, spec: DecoderSpec, s: TPShape, tp: TPGroup | None, dtype,
-                 device=None) -> None:
+                 device=None, pp: PPStage | None = None) -> None:
         super().__init__()
         d = spec.dims
-        if tp is None:
+        self.pp = pp = pp or PPStage(0, 1, 0, d.num_layers)
+        if not pp.is_first:
+            self.embed_tokens = PPMissingLayer()
+        elif tp is None:
             self.embed_tokens = torch.nn.utils.skip_init(
                 nn.Embedding, d.vocab, d.hidden, dtype=dtype, device=device)
         else:
@@ -183,30 +202,46 @@ class DecoderModel(nn.Module):
         self.rotary = nn.ModuleDict({k or "all": RotaryEmbedding(
             config, d.head_dim, dtype, device, layer_type=k or None,
             max_model_len=spec.max_model_len) for k in kinds})
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, s, tp, dtype, device)
-                                    for i in range(d.num_layers))
-        self.norm = spec.norm(d.hidden, dtype, device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, i, s, tp, dtype, device) if pp.holds(i) else PPMissingLayer()
+            for i in range(d.num_layers))
+        self.norm = spec.norm(d.hidden, dtype, device) if pp.is_last else PPMissingLayer()
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
                 attn: AttentionMetadata, attn_ops: AttentionOps,
-                embeds: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                embeds: tuple[Tensor, Tensor] | None = None,
+                intermediate: tuple[Tensor, Tensor] | None = None
+                ) -> Tensor | tuple[Tensor, Tensor]:
+        """Hidden states after the final norm (the last stage), else this stage's (hidden
+        states, residual) for the next; `intermediate`: the previous stage's (stages > 0).
+        `kv_caches[j]` is this stage's j-th layer's."""
         if kv_caches:
             attn = attn_ops.prepare(attn, kv_caches[0][0].shape[1])
+        residual = None
+        if intermediate is not None:
+            x, residual = intermediate
+        else:
+            x = self._embed(input_ids, embeds)
+        ropes = {k: rot(positions) for k, rot in self.rotary.items()}  # once per step
+        layers = self.layers[self.pp.start:self.pp.end]
+        for j, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
+            kind = layer.self_attn.rope_type or "all"
+            x, residual = layer(x, residual, self.rotary[kind], ropes[kind], kv_cache,
+                                attn.for_layer(j), attn_ops)
+        if not self.pp.is_last:
+            return x, residual
+        if residual is None:  # no layers
+            return self.norm(x)
+        return self.norm(x, residual)[0]
+
+    def _embed(self, input_ids: Tensor, embeds: tuple[Tensor, Tensor] | None) -> Tensor:
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
         if embeds is not None:  # prompt embeddings replace the (scaled) lookups, as in HF
             rows, values = embeds
             x = x.index_copy(0, rows, values.to(x.dtype))
-        ropes = {k: rot(positions) for k, rot in self.rotary.items()}  # once per step
-        residual = None
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            kind = layer.self_attn.rope_type or "all"
-            x, residual = layer(x, residual, self.rotary[kind], ropes[kind], kv_cache,
-                                attn.for_layer(i), attn_ops)
-        if residual is None:  # no layers
-            return self.norm(x)
-        return self.norm(x, residual)[0]
+        return x
 
 
 class DecoderForCausalLM(FusedWeightLoader, nn.Module):
@@ -214,17 +249,23 @@ class DecoderForCausalLM(FusedWeightLoader, nn.Module):
     `spec_from_config` (in the family's file) says which layers."""
 
     def __init__(self, config, dtype: torch.dtype, device: torch.device | None = None,
-                 tp: TPGroup | None = None, max_model_len: int | None = None) -> None:
+                 tp: TPGroup | None = None, max_model_len: int | None = None,
+                 pp: PPStage | None = None) -> None:
         super().__init__()
-        self.config, self.dtype, self.tp = config, dtype, tp
+        self.config, self.dtype, self.tp, self.pp = config, dtype, tp, pp
         self.spec = spec = self.spec_from_config(config, max_model_len)
         self.dims = d = spec.dims
         rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
         self.shard = s = TPShape.of(rank, size, d.num_heads, d.num_kv_heads, d.intermediate,
                                     d.vocab)
-        self.model = DecoderModel(config, spec, s, tp, dtype, device)
-        self.lm_head = skip_init_linear(d.hidden, s.vocab_per_rank, False, dtype, device)
-        if d.tie_embeddings:
+        self.model = DecoderModel(config, spec, s, tp, dtype, device, pp)
+        first, last = self.model.pp.is_first, self.model.pp.is_last
+        # A tied head shares the embedding where one stage holds both; a last stage without
+        # the embedding loads the embedding's tensor into its own lm_head (stage_weights).
+        self.tied_head = d.tie_embeddings and first and last
+        self.lm_head = skip_init_linear(d.hidden, s.vocab_per_rank, False, dtype, device) \
+            if last else PPMissingLayer()
+        if self.tied_head:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._ops: AttentionOps | None = None
 
@@ -237,14 +278,38 @@ class DecoderForCausalLM(FusedWeightLoader, nn.Module):
         """Longest position the rope tables cover (an upper bound for max_model_len)."""
         return min(rot.max_len for rot in self.model.rotary.values())
 
+    def stage_weights(self, weights: Iterable[tuple[str, Tensor]]
+                      ) -> Iterator[tuple[str, Tensor]]:
+        """The checkpoint tensors this pipeline stage holds (all of them without stages): its
+        layers', the embedding on the first stage, the final norm and lm_head on the last (a
+        tied head on a last stage without the embedding takes the embedding's tensor)."""
+        pp = self.model.pp
+        for name, tensor in weights:
+            if m := _LAYER.match(name):
+                if pp.holds(int(m[1])):
+                    yield name, tensor
+            elif name.startswith("model.embed_tokens."):
+                if pp.is_first:
+                    yield name, tensor
+                if pp.is_last and not pp.is_first and self.dims.tie_embeddings:
+                    yield "lm_head." + name.rpartition(".")[2], tensor
+            elif name.startswith(("model.norm.", "lm_head.")):
+                if pp.is_last:
+                    yield name, tensor
+            else:
+                yield name, tensor
+
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
-                attn: AttentionMetadata, embeds: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                attn: AttentionMetadata, embeds: tuple[Tensor, Tensor] | None = None,
+                intermediate: tuple[Tensor, Tensor] | None = None
+                ) -> Tensor | tuple[Tensor, Tensor]:
         """[T] token ids and positions -> hidden states [T, hidden] after the final norm.
         `embeds` (rows [E], values [E, hidden]): prompt embeddings that replace the embedded
         ids of those rows (vLLM's prompt embeds; replicated on every tensor-parallel rank)."""
         if self._ops is None:
             self._ops = AttentionOps.resolve()
-        return self.model(input_ids, positions, kv_caches, attn, self._ops, embeds)
+        return self.model(input_ids, positions, kv_caches, attn, self._ops, embeds,
+                          intermediate)
 
     def compute_logits(self, hidden: Tensor) -> Tensor | None:
         """[S, hidden] -> logits [S, vocab] in the model's dtype; the sampler widens them to

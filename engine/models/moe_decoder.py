@@ -135,6 +135,8 @@ class MoEDecoderForCausalLM(DecoderForCausalLM):
     def _moe_expected(self) -> set[str]:
         names: set[str] = set()
         for i, layer in enumerate(self.model.layers):
+            if not self.model.pp.holds(i):  # another pipeline stage's
+                continue
             head = f"model.layers.{i}."
             if getattr(layer.self_attn.attn, "sinks", None) is not None:
                 names.add(head + "self_attn.sinks")

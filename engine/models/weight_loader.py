@@ -29,7 +29,9 @@ class FusedWeightLoader:
         quantized = {n: m for n, m in self.named_modules() if hasattr(m, "take")}
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb." in name or (name == "lm_head.weight" and self.dims.tie_embeddings):
+            if "rotary_emb." in name or (name == "lm_head.weight"
+                                          and getattr(self, "tied_head",
+                                                      self.dims.tie_embeddings)):
                 continue
             target, shard = self._target(name)
             module, _, leaf = target.rpartition(".")

@@ -54,7 +54,7 @@ def host_plan(config: EngineConfig, model_path: Path | str, device: torch.device
     from kvserve.engine.worker.model_loader import load_config
 
     cfg = load_config(model_path, config.revision, config.trust_remote_code, config.hf_overrides)
-    n = config.tensor_parallel_size
+    n = config.world_size  # every rank of the replica (pipeline stages too) takes its share
     env = os.environ.get("KVSERVE_HOST_MEMORY")
     available = available_memory(override=int(float(env)) if env else None)
     on_cpu = device.type == "cpu"
@@ -156,7 +156,7 @@ def host_pools(config: EngineConfig, budget: MemoryBudget,
     holds: a swapped sequence came from there) and of the host tier (kv_offloading_size, all
     ranks together): this rank's share of each."""
     per_block = budget.bytes_per_block  # this rank's
-    n = config.tensor_parallel_size
+    n = config.world_size
     cpu_blocks = 0
     if config.preemption_mode != "recompute":
         cpu_blocks = min(blocks_for_bytes(split(int(config.swap_space * GiB), n), per_block),
@@ -191,7 +191,7 @@ def device_budget(config: EngineConfig, cfg: Any, model: torch.nn.Module,
         total, util = int(float(device_memory)), config.gpu_memory_utilization
     else:
         kv = host.kv_bytes if host is not None else split(_cpu_kv_budget(
-            config, available_memory().bytes), tp)
+            config, available_memory().bytes), config.world_size)
         total = kv + weights + act
         util = 1.0
     budget = plan_memory(total_bytes=total, gpu_memory_utilization=util, weight_bytes=weights,

@@ -228,14 +228,16 @@ def load_model(model_path: Path | str, dtype: torch.dtype, device: torch.device,
                max_model_len: int | None = None,
                quantization: str | None = None,
                hf_overrides: Any = None,
-               load_format: str = "auto") -> tuple[nn.Module, object]:
+               load_format: str = "auto",
+               pp: Any = None) -> tuple[nn.Module, object]:
     """Our model class for the config's architecture, with the HF weights streamed into it (on
     CPU with its linears prepacked for oneDNN unless `pack_linears=False`). With `tp`, this
     rank's shard only: each rank reads just its slices of the checkpoint. `max_model_len` (None:
     the model's own context) fixes what depends on it at build time (LongRoPE's factor set). A
     checkpoint's `quantization_config` (or `quantization`="int8"|"fp8" for a dense one) makes the
     linears it names QuantLinears, their weights kept quantised. `load_format="sharded_state"`
-    reads this rank's shard files (engine/worker/sharded_state.py) instead of the checkpoint."""
+    reads this rank's shard files (engine/worker/sharded_state.py) instead of the checkpoint.
+    With `pp` (a PPStage), this pipeline stage's layers only: the others are never read."""
     from kvserve.engine.layers.quantization import finish_quantized, quant_config_for, \
         quantize_linears
     from kvserve.engine.models import model_class_for
@@ -245,6 +247,8 @@ def load_model(model_path: Path | str, dtype: torch.dtype, device: torch.device,
     extra = {"tp": tp} if tp is not None else {}
     if max_model_len is not None:
         extra["max_model_len"] = max_model_len
+    if pp is not None:
+        extra["pp"] = pp
     model = model_cls(config, dtype=dtype, device=device, **extra)
     folder = _local_folder(model_path, revision)
     gguf = gguf_file(folder, quantization)
@@ -259,8 +263,9 @@ def load_model(model_path: Path | str, dtype: torch.dtype, device: torch.device,
                               f"quantised ({quant.name})")
         ShardedStateLoader.load_model_shard(model, folder, rank=tp.rank if tp else 0)
     else:
-        model.load_weights(gguf.weights(config) if gguf is not None
-                           else iter_weights(folder, lazy=tp is not None))
+        weights = gguf.weights(config) if gguf is not None \
+            else iter_weights(folder, lazy=tp is not None)
+        model.load_weights(model.stage_weights(weights) if pp is not None else weights)
     finish_quantized(model, device)
     if device.type == "cpu" and pack_linears:
         from kvserve.engine.layers.packed_linear import pack_linears as pack

@@ -6,7 +6,12 @@ With tensor parallelism the driver's runner builds each step's inputs once (a St
 tensors), hands them to the worker processes, and every rank runs the same `run_step` against its
 own shard and KV cache; only the driver samples. Decode CUDA graphs are captured on every rank
 together, kept only if every rank's capture succeeded, and the driver names in the StepInput the
-graph size every rank replays."""
+graph size every rank replays.
+
+With pipeline stages (a StageLink), each rank runs its stage's layers: a stage after the first
+starts from the (hidden states, residual) the previous stage sends, a stage before the last
+sends its own on; the last stage computes the sampled rows' logits and prompt logprobs, and the
+driver (stage 0) receives them from the last stage's first rank and samples."""
 
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ from kvserve.kernels.plan import plan_attention
 
 if TYPE_CHECKING:
     from kvserve.engine.kv_offload.disk_tier import DiskTier
+    from kvserve.engine.worker.pipeline import StageLink
 
 logger = logging.getLogger("kvserve.engine")
 BlockPairs = list[tuple[int, int]]
@@ -49,6 +55,8 @@ class Peers(Protocol):
     def wait_for(self, expected: str) -> list[object]: ...
 
     def failed(self, exc: BaseException) -> Exception: ...
+
+    def receive_output(self) -> Any: ...
 
 
 @dataclass
@@ -66,10 +74,11 @@ class BlockMoves:
     restore: BlockPairs = field(default_factory=list)
     spill: list[tuple[str, int, bytes]] = field(default_factory=list)  # (medium, index, hash)
     load: list[tuple[bytearray, int]] = field(default_factory=list)  # (payload, device block)
+    kv_meta: Any = None  # the KV connector's metadata: its loads land last, before the forward
 
     def __bool__(self) -> bool:
         return bool(self.swap_out or self.swap_in or self.copy or self.offload or self.restore
-                    or self.spill or self.load)
+                    or self.spill or self.load or self.kv_meta)
 
 
 @dataclass
@@ -98,6 +107,9 @@ class StepInput:
     # prompt embeddings: (flattened rows [E] int64, values [E, hidden]) fed in place of the
     # embedded ids of those rows (engine/prompt_embeds.py); every rank gets them
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    # speculative decoding: per sampled row, how many tokens before its seq's last scheduled
+    # token its logits are taken (0: the last; None: every row the last)
+    sample_offsets: list[int] | None = None
 
 
 class ModelRunner:
@@ -106,8 +118,11 @@ class ModelRunner:
                  device: torch.device, num_cpu_blocks: int = 0, attention_backend: str = "auto",
                  k_scale: float = 1.0, v_scale: float = 1.0,
                  workers: "Peers | None" = None, num_host_blocks: int = 0,
-                 disk: "DiskTier | None" = None, kv_groups: KVCacheGroups | None = None) -> None:
+                 disk: "DiskTier | None" = None, kv_groups: KVCacheGroups | None = None,
+                 kv_view: torch.Tensor | None = None,
+                 link: "StageLink | None" = None) -> None:
         self.model = model
+        self.link = link  # this rank's neighbouring pipeline stages (None: one stage)
         self.workers = workers  # the other ranks (tensor parallel, driver only)
         self.device = device
         self.block_size = block_size
@@ -121,7 +136,12 @@ class ModelRunner:
         pages = self.kv_groups.page_layers
         shape = (2, pages, num_blocks, block_size, num_kv_heads, head_dim)
         # Zeroed, not empty: padded attention reads of unused slots must never see NaN garbage.
-        self.kv = torch.zeros(shape, dtype=kv_dtype, device=device)
+        # `kv_view`: this model's view of a KV region shared by several models (kv_region.py).
+        if kv_view is not None and (tuple(kv_view.shape) != shape or kv_view.dtype != kv_dtype):
+            raise ValueError(f"kv_view is {tuple(kv_view.shape)} {kv_view.dtype}, the model "
+                             f"needs {shape} {kv_dtype}")
+        self.kv = kv_view if kv_view is not None else torch.zeros(shape, dtype=kv_dtype,
+                                                                  device=device)
         self.kv_caches = [(self.kv[0, j], self.kv[1, j]) for _, j in self.kv_groups.slots]
         # The swap pool: allocated chunk by chunk as blocks are swapped out (swap_pool.py).
         self.swap: SwapPool | None = None
@@ -135,6 +155,9 @@ class ModelRunner:
         self.logits_hook: Any = None  # logits -> logits, set per step by the engine
         self.graphs: DecodeGraphs | None = None  # captured decode forwards (CUDA, not eager)
         self.lora = getattr(model, "lora_model", None)  # kvserve.lora.model.LoRAModel
+        self.kv_connector: Any = None  # a KV connector's worker side (engine/kv_transfer/)
+        self.keep_hidden = False  # keep the last forward's hidden states (EAGLE proposers)
+        self.last_hidden: torch.Tensor | None = None
 
     @property
     def bytes_per_block(self) -> int:
@@ -180,6 +203,10 @@ class ModelRunner:
         if m.copy:
             src, dst = zip(*m.copy)
             self.kv[:, :, list(dst)] = self.kv[:, :, list(src)]
+        if m.kv_meta and self.kv_connector is not None:
+            self.kv_connector.bind_connector_metadata(m.kv_meta)
+            self.kv_connector.start_load_kv()
+            self.kv_connector.clear_connector_metadata()
 
     def _clock(self) -> float:
         if self.device.type == "cuda":
@@ -208,9 +235,11 @@ class ModelRunner:
         starts: list[int] = []
         num_groups = len(self.kv_groups.groups)
         tables: list[list[int]] = []  # group-major: every seq of group 0, then group 1, ...
-        for seq, n in zip(sched.seqs, sched.num_tokens):
+        drafts = sched.spec_token_ids or [[] for _ in sched.seqs]
+        for seq, n, d in zip(sched.seqs, sched.num_tokens, drafts):
             s = seq.num_computed_tokens
-            input_ids += seq.token_range(s, s + n)
+            input_ids += seq.token_range(s, s + n - len(d))
+            input_ids += d  # speculative decoding: drafts scored after the last token
             starts.append(s)
         for g in range(num_groups):
             tables += [kv.block_ids(seq, g) for seq in sched.seqs]
@@ -324,14 +353,17 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager, sample_rows: list[int],
                 sampling: SamplingMetadata | None, prompt: PromptLogprobsPlan | None = None,
-                lora_slots: list[int] | None = None, fill: Any = None
+                lora_slots: list[int] | None = None, fill: Any = None,
+                sample_offsets: list[int] | None = None
                 ) -> tuple[SamplerOutput | None, PromptLogprobsResult | None]:
         """Run one step. `sample_rows[i]` is the batch index of the seq whose last scheduled
         token's logits feed sampler row i (an index may repeat: n > 1 forks); `prompt` names
         the rows whose prompt logprobs are computed too; `fill` (a StepFill) the input tokens
-        the previous step sampled and the host has not read yet. Nothing is read back."""
+        the previous step sampled and the host has not read yet; `sample_offsets` (speculative
+        decoding) each row's position back from its seq's last token. Nothing is read back."""
         step = self.build_step(sched, kv, sample_rows if sampling is not None else [],
                                lora_slots)
+        step.sample_offsets = sample_offsets
         if fill is not None:
             if self.workers is not None:
                 raise RuntimeError("async scheduling runs on one rank only")
@@ -348,6 +380,10 @@ class ModelRunner:
                 logits, prompt_result = self.run_step(step)
             except RuntimeError as exc:  # a collective whose peer died, most likely
                 raise self.workers.failed(exc) from exc
+            if self.link is not None:  # the last stage computed them
+                logits, prompt_result = self.workers.receive_output()
+                if logits is not None:
+                    logits = logits.to(self.device)
         if logits is None or sampling is None:
             return None, prompt_result
         if self.logits_hook is not None:  # custom logits processors (engine/llm_engine.py)
@@ -365,10 +401,18 @@ class ModelRunner:
             slots = step.lora_slots
             self.lora.set_indices(slots.to(self.device) if slots is not None else None)
         hidden, _ = self._forward(step)
+        if self.link is not None and self.link.next is not None:
+            self.link.send(*hidden)  # (hidden states, residual) to the next stage
+            return None, None
+        if self.keep_hidden:  # a proposer fed by hidden states (engine/spec_decode/)
+            self.last_hidden = hidden
         logits = None
         if step.sample_rows:  # each sampled row's last token, found on the host
             last = step.query_start_loc[1:].long() - 1
-            rows = self._dev(last[torch.tensor(step.sample_rows, dtype=torch.int64)])
+            picked = last[torch.tensor(step.sample_rows, dtype=torch.int64)]
+            if step.sample_offsets is not None:
+                picked = picked - torch.tensor(step.sample_offsets, dtype=torch.int64)
+            rows = self._dev(picked)
             logits = self.model.compute_logits(hidden[rows])
         prompt = None
         if step.prompt_rows:
@@ -422,7 +466,7 @@ class ModelRunner:
         group (several run eagerly) without prompt logprobs, within the ladder. The driver
         decides it once and sends it with the step, so no rank decides on its own."""
         g = self.graphs
-        if g is None or step.prompt_rows or step.embeds is not None \
+        if g is None or self.link is not None or step.prompt_rows or step.embeds is not None \
                 or step.block_tables.shape[0] != 1:
             return None
         return g.size_for(step.seq_lens.shape[0], step.input_ids.shape[0],
@@ -440,6 +484,10 @@ class ModelRunner:
                                      step.graph_size, self._fill(step))
             return hidden, step.query_start_loc.to(self.device, non_blocking=True)
         ids, positions, meta = self.to_device(step)
+        if self.link is not None and self.link.prev is not None:
+            passed = self.link.recv(step.input_ids.shape[0])
+            return (self.model(ids, positions, self.kv_caches, meta, intermediate=passed),
+                    meta.query_start_loc)
         fill = self._fill(step)
         if fill is not None:
             fill(ids)
@@ -466,4 +514,4 @@ def _moves(sched: SchedulerOutput) -> BlockMoves:
     return BlockMoves(list(sched.blocks_to_swap_out), list(sched.blocks_to_swap_in),
                       list(sched.blocks_to_copy), list(sched.blocks_to_offload),
                       list(sched.blocks_to_restore), list(sched.blocks_to_spill),
-                      list(sched.blocks_to_load))
+                      list(sched.blocks_to_load), sched.kv_connector_metadata)

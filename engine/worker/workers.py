@@ -10,6 +10,13 @@ before the next broadcast (its process is gone), and inside a collective by the 
 (gloo: the peer's socket closes; NCCL: a watchdog thread aborts the communicators), so the engine
 fails with WorkerDiedError instead of hanging. Workers are daemonic and also exit when their parent
 does, so no process outlives the engine.
+
+With pipeline_parallel_size P > 1 the world is P x N ranks (engine/worker/pipeline.py): each
+stage's N ranks form their own tensor-parallel subgroup, each rank holds its stage's layers and
+their KV cache, a stage hands (hidden states, residual) to the next, and the last stage's first
+rank returns the step's outputs (the sampled rows' logits, prompt logprobs) to the driver on its
+command connection. Ranks on other hosts (engine/worker/rank_env.py) are connected through
+engine/worker/remote.py and stand in the same lists as local processes.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from kvserve.engine.core.kv_cache_groups import KVCacheGroups
 from kvserve.engine.cpu_threads import rank_threads, spin_default_for_children
 from kvserve.engine.distributed import TPGroup
 from kvserve.engine.errors import WorkerDiedError
+from kvserve.engine.worker.pipeline import Layout, PPStage, StageLink
+from kvserve.engine.worker.rank_env import RankEnv
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -57,6 +66,24 @@ class WorkerSpec:
     hf_overrides: Any = None  # vLLM's: a dict or callable over the HF config (every rank)
     lora: Any = None  # a LoRAConfig: wrap the linears for adapters (enable_lora)
     load_format: str = "auto"  # "sharded_state": each rank reads its own shard files
+    pp: int = 1  # pipeline stages; `size` = pp x tensor-parallel ranks
+    layer_counts: tuple[int, ...] = ()  # layers per stage (the driver's partition)
+    local_ranks: int = 0  # ranks per host (0: all on this one); picks each rank's GPU
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(tp=self.size // self.pp, pp=self.pp)
+
+    def stage(self, rank: int) -> PPStage | None:
+        """Rank `rank`'s pipeline stage (None without pipeline parallelism)."""
+        if self.pp == 1:
+            return None
+        s = self.layout.stage_of(rank)
+        start = sum(self.layer_counts[:s])
+        return PPStage(s, self.pp, start, start + self.layer_counts[s])
+
+    def local_rank(self, rank: int) -> int:
+        return rank % (self.local_ranks or self.size)
 
 
 @dataclass(frozen=True)
@@ -79,16 +106,34 @@ def backend_for(device_type: str) -> str:
     return "nccl" if device_type == "cuda" else "gloo"
 
 
-def init_group(rank: int, spec: WorkerSpec) -> TPGroup:
-    """Join the N-rank group (every rank calls this once) and pin this rank's device."""
+def init_group(rank: int, spec: WorkerSpec) -> TPGroup | None:
+    """Join the world (every rank calls this once) and pin this rank's device; this rank's
+    tensor-parallel group (None when its stage has one rank). With pipeline stages every rank
+    creates every stage's subgroup, in stage order, as torch.distributed requires."""
     if spec.device_type == "cuda":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(spec.local_rank(rank))
     else:
         torch.set_num_threads(spec.threads)
     torch.distributed.init_process_group(
         backend_for(spec.device_type), init_method=spec.init_method, rank=rank,
         world_size=spec.size, timeout=COLLECTIVE_TIMEOUT)
-    return TPGroup(rank, spec.size)
+    layout = spec.layout
+    if layout.pp == 1:
+        return TPGroup(rank, spec.size)
+    if layout.tp == 1:
+        return None
+    groups = [torch.distributed.new_group(layout.tp_ranks(s), timeout=COLLECTIVE_TIMEOUT)
+              for s in range(layout.pp)]
+    stage = layout.stage_of(rank)
+    return TPGroup(layout.tp_rank_of(rank), layout.tp, groups[stage], first=stage * layout.tp)
+
+
+def stage_link(rank: int, spec: WorkerSpec, model: torch.nn.Module,
+               device: torch.device) -> StageLink | None:
+    """Rank `rank`'s link to its neighbouring stages (None without pipeline stages)."""
+    if spec.pp == 1:
+        return None
+    return StageLink.of(rank, spec.layout, model.dims.hidden, model.dtype, device)
 
 
 def rank_device(rank: int, device_type: str) -> torch.device:
@@ -98,51 +143,61 @@ def rank_device(rank: int, device_type: str) -> torch.device:
 # ---------------------------------------------------------------------------- worker side
 
 
-def worker_main(rank: int, spec: WorkerSpec, conn: Connection) -> None:
-    """Entry point of worker process `rank` (spawned)."""
+def worker_main(rank: int, spec: WorkerSpec, conn: Connection, remote: bool = False) -> None:
+    """Entry point of worker process `rank` (spawned here, or on another host: `remote`, which
+    exits nonzero when the driver goes away without stopping it)."""
     _exit_with_parent(os.getppid())
     try:
         conn.send(("joining", None))
         tp = init_group(rank, spec)
         from kvserve.engine.worker.model_loader import load_model
 
-        model, _ = load_model(spec.model_path, spec.dtype, rank_device(rank, spec.device_type),
+        device = rank_device(spec.local_rank(rank), spec.device_type)
+        model, _ = load_model(spec.model_path, spec.dtype, device,
                               revision=spec.revision, tp=tp, max_model_len=spec.max_model_len,
                               quantization=spec.quantization,
-                              hf_overrides=spec.hf_overrides, load_format=spec.load_format)
+                              hf_overrides=spec.hf_overrides, load_format=spec.load_format,
+                              pp=spec.stage(rank))
         if spec.lora is not None:
             from kvserve.lora.model import attach_lora
 
             attach_lora(model, spec.lora)
         conn.send(("ready", None))
-        _serve(rank, model, spec, conn)
+        stopped = _serve(rank, model, spec, conn, device)
     except BaseException:  # noqa: BLE001 - tell the driver why, then die
         try:
             conn.send(("error", f"rank {rank}: {traceback.format_exc()}"))
         except OSError:
             pass
         os._exit(1)
-    os._exit(0)
+    os._exit(0 if stopped or not remote else 1)
 
 
-def _serve(rank: int, model: torch.nn.Module, spec: WorkerSpec, conn: Connection) -> None:
+def _serve(rank: int, model: torch.nn.Module, spec: WorkerSpec, conn: Connection,
+           device: torch.device) -> bool:
+    """The command loop; True once told to stop, False when the driver went away."""
     from kvserve.engine.worker.model_runner import ModelRunner
 
     runner: ModelRunner | None = None
+    returns = spec.pp > 1 and rank == spec.layout.last_stage_driver()
     while True:
         try:
             cmd, arg = pickle.loads(conn.recv_bytes())
-        except EOFError:  # the driver is gone
-            return
+        except (EOFError, OSError):  # the driver is gone
+            return False
         if cmd == "stop":
             torch.distributed.destroy_process_group()
             conn.send(("stopped", None))
-            return
+            return True
         if cmd == "init_cache":
-            runner = _make_runner(model, arg, rank_device(rank, spec.device_type))
+            runner = _make_runner(model, arg, device, stage_link(rank, spec, model, device))
             conn.send(("ok", None))
         elif cmd == "step":
-            runner.run_step(arg)  # type: ignore[union-attr]
+            out = runner.run_step(arg)  # type: ignore[union-attr]
+            if returns:  # by value (plain pickle): no shared memory, another host may read it
+                conn.send_bytes(pickle.dumps(("out", out), protocol=pickle.HIGHEST_PROTOCOL))
+        elif cmd == "link_figures":
+            conn.send(("link_figures", runner.link.figures if runner.link else None))
         elif cmd == "move":
             runner.apply_moves(arg)  # type: ignore[union-attr]
         elif cmd == "calibrate":
@@ -161,14 +216,18 @@ def _serve(rank: int, model: torch.nn.Module, spec: WorkerSpec, conn: Connection
             raise RuntimeError(f"unknown command {cmd!r}")
 
 
-def _make_runner(model: torch.nn.Module, c: CacheSpec, device: torch.device):
+def _make_runner(model: torch.nn.Module, c: CacheSpec, device: torch.device,
+                 link: StageLink | None = None):
+    """This rank's runner: with pipeline stages, a KV cache for its own stage's layers only."""
     from kvserve.engine.worker.model_runner import ModelRunner
 
-    return ModelRunner(model, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
+    stage = model.model.pp if link is not None else None
+    return ModelRunner(model, num_layers=stage.num_layers if stage else c.num_layers,
+                       num_kv_heads=c.num_kv_heads,
                        head_dim=c.head_dim, num_blocks=c.num_blocks, block_size=c.block_size,
                        kv_dtype=c.kv_dtype, device=device, num_cpu_blocks=c.num_cpu_blocks,
                        attention_backend=c.attention_backend, num_host_blocks=c.num_host_blocks,
-                       kv_groups=c.kv_groups)
+                       kv_groups=None if stage else c.kv_groups, link=link)
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -199,14 +258,15 @@ def start_method() -> str:
 class WorkerGroup:
     """The driver's handle on ranks 1..N-1: start them, broadcast to them, stop them."""
 
-    def __init__(self, spec: WorkerSpec) -> None:
+    def __init__(self, spec: WorkerSpec, env: RankEnv | None = None) -> None:
         self.spec = spec
         ctx = torch.multiprocessing.get_context(start_method())
-        self.procs: list[Any] = []
+        self.procs: list[Any] = []  # rank i + 1: a local Process, or a RemoteRank
         self.conns: list[Connection] = []
         self.failure: str | None = None
         self._closed = threading.Event()
-        for rank in range(1, spec.size):
+        local = spec.local_ranks or spec.size
+        for rank in range(1, local):
             parent, child = ctx.Pipe(duplex=True)
             proc = ctx.Process(target=worker_main, args=(rank, spec, child), daemon=True,
                                name=f"kvserve-tp{rank}")
@@ -215,6 +275,17 @@ class WorkerGroup:
             child.close()
             self.procs.append(proc)
             self.conns.append(parent)
+        if local < spec.size:  # the other hosts' ranks connect to us
+            from kvserve.engine.worker.remote import accept_ranks
+
+            try:
+                conns, remote = accept_ranks(env or RankEnv(), list(range(local, spec.size)),
+                                             spec)
+            except BaseException:
+                _stop_procs(self.procs, self.conns)
+                raise
+            self.conns += conns
+            self.procs += remote
         # Stops the workers if the engine is dropped without shutdown() (and at exit).
         self._finalizer = weakref.finalize(self, _stop_procs, list(self.procs),
                                            list(self.conns))
@@ -227,18 +298,27 @@ class WorkerGroup:
               max_model_len: int | None = None,
               quantization: str | None = None,
               hf_overrides: Any = None, lora: Any = None,
-              load_format: str = "auto") -> tuple["WorkerGroup", TPGroup]:
-        """Spawn the workers and join the group as rank 0 (returns once all ranks joined)."""
+              load_format: str = "auto", pp: int = 1,
+              layer_counts: tuple[int, ...] = (),
+              env: RankEnv | None = None) -> tuple["WorkerGroup", TPGroup | None]:
+        """Spawn the local workers, accept the other hosts' (`env`), and join the group as
+        rank 0 (returns once all ranks joined). `size`: every rank, pp x tensor-parallel."""
         if torch.distributed.is_initialized():
             raise WorkerDiedError(
                 "another tensor-parallel engine is still running in this process; call "
                 "shutdown() on it before starting a new one")
-        store = os.path.join(tempfile.mkdtemp(prefix="kvserve-tp-"), "rendezvous")
-        threads = rank_threads(size)[0]  # each rank's share of the CPUs this host lets us use
+        env = env or RankEnv()
+        local = env.local_ranks(size)
+        if env.multi_node:
+            init = env.init_method()
+        else:
+            init = "file://" + os.path.join(tempfile.mkdtemp(prefix="kvserve-tp-"), "rendezvous")
+        threads = rank_threads(local)[0]  # each rank's share of the CPUs this host lets us use
         spec = WorkerSpec(str(model_path), revision, dtype, device_type, size,
-                          f"file://{store}", threads, max_model_len, quantization,
-                          hf_overrides, lora, load_format)
-        group = cls(spec)
+                          init, threads, max_model_len, quantization,
+                          hf_overrides, lora, load_format, pp, tuple(layer_counts),
+                          local if env.multi_node else 0)
+        group = cls(spec, env)
         try:
             try:
                 group.wait_for("joining")
@@ -295,6 +375,21 @@ class WorkerGroup:
             except OSError:
                 raise WorkerDiedError(self._death(i)) from None
 
+    def receive_output(self) -> Any:
+        """The step's outputs from the last stage's first rank (pipeline stages): waits for
+        them or for any rank's end, so a death anywhere is an error, not a hang."""
+        i = self.spec.layout.last_stage_driver() - 1
+        ready = wait([self.conns[i]] + [p.sentinel for p in self.procs])
+        if self.conns[i] not in ready:
+            dead = next(j for j, p in enumerate(self.procs) if p.sentinel in ready)
+            raise WorkerDiedError(self._death(dead))
+        return self._expect(i, "out")
+
+    def link_figures(self) -> list[Any]:
+        """Every worker's stage-link figures (pipeline.LinkFigures; None for a rank without)."""
+        self.broadcast("link_figures", None)
+        return self.wait_for("link_figures")
+
     def init_cache(self, cache: CacheSpec) -> None:
         self.broadcast("init_cache", cache)
         self.wait_for("ok")
@@ -309,9 +404,12 @@ class WorkerGroup:
     def _death(self, i: int) -> str:
         proc = self.procs[i]
         proc.join(timeout=1.0)
-        message = f"tensor-parallel worker rank {i + 1} (pid {proc.pid}) died"
-        if proc.exitcode is not None:
-            message += f" with exit code {proc.exitcode}"
+        if hasattr(proc, "describe"):  # a rank on another host
+            message = f"worker {proc.describe()}"
+        else:
+            message = f"worker rank {i + 1} (pid {proc.pid}) died"
+            if proc.exitcode is not None:
+                message += f" with exit code {proc.exitcode}"
         detail = self._last_error(i)
         message += f":\n{detail}" if detail else "; the engine cannot continue, restart it"
         self.failure = self.failure or message

@@ -59,8 +59,8 @@ def test_llm_takes_engine_args_fields_and_refuses_unknown_ones_by_name(llm, tiny
     assert other.generate("Hello", greedy, use_tqdm=False)[0].outputs[0].token_ids == \
         llm.generate("Hello", greedy, use_tqdm=False)[0].outputs[0].token_ids
     assert LLMEngine.from_engine_args(args).max_model_len == 256
-    with pytest.raises(ConfigError, match="pipeline_parallel_size"):
-        LLM(model=str(tiny_model_dir), pipeline_parallel_size=2)
+    with pytest.raises(ConfigError, match="not_an_engine_argument"):
+        LLM(model=str(tiny_model_dir), not_an_engine_argument=2)
 
 
 def test_metrics_and_prefix_cache_reset(llm):
