@@ -48,6 +48,8 @@ def metrics_of(stats: EngineStats, model_name: str) -> list[Metric]:
               "vllm:gpu_cache_usage_perc": stats.kv_cache_usage}
     counters = {"vllm:prefix_cache_queries": stats.prefix_cache_queries,
                 "vllm:prefix_cache_hits": stats.prefix_cache_hits,
+                "vllm:external_prefix_cache_queries": stats.external_prefix_cache_queries,
+                "vllm:external_prefix_cache_hits": stats.external_prefix_cache_hits,
                 "vllm:num_preemptions": stats.num_preemptions,
                 "vllm:prompt_tokens": stats.prompt_tokens,
                 "vllm:generation_tokens": stats.generation_tokens}

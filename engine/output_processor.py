@@ -56,7 +56,8 @@ class OutputProcessor:
                              state.prompt_token_ids if embeds is None else None, outs,
                              finished=finished, num_cached_tokens=cached, metrics=state.metrics,
                              prompt_logprobs=prompt_lps, lora_request=state.lora_request,
-                             num_prompt_embeds=0 if embeds is None else int(embeds.shape[0]))
+                             num_prompt_embeds=0 if embeds is None else int(embeds.shape[0]),
+                             kv_transfer_params=state.seqs[0].kv_transfer_params)
 
 
 def known_tokens(seq: Sequence) -> list[int]:

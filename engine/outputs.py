@@ -55,6 +55,9 @@ class RequestOutput:
     extra: dict = field(default_factory=dict)
     lora_request: Any = None  # the LoRARequest it ran with (None: the base model)
     num_prompt_embeds: int = 0  # rows of a prompt given as embeddings (prompt_token_ids None)
+    # vLLM's: what a KV connector says of the finished request (a prefill replica: where the
+    # decode replica pulls its blocks), engine/kv_transfer/
+    kv_transfer_params: dict | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

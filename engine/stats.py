@@ -50,6 +50,16 @@ class EngineStats:
     disk_bad_files: int = 0  # cumulative reads of a missing or damaged file (misses)
     offload_bytes_to_disk: int = 0
     offload_bytes_from_disk: int = 0
+    # A KV connector (engine/kv_transfer/): vLLM's external prefix cache (prompt tokens of the
+    # requests asked about, and those it supplied; not in prefix_cache_hits), and its transfers
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_transfer_blocks_received: int = 0  # cumulative blocks pulled and loaded
+    kv_transfer_bytes_received: int = 0
+    kv_transfer_blocks_sent: int = 0  # cumulative blocks served to decode replicas
+    kv_transfer_failures: int = 0  # cumulative pulls that fell back to local prefill
+    kv_transfer_held_requests: int = 0  # finished requests whose blocks wait to be pulled
+    prompt_tokens_computed: int = 0  # cumulative prompt positions the model ran (not cached)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

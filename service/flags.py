@@ -252,6 +252,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help='vLLM\'s KV events over ZMQ for external schedulers (llm-d, GIE EPPs), '
                    'e.g. \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
                    '"replay_endpoint": "tcp://*:5558"}\'')
+    g.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                   help='vLLM\'s KV connector, e.g. prefill/decode disaggregation: '
+                   '\'{"kv_connector": "KVServeConnector", "kv_role": "kv_producer", '
+                   '"kv_connector_extra_config": {"kv_port": 5600}}\' (docs/guides/'
+                   'disaggregation.md)')
     g.add_argument("--profiler-config", default=None, metavar="JSON",
                    help='vLLM\'s profiler config: torch.profiler traces of the engine, e.g. '
                    '\'{"profiler": "torch", "torch_profiler_dir": "./traces"}\'')

@@ -79,6 +79,11 @@ class SamplingFields(OpenAIModel):
     return_token_ids: bool = Field(False, description=(
         "vLLM's: each choice (each stream chunk) carries the token ids of its text, and the "
         "prompt's once"))
+    kv_transfer_params: dict[str, Any] | None = Field(None, description=(
+        "vLLM's, for prefill/decode disaggregation with --kv-transfer-config: "
+        "{\"do_remote_decode\": true} on the prefill request (its response's kv_transfer_params "
+        "say where its blocks are); those params sent back on the decode request pull the "
+        "blocks (docs/guides/disaggregation.md)"))
     # known, not supported (service/unsupported_fields.py): typed loosely so the 400 names the field
     use_beam_search: Any = None
     length_penalty: Any = None
@@ -189,6 +194,8 @@ class SamplingFields(OpenAIModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=self.constraint(),
             logit_bias=self.token_logit_bias(),
+            extra_args={"kv_transfer_params": self.kv_transfer_params}
+            if self.kv_transfer_params else None,
         )
 
     def num_prompt_logprobs(self) -> int | None:

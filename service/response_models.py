@@ -66,6 +66,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's: engine/kv_transfer/
 
 
 class TopLogprob(BaseModel):
@@ -107,6 +108,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra, on the response
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's: engine/kv_transfer/
 
 
 class DeltaMessage(BaseModel):

@@ -45,7 +45,24 @@ def engine_stats(core: Any) -> EngineStats:
         disk_blocks_stored=cache.disk.stored, disk_blocks_restored=cache.disk.restored,
         disk_blocks_evicted=cache.disk.evicted, disk_blocks_dropped=cache.disk_blocks_dropped,
         disk_bad_files=cache.disk_bad_files, offload_bytes_to_disk=cache.disk_bytes_written,
-        offload_bytes_from_disk=cache.disk_bytes_read)
+        offload_bytes_from_disk=cache.disk_bytes_read,
+        external_prefix_cache_queries=cache.external_prefix_cache_queries,
+        external_prefix_cache_hits=cache.external_prefix_cache_hits,
+        prompt_tokens_computed=core.prompt_tokens_computed, **transfer_figures(core))
+
+
+def transfer_figures(core: Any) -> dict[str, int]:
+    """The KV connector's figures as EngineStats fields (none without a connector)."""
+    conn = getattr(core, "kv_connector", None)
+    shared = getattr(conn[0], "shared", None) if conn is not None else None
+    if shared is None:
+        return {}
+    f, server = shared.figures, shared.server
+    return {"kv_transfer_blocks_received": f.blocks_received,
+            "kv_transfer_bytes_received": f.bytes_received,
+            "kv_transfer_failures": sum(f.failures.values()),
+            "kv_transfer_blocks_sent": server.num_blocks_sent if server is not None else 0,
+            "kv_transfer_held_requests": len(shared.registry)}
 
 
 def plain_events(events: list[KVEvent]) -> list[KVEvent]:

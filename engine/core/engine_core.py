@@ -226,10 +226,7 @@ class EngineCore:
     def schedule(self, skip: set[int] | None = None) -> SchedulerOutput | None:
         """The scheduler's next batch (`skip`: seqs the step in flight surely finishes); None
         when nothing runs (a swap-in may still precede the seq's next forward)."""
-        if self.kv_connector is not None:  # free the blocks the decode side has pulled
-            sending, recving = self.runner.kv_connector.get_finished()
-            self.scheduler.connector.update_connector_output(sending, recving)
-            self.scheduler.free_sent(sending)
+        self.poll_kv_transfers()
         if self.spec is not None and skip is None:
             self.spec.propose(self)  # drafts on the decoding seqs, for the scheduler to fit
         sched = self.scheduler.schedule(lookahead_skip=skip)
@@ -240,6 +237,14 @@ class EngineCore:
             self.observe_copies()
             return None
         return sched
+
+    def poll_kv_transfers(self) -> None:
+        """Free the held blocks the KV connector has sent (a decode replica confirmed, or the
+        abort timeout passed); each step, and on the core process's idle ticks."""
+        if self.kv_connector is not None:
+            sending, recving = self.runner.kv_connector.get_finished()
+            self.scheduler.connector.update_connector_output(sending, recving)
+            self.scheduler.free_sent(sending)
 
     def execute_model(self, sched: SchedulerOutput, fill: Any = None) -> ModelStep:
         """Launch the forward and the sampler for `sched` without reading the tokens back

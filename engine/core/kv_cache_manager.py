@@ -23,6 +23,10 @@ class PrefixCacheStats:
     hits: int = 0  # of which found in the cache (any tier)
     host_hits: int = 0  # of the hits, those restored from the host tier
     disk_hits: int = 0  # of the hits, those loaded from the disk tier
+    # A KV connector's (engine/kv_transfer/): prompt tokens of requests asked about, and those
+    # it supplied (not counted in `hits`: vLLM's external prefix cache figures)
+    external_queries: int = 0
+    external_hits: int = 0
 
 
 @dataclass(frozen=True)
@@ -42,7 +46,16 @@ class DiskHit:
     payload: bytearray
 
 
-PrefixHit = Block | HostHit | DiskHit
+@dataclass(frozen=True)
+class ExternalHit:
+    """A prefix block a KV connector supplies (engine/kv_transfer/): allocating it takes a new
+    device block registered under its hash; the connector writes its content before the step's
+    forward."""
+
+    block_hash: bytes
+
+
+PrefixHit = Block | HostHit | DiskHit | ExternalHit
 # One group's block table: None where a sliding window has released the block.
 Table = list[Block | None]
 
@@ -79,6 +92,8 @@ class KVCacheStats:
     num_host_cached_blocks: int = 0  # host tier blocks holding a prefix block
     host: TierCounters = field(default_factory=TierCounters)  # cumulative host tier moves
     prefix_cache_disk_hits: int = 0  # of prefix_cache_hits, tokens loaded from the disk tier
+    external_prefix_cache_queries: int = 0  # a KV connector's: prompt tokens asked about
+    external_prefix_cache_hits: int = 0  # ... and supplied (engine/kv_transfer/)
     num_disk_blocks: int = 0  # disk tier capacity
     num_disk_cached_blocks: int = 0
     disk: TierCounters = field(default_factory=TierCounters)  # cumulative disk tier moves
@@ -218,6 +233,18 @@ class KVCacheManager:
         end = min(end_block, seq.num_tokens // self.block_size)
         return self._seq_hashes(seq, end)[start_block:end] if end > start_block else []
 
+    def external_hits(self, seq: Sequence, start_block: int, num_blocks: int
+                      ) -> list[ExternalHit]:
+        """The seq's full blocks [start_block, start_block + num_blocks) as a connector's hits."""
+        hs = self._seq_hashes(seq, start_block + num_blocks)
+        return [ExternalHit(h) for h in hs[start_block:start_block + num_blocks]]
+
+    def record_external(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's query to the KV connector (vLLM's external prefix
+        cache: every request's prompt tokens, and those the connector supplied)."""
+        self.prefix_stats.external_queries += num_tokens
+        self.prefix_stats.external_hits += num_hit_tokens
+
     def record_lookup(self, num_tokens: int, num_hit_tokens: int,
                       num_host_hit_tokens: int = 0, num_disk_hit_tokens: int = 0) -> None:
         """Count one admitted request's prefix lookup in the hit-rate figures (the hits of any
@@ -355,9 +382,10 @@ class KVCacheManager:
     def _restore(self, hits: list[PrefixHit], seq: Sequence) -> list[Block]:
         """Device blocks for `hits` in order: device hits as they are, host and disk hits in
         new blocks registered under their hash, with the copies into them queued."""
-        assert self.host is not None
         host_hits = [h for h in hits if isinstance(h, HostHit)]
-        slots = [self.host.restore(h.block_hash) for h in host_hits]  # pinned first: the
+        assert self.host is not None or not host_hits  # connector hits need no host tier
+        slots = [self.host.restore(h.block_hash)  # type: ignore[union-attr] # pinned first:
+                 for h in host_hits]  # the
         num_new = sum(1 for h in hits if not isinstance(h, Block))  # allocation may evict
         fresh = iter(self._new_blocks(num_new))
         at = {h: i for i, h in enumerate(self.hashes.get(seq.seq_id, []))}
@@ -446,6 +474,10 @@ class KVCacheManager:
     def _held(self, seq: Sequence) -> list[Block]:
         return [b for t in self._tables(seq.seq_id) for b in t if b is not None]
 
+    def held_blocks(self, seq: Sequence) -> list[Block]:
+        """The seq's device blocks in its first group's table order (a KV connector's)."""
+        return [b for b in (self._tables(seq.seq_id) or [[]])[0] if b is not None]
+
     def can_swap_out(self, seq: Sequence) -> bool:
         return len(self._held(seq)) <= len(self.cpu_free)
 
@@ -509,6 +541,8 @@ class KVCacheManager:
             num_host_cached_blocks=len(host) if host else 0,
             host=TierCounters(**vars(host.counters)) if host else TierCounters(),
             prefix_cache_disk_hits=self.prefix_stats.disk_hits,
+            external_prefix_cache_queries=self.prefix_stats.external_queries,
+            external_prefix_cache_hits=self.prefix_stats.external_hits,
             num_disk_blocks=disk.num_blocks if disk else 0,
             num_disk_cached_blocks=len(disk) if disk else 0,
             disk=TierCounters(**vars(disk.counters)) if disk else TierCounters(),

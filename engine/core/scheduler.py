@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvserve.engine.core.beam_group import future_beams, group_fits, members
 from kvserve.engine.core.kv_cache_manager import DiskHit, HostHit, KVCacheManager, Spill
@@ -27,6 +27,7 @@ class SchedulerOutput:
     blocks_to_spill: list[Spill] = field(default_factory=list)  # -> disk tier
     blocks_to_load: list[tuple[bytearray, int]] = field(default_factory=list)  # (disk, device)
     num_preempted: int = 0
+    kv_connector_metadata: Any = None  # the KV connector's work for the worker side
 
     @property
     def is_empty(self) -> bool:
@@ -62,6 +63,10 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.num_preemptions = 0
+        # A KV connector's scheduler side (engine/kv_transfer/), and the blocks of finished
+        # requests it keeps until the worker side says they were sent: request id -> blocks.
+        self.connector: Any = None
+        self.held_blocks: dict[str, list[Any]] = {}
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -90,7 +95,24 @@ class Scheduler:
         out.blocks_to_copy = self.kv.take_pending_copies()
         out.blocks_to_offload, out.blocks_to_restore = self.kv.take_tier_moves()
         out.blocks_to_spill, out.blocks_to_load = self.kv.take_disk_moves()
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
+
+    def free_sent(self, request_ids: set[str] | None) -> None:
+        """Free the held blocks of finished requests the connector has sent (or given up)."""
+        for rid in request_ids or ():
+            blocks = self.held_blocks.pop(rid, None)
+            if blocks:
+                self.kv.pool.free_blocks(blocks)
+
+    def _external_tokens(self, seq: Sequence, num_cached: int) -> int | None:
+        """Prompt tokens past the local `num_cached` the KV connector supplies (None: it is
+        still pulling them; the seq waits without blocking the queue)."""
+        if self.connector is None or seq.group is not None or seq.prompt_embeds is not None:
+            return 0
+        n, _ = self.connector.get_num_new_matched_tokens(seq, num_cached)
+        return n
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         if self.config.policy != "fcfs":
@@ -272,6 +294,13 @@ class Scheduler:
             if nxt and nxt[0] in pending and seq.group is None:  # a beam group comes in whole
                 deferred.append(self.waiting.popleft())
                 continue
+            ext = 0 if owed else self._external_tokens(seq, len(hits) * self.kv.block_size)
+            if ext is None:
+                deferred.append(self.waiting.popleft())
+                continue
+            if ext:
+                hits = list(hits) + self.kv.external_hits(seq, len(hits),
+                                                          ext // self.kv.block_size)
             cached = len(hits) * self.kv.block_size
             n = seq.num_tokens - cached
             if n > budget and not self.config.enable_chunked_prefill:
@@ -283,7 +312,13 @@ class Scheduler:
             from_host = sum(1 for h in hits if isinstance(h, HostHit)) * self.kv.block_size
             from_disk = sum(1 for h in hits if isinstance(h, DiskHit)) * self.kv.block_size
             if not owed:
-                self.kv.record_lookup(seq.num_tokens, cached, from_host, from_disk)
+                self.kv.record_lookup(seq.num_tokens, cached - ext, from_host, from_disk)
+            if self.connector is not None and not owed:
+                self.kv.record_external(seq.num_tokens, ext)
+            if ext:
+                first = len(hits) - ext // self.kv.block_size
+                self.connector.update_state_after_alloc(
+                    seq, self.kv.block_ids(seq)[first:len(hits)], ext)
             if seq.num_cached_tokens < 0:  # first admission: what the request got from the cache
                 seq.num_cached_tokens = cached
             seq.num_computed_tokens = cached
@@ -306,8 +341,20 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq.status == SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
+        if self.connector is not None and seq.index == 0:
+            self._connector_finished(seq)
         self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
+
+    def _connector_finished(self, seq: Sequence) -> None:
+        """Ask the connector whether the seq's blocks outlive it (a prefill replica's, until the
+        decode replica has pulled them): then they are held, its params kept for the output."""
+        blocks = self.kv.held_blocks(seq) if seq.status != SequenceStatus.SWAPPED else []
+        keep, params = self.connector.request_finished(seq, [b.block_id for b in blocks])
+        seq.kv_transfer_params = params
+        if keep and blocks:
+            self.kv.pool.touch(blocks)  # one more reference: kv.free leaves them held
+            self.held_blocks[seq.request_id] = blocks
 
     def add_running(self, seq: Sequence) -> None:
         """A forked sibling joins the running set directly (its blocks are shared)."""

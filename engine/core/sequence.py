@@ -54,6 +54,9 @@ class Sequence:
     # A beam search's seqs share one group (engine/core/beam_group.py): admitted and preempted
     # together, and their tokens chosen together.
     group: Any = None
+    # What a KV connector says of the finished request (vLLM's kv_transfer_params of its output:
+    # where a prefill replica holds its blocks), engine/kv_transfer/.
+    kv_transfer_params: dict | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

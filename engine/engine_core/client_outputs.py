@@ -47,6 +47,7 @@ class ClientRequest:
     finished: bool = False
     lora_request: Any = None
     continuation: Any = None  # sample/continuation.Continuation: output generated elsewhere
+    kv_transfer_params: dict | None = None  # a KV connector's, once finished
 
 
 class ClientOutputProcessor:
@@ -87,7 +88,8 @@ class ClientOutputProcessor:
     def _apply(self, req: ClientRequest, delta: RequestDelta, now: float) -> bool:
         """Fold one delta in (messages.py's tuple); True when a stop string ended the request
         here."""
-        _, finished, cached, metrics, outputs, full, prompt_ids, prompt_lps = delta
+        _, finished, cached, metrics, outputs, full, prompt_ids, prompt_lps, kvt = delta
+        req.kv_transfer_params = kvt
         if prompt_ids is not None:
             req.prompt_token_ids, req.prompt_logprobs = prompt_ids, prompt_lps
         req.metrics = None if metrics is None else RequestMetrics(*metrics)
@@ -146,4 +148,5 @@ class ClientOutputProcessor:
                              finished=req.finished, num_cached_tokens=req.num_cached_tokens,
                              metrics=req.metrics, prompt_logprobs=req.prompt_logprobs,
                              num_prompt_embeds=req.num_prompt_embeds,
-                             lora_request=req.lora_request)
+                             lora_request=req.lora_request,
+                             kv_transfer_params=req.kv_transfer_params)

@@ -104,6 +104,7 @@ class EngineCoreProc:
         if os.getppid() != self.parent_pid:  # the API process is gone: nobody to serve
             raise SystemExit("the engine core's parent process exited")
         self.engine.check_health()  # WorkerDiedError for a lost tensor-parallel worker
+        self.engine.core.poll_kv_transfers()  # blocks a decode replica has pulled meanwhile
 
     def _take_inbox(self) -> bool:
         """Apply every queued message in order; False on Shutdown."""

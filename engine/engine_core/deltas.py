@@ -40,4 +40,4 @@ class DeltaTracker:
             del self._sent[out.request_id]
         return (out.request_id, out.finished, out.num_cached_tokens, metrics, outputs,
                 out.outputs if whole else None, out.prompt_token_ids if first else None,
-                out.prompt_logprobs if first else None)
+                out.prompt_logprobs if first else None, out.kv_transfer_params)

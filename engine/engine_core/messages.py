@@ -58,7 +58,7 @@ class CoreReady:
 # One request's progress in one step travels as a plain tuple (pickled in C: 7x faster than
 # dataclasses at 256 streams, bench/core_transport.py):
 #   RequestDelta = (request_id, finished, num_cached_tokens, metrics, outputs, full,
-#                   prompt_token_ids, prompt_logprobs)
+#                   prompt_token_ids, prompt_logprobs, kv_transfer_params)
 # metrics: RequestMetrics' fields as a tuple; outputs: a list of CompletionDelta, or None when
 # `full` (the whole CompletionOutputs) replaces them: requests whose text the core makes itself
 # (best_of, n > 1 with stop strings); prompt_token_ids / prompt_logprobs: the first delta only.

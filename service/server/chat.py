@@ -88,7 +88,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     response = ChatCompletionResponse(id=request_id, model=model, choices=choices,
                                       usage=usage_of([out], ctx.prompt_tokens_details,
                                                      req.continued_tokens),
-                                      prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs))
+                                      prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs),
+                                      kv_transfer_params=out.kv_transfer_params)
     body = response.model_dump()
     if req.return_token_ids:  # vLLM's: the prompt's ids on the response, each choice's its own
         body["prompt_token_ids"] = prompt

@@ -56,7 +56,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest,
     choices = [c for i, out in enumerate(outputs) for c in _choices(ctx, req, i, out, echoes[i])]
     response = CompletionResponse(id=request_id, model=model, choices=choices,
                                   usage=usage_of(outputs, ctx.prompt_tokens_details,
-                                                 req.continued_tokens))
+                                                 req.continued_tokens),
+                                  kv_transfer_params=outputs[0].kv_transfer_params)
     body = response.model_dump()
     if req.return_token_ids:  # vLLM's: each choice its ids and its prompt's
         ids = [(c.token_ids, out.prompt_token_ids) for out in outputs

@@ -89,6 +89,18 @@ class ServerMetrics:
                                 "Prompt tokens looked up in the prefix cache.").labels(m)
         self.prefix_hits = c("vllm:prefix_cache_hits",
                              "Prompt tokens found in the prefix cache.").labels(m)
+        self.external_queries = c("vllm:external_prefix_cache_queries", "Prompt tokens of the "
+                                  "requests a KV connector was asked about.").labels(m)
+        self.external_hits = c("vllm:external_prefix_cache_hits", "Prompt tokens a KV connector "
+                               "supplied (pulled from a prefill replica).").labels(m)
+        self.prompt_computed = c("kvserve:prompt_tokens_computed", "Prompt tokens run through "
+                                 "the model (neither cached nor transferred).").labels(m)
+        self.kv_transfer_blocks = c("kvserve:kv_transfer_blocks", "KV blocks moved between "
+                                    "replicas by the KV connector.", ("direction",))
+        self.kv_transfer_failures = c("kvserve:kv_transfer_failures", "KV pulls that failed and "
+                                      "fell back to local prefill.").labels(m)
+        self.kv_transfer_held = g("kvserve:kv_transfer_held_requests", "Finished requests whose "
+                                  "blocks wait for a decode replica to pull them.").labels(m)
         self.cache_config = g("vllm:cache_config_info", "Information of the KV cache config.",
                               ("block_size", "num_gpu_blocks"))
         self.free_blocks = g("kvserve:free_blocks",
@@ -206,6 +218,23 @@ class ServerMetrics:
         self._advance("hits", self.prefix_hits, hits)
         self.prefix_hit_rate.set(hits / queries if queries else 0.0)
         self._observe_tiers(stats)
+        self._observe_transfers(stats)
+
+    def _observe_transfers(self, stats: Any) -> None:
+        """The KV connector's figures (engine/kv_transfer/)."""
+        m = self.model_name
+        self._advance("external_queries", self.external_queries,
+                      _stat(stats, "external_prefix_cache_queries"))
+        self._advance("external_hits", self.external_hits,
+                      _stat(stats, "external_prefix_cache_hits"))
+        self._advance("prompt_computed", self.prompt_computed,
+                      _stat(stats, "prompt_tokens_computed"))
+        for direction in ("received", "sent"):
+            self._advance(f"kvt_{direction}", self.kv_transfer_blocks.labels(m, direction),
+                          _stat(stats, f"kv_transfer_blocks_{direction}"))
+        self._advance("kvt_failures", self.kv_transfer_failures,
+                      _stat(stats, "kv_transfer_failures"))
+        self.kv_transfer_held.set(_stat(stats, "kv_transfer_held_requests"))
 
     def _advance(self, key: str, counter: Any, cumulative: float) -> None:
         delta = cumulative - self._last_counters.get(key, 0.0)
