@@ -33,6 +33,8 @@ def run_server(engine_config: Any, config: ServerConfig) -> int:
     """Load the model, print the memory budget, serve until SIGTERM/SIGINT (then drain)."""
     from kvserve.engine.llm_engine import LLMEngine
 
+    if config.additional_models:  # several models, one shared KV pool, one process
+        return run_multi_server(engine_config, config)
     # The server is a guarded entry point: its tensor-parallel workers spawn, as they did before
     # scripts could fork them, so no lock held by a server thread is ever inherited by a worker.
     os.environ.setdefault("KVSERVE_WORKER_MULTIPROC_METHOD", "spawn")
@@ -63,6 +65,27 @@ def run_server(engine_config: Any, config: ServerConfig) -> int:
     return 1 if died else 0
 
 
+def run_multi_server(engine_config: Any, config: ServerConfig) -> int:
+    """`--additional-model`: every model in this process over one KV pool, one port."""
+    import uvicorn
+
+    from kvserve.service.server.multi_model import AllEngines, multi_model_app
+
+    app, apps = multi_model_app(engine_config, config)
+    grace = config.shutdown_grace_period
+    server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port,
+                                           log_level=config.log_level.lower(),
+                                           timeout_graceful_shutdown=max(int(grace), 1)),
+                            AllEngines(apps), grace)  # type: ignore[arg-type]
+    logger.info("listening on http://%s:%d (OpenAI API under /v1): models %s", config.host,
+                config.port, ", ".join(apps.models.engines))
+    try:
+        server.run()
+    finally:
+        apps.models.shutdown()
+    return 0
+
+
 def _exit_soon(server: Any, died: list[BaseException], exc: BaseException) -> None:
     """The engine core died: open streams got their error event; stop serving a moment later
     so the pod restarts (/health answers 503 with the reason until then)."""
@@ -75,9 +98,28 @@ def _exit_soon(server: Any, died: list[BaseException], exc: BaseException) -> No
 
 
 def serve(args: argparse.Namespace) -> int:
-    """`kvserve serve` and this module's own entry point: the parsed serve flags, served."""
+    """`kvserve serve` and this module's own entry point: the parsed serve flags, served
+    (`--headless`: this worker host's ranks of a multi-host replica, no API server)."""
     setup_logging(args.log_level)
-    return run_server(engine_config_from_args(args), server_config_from_args(args))
+    engine_config = engine_config_from_args(args)
+    if getattr(args, "headless", False):
+        return run_headless_host(engine_config)
+    return run_server(engine_config, server_config_from_args(args))
+
+
+def run_headless_host(engine_config: Any) -> int:
+    """Run this host's ranks until the leader stops them (0) or one of them fails (1)."""
+    from kvserve.engine.worker.rank_env import from_environ
+    from kvserve.engine.worker.remote import run_headless
+
+    env = from_environ()
+    if not env.multi_node:
+        from kvserve.engine.errors import ConfigError
+
+        raise ConfigError("--headless needs a multi-host group in the environment: "
+                          "LWS_GROUP_SIZE + LWS_WORKER_INDEX + LWS_LEADER_ADDRESS (a "
+                          "LeaderWorkerSet sets them) or MASTER_ADDR + RANK + WORLD_SIZE")
+    return run_headless(engine_config.world_size, env)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

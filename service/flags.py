@@ -166,6 +166,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d("tensor_parallel_size"),
                    help="GPUs per replica: one process per GPU, each holding 1/N of the weights "
                         "and of the KV heads (scale out with replicas)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int,
+                   default=d("pipeline_parallel_size"),
+                   help="pipeline stages per replica: the layers split over P stages of "
+                        "--tensor-parallel-size ranks each (P x N processes, on one host or, "
+                        "from LWS_* / MASTER_ADDR + RANK, several); VLLM_PP_LAYER_PARTITION "
+                        "(e.g. 12,10) overrides the balanced split")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length (prompt + output); default: the model's")
     g.add_argument("--max-num-seqs", type=int, default=d("max_num_seqs"),
@@ -257,6 +263,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    '\'{"kv_connector": "KVServeConnector", "kv_role": "kv_producer", '
                    '"kv_connector_extra_config": {"kv_port": 5600}}\' (docs/guides/'
                    'disaggregation.md)')
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='vLLM\'s speculative decoding, e.g. \'{"method": "ngram", '
+                   '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": '
+                   '2}\' (methods ngram, suffix, draft_model, eagle, eagle3; docs/guides/'
+                   'speculative_decoding.md)')
     g.add_argument("--profiler-config", default=None, metavar="JSON",
                    help='vLLM\'s profiler config: torch.profiler traces of the engine, e.g. '
                    '\'{"profiler": "torch", "torch_profiler_dir": "./traces"}\'')
@@ -281,10 +292,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                            "read from disk again when next used")
 
 
+def parse_additional_model(text: str) -> tuple[str, str]:
+    """`NAME=PATH` of --additional-model."""
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name.strip(), path.strip()
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="0.0.0.0", help="address to listen on")
     g.add_argument("--port", type=int, default=8000, help="port to listen on")
+    g.add_argument("--headless", action="store_true",
+                   help="a worker host of a multi-host replica: run this host's ranks (from "
+                        "LWS_GROUP_SIZE / LWS_WORKER_INDEX / LWS_LEADER_ADDRESS or MASTER_ADDR "
+                        "+ RANK / WORLD_SIZE) with no API server; the leader serves the API")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="names clients use for the model (the first is reported)")
     g.add_argument("--api-key", default=None,
@@ -337,6 +360,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help='LoRA adapters loaded at start, each a model name: name=path or vLLM\'s '
                    'JSON {"name": ..., "path": ..., "base_model_name": ...} (needs '
                    "--enable-lora)")
+    g.add_argument("--additional-model", action="append", type=parse_additional_model,
+                   default=[], metavar="NAME=PATH",
+                   help="serve another model on the same port under NAME (repeatable), all "
+                   "models in one process over one shared KV pool; list the model with the "
+                   "largest KV block first (docs/guides/multi-model.md)")
     g.add_argument("--engine-core", default="auto", choices=["thread", "process", "auto"],
                    help="auto (default): process; process: the engine in its own process, this "
                    "one tokenising, detokenising and streaming (vLLM v1's split); thread: the "
