@@ -133,7 +133,8 @@ class OverlappedStep:
 
     def _may_overlap(self) -> bool:
         core = self.core
-        return self.overlap and core.logits_processors is None and all(
+        # speculative decoding's next drafts need this step's tokens: steps run in turn
+        return self.overlap and core.logits_processors is None and core.spec is None and all(
             request_overlaps(s) for s in core.requests.values())
 
     def _launch(self, lookahead: InFlight | None) -> InFlight | None:
@@ -149,7 +150,7 @@ class OverlappedStep:
         fill = _fill(sched, lookahead) if lookahead is not None else None
         launched = core.execute_model(sched, fill)
         placeholders: list[tuple[Sequence, int]] = []
-        if launched.result is not None:
+        if launched.result is not None and launched.spec is None:
             for r, i in enumerate(launched.rows):
                 seq = sched.seqs[i]
                 if r > 0 and launched.rows[r - 1] == i:  # an n > 1 fork's row: appends on finish
@@ -169,8 +170,12 @@ class OverlappedStep:
         for (seq, k), tok, ok in zip(step.placeholders, tokens, live):
             if ok and k >= 0:
                 seq.output_token_ids[k] = tok
+        drafted = {step.sched.seqs[g.batch_index].seq_id
+                   for g in (step.launched.spec.groups if step.launched.spec else [])}
         for seq in step.sched.seqs:  # every computed token is known now: cache the full blocks
-            if not seq.is_finished and seq.request_id in core.requests:
+            # (a drafted seq's are registered once its drafts are verified: spec_decode/)
+            if not seq.is_finished and seq.request_id in core.requests \
+                    and seq.seq_id not in drafted:
                 core.kv.register_computed(seq)
         # Each token is applied as the sync engine appends it: the seq's outputs end just
         # before it (a later step's placeholder comes back after, unless the seq finished).

@@ -50,6 +50,11 @@ class EngineStats:
     disk_bad_files: int = 0  # cumulative reads of a missing or damaged file (misses)
     offload_bytes_to_disk: int = 0
     offload_bytes_from_disk: int = 0
+    # Speculative decoding (engine/spec_decode/), cumulative: vLLM's spec_decode_* counters
+    spec_decode_num_drafts: int = 0  # (request, step) pairs that scored at least one draft
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_pos: tuple[int, ...] = ()  # accepted drafts by position (0: first)
     # A KV connector (engine/kv_transfer/): vLLM's external prefix cache (prompt tokens of the
     # requests asked about, and those it supplied; not in prefix_cache_hits), and its transfers
     external_prefix_cache_queries: int = 0

@@ -48,7 +48,20 @@ def engine_stats(core: Any) -> EngineStats:
         offload_bytes_from_disk=cache.disk_bytes_read,
         external_prefix_cache_queries=cache.external_prefix_cache_queries,
         external_prefix_cache_hits=cache.external_prefix_cache_hits,
-        prompt_tokens_computed=core.prompt_tokens_computed, **transfer_figures(core))
+        prompt_tokens_computed=core.prompt_tokens_computed, **transfer_figures(core),
+        **_spec_figures(core))
+
+
+def _spec_figures(core: Any) -> dict[str, Any]:
+    """Speculative decoding's counters (none without it)."""
+    spec = getattr(core, "spec", None)
+    if spec is None:
+        return {}
+    c = spec.counters
+    return dict(spec_decode_num_drafts=c.num_drafts,
+                spec_decode_num_draft_tokens=c.num_draft_tokens,
+                spec_decode_num_accepted_tokens=c.num_accepted_tokens,
+                spec_decode_accepted_per_pos=tuple(c.accepted_per_pos))
 
 
 def transfer_figures(core: Any) -> dict[str, int]:

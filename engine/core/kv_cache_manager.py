@@ -462,6 +462,19 @@ class KVCacheManager:
         if cpu:
             self.cpu_free.extend(cpu)
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Free the seq's blocks past those holding its first `num_tokens` tokens (speculative
+        decoding: the slots of rejected drafts), newest first."""
+        keep = -(-num_tokens // self.block_size)
+        freed: list[Block] = []
+        for table in self._tables(seq.seq_id):
+            while len(table) > keep:
+                b = table.pop()
+                if b is not None:
+                    freed.append(b)
+        if freed:
+            self.pool.free_blocks(freed)
+
     def block_ids(self, seq: Sequence, group: int = 0) -> list[int]:
         """The seq's block table in `group`; a block a sliding window released reads as 0, a
         slot the kernels never read for that group's layers (they skip or mask it)."""

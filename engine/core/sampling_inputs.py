@@ -14,14 +14,16 @@ from kvserve.engine.sample.sampler import SamplingMetadata
 from kvserve.engine.structured_output.grammar import GrammarState
 
 
-def sampling_rows(core: Any, sched: SchedulerOutput
+def sampling_rows(core: Any, sched: SchedulerOutput, with_metadata: bool = True
                   ) -> tuple[list[int], SamplingMetadata | None]:
     """Batch indices whose logits are sampled (prefill complete); n > 1 parents repeat. A
-    request whose seed or grammar cannot be used fails alone (`core.fail_request`)."""
+    request whose seed or grammar cannot be used fails alone (`core.fail_request`).
+    `with_metadata=False`: the rows only (speculative decoding builds its own metadata)."""
     rows: list[int] = []
     seqs: list[Sequence] = []
+    drafts = sched.spec_token_ids or [[] for _ in sched.seqs]
     for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_tokens)):
-        if seq.num_computed_tokens + n == seq.num_tokens:
+        if seq.num_computed_tokens + n - len(drafts[i]) == seq.num_tokens:
             for _ in range(1 + (seq.pending_forks if not seq.output_token_ids else 0)):
                 rows.append(i)
                 seqs.append(seq)
@@ -34,7 +36,7 @@ def sampling_rows(core: Any, sched: SchedulerOutput
     if core.failed_now:
         kept = [(i, s) for i, s in zip(rows, seqs) if s.request_id not in core.failed_now]
         rows, seqs = [i for i, _ in kept], [s for _, s in kept]
-    if not rows:
+    if not rows or not with_metadata:
         return rows, None
     return rows, _metadata(core, seqs)
 

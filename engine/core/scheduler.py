@@ -28,6 +28,9 @@ class SchedulerOutput:
     blocks_to_load: list[tuple[bytearray, int]] = field(default_factory=list)  # (disk, device)
     num_preempted: int = 0
     kv_connector_metadata: Any = None  # the KV connector's work for the worker side
+    # per seq, the drafted tokens scored after its last one ([]: no seq has any); set by the
+    # engine core from the seqs' spec_token_ids (engine/spec_decode/speculator.py)
+    spec_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -120,7 +123,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = seq.num_tokens - seq.num_computed_tokens
+            if n == 1:  # decoding: room for its drafts too (speculative decoding)
+                n += len(seq.spec_token_ids)
+            n = min(n, budget)
             if n == 0:  # a beam whose group waits for its other beams: nothing to compute
                 i += 1
                 continue

@@ -54,6 +54,9 @@ class Sequence:
     # A beam search's seqs share one group (engine/core/beam_group.py): admitted and preempted
     # together, and their tokens chosen together.
     group: Any = None
+    # Speculative decoding (engine/spec_decode/): tokens drafted for the next step, scored
+    # after the seq's last token when the scheduler has room for them.
+    spec_token_ids: list[int] = field(default_factory=list)
     # What a KV connector says of the finished request (vLLM's kv_transfer_params of its output:
     # where a prefill replica holds its blocks), engine/kv_transfer/.
     kv_transfer_params: dict | None = None

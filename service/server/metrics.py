@@ -56,6 +56,7 @@ class ServerMetrics:
         self._build_engine_metrics()
         self._build_request_metrics()
         self._build_tier_metrics()
+        self._build_spec_metrics()
         # vLLM's: one series, its labels the adapters of running and waiting requests, its
         # value the time of the last change
         self.lora_info = Gauge("vllm:lora_requests_info", "Running stats on LoRA requests.",
@@ -165,6 +166,31 @@ class ServerMetrics:
                                          "Prefix cache hits / queries (tokens) by tier, since "
                                          "start.", ("tier",))
 
+    def _build_spec_metrics(self) -> None:
+        """Speculative decoding (vLLM's names): drafts, draft tokens, accepted tokens, and
+        accepted tokens by draft position."""
+        m, c = self.model_name, self._counter
+        self.spec_drafts = c("vllm:spec_decode_num_drafts",
+                             "Requests x steps that scored speculative drafts.").labels(m)
+        self.spec_draft_tokens = c("vllm:spec_decode_num_draft_tokens",
+                                   "Draft tokens scored.").labels(m)
+        self.spec_accepted = c("vllm:spec_decode_num_accepted_tokens",
+                               "Draft tokens accepted.").labels(m)
+        self.spec_accepted_per_pos = c("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                       "Draft tokens accepted, by position in the draft.",
+                                       ("position",))
+
+    def _observe_spec(self, stats: Any) -> None:
+        self._advance("spec_drafts", self.spec_drafts, _stat(stats, "spec_decode_num_drafts"))
+        self._advance("spec_draft_tokens", self.spec_draft_tokens,
+                      _stat(stats, "spec_decode_num_draft_tokens"))
+        self._advance("spec_accepted", self.spec_accepted,
+                      _stat(stats, "spec_decode_num_accepted_tokens"))
+        per_pos = getattr(stats, "spec_decode_accepted_per_pos", None) or ()
+        for pos, value in enumerate(per_pos):
+            self._advance(f"spec_pos_{pos}",
+                          self.spec_accepted_per_pos.labels(self.model_name, str(pos)), value)
+
     def _observe_tiers(self, stats: Any) -> None:
         m = self.model_name
         self.cpu_cache_usage.set(_stat(stats, "cpu_cache_usage"))
@@ -218,6 +244,7 @@ class ServerMetrics:
         self._advance("hits", self.prefix_hits, hits)
         self.prefix_hit_rate.set(hits / queries if queries else 0.0)
         self._observe_tiers(stats)
+        self._observe_spec(stats)
         self._observe_transfers(stats)
 
     def _observe_transfers(self, stats: Any) -> None:

@@ -1,0 +1,109 @@
+"""How many tokens to draft for each request: a draft at position j (1-based) is worth scoring
+when its chance of being used, alpha^j (alpha: the request's measured per-token acceptance),
+exceeds what one more token costs the step in output: b * throughput, where b is the step's
+marginal seconds per scored token, fitted on recent steps (seconds ~ a + b * tokens). On a
+CPU at batch 1 a forward costs about the same for one token or five (a >> b), so drafts are
+scored freely; at batch 64 the forward is compute-bound and only drafts that are nearly sure
+survive, so speculation does not cost throughput."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+DECAY = 0.8  # weight of a request's past acceptance per step
+PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 2.0  # alpha starts at 0.5
+PROBE_EVERY = 16  # a request drafted nothing this many steps: try one draft token
+FIT_WINDOW = 256  # steps in the cost fit
+MIN_TOKEN_SPREAD = 2.0  # the fit needs steps of different sizes (std of tokens per step)
+
+
+@dataclass
+class StreamAcceptance:
+    accepted: float = PRIOR_ACCEPTED
+    trials: float = PRIOR_TRIALS
+    idle_steps: int = 0
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.trials
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        """A step scored `num_drafts` drafts and accepted the first `num_accepted`: that many
+        successes and one failure (unless all were accepted)."""
+        self.accepted = DECAY * self.accepted + num_accepted
+        self.trials = DECAY * self.trials + num_accepted + (num_accepted < num_drafts)
+
+
+class StepCost:
+    """seconds ~ a + b * tokens over the last FIT_WINDOW steps (least squares)."""
+
+    def __init__(self) -> None:
+        self.points: deque[tuple[float, float]] = deque(maxlen=FIT_WINDOW)
+        self.per_token = 0.0  # b: optimistic until steps of different sizes were seen
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        self.points.append((float(num_tokens), seconds))
+        if len(self.points) < 8:
+            return
+        data = np.array(self.points)
+        if data[:, 0].std() < MIN_TOKEN_SPREAD:
+            return
+        slope, _ = np.polyfit(data[:, 0], data[:, 1], 1)
+        self.per_token = max(float(slope), 0.0)
+
+
+class AdaptiveDrafts:
+    """Per-request draft lengths from acceptance and the step cost (see the module doc)."""
+
+    def __init__(self, max_tokens: int, enabled: bool = True) -> None:
+        self.max_tokens = max_tokens
+        self.enabled = enabled
+        self.streams: dict[str, StreamAcceptance] = {}
+        self.cost = StepCost()
+        self.throughput = 0.0  # output tokens per second, smoothed
+
+    def observe_step(self, num_tokens: int, num_output_tokens: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        self.cost.observe(num_tokens, seconds)
+        rate = num_output_tokens / seconds
+        self.throughput = rate if not self.throughput else 0.9 * self.throughput + 0.1 * rate
+
+    def threshold(self) -> float:
+        """The chance of use a draft token must have to pay for its place in the step."""
+        return self.cost.per_token * self.throughput
+
+    def num_tokens(self, stream_id: str, threshold: float) -> int:
+        """Drafts to ask for this request now (0: none this step)."""
+        if not self.enabled:
+            return self.max_tokens
+        s = self.streams.setdefault(stream_id, StreamAcceptance())
+        k = _useful_length(s.alpha, threshold, self.max_tokens)
+        if k == 0:
+            s.idle_steps += 1
+            if s.idle_steps >= PROBE_EVERY:
+                s.idle_steps = 0
+                return 1
+        return k
+
+    def observe(self, stream_id: str, num_drafts: int, num_accepted: int) -> None:
+        if num_drafts > 0:
+            s = self.streams.setdefault(stream_id, StreamAcceptance())
+            s.observe(num_drafts, num_accepted)
+            s.idle_steps = 0
+
+    def release(self, stream_id: str) -> None:
+        self.streams.pop(stream_id, None)
+
+
+def _useful_length(alpha: float, threshold: float, max_tokens: int) -> int:
+    """The largest j <= max_tokens with alpha^j >= threshold."""
+    if threshold <= 0.0 or alpha >= 1.0:
+        return max_tokens
+    if alpha <= 0.0 or threshold >= 1.0:
+        return 0
+    return max(0, min(max_tokens, int(math.log(threshold) / math.log(alpha))))

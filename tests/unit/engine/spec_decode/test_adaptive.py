@@ -1,0 +1,40 @@
+"""Adaptive draft lengths: the cost fit, the acceptance estimate, and the rule between them."""
+
+from __future__ import annotations
+
+from kvserve.engine.spec_decode.adaptive import (PROBE_EVERY, AdaptiveDrafts, StepCost,
+                                                 _useful_length)
+
+
+def test_useful_length():
+    assert _useful_length(0.9, 0.0, 5) == 5  # free tokens: the most
+    assert _useful_length(0.5, 0.2, 5) == 2  # 0.5^2 = 0.25 >= 0.2 > 0.125
+    assert _useful_length(0.3, 0.9, 5) == 0
+    assert _useful_length(1.0, 0.9, 5) == 5
+
+
+def test_step_cost_fit():
+    cost = StepCost()
+    for tokens in [1, 2, 4, 8, 16, 32] * 3:
+        cost.observe(tokens, 0.030 + 0.002 * tokens)
+    assert abs(cost.per_token - 0.002) < 1e-6
+
+
+def test_drafts_shrink_when_rejected_and_probe_again():
+    a = AdaptiveDrafts(max_tokens=4)
+    threshold = 0.3
+    assert a.num_tokens("r", threshold) == 1  # prior alpha 0.5: 0.5 >= 0.3 > 0.25
+    for _ in range(10):
+        a.observe("r", 1, 0)
+    assert a.num_tokens("r", threshold) == 0
+    counts = [a.num_tokens("r", threshold) for _ in range(PROBE_EVERY)]
+    assert counts.count(1) == 1  # one probe in PROBE_EVERY steps
+    for _ in range(30):
+        a.observe("r", 4, 4)
+    assert a.num_tokens("r", threshold) == 4
+
+
+def test_off_when_not_adaptive():
+    a = AdaptiveDrafts(max_tokens=3, enabled=False)
+    a.observe("r", 3, 0)
+    assert a.num_tokens("r", 0.99) == 3
