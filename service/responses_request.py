@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from kvserve.engine.errors import InvalidRequestError
 from kvserve.service.chat_request import ChatCompletionRequest
@@ -73,7 +73,21 @@ class ResponsesRequest(OpenAIModel):
 
     def as_chat(self, limits: RequestLimits = DEFAULT_LIMITS) -> ChatCompletionRequest:
         """The same request as /v1/chat/completions takes it (checked against `limits`)."""
-        body: dict[str, Any] = {k: getattr(self, k) for k in _PASSED if getattr(self, k) is not None}
+        body = self.chat_body()
+        try:
+            chat = ChatCompletionRequest.model_validate(body)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(x) for x in err["loc"])
+            raise InvalidRequestError(f"{where}: {err['msg']}", where) from None
+        chat.check(limits)
+        return chat
+
+    def chat_body(self) -> dict[str, Any]:
+        """The chat completions request body of this request, unchecked (the router sends it
+        to a replica's /v1/chat/completions when it migrates a Responses request)."""
+        body: dict[str, Any] = {k: _plain(getattr(self, k)) for k in _PASSED
+                                if getattr(self, k) is not None}
         body["messages"] = _messages(self.instructions, self.input)
         if self.tools:
             body["tools"] = [_tool(t, i) for i, t in enumerate(self.tools)]
@@ -86,14 +100,12 @@ class ResponsesRequest(OpenAIModel):
             body["response_format"] = fmt
         if self.stream:
             body.update(stream=True, stream_options={"include_usage": True})
-        try:
-            chat = ChatCompletionRequest.model_validate(body)
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            where = ".".join(str(x) for x in err["loc"])
-            raise InvalidRequestError(f"{where}: {err['msg']}", where) from None
-        chat.check(limits)
-        return chat
+        return body
+
+
+def _plain(value: Any) -> Any:
+    """A field's value as JSON would carry it (a nested model as its dict)."""
+    return value.model_dump(exclude_none=True) if isinstance(value, BaseModel) else value
 
 
 def _messages(instructions: str | None, items: str | list[dict[str, Any]]) -> list[dict]:

@@ -1,6 +1,7 @@
 """The router's FastAPI app: /health, /metrics, the merged /v1/models (with the registered LoRA
-adapters), and every other path proxied; completions and chat completions are validated as the
-replicas would, then routed by their prompt and adapter (loaded on a replica first if needed)."""
+adapters), and every other path proxied; completions, chat completions and Responses are
+validated as the replicas would, then routed by their prompt (a Responses request's as its chat
+completion's) and adapter (loaded on a replica first if needed)."""
 
 from __future__ import annotations
 
@@ -21,11 +22,12 @@ from kvserve.service.openai_errors import APIError, error_response
 from kvserve.service.chat_request import ChatCompletionRequest
 from kvserve.service.request_models import CompletionRequest
 from kvserve.service.request_validation import read_json_body, validate_request
+from kvserve.service.responses_request import ResponsesRequest
 from kvserve.service.router import pd
 from kvserve.service.router.adapters import AdapterLoadError
 from kvserve.service.router.config import RouterConfig
 from kvserve.service.router.drain import DrainMiddleware, DrainState
-from kvserve.service.router.migration import Migrator, migratable
+from kvserve.service.router.migration import Migrator, migratable, upstream_form
 from kvserve.service.router.proxy import (ClientGoneError, ClientWatch, NoReplicaError, Proxy,
                                           forward_headers)
 from kvserve.service.router.routing import RouteInfo, Router
@@ -33,7 +35,8 @@ from kvserve.service.routing_policy import Candidate
 
 logger = logging.getLogger("kvserve.router")
 _REQUEST_MODELS = {"/v1/completions": CompletionRequest,
-                   "/v1/chat/completions": ChatCompletionRequest}
+                   "/v1/chat/completions": ChatCompletionRequest,
+                   "/v1/responses": ResponsesRequest}
 
 
 def create_app(cfg: RouterConfig) -> FastAPI:
@@ -109,7 +112,7 @@ async def _forward(router: Router, proxy: Proxy, path: str, request: Request,
             parsed = validated_body(path, body, router.cfg.limits)
         except APIError as exc:
             return error_response(exc.status, exc.message, exc.param, exc.code)
-        route = await router.route(path, parsed, request.headers)
+        route = await router.route(*upstream_form(path, parsed), request.headers)
     ranking = list(route.decision.ranking) if route else router.least_load_ranking()
     policy = route.decision.applied if route else "passthrough"
     if not ranking:

@@ -2,8 +2,14 @@
 without a finish, an SSE error event from a dying engine, a drain hand-back), the router
 re-issues each unfinished choice to another replica as a continuation (the prompt plus the token
 ids already delivered) and splices its chunks into the client's one stream
-(migration_state.py rewrites them). Whole (non-streamed) answers are re-issued by the proxy's
-retry before the first byte (service/router/proxy.py)."""
+(migration_state.py rewrites them).
+
+Whole (non-streamed) requests are asked of the replicas as streams too, and the router answers
+the client with the body those chunks make (whole_answer.py): a replica that dies mid-generation
+leaves the router the tokens it delivered, so the rest is continued elsewhere, invisibly. A
+/v1/responses request is sent as its chat completion (the replica's own translation,
+service/responses_request.py) and retold as Responses events or a Response object
+(service/responses_stream.py, as the replica retells it)."""
 
 from __future__ import annotations
 
@@ -16,28 +22,42 @@ from typing import Any
 
 import anyio
 import httpx
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from kvserve.service.responses_request import ResponsesRequest
+from kvserve.service.responses_stream import finished_response, response_base, retell_stream
 from kvserve.service.router.config import RouterConfig
 from kvserve.service.router.migration_state import SpliceState, StreamBroken, split_events
 from kvserve.service.router.proxy import ClientWatch, NoReplicaError, Opened, Proxy
 from kvserve.service.router.routing import RouteInfo, Router
+from kvserve.service.router.whole_answer import WholeAnswer
 from kvserve.service.routing_policy import Candidate
 from kvserve.service.sse import SSE_DONE, sse_error
 
 logger = logging.getLogger("kvserve.router")
-STREAMED_PATHS = ("/v1/completions", "/v1/chat/completions")
+CHAT_PATH = "/v1/chat/completions"
+RESPONSES_PATH = "/v1/responses"
+MIGRATABLE_PATHS = ("/v1/completions", CHAT_PATH, RESPONSES_PATH)
 
 
 def migratable(cfg: RouterConfig, path: str, body: dict[str, Any]) -> bool:
-    """A streamed completion or chat request of one prompt the router can continue elsewhere
-    (echo and batched prompts would repeat their prompt part: relayed as before)."""
-    if cfg.migration_limit <= 0 or path not in STREAMED_PATHS or not body.get("stream"):
+    """A completion, chat or Responses request of one prompt, streamed or not, the router can
+    continue elsewhere (echo and batched prompts would repeat their prompt part; beam search,
+    best_of > n and prompt_logprobs have no stream to continue: relayed as before)."""
+    if cfg.migration_limit <= 0 or path not in MIGRATABLE_PATHS:
         return False
     prompt = body.get("prompt")
     batched = isinstance(prompt, list) and len(prompt) > 1 and \
         isinstance(prompt[0], (list, str))
     best_of = body.get("best_of")
-    return not batched and not body.get("echo") and best_of in (None, body.get("n") or 1)
+    return not batched and not body.get("echo") and best_of in (None, body.get("n") or 1) \
+        and not body.get("use_beam_search") and body.get("prompt_logprobs") is None
+
+
+def upstream_form(path: str, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The path and body the replicas get: a Responses request as its chat completion."""
+    if path == RESPONSES_PATH:
+        return CHAT_PATH, ResponsesRequest.model_validate(body).chat_body()
+    return path, body
 
 
 @dataclass
@@ -66,9 +86,10 @@ class Migrating:
     pending: list[int] = field(default_factory=list)  # choices waiting for a continuation
 
     def upstream(self, continuation: tuple[int, list[int]] | None = None) -> dict[str, Any]:
-        """The body a replica gets: token ids on each chunk, usage at the end (the client's
-        wishes are restored by `state`), and for a continuation one choice's delivered ids."""
-        body = {**self.body, "return_token_ids": True,
+        """The body a replica gets: a stream (a whole answer's too), token ids on each chunk,
+        usage at the end (the client's wishes are restored by `state`), and for a continuation
+        one choice's delivered ids."""
+        body = {**self.body, "stream": True, "return_token_ids": True,
                 "stream_options": {**(self.body.get("stream_options") or {}),
                                    "include_usage": True}}
         if continuation is not None:
@@ -81,7 +102,7 @@ class Migrating:
 
 
 class Migrator:
-    """Relays streamed completions and chat completions, migrating them when a replica fails."""
+    """Relays completions, chat completions and Responses, migrating them when a replica fails."""
 
     def __init__(self, cfg: RouterConfig, router: Router, proxy: Proxy) -> None:
         self.cfg, self.router, self.proxy = cfg, router, proxy
@@ -90,20 +111,56 @@ class Migrator:
     async def forward(self, path: str, query: str, body: dict[str, Any], headers: Any,
                       ranking: list[Candidate], policy: str, route: RouteInfo | None,
                       watch: ClientWatch | None) -> Response:
-        n = int(body.get("n") or 1)
-        state = SpliceState(n=n, chat=path.endswith("/chat/completions"),
-                            keep_token_ids=bool(body.get("return_token_ids")),
-                            want_usage=bool((body.get("stream_options") or {}).get(
+        whole = not body.get("stream")
+        retell = ResponsesRequest.model_validate(body) if path == RESPONSES_PATH else None
+        up_path, up_body = upstream_form(path, body)
+        state = SpliceState(n=int(up_body.get("n") or 1), chat=up_path == CHAT_PATH,
+                            keep_token_ids=bool(up_body.get("return_token_ids")),
+                            want_usage=whole or bool((up_body.get("stream_options") or {}).get(
                                 "include_usage")))
-        req = Migrating(path, query, body, headers, route.prompt_tokens if route else 0, state)
-        opened = await self.proxy.open_first("POST", path, query, _encode(req.upstream()),
+        req = Migrating(up_path, query, up_body, headers, route.prompt_tokens if route else 0,
+                        state)
+        opened = await self.proxy.open_first("POST", up_path, query, _encode(req.upstream()),
                                              headers, ranking, policy, route, watch)
         resp = opened.resp
         if resp.status_code != 200 or \
                 not resp.headers.get("content-type", "").startswith("text/event-stream"):
             return self.proxy._stream_back(*opened, route)  # an error answer: relayed as is
-        return StreamingResponse(self._relay(req, Leg(opened)), status_code=200,
-                                 headers=self.proxy.response_headers(opened.cand, resp, route))
+        headers_out = self.proxy.response_headers(opened.cand, resp, route)
+        relay = self._relay(req, Leg(opened))
+        if whole:
+            headers_out.pop("content-type", None)
+            return await self._whole(state, relay, watch, headers_out, retell)
+        if retell is not None:
+            relay = _retold(retell, relay)
+        return StreamingResponse(relay, status_code=200, headers=headers_out)
+
+    async def _whole(self, state: SpliceState, relay: AsyncIterator[bytes],
+                     watch: ClientWatch | None, headers: dict[str, str],
+                     retell: ResponsesRequest | None) -> Response:
+        """The non-streamed answer the relayed (and maybe migrated) stream makes; 499 when the
+        client leaves first (the relay's close tells the replica to abort)."""
+        answer = WholeAnswer(chat=state.chat, keep_token_ids=state.keep_token_ids)
+
+        async def collect() -> None:
+            async for raw in relay:
+                answer.feed(raw)
+
+        task = asyncio.ensure_future(collect())
+        waits: set[asyncio.Future] = {task} | ({watch.gone} if watch is not None else set())
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+        task.result()
+        if answer.error is not None:
+            return JSONResponse(answer.error, status_code=answer.status(), headers=headers)
+        body = answer.body()
+        if retell is not None:
+            base = {**response_base(retell), "model": body["model"]}
+            body = finished_response(base, body["choices"][0], body.get("usage"))
+        return JSONResponse(body, headers=headers)
 
     async def _relay(self, req: Migrating, leg: Leg | None) -> AsyncIterator[bytes]:
         """The client's stream: each leg's events, a migration where one breaks."""
@@ -233,6 +290,17 @@ class Migrator:
 
 def _encode(body: dict[str, Any]) -> bytes:
     return json.dumps(body).encode()
+
+
+async def _retold(req: ResponsesRequest, relay: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The Responses stream's events for the relayed chat stream; the relay is closed after
+    (the client leaving must close the replica's stream too)."""
+    try:
+        async for event in retell_stream(response_base(req), relay):
+            yield event.encode()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await relay.aclose()  # type: ignore[attr-defined]
 
 
 def _router_cut_off() -> bytes:

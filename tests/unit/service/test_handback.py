@@ -10,7 +10,7 @@ import json
 from kvserve.engine.async_engine import EngineDeadError, RequestAbortedError
 from kvserve.service.server.engine_streams import stream_failure
 from kvserve.service.server.handback import MIGRATE_HEADER, handback_error
-from kvserve.service.server.responses import _events
+from kvserve.service.responses_stream import retell_stream as _events
 
 AGREED = {"error": {"message": "replica draining: stream handed back for migration",
                     "type": "ServiceUnavailableError", "code": 503, "param": None,

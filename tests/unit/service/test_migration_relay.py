@@ -330,17 +330,115 @@ def test_a_client_error_event_is_passed_through_not_migrated():
     assert state.event(event, False) == f"data: {event}\n\n"
 
 
-@pytest.mark.parametrize("how", ["reset", "drain"])
-def test_a_whole_answer_whose_replica_fails_is_re_issued_invisibly(how):
-    script = Script(breaks=[(0, how)])
+@pytest.mark.parametrize("how", ["reset", "eof", "error_event", "drain"])
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_a_whole_answer_whose_replica_fails_mid_generation_is_continued_invisibly(how, chat):
+    """A non-streamed request goes upstream as a stream, so the tokens delivered before the
+    break are the router's: the rest is a continuation, the client gets one whole body."""
+    script = Script(breaks=[(3, how)])
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    ask = {"messages": [{"role": "user", "content": "p"}]} if chat else {"prompt": "p"}
+    with fleet(script) as url:
+        resp = httpx.post(url + path, timeout=30,
+                          json={"model": "fake", "max_tokens": 9, "n": 2, **ask})
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        assert body["object"] == ("chat.completion" if chat else "text_completion")
+        got = {c["index"]: c["message"]["content"] if chat else c["text"]
+               for c in body["choices"]}
+        assert got == expected(2, 9) and body["id"] == script.bodies[0][0].replace("r", "id-r")
+        assert [c["finish_reason"] for c in body["choices"]] == ["length", "length"]
+        assert "token_ids" not in body["choices"][0]  # the router's own ask, not the client's
+        assert body["usage"]["completion_tokens"] == 18
+        assert all(b["stream"] for _, b in script.bodies)
+        conts = sorted((b["continuation"]["index"], b["continuation"]["token_ids"])
+                       for _, b in script.bodies[1:])
+        assert conts == [(0, [0, 1, 2]), (1, [100, 101, 102])]
+        reason = {"reset": "reset", "eof": "eof", "error_event": "error_event",
+                  "drain": "drain"}[how]
+        assert metric(url, "kvserve:router_migrations_total", reason=reason,
+                      outcome="migrated") == 1
+
+
+def test_a_whole_answer_whose_replica_fails_before_its_first_byte_is_re_issued():
+    script = Script(breaks=[(0, "reset")])
     with fleet(script) as url:
         resp = httpx.post(url + "/v1/completions", timeout=30,
-                          json={"model": "fake", "prompt": "p", "max_tokens": 5})
+                          json={"model": "fake", "prompt": "p", "max_tokens": 5,
+                                "return_token_ids": True})
         assert resp.status_code == 200, resp.text
-        assert resp.json()["choices"][0]["text"] == expected(1, 5)[0]
+        choice = resp.json()["choices"][0]
+        assert choice["text"] == expected(1, 5)[0] and choice["token_ids"] == [0, 1, 2, 3, 4]
         assert len({name for name, _ in script.bodies}) == 2
-        assert metric(url, "kvserve:router_migrations_total", reason="drain",
-                      outcome="retried") == (1 if how == "drain" else 0)
+        assert "continuation" not in script.bodies[1][1]
+
+
+def test_a_whole_answer_with_migration_off_is_relayed_raw():
+    """--migration-limit 0: the request goes as the client sent it and the answer comes back
+    byte for byte (the replica's own whole body)."""
+    script = Script()
+    with fleet(script, "--migration-limit", "0") as url:
+        resp = httpx.post(url + "/v1/completions", timeout=30,
+                          json={"model": "fake", "prompt": "p", "max_tokens": 4})
+        assert resp.json()["choices"][0]["text"] == expected(1, 4)[0]
+        assert not script.bodies[0][1].get("stream")
+
+
+def test_a_whole_answer_past_the_migration_limit_is_an_error_answer():
+    script = Script(breaks=[(2, "reset"), (2, "reset")])
+    with fleet(script, "--migration-limit", "1") as url:
+        resp = httpx.post(url + "/v1/completions", timeout=30,
+                          json={"model": "fake", "prompt": "p", "max_tokens": 9})
+        assert resp.status_code == 502
+        assert resp.json()["error"]["code"] == "migration_limit"
+
+
+def responses_events(url: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", url + "/v1/responses", timeout=30,
+                      json={"model": "fake", "stream": True, **body}) as resp:
+        assert resp.status_code == 200 and \
+            resp.headers["content-type"].startswith("text/event-stream")
+        raw = resp.read()
+    payloads, rest = split_events(raw)
+    assert rest == b""
+    return [json.loads(p) for p in payloads]
+
+
+@pytest.mark.parametrize("how", ["reset", "error_event", "drain"])
+def test_a_broken_responses_stream_is_continued_and_retold_as_one(how):
+    """/v1/responses goes upstream as its chat completion; the spliced chat stream is retold
+    as one Responses stream: one created event, one message item, every delta, numbered
+    events, the usage of the whole generation."""
+    script = Script(breaks=[(4, how)])
+    with fleet(script) as url:
+        events = responses_events(url, {"input": "p", "max_output_tokens": 9,
+                                        "return_token_ids": True})
+        assert [name for name, _ in script.bodies] and \
+            all("messages" in b and "input" not in b for _, b in script.bodies)
+        assert script.bodies[1][1]["continuation"]["token_ids"] == [0, 1, 2, 3]
+        kinds = [e["type"] for e in events]
+        assert kinds.count("response.created") == 1 and kinds[-1] == "response.completed"
+        assert kinds.count("response.output_item.added") == 1
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+        assert "".join(e["delta"] for e in deltas) == expected(1, 9)[0]
+        assert [i for e in deltas for i in e["token_ids"]] == list(range(9))
+        done = events[-1]["response"]
+        assert done["output"][0]["content"][0]["text"] == expected(1, 9)[0]
+        assert done["usage"]["output_tokens"] == 9 and done["status"] == "incomplete"
+
+
+def test_a_whole_responses_request_is_continued_and_answered_as_a_response():
+    script = Script(breaks=[(5, "reset")])
+    with fleet(script) as url:
+        resp = httpx.post(url + "/v1/responses", timeout=30,
+                          json={"model": "fake", "input": "p", "max_output_tokens": 9})
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        assert body["object"] == "response" and body["id"].startswith("resp_")
+        assert body["output"][0]["content"][0]["text"] == expected(1, 9)[0]
+        assert body["usage"]["output_tokens"] == 9
+        assert len(script.bodies) == 2
 
 
 def test_an_error_event_that_would_repeat_ends_the_stream():
