@@ -30,8 +30,9 @@ _CORE_ATTRS = ("config", "device", "dtype", "hf_config", "tokenizer", "max_model
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
-        self.core = EngineCore(config)
+    def __init__(self, config: EngineConfig, seat: Any = None) -> None:
+        # `seat`: the model's place on a KV pool shared by several models (engine/multi_model.py)
+        self.core = EngineCore(config, seat)
         self.model_name = config.served_model_name or config.model
         self.output = OutputProcessor(self.core.tokenizer)
         self.processor = Processor(self.core, self.output.new_text)

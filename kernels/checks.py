@@ -49,8 +49,11 @@ def check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     require(v_cache.dtype == k_cache.dtype, "v_cache",
             f"dtype {v_cache.dtype} differs from k_cache {k_cache.dtype}")
     require(v_cache.device == k_cache.device, "v_cache", "is on another device than k_cache")
-    require(k_cache.is_contiguous() and v_cache.is_contiguous(), "k_cache",
-            "k_cache and v_cache must be contiguous")
+    # Blocks may lie a page apart (a KV region shared by models, engine/worker/kv_region.py);
+    # within a block the layout is dense.
+    dense = (k_cache.shape[2] * k_cache.shape[3], k_cache.shape[3], 1)
+    require(k_cache.stride()[1:] == dense and v_cache.stride() == k_cache.stride(), "k_cache",
+            "k_cache and v_cache must be contiguous (or dense blocks with one block stride)")
 
 
 def check_index(t: torch.Tensor, argument: str, dim: int, device: torch.device) -> None:

@@ -69,7 +69,8 @@ def server_config_from_args(args: argparse.Namespace) -> Any:
         shutdown_grace_period=args.shutdown_grace_period, log_level=args.log_level,
         engine_core=args.engine_core, redis_url=args.redis_url, service_name=args.service_name,
         advertise_url=args.advertise_url, replica_id=args.replica_id, print_banner=True,
-        lora_modules=_lora_modules(args))
+        lora_modules=_lora_modules(args),
+        additional_models=list(getattr(args, "additional_model", None) or []))
 
 
 def _lora_modules(args: argparse.Namespace) -> list[Any]:

@@ -15,6 +15,7 @@ class Block:
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None  # set once the block is full and cached
+    owner: str | None = None  # the model that cached it (a pool shared by models, shared_pool.py)
     prev: "Block | None" = None  # free-queue links (None when not in the queue)
     next: "Block | None" = None
 
@@ -131,16 +132,29 @@ class BlockPool:
                 self._num_shared += 1
 
     def cache_block(self, b: Block, block_hash: bytes, parent: bytes | None = None,
-                    token_ids: Sequence[int] = ()) -> None:
+                    token_ids: Sequence[int] = (), owner: str | None = None) -> None:
         """Register a full block under its hash (first writer wins; duplicates stay private).
         `parent` (the previous block's hash) and `token_ids` only travel in its "stored" event."""
         if not self.enable_caching or b.block_hash is not None:
             return
         if block_hash in self.cached:
             return
-        b.block_hash = block_hash
+        b.block_hash, b.owner = block_hash, owner
         self.cached[block_hash] = b
         self._events.stored(block_hash, parent, token_ids)
+
+    def forget_owner(self, owner: str) -> int:
+        """Drop the cached hashes of the blocks `owner` cached (a model leaving a shared pool);
+        free ones go to the head of the free queue. Returns how many."""
+        gone = [b for b in self.cached.values() if b.owner == owner]
+        for b in gone:
+            self._evict(b)
+            self._evicted.pop()  # nothing to offload: nobody will look it up again
+            b.owner = None
+            if b.ref_cnt == 0:
+                self.free_queue.remove(b)
+                self.free_queue.appendleft(b)
+        return len(gone)
 
     def free_blocks(self, blocks: list[Block]) -> None:
         """Drop one reference each; blocks reaching zero go back to the free queue.

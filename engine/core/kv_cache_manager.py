@@ -9,10 +9,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvserve.engine.core.block_hash import hash_block
+from kvserve.engine.core.block_hash import extra_keys_for, hash_block
 from kvserve.engine.core.block_pool import Block, BlockPool
 from kvserve.engine.core.kv_cache_groups import KVCacheGroups, group_key
 from kvserve.engine.core.sequence import Sequence
+from kvserve.engine.core.shared_pool import SharedBlockPool
 from kvserve.engine.kv_offload.disk_tier import DiskTier
 from kvserve.engine.kv_offload.host_tier import HostTier, TierCounters
 
@@ -106,10 +107,16 @@ class KVCacheStats:
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  num_cpu_blocks: int = 0, num_host_blocks: int = 0,
-                 disk: DiskTier | None = None, groups: KVCacheGroups | None = None) -> None:
+                 disk: DiskTier | None = None, groups: KVCacheGroups | None = None, *,
+                 shared: SharedBlockPool | None = None, member: str = "",
+                 model_key: str | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        # `shared`: the pages of several models (shared_pool.py), this one joined as `member`
+        # before; `model_key` goes into its block hashes so no model hits another's blocks
+        # (None keeps the plain hashes: the router's, for the server's first model).
+        self.shared, self.member, self.model_key = shared, member, model_key
+        self.pool = shared.pool if shared is not None else BlockPool(num_blocks, enable_caching)
         # Layer groups, each with its own block table per seq (kv_cache_groups.py); one
         # full-attention group behaves exactly as a manager without groups.
         self.groups = groups or KVCacheGroups.single(1)
@@ -140,8 +147,15 @@ class KVCacheManager:
         while len(hs) < num_blocks:
             i = len(hs)
             toks = seq.token_range(i * bs, (i + 1) * bs)
-            hs.append(hash_block(hs[-1] if hs else None, toks, seq.extra_keys))
+            hs.append(hash_block(hs[-1] if hs else None, toks, self._extra_keys(seq)))
         return hs
+
+    def _extra_keys(self, seq: Sequence) -> object:
+        """The seq's extra hash keys; on a shared pool the model's name takes the adapter's
+        place (the router hashes a request for a named model the same way)."""
+        if self.model_key is None or seq.lora_name is not None:
+            return seq.extra_keys
+        return extra_keys_for(seq.cache_salt, self.model_key)
 
     def lookup_prefix(self, seq: Sequence) -> list[PrefixHit]:
         """Cached blocks holding the longest prefix of the seq's tokens: device blocks,
@@ -272,7 +286,8 @@ class KVCacheManager:
                     # parent and tokens ride along in the "stored" event (vLLM's BlockStored)
                     parent = group_key(hs[i - 1], g) if i else None
                     self.pool.cache_block(b, group_key(hs[i], g), parent,
-                                          seq.token_range(i * bs, (i + 1) * bs))
+                                          seq.token_range(i * bs, (i + 1) * bs),
+                                          owner=self.member or None)
         self.num_registered[seq.seq_id] = num_full
 
     # ---- allocation ---------------------------------------------------------------------------
@@ -534,6 +549,21 @@ class KVCacheManager:
 
     def usage(self) -> float:
         return self.pool.usage()
+
+    def num_held_blocks(self) -> int:
+        """Device blocks this manager's sequences hold (each once): its part of a shared pool."""
+        return len({id(b) for t in self.tables.values() for b in t if b is not None}
+                   | {id(b) for ts in self.group_tables.values() for t in ts for b in t
+                      if b is not None})
+
+    def report_load(self, waiting: bool) -> None:
+        """Tell a shared pool whether this model has requests waiting, and what it holds."""
+        if self.shared is not None and len(self.shared.members) > 1:
+            self.shared.report(self.member, waiting, self.num_held_blocks())
+
+    def may_admit(self) -> bool:
+        """Whether a new request may take pages now (a shared pool's fairness rule)."""
+        return self.shared is None or self.shared.may_admit(self.member)
 
     def allocated_slots(self) -> int:
         """Token slots in blocks held by running sequences (shared blocks counted once)."""

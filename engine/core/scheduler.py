@@ -84,6 +84,7 @@ class Scheduler:
         whose ids it holds (the step in flight surely finishes them)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        self.kv.report_load(bool(self.waiting))  # a pool shared by models (shared_pool.py)
         if lookahead_skip is not None:
             budget, complete = self._schedule_running_ahead(out, budget, lookahead_skip)
             if complete and not self.swapped:
@@ -283,7 +284,8 @@ class Scheduler:
         pending = self._pending_hashes(out)
         deferred: list[Sequence] = []
         loras = self.running_loras()
-        while self.waiting and budget > 0 and self._has_seq_room(self.waiting[0]):
+        while self.waiting and budget > 0 and self._has_seq_room(self.waiting[0]) \
+                and self.kv.may_admit():
             seq = self.waiting[0]
             # a beam group comes back whole; with nothing running, waiting frees nothing
             if self.running and not group_fits(seq, self.waiting, self.kv.pool.num_free_blocks,

@@ -45,6 +45,8 @@ class ServerConfig:
     replica_id: str | None = None
     print_banner: bool = False  # print the curl line and Python snippet once started
     lora_modules: list = field(default_factory=list)  # LoRAModulePath: adapters loaded at start
+    # --additional-model NAME=PATH: more models on this port, one shared KV pool (multi_model.py)
+    additional_models: list[tuple[str, str]] = field(default_factory=list)
 
     def waiting_limit(self, max_num_seqs: int) -> int | None:
         """--max-waiting resolved against the engine's batch size."""
