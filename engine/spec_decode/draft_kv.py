@@ -87,9 +87,12 @@ class DraftKV:
         self.free_blocks.extend(reversed(self.tables.pop(stream_id, [])))
 
     def batch(self, stream_ids: Sequence[str], starts: Sequence[int],
-              tokens: Sequence[Sequence[int]]) -> DraftBatch:
-        """Inputs for writing ``tokens[i]`` at positions ``starts[i]...`` of each stream (whose
-        blocks must cover them) and attending over its cache up to there."""
+              tokens: Sequence[Sequence[int]],
+              position_offsets: Sequence[int] | None = None) -> DraftBatch:
+        """Inputs for writing ``tokens[i]`` at cache positions ``starts[i]...`` of each stream
+        (whose blocks must cover them) and attending over its cache up to there. The rotary
+        positions are the cache positions plus ``position_offsets[i]`` (a stream whose cache
+        starts after a prefix the drafting model never saw)."""
         q_lens = torch.tensor([len(t) for t in tokens], dtype=torch.int64)
         start_t = torch.tensor(list(starts), dtype=torch.int64)
         tables = [self.tables[s] for s in stream_ids]
@@ -105,6 +108,8 @@ class DraftKV:
         ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64)
         step = StepInput(ids, positions, slots[None], bt[None], seq_lens, qsl,
                          int(q_lens.max()), int(seq_lens.max()), [], BlockMoves())
+        if position_offsets is not None and any(position_offsets):
+            step.positions = positions + torch.tensor(list(position_offsets))[seq_idx]
         dev_ids, dev_pos, meta = self.runner.to_device(step)
         last = self.runner._dev(qsl[1:].long() - 1)
         return DraftBatch(dev_ids, dev_pos, meta, last)
