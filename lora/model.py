@@ -5,6 +5,7 @@ base weights are split)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +85,8 @@ class LoRAModel:
         by_hf = self._hf_names()
         for hf, (a, b) in weights.modules.items():
             found = by_hf.get(hf)
+            if found is None and _other_stage(self.model, hf):
+                continue  # a layer another pipeline stage holds (and adapts)
             if found is None:
                 raise LoRAError(f"adapter {weights.name!r} targets {hf!r}, which "
                                 f"{type(self.model).__name__} does not have; was it trained for "
@@ -136,6 +139,13 @@ class LoRAModel:
     def set_indices(self, indices: Tensor | None) -> None:
         """This step's slot per row of the flattened batch (-1: base model)."""
         self.batch.set(indices, next(self.model.parameters()).dtype)
+
+
+def _other_stage(model: nn.Module, hf_name: str) -> bool:
+    """Whether `hf_name` names a layer that another pipeline stage holds."""
+    stage = getattr(getattr(model, "model", None), "pp", None)
+    m = re.search(r"layers\.(\d+)\.", hf_name)
+    return stage is not None and m is not None and not stage.holds(int(m[1]))
 
 
 def attach_lora(model: nn.Module, config) -> LoRAModel:
