@@ -11,6 +11,7 @@ import kopf
 
 from kvserve.operator.inference_pool import share_pool_ownership
 from kvserve.operator.model_files import ModelReader
+from kvserve.operator.pd_roles import disaggregate, plan_roles, status_sizing
 from kvserve.operator.resources import desired_objects, registration_secret
 from kvserve.operator.sizing import Sizing, plan
 from kvserve.operator.spec import ServiceSpec, parse_spec
@@ -32,8 +33,13 @@ def build_children(body: Mapping[str, Any], reader: ModelReader | None = None) -
     the catalog is sized from its own files. Owner references (kopf.adopt) need the uid the API
     server assigned, so a CR read from a file gets none."""
     spec = parse_spec(dict(body), reader)
-    sizing = plan(spec)
-    objects = desired_objects(spec, sizing)
+    if spec.disaggregation is None:
+        sizing = plan(spec)
+        objects = desired_objects(spec, sizing)
+    else:  # prefill and decode pools, each sized for its role
+        plans = plan_roles(spec)
+        sizing = status_sizing(plans)
+        objects = disaggregate(spec, desired_objects(spec, sizing), plans)
     create_once = [registration_secret(spec, new_token())]
     if spec.uid:
         kopf.adopt(objects + create_once, owner=dict(body))

@@ -12,6 +12,7 @@ from kvserve.engine.defaults import (BLOCK_SIZE, BLOCK_SIZES, GPU_MEMORY_UTILIZA
                                      MAX_LORA_RANK, MAX_NUM_SEQS, SWAP_SPACE_GIB)
 from kvserve.engine.sizing.parallel_layout import DEFAULT_TARGET_CONCURRENCY
 from kvserve.lora.config import MAX_LORA_RANKS
+from kvserve.operator import disaggregation
 from kvserve.operator.catalog import GPUS
 
 GROUP = "kvserve.io"
@@ -371,6 +372,7 @@ def spec_schema() -> Schema:
         "replicas": _typed("integer", "Engine replicas (the HPA's target when autoscaling).",
                            minimum=0, maximum=1000, default=1),
         "autoscaling": _autoscaling(),
+        "disaggregation": disaggregation.schema(),
         **_router_redis(),
         "routing": _routing(),
         **_traffic(),

@@ -19,6 +19,7 @@ from kvserve.operator.conditions import (
 from kvserve.operator.crd import GROUP, PLURAL, VERSION
 from kvserve.operator.kube import FIELD_MANAGER, KubeClient, KubeError, KubeTransientError
 from kvserve.operator.model_files import ModelReader, ModelReadError
+from kvserve.operator.pd_roles import readiness_view
 from kvserve.operator.reconcile import ApplyResult, apply_objects, create_missing, prune
 from kvserve.operator.resources import engine_replicas, names, selector_string
 from kvserve.operator.spec import InvalidSpecError, ServiceSpec, parse_spec
@@ -127,8 +128,11 @@ def _conflict(body: kopf.Body, result: ApplyResult) -> Condition:
 
 def _write_status(body: kopf.Body, patch: kopf.Patch, spec: ServiceSpec,
                   result: ApplyResult) -> None:
-    deployment = result.live.get(f"Deployment/{names(spec)['engine']}")
-    ready = readiness(deployment, engine_replicas(spec))
+    if spec.disaggregation is None:
+        deployment = result.live.get(f"Deployment/{names(spec)['engine']}")
+        ready = readiness(deployment, engine_replicas(spec))
+    else:  # every prefill and decode replica
+        ready = readiness(*readiness_view(spec, result.live))
     conflict = _conflict(body, result)
     ready_cond = (Condition("Ready", "False", "ForeignObject", conflict.message)
                   if result.foreign else ready.condition)

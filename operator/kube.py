@@ -37,6 +37,8 @@ PLURALS: dict[tuple[str, str], str] = {
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     ("batch/v1", "Job"): "jobs",
+    # spec.disaggregation.workload DisaggregatedSet (pd_roles.py)
+    ("disaggregatedset.x-k8s.io/v1", "DisaggregatedSet"): "disaggregatedsets",
 }
 # Kinds the operator creates and reads one by one, never lists (RBAC: create, get): the
 # registration Secret, and the hub token Secret a service names in spec.model.tokenSecretRef.

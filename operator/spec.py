@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvserve.engine.defaults import GPUS_PER_NODE
 from kvserve.operator.catalog import GPUS, MODELS, ModelArch, lookup_model
+from kvserve.operator import disaggregation as pd
 from kvserve.operator.crd import DEFAULT_IMAGE, MAX_GPUS_PER_REPLICA, spec_schema
 from kvserve.operator.errors import InvalidSpecError
 from kvserve.operator.model_uri import ModelURI, parse_model_uri
@@ -268,6 +269,7 @@ class ServiceSpec:
     adapters: tuple[AdapterSpec, ...] = ()  # spec.adapters (operator/adapters.py)
     lora: LoraSpec = LoraSpec()  # spec.engine.lora
     routing: RoutingSpec = RoutingSpec()  # spec.routing
+    disaggregation: pd.Disaggregation | None = None  # spec.disaggregation (pd_roles.py)
     gpus_per_node: int = GPUS_PER_NODE  # spec.gpu.perNode, else the GPU type's node
     target_concurrency: int | None = None  # spec.sizing.targetConcurrency
     memory_bandwidth: float = 0.0  # bytes/s per GPU (catalog), for the latency estimate
@@ -461,6 +463,10 @@ def parse_spec(body: dict, reader: ModelReader | None = None) -> ServiceSpec:
     adapters = parse_adapters(spec.get("adapters", []), model, WEIGHTS_DIR)
     lora = spec["engine"]["lora"]
     max_replicas = spec["replicas"] if autoscaling is None else autoscaling.max_replicas
+    dis = pd.parse(spec.get("disaggregation"))
+    if dis is not None:
+        pd.check(dis, autoscaling=autoscaling is not None, router_enabled=router["enabled"],
+                 inference_pool=routing.inference_pool, adapters=bool(adapters))
     per_node, bandwidth = node_shape(spec, gpu_type)
     return ServiceSpec(
         name=meta.get("name", ""), namespace=meta.get("namespace", "default"),
@@ -479,4 +485,5 @@ def parse_spec(body: dict, reader: ModelReader | None = None) -> ServiceSpec:
         node_selector=spec.get("nodeSelector", {}), tolerations=spec.get("tolerations", []),
         env=spec.get("env", []), ingress=ingress, gateway=gateway, monitoring=monitoring,
         adapters=adapters, lora=LoraSpec(lora["enabled"], lora["maxLoras"],
-                                         lora["maxLoraRank"]), routing=routing)
+                                         lora["maxLoraRank"]), routing=routing,
+        disaggregation=dis)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import json
 import logging
 import os
 import sys
@@ -48,6 +49,8 @@ OWNED = {
     "v1/serviceaccounts": "ServiceAccount",
     "rbac.authorization.k8s.io/v1/roles": "Role",
     "rbac.authorization.k8s.io/v1/rolebindings": "RoleBinding",
+    # spec.disaggregation.workload DisaggregatedSet
+    "disaggregatedset.x-k8s.io/v1/disaggregatedsets": "DisaggregatedSet",
 }
 SECRETS = "v1/secrets"
 
@@ -302,6 +305,54 @@ async def test_scale_and_router_off_are_applied(kmock: Any) -> None:
         "app.kubernetes.io/component"] == "engine"
     assert any(w.startswith("DELETE") and w.endswith("/deployments/knobs-router")
                for w in writes(kmock))
+
+
+def pd_cr(name: str, disaggregation: dict) -> dict:
+    """A service with prefill and decode pools (no spec.replicas / spec.autoscaling)."""
+    body = service_cr(name, disaggregation=disaggregation)
+    del body["spec"]["autoscaling"], body["spec"]["replicas"]
+    return body
+
+
+async def test_disaggregation_builds_both_pools_and_reports_their_readiness(
+        kmock: Any) -> None:
+    async with running_operator(kmock):
+        await create(kmock, pd_cr("pd", {"prefill": {"replicas": 1},
+                                         "decode": {"replicas": 2}}))
+        prefill = await wait_for(lambda: stored(kmock, DEPLOYMENTS, "pd-prefill"), "prefill")
+        decode = await wait_for(lambda: stored(kmock, DEPLOYMENTS, "pd-decode"), "decode")
+        router = await wait_for(lambda: stored(kmock, DEPLOYMENTS, "pd-router"), "the router")
+        first = await wait_for(lambda: ready_condition(kmock, "pd"), "the Ready condition")
+        assert (first["status"], first["reason"]) == ("False", "Progressing")
+        for name, n in (("pd-prefill", 1), ("pd-decode", 2)):
+            status = {"status": {"replicas": n, "readyReplicas": n, "updatedReplicas": n}}
+            async with kmock.patch(f"/apis/apps/v1/namespaces/{NS}/deployments/{name}",
+                                   json=status) as resp:
+                assert resp.status < 300
+        cond = await wait_for(lambda: (c := ready_condition(kmock, "pd")) and
+                              c["status"] == "True" and c, "Ready=True")
+    assert stored(kmock, DEPLOYMENTS, "pd-engine") is None
+    assert (prefill["spec"]["replicas"], decode["spec"]["replicas"]) == (1, 2)
+    roles = [json.loads(flag(d["spec"]["template"]["spec"]["containers"][0]["args"],
+                             "--kv-transfer-config"))["kv_role"] for d in (prefill, decode)]
+    assert roles == ["kv_producer", "kv_consumer"]
+    assert flag(router["spec"]["template"]["spec"]["containers"][0]["args"], "--policy") == "pd"
+    assert cond["message"].startswith("3/3 engine replicas ready")
+    assert stored(kmock, PLURAL_KEY, "pd")["status"]["readyReplicas"] == 3
+
+
+async def test_mismatched_tensor_parallel_pools_are_refused_without_workload(
+        kmock: Any) -> None:
+    body = pd_cr("tp", {"prefill": {"tensorParallelSize": 1},
+                        "decode": {"tensorParallelSize": 2}})
+    async with running_operator(kmock):
+        await create(kmock, body)
+        cond = await wait_for(lambda: ready_condition(kmock, "tp"), "the Ready condition")
+    assert (cond["status"], cond["reason"]) == ("False", "InvalidDisaggregation")
+    assert "tensorParallelSize" in cond["message"]
+    for name in ("tp-engine", "tp-prefill", "tp-decode"):
+        assert stored(kmock, DEPLOYMENTS, name) is None
+    assert writes(kmock) == []
 
 
 POOLS = "inference.networking.k8s.io/v1/inferencepools"

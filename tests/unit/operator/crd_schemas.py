@@ -1,5 +1,6 @@
 """Validators for add-on kinds (HTTPRoute, ServiceMonitor, PodMonitor, ScaledObject,
-InferencePool) from the CRD schema excerpts vendored in fixtures/crds, unknown fields refused."""
+InferencePool, DisaggregatedSet) from the CRD schema excerpts vendored in fixtures/crds, unknown
+fields refused."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import yaml
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "crds"
 FILES = {"HTTPRoute": "httproute-v1.yaml", "ServiceMonitor": "servicemonitor-v1.yaml",
          "PodMonitor": "podmonitor-v1.yaml", "ScaledObject": "scaledobject-v1alpha1.yaml",
-         "InferencePool": "inferencepool-v1.yaml"}
+         "InferencePool": "inferencepool-v1.yaml",
+         "DisaggregatedSet": "disaggregatedset-v1.yaml"}
 
 
 def strict(schema: dict) -> dict:

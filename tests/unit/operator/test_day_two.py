@@ -79,6 +79,9 @@ def test_every_vendored_schema_is_used() -> None:
     kinds = {o["kind"] for o in by_key(everything_on()).values()}
     # InferencePool: spec.routing.mode inferencePool (tests/unit/operator/test_inference_pool.py)
     kinds |= {o["kind"] for o in by_key(cr(routing={"mode": "inferencePool"})).values()}
+    # DisaggregatedSet: spec.disaggregation.workload (tests/unit/operator/test_pd_roles.py)
+    kinds |= {o["kind"] for o in by_key(cr(disaggregation={
+        "workload": "DisaggregatedSet"})).values()}
     assert set(FILES) <= kinds
 
 
