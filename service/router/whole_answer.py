@@ -8,6 +8,7 @@ same response models the replica uses (service/response_models.py). This file do
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,7 +123,13 @@ class WholeAnswer:
 
     def _completion_choice(self, i: int) -> CompletionChoice:
         c = self.choices[i]
-        lp = CompletionLogProbs(**c.logprobs) if c.logprobs is not None else None
+        lp = None
+        if c.logprobs is not None:
+            # A whole answer counts offsets over its tokens' texts; a stream's chunks count
+            # them from the text delivered before (bytes of a split character differ).
+            offsets = list(itertools.accumulate((len(t) for t in c.logprobs["tokens"]),
+                                                initial=0))[:-1]
+            lp = CompletionLogProbs(**{**c.logprobs, "text_offset": offsets})
         return CompletionChoice(index=i, text="".join(c.text), logprobs=lp,
                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason)
 

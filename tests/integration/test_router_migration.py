@@ -308,3 +308,140 @@ def test_the_migration_limit_ends_the_stream_with_an_error_naming_it(fleet):
         assert metric(rt.url, "kvserve:router_migrations_total", outcome="limit") == 1
     finally:
         rt.stop()
+
+
+def whole_requests() -> list[tuple[str, dict]]:
+    """Non-streamed requests (completions with logprobs, seeded chat, Responses) and Responses
+    streams: the kinds the router asks of a replica as a stream it assembles or retells."""
+    base = {"model": "tiny", "return_token_ids": True}
+    out = []
+    for i in range(3):
+        out.append(("/v1/completions", {**base, "max_tokens": MAX_TOKENS, "temperature": 0,
+                                        "ignore_eos": True, "logprobs": 2,
+                                        "prompt": f"whole story {i}"}))
+        out.append(("/v1/chat/completions", {**base, "max_tokens": MAX_TOKENS,
+                                             "temperature": 0.8, "seed": 30 + i,
+                                             "ignore_eos": True, "logprobs": True,
+                                             "top_logprobs": 2, "messages": [
+                                                 {"role": "user", "content": f"chat {i}"}]}))
+        out.append(("/v1/responses", {**base, "max_output_tokens": 60, "temperature": 0,
+                                      "input": f"a response {i}"}))
+        out.append(("/v1/responses", {**base, "stream": True, "max_output_tokens": MAX_TOKENS,
+                                      "temperature": 0, "input": f"a streamed response {i}"}))
+    return out
+
+
+@dataclass
+class Whole:
+    replica: str = ""
+    body: dict = field(default_factory=dict)
+    events: list = field(default_factory=list)  # a Responses stream's
+
+    def deltas(self) -> int:
+        return sum(e["type"] == "response.output_text.delta" for e in self.events)
+
+
+async def run_whole(url: str, reqs: list[tuple[str, dict]], kill=None) -> list[Whole]:
+    """Every request at once; `kill(results)` alongside."""
+    results = [Whole() for _ in reqs]
+    async with httpx.AsyncClient(timeout=300) as client:
+        async def one(i: int) -> None:
+            path, body = reqs[i]
+            async with client.stream("POST", url + path, json=body) as resp:
+                assert resp.status_code == 200, await resp.aread()
+                results[i].replica = resp.headers["x-kvserve-replica"]
+                if not body.get("stream"):
+                    results[i].body = json.loads(await resp.aread())
+                    return
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: "):
+                        results[i].events.append(json.loads(line[6:]))
+        tasks = [asyncio.create_task(one(i)) for i in range(len(reqs))]
+        if kill is not None:
+            tasks.append(asyncio.create_task(kill(results)))
+        await asyncio.gather(*tasks)
+    return results
+
+
+def comparable(r: Whole) -> object:
+    """What must equal an undisturbed run: the body but its id and time, or the Responses
+    stream's text, token ids and usage."""
+    if r.body:
+        drop = {"id", "created", "created_at"}
+        body = {k: v for k, v in r.body.items() if k not in drop}
+        if body.get("object") == "response":  # ids of output items are random
+            body["output"] = [{k: v for k, v in o.items() if k != "id"} for o in body["output"]]
+        return body
+    done = r.events[-1]
+    assert done["type"] == "response.completed", r.events[-3:]
+    text = "".join(e["delta"] for e in r.events if e["type"] == "response.output_text.delta")
+    ids = [t for e in r.events if e["type"] == "response.output_text.delta"
+           for t in e["token_ids"]]
+    seqs = [e["sequence_number"] for e in r.events]
+    assert seqs == list(range(len(seqs)))
+    assert sum(e["type"] == "response.created" for e in r.events) == 1
+    return text, ids, done["response"]["usage"], done["response"]["status"]
+
+
+def assert_close(got: object, want: object, where: str = "") -> None:
+    """Equal, but floats (logprobs) to 1e-4: a continuation's re-prefill computes its context in
+    one pass where the undisturbed run decoded it token by token (other rounding)."""
+    if isinstance(want, float) and isinstance(got, (int, float)):
+        assert abs(got - want) <= 1e-4, where
+    elif isinstance(want, dict) and isinstance(got, dict):
+        assert got.keys() == want.keys(), (where, got.keys() ^ want.keys())
+        for k in want:
+            assert_close(got[k], want[k], f"{where}.{k}")
+    elif isinstance(want, (list, tuple)) and isinstance(got, (list, tuple)):
+        assert len(got) == len(want), (where, len(got), len(want))
+        for k, (a, b) in enumerate(zip(got, want)):
+            assert_close(a, b, f"{where}[{k}]")
+    else:
+        assert got == want, (where, got, want)
+
+
+def test_whole_answers_and_responses_of_a_killed_replica_complete_as_undisturbed(fleet):
+    """Non-streamed completions and chat (with logprobs), Responses whole and streamed: the
+    replica serving a third of them is SIGKILLed mid-generation; each answer equals an
+    undisturbed run's, and an undisturbed whole answer equals the replica's own."""
+    fleet.ensure_alive()
+    reqs = whole_requests()
+    rt = router(fleet, "--expose-routing-headers")
+    try:
+        ref = asyncio.run(run_whole(rt.url, reqs))
+        # the router's assembled body is the one the replica writes itself
+        for (path, body), r in list(zip(reqs, ref))[:3]:
+            direct = httpx.post(fleet.replicas["m1"].url + path, json=body, timeout=120).json()
+            assert_close(comparable(Whole(body=direct)), comparable(r), path)
+    finally:
+        rt.stop()
+    rt = router(fleet, "--expose-routing-headers")
+    try:
+        victim = fleet.replicas["m2"]
+
+        unfinished: list[int] = []  # the victim's requests still generating when it died
+
+        def done(r: Whole) -> bool:
+            return bool(r.body) or any(e["type"] == "response.completed" for e in r.events)
+
+        async def kill(results: list[Whole]) -> None:
+            def running(url: str) -> float:
+                return metric(url, "vllm:num_requests_running")
+            while sum([await asyncio.to_thread(running, p.url)
+                       for p in fleet.replicas.values()]) + sum(map(done, results)) < len(reqs):
+                await asyncio.sleep(0.05)  # every request admitted (or already answered)
+            streams = [r for r, (_, b) in zip(results, reqs) if b.get("stream")]
+            while not all(r.replica and (r.deltas() >= 12 or done(r)) for r in streams):
+                await asyncio.sleep(0.005)
+            unfinished.extend(i for i, r in enumerate(results) if not done(r))
+            victim.proc.send_signal(signal.SIGKILL)
+
+        results = asyncio.run(run_whole(rt.url, reqs, kill))
+        for i, (r, want) in enumerate(zip(results, ref)):
+            assert_close(comparable(r), comparable(want), f"request {i} {reqs[i][0]}")
+        moved = [i for i in unfinished if results[i].replica == "m2"]
+        assert len(moved) >= 2, moved
+        assert metric(rt.url, "kvserve:router_migrations_total", outcome="migrated") \
+            == len(moved)
+    finally:
+        rt.stop()
