@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.engine.defaults import BLOCK_SIZE, GPU_MEMORY_UTILIZATION, GPUS_PER_NODE
+from kvserve.engine.sizing.parallel_layout import DEFAULT_TARGET_CONCURRENCY
 from kvserve.operator.catalog import GPUS, MODELS
 from kvserve.operator.spec import InvalidSpecError, parse_spec
 
@@ -30,7 +31,17 @@ def _add_plan(subparsers: Any) -> None:
     p.add_argument("--revision", help="hub revision of --model (default main)")
     p.add_argument("--gpu", choices=sorted(GPUS), help="GPU type")
     p.add_argument("--gpu-memory-gib", type=float, help="memory per GPU for other GPU types")
-    p.add_argument("--max-gpus-per-replica", type=int, default=GPUS_PER_NODE)
+    p.add_argument("--max-gpus-per-replica", type=int,
+                   help="most GPUs one replica may use, TP x PP (spec.gpu.maxPerReplica; "
+                        "default: as many as the target needs)")
+    p.add_argument("--gpus-per-node", type=int,
+                   help=f"GPUs per node (spec.gpu.perNode; default: the GPU type's, "
+                        f"{GPUS_PER_NODE}): TP stays within a node, PP spans nodes")
+    p.add_argument("--target-concurrency", type=int, metavar="N",
+                   help="concurrent requests of --max-model-len tokens to hold "
+                        "(spec.sizing.targetConcurrency): picks TP, PP and the replicas at the "
+                        f"fewest GPUs; default {DEFAULT_TARGET_CONCURRENCY}, or --max-num-seqs "
+                        "on one replica")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--memory", help="pod memory limit for --device cpu (e.g. 4Gi)")
     p.add_argument("--max-model-len", type=int)
@@ -95,12 +106,18 @@ def plan_body(args: argparse.Namespace) -> dict:
              if getattr(args, flag) is not None}
     if tiers:
         engine["kvOffloading"] = tiers
-    gpu: dict = {"maxPerReplica": args.max_gpus_per_replica}
+    gpu: dict = {}
+    if args.max_gpus_per_replica:
+        gpu["maxPerReplica"] = args.max_gpus_per_replica
+    if args.gpus_per_node:
+        gpu["perNode"] = args.gpus_per_node
     if args.gpu:
         gpu["type"] = args.gpu
     if args.gpu_memory_gib:
         gpu["memoryGiB"] = args.gpu_memory_gib
     spec = {"model": model, "engine": engine, "gpu": gpu, "device": args.device}
+    if args.target_concurrency:
+        spec["sizing"] = {"targetConcurrency": args.target_concurrency}
     if args.memory:
         spec["resources"] = {"limits": {"memory": args.memory}}
     return {"metadata": {"name": "plan", "namespace": "default"}, "spec": spec}
@@ -114,10 +131,42 @@ def _cell(key: str, value: object) -> str:
     return f"{value:,}" if isinstance(value, int) else str(value)
 
 
+LAYOUT_COLUMNS = (("TP", "tensorParallelSize"), ("PP", "pipelineParallelSize"),
+                  ("nodes", "nodesPerReplica"), ("GPUs/replica", "gpusPerReplica"),
+                  ("concurrency", "maxConcurrency"), ("replicas", "replicas"),
+                  ("GPUs", "totalGpus"))
+SECTIONS = ("explanation", "alternatives", "warnings")
+
+
+def layout_table(status: dict) -> list[str]:
+    """The chosen layout and the rejected ones, one row each, with why."""
+    chosen = {"tensorParallelSize": status["tensorParallelSize"],
+              "pipelineParallelSize": status["pipelineParallelSize"],
+              "nodesPerReplica": status["nodesPerReplica"],
+              "gpusPerReplica": status["gpusPerReplica"],
+              "maxConcurrency": min(status["maxConcurrency"], status["maxNumSeqs"]),
+              "replicas": status["replicasForTarget"],
+              "totalGpus": status["gpusPerReplica"] * status["replicasForTarget"],
+              "verdict": "chosen"}
+    rows = [[str(r[key]) if r["verdict"] in ("chosen", "more GPUs") or key in (
+        "tensorParallelSize", "pipelineParallelSize", "nodesPerReplica", "gpusPerReplica")
+             else "-" for _, key in LAYOUT_COLUMNS]
+            + [r["verdict"] + (f" ({r['detail']})" if r.get("detail") else "")]
+            for r in [chosen, *status["alternatives"]]]
+    head = [name for name, _ in LAYOUT_COLUMNS] + ["verdict"]
+    widths = [max(len(head[i]), *(len(row[i]) for row in rows)) for i in range(len(head) - 1)]
+    fmt = "  ".join(f"{{:>{w}}}" for w in widths) + "  {}"
+    return [f"layouts for {status['targetConcurrency']} concurrent requests:", fmt.format(*head),
+            *(fmt.format(*row) for row in rows)]
+
+
 def format_table(status: dict) -> str:
-    rows = [(key, _cell(key, value)) for key, value in status.items() if key != "explanation"]
+    rows = [(key, _cell(key, value)) for key, value in status.items() if key not in SECTIONS]
     width = max(len(key) for key, _ in rows)
     lines = [f"{key:<{width}}  {value}" for key, value in rows]
+    if status.get("gpusPerReplica"):
+        lines += ["", *layout_table(status)]
+    lines += [f"warning: {w}" for w in status.get("warnings", [])]
     return "\n".join(lines + ["", status["explanation"]])
 
 

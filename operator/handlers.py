@@ -21,7 +21,8 @@ from kvserve.operator.kube import FIELD_MANAGER, KubeClient, KubeError, KubeTran
 from kvserve.operator.model_files import ModelReader, ModelReadError
 from kvserve.operator.pd_roles import readiness_view
 from kvserve.operator.reconcile import ApplyResult, apply_objects, create_missing, prune
-from kvserve.operator.resources import engine_replicas, names, selector_string
+from kvserve.operator.resources import engine_live, engine_replicas, names, selector_string
+from kvserve.operator.sizing import Sizing
 from kvserve.operator.spec import InvalidSpecError, ServiceSpec, parse_spec
 
 STATUS_INTERVAL = 30.0
@@ -104,7 +105,7 @@ def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: kopf.
         raise kopf.TemporaryError(f"ApplyFailed: {exc}", delay=4 * RETRY_DELAY) from exc
     logger.info("applied=%s deleted=%s unchanged=%d foreign=%s", result.applied,
                 result.deleted, len(result.unchanged), result.foreign)
-    _write_status(body, patch, built.spec, result)
+    _write_status(body, patch, built.spec, result, built.sizing)
     if body.get("status", {}).get("sizing") != built.sizing.as_status():
         patch.status["sizing"] = built.sizing.as_status()
 
@@ -127,10 +128,10 @@ def _conflict(body: kopf.Body, result: ApplyResult) -> Condition:
 
 
 def _write_status(body: kopf.Body, patch: kopf.Patch, spec: ServiceSpec,
-                  result: ApplyResult) -> None:
+                  result: ApplyResult, sizing: Sizing | None = None) -> None:
     if spec.disaggregation is None:
-        deployment = result.live.get(f"Deployment/{names(spec)['engine']}")
-        ready = readiness(deployment, engine_replicas(spec))
+        deployment = engine_live(spec, result.live)
+        ready = readiness(deployment, engine_replicas(spec, sizing))
     else:  # every prefill and decode replica
         ready = readiness(*readiness_view(spec, result.live))
     conflict = _conflict(body, result)
@@ -165,7 +166,7 @@ def resync(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: kopf.Log
         raise kopf.TemporaryError(f"resync failed: {exc}", delay=RETRY_DELAY) from exc
     if result.changed:
         logger.warning("repaired drift: applied=%s deleted=%s", result.applied, result.deleted)
-    _write_status(body, patch, built.spec, result)
+    _write_status(body, patch, built.spec, result, built.sizing)
     if adapter_sync.wanted(built.spec):  # new pods (scale-up, restart) get the adapters too
         _sync_adapters(body, patch, memo, built.spec)
 

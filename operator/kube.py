@@ -37,6 +37,8 @@ PLURALS: dict[tuple[str, str], str] = {
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     ("batch/v1", "Job"): "jobs",
+    # a replica over several nodes (leader_worker_set.py)
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): "leaderworkersets",
     # spec.disaggregation.workload DisaggregatedSet (pd_roles.py)
     ("disaggregatedset.x-k8s.io/v1", "DisaggregatedSet"): "disaggregatedsets",
 }

@@ -57,10 +57,23 @@ def render(text: str, namespace: str | None = None) -> str:
         once = ", ".join(f"{o['kind']} {o['metadata']['name']}" for o in built.create_once)
         docs[0] = (f"# {body['metadata']['name']}: {s['gpusPerReplica']} GPU(s)/replica, "
                    f"{s['numBlocks']} KV blocks, max concurrency {s['maxConcurrency']}\n"
-                   f"# not shown: {once} (created once by the operator, random token)\n"
+                   + _layout_comment(s)
+                   + f"# not shown: {once} (created once by the operator, random token)\n"
                    + docs[0])
         out += docs
     return "---\n".join(out)
+
+
+def _layout_comment(s: dict) -> str:
+    """The parallel layout, and the LeaderWorkerSet when a replica spans nodes."""
+    if not s.get("gpusPerReplica"):
+        return ""
+    nodes = s["nodesPerReplica"]
+    where = (f"{nodes} nodes of {s['gpusPerNode']} GPUs: a LeaderWorkerSet group per replica"
+             if nodes > 1 else "one node: a Deployment pod per replica")
+    return (f"# TP {s['tensorParallelSize']} x PP {s['pipelineParallelSize']} on {where}; "
+            f"{s['replicasForTarget']} replica(s) hold {s['targetConcurrency']} requests\n"
+            + "".join(f"# warning: {w}\n" for w in s.get("warnings", [])))
 
 
 def run_render(args: argparse.Namespace) -> int:

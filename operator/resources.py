@@ -6,8 +6,8 @@ import hashlib
 import json
 from typing import Any
 
-from kvserve.operator import (adapters, inference_pool, monitoring, network_policy, offload,
-                              traffic, trust, weights)
+from kvserve.operator import (adapters, inference_pool, leader_worker_set, monitoring,
+                              network_policy, offload, traffic, trust, weights)
 from kvserve.operator.crd import API_VERSION, KIND
 from kvserve.operator.sizing import Sizing
 from kvserve.operator.spec import ServiceSpec
@@ -66,10 +66,13 @@ def milli(value: float) -> str:
     return f"{round(value * 1000)}m"
 
 
-def engine_replicas(spec: ServiceSpec) -> int:
-    """spec.replicas (what `kubectl scale` and the HPA set), kept within autoscaling bounds."""
-    a = spec.autoscaling
-    return spec.replicas if a is None else min(max(spec.replicas, a.min_replicas), a.max_replicas)
+def engine_replicas(spec: ServiceSpec, sizing: Sizing | None = None) -> int:
+    """spec.replicas (what `kubectl scale` and the HPA set), kept within autoscaling bounds;
+    with spec.sizing.targetConcurrency, at least the replicas that hold the target."""
+    a, wanted = spec.autoscaling, spec.replicas
+    if sizing is not None and spec.target_concurrency is not None:
+        wanted = max(wanted, sizing.replicas_for_target)
+    return wanted if a is None else min(max(wanted, a.min_replicas), a.max_replicas)
 
 
 def engine_args(spec: ServiceSpec, sizing: Sizing) -> list[str]:
@@ -82,7 +85,9 @@ def engine_args(spec: ServiceSpec, sizing: Sizing) -> list[str]:
             "--kv-cache-dtype", e.kv_cache_dtype, "--swap-space", f"{e.swap_space_gib:g}",
             "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching",
             "--dtype", sizing.weight_dtype,
-            "--tensor-parallel-size", str(max(sizing.gpus_per_replica, 1)),
+            "--tensor-parallel-size", str(max(sizing.tensor_parallel_size, 1)),
+            *(["--pipeline-parallel-size", str(sizing.pipeline_parallel_size)]
+              if sizing.pipeline_parallel_size > 1 else []),
             "--served-model-name", spec.model.served_name, *offload.engine_args(e.kv_offloading),
             *adapters.engine_args(spec)]
     # Only a pinned revision: "main" is the engine's default, and an unchanged pod template
@@ -126,8 +131,8 @@ def scrape_annotations() -> dict[str, str]:
 
 def engine_resources(spec: ServiceSpec, sizing: Sizing) -> Obj:
     res = json.loads(json.dumps(spec.resources))  # a deep copy that drops nothing
-    if sizing.gpus_per_replica:
-        res.setdefault("limits", {})["nvidia.com/gpu"] = str(sizing.gpus_per_replica)
+    if sizing.gpus_per_pod:  # a multi-node replica's pods each hold their stages' GPUs
+        res.setdefault("limits", {})["nvidia.com/gpu"] = str(sizing.gpus_per_pod)
     return offload.add_resources(spec.engine.kv_offloading, res)
 
 
@@ -171,9 +176,9 @@ def engine_volumes(spec: ServiceSpec, sizing: Sizing) -> tuple[list[Obj], list[O
     if disk is not None:
         vols.append(disk[0])
         mounts.append(disk[1])
-    if sizing.gpus_per_replica > 1:  # NCCL needs a large /dev/shm between tensor-parallel ranks
+    if sizing.gpus_per_pod > 1:  # NCCL needs a large /dev/shm between a pod's ranks
         vols.append({"name": "shm", "emptyDir": {"medium": "Memory",
-                                                 "sizeLimit": shm_size(sizing.gpus_per_replica)}})
+                                                 "sizeLimit": shm_size(sizing.gpus_per_pod)}})
         mounts.append({"name": "shm", "mountPath": "/dev/shm"})
     return vols, mounts
 
@@ -203,14 +208,20 @@ def config_hash(spec: ServiceSpec, sizing: Sizing) -> str:
                           ).hexdigest()[:16]
 
 
-def engine_pod_spec(spec: ServiceSpec, sizing: Sizing) -> Obj:
+def engine_pod_spec(spec: ServiceSpec, sizing: Sizing, role: str = "") -> Obj:
+    """role "leader"/"worker": a pod of a multi-node group (leader_worker_set.py)."""
     vols, mounts = engine_volumes(spec, sizing)
+    container = engine_container(spec, sizing, mounts)
+    if role == "leader":
+        container = leader_worker_set.leader_container(container, sizing.nodes_per_replica)
+    elif role == "worker":
+        container = leader_worker_set.worker_container(container, sizing.nodes_per_replica)
     tolerations = list(spec.tolerations)
-    if sizing.gpus_per_replica:
+    if sizing.gpus_per_pod:
         tolerations.append({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"})
     pod: Obj = {"securityContext": pod_security(), "automountServiceAccountToken": False,
                 "terminationGracePeriodSeconds": DRAIN_SECONDS,
-                "containers": [engine_container(spec, sizing, mounts)], "volumes": vols}
+                "containers": [container], "volumes": vols}
     init = weights.init_container(spec, container_security(), mounts[:1])
     if init is not None:
         pod["initContainers"] = [init]
@@ -232,7 +243,7 @@ def engine_deployment(spec: ServiceSpec, sizing: Sizing) -> Obj:
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": metadata(spec, names(spec)["engine"], "engine"),
         "spec": {
-            "replicas": engine_replicas(spec),
+            "replicas": engine_replicas(spec, sizing),
             "selector": {"matchLabels": selector(spec, "engine")},
             "strategy": offload.strategy(spec.engine.kv_offloading) or rolling_update(),
             "template": {"metadata": {"labels": labels(spec, "engine"),
@@ -240,6 +251,42 @@ def engine_deployment(spec: ServiceSpec, sizing: Sizing) -> Obj:
                          "spec": engine_pod_spec(spec, sizing)},
         },
     }
+
+
+def engine_group(spec: ServiceSpec, sizing: Sizing) -> Obj:
+    """A multi-node replica's LeaderWorkerSet: leaders labelled `engine` (the Service, router,
+    HPA and PDB select them), workers `engine-worker`."""
+    annotations = {**scrape_annotations(), "kvserve.io/config-hash": config_hash(spec, sizing)}
+    leader = {"metadata": {"labels": labels(spec, "engine"), "annotations": annotations},
+              "spec": engine_pod_spec(spec, sizing, "leader")}
+    worker = {"metadata": {"labels": labels(spec, leader_worker_set.WORKER_COMPONENT),
+                           "annotations": {"kvserve.io/config-hash": annotations[
+                               "kvserve.io/config-hash"]}},
+              "spec": engine_pod_spec(spec, sizing, "worker")}
+    return leader_worker_set.leader_worker_set(
+        metadata(spec, names(spec)["engine"], "engine"), engine_replicas(spec, sizing),
+        sizing.nodes_per_replica, leader, worker)
+
+
+def engine_live(spec: ServiceSpec, live: dict[str, Obj]) -> Obj | None:
+    """The server's engine workload (a Deployment or a LeaderWorkerSet: both report replicas,
+    readyReplicas and updatedReplicas, counting whole groups) among the applied objects."""
+    name = names(spec)["engine"]
+    return live.get(f"Deployment/{name}") or live.get(f"{leader_worker_set.KIND}/{name}")
+
+
+def engine_workload(spec: ServiceSpec, sizing: Sizing) -> list[Obj]:
+    """A Deployment of single-node replicas, or a LeaderWorkerSet of multi-node ones (and the
+    NetworkPolicy that lets a group's ranks reach each other)."""
+    if sizing.nodes_per_replica <= 1:
+        return [engine_deployment(spec, sizing)]
+    group = engine_group(spec, sizing)
+    if not spec.network_policy.enabled:
+        return [group]
+    name = f"{names(spec)['engine']}-group"
+    return [group, leader_worker_set.group_policy(
+        metadata(spec, name, "engine"), {"app.kubernetes.io/instance": spec.name},
+        names(spec)["engine"])]
 
 
 def service(spec: ServiceSpec, name: str, component: str, target: str, port: int) -> Obj:
@@ -398,7 +445,7 @@ def desired_objects(spec: ServiceSpec, sizing: Sizing) -> list[Obj]:
     if spec.redis_deploy:
         objs += [redis_deployment(spec), service(spec, n["redis"], "redis", "redis", REDIS_PORT)]
     objs += _present(adapter_fetch_job(spec))
-    objs += [engine_deployment(spec, sizing),
+    objs += [*engine_workload(spec, sizing),
              service(spec, n["engine"], "engine", "engine", PORT), pdb(spec)]
     entry_target = "router" if spec.router_enabled else "engine"
     if spec.router_enabled:

@@ -113,8 +113,9 @@ def choose(layouts: list[Layout], concurrency: Callable[[Layout], int], target: 
         held = min(concurrency(layout), max_num_seqs)
         if held < 1:
             short[layout.tp] = Option(layout, 0, 0, TOO_LITTLE_KV,
-                                      f"no room for one full-length request (nor with fewer "
-                                      f"stages at TP {layout.tp})")
+                                      "no room for one full-length request" + (
+                                          f" on {layout.pp} stages or fewer"
+                                          if layout.pp > 1 else ""))
             continue
         fits.append(Option(layout, held, -(-target // held), MORE_GPUS))
     if not fits:

@@ -13,7 +13,7 @@ import yaml
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "crds"
 FILES = {"HTTPRoute": "httproute-v1.yaml", "ServiceMonitor": "servicemonitor-v1.yaml",
          "PodMonitor": "podmonitor-v1.yaml", "ScaledObject": "scaledobject-v1alpha1.yaml",
-         "InferencePool": "inferencepool-v1.yaml",
+         "InferencePool": "inferencepool-v1.yaml", "LeaderWorkerSet": "leaderworkerset-v1.yaml",
          "DisaggregatedSet": "disaggregatedset-v1.yaml"}
 
 

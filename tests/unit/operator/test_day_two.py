@@ -79,6 +79,10 @@ def test_every_vendored_schema_is_used() -> None:
     kinds = {o["kind"] for o in by_key(everything_on()).values()}
     # InferencePool: spec.routing.mode inferencePool (tests/unit/operator/test_inference_pool.py)
     kinds |= {o["kind"] for o in by_key(cr(routing={"mode": "inferencePool"})).values()}
+    # LeaderWorkerSet: a replica over two nodes (tests/unit/operator/test_leader_worker_set.py)
+    kinds |= {o["kind"] for o in by_key(cr(model={"name": "llama-3.1-405b"},
+                                              gpu={"type": "H100-80GB"},
+                                              engine={"maxModelLen": 8192})).values()}
     # DisaggregatedSet: spec.disaggregation.workload (tests/unit/operator/test_pd_roles.py)
     kinds |= {o["kind"] for o in by_key(cr(disaggregation={
         "workload": "DisaggregatedSet"})).values()}
