@@ -201,10 +201,13 @@ def test_chart_rbac_matches_manifest_rbac(helm: Path) -> None:
 def test_adapter_rules_and_dashboard_are_well_formed(helm: Path) -> None:
     maps = {c["metadata"]["name"]: c for c in by_kind(render(helm), "ConfigMap")}
     rules = yaml.safe_load(maps["kvserve-adapter-rules"]["data"]["config.yaml"])["rules"]
+    from kvserve.operator.pd_roles import TTFT_METRIC
     from kvserve.operator.resources import CACHE_USAGE_METRIC, WAITING_METRIC
 
-    # Exactly the custom metrics the operator's HPAs ask for.
-    assert {r["name"]["as"] for r in rules} == {CACHE_USAGE_METRIC, WAITING_METRIC}
+    # Exactly the custom metrics the operator's HPAs ask for (TTFT: the prefill pool's).
+    assert {r["name"]["as"] for r in rules} == {CACHE_USAGE_METRIC, WAITING_METRIC, TTFT_METRIC}
+    ttft = next(r for r in rules if r["name"]["as"] == TTFT_METRIC)
+    assert "vllm:time_to_first_token_seconds_count" in ttft["metricsQuery"]
     import json
     dashboard = json.loads(maps["kvserve-dashboard"]["data"]["kvserve.json"])
     exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])

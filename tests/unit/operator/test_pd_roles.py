@@ -6,10 +6,12 @@ the vendored DisaggregatedSet CRD)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
 import pytest
+import yaml
 
 from crd_schemas import errors as crd_errors
 from kvserve.operator.children import build_children
@@ -239,3 +241,14 @@ def test_render_prints_both_pools() -> None:
     text = render(json.dumps(cr({"prefill": {}, "decode": {}})))
     assert "name: chat-prefill" in text and "name: chat-decode" in text
     assert "name: chat-engine\n" in text  # the Service, not a Deployment
+
+
+def test_the_example_renders_both_pools_with_their_hpas() -> None:
+    example = Path(__file__).resolve().parents[3] / "manifests" / "examples" / \
+        "llama-3-8b-disaggregated.yaml"
+    docs = [d for d in yaml.safe_load_all(render(example.read_text())) if d]
+    keys = {f"{d['kind']}/{d['metadata']['name']}" for d in docs}
+    assert {"Deployment/llama-3-8b-pd-prefill", "Deployment/llama-3-8b-pd-decode",
+            "HorizontalPodAutoscaler/llama-3-8b-pd-prefill",
+            "HorizontalPodAutoscaler/llama-3-8b-pd-decode"} <= keys
+    assert "Deployment/llama-3-8b-pd-engine" not in keys
