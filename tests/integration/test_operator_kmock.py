@@ -51,6 +51,8 @@ OWNED = {
     "rbac.authorization.k8s.io/v1/rolebindings": "RoleBinding",
     # spec.disaggregation.workload DisaggregatedSet
     "disaggregatedset.x-k8s.io/v1/disaggregatedsets": "DisaggregatedSet",
+    # a replica over several nodes
+    "leaderworkerset.x-k8s.io/v1/leaderworkersets": "LeaderWorkerSet",
 }
 SECRETS = "v1/secrets"
 
@@ -290,6 +292,42 @@ async def test_timer_reports_readiness_from_the_deployment(kmock: Any) -> None:
                               c["status"] == "True" and c, "Ready=True")
     assert cond["reason"] == "ReplicasReady"
     assert stored(kmock, PLURAL_KEY, "ready")["status"]["readyReplicas"] == 2
+
+
+LWS = "leaderworkerset.x-k8s.io/v1/leaderworkersets"
+
+
+async def test_a_two_node_model_is_a_leader_worker_set_ready_by_groups(kmock: Any) -> None:
+    """Llama 3.1 405B on H100s: a LeaderWorkerSet of 2-pod groups (no engine Deployment), Ready
+    from the groups LWS reports; a model that fits one node then replaces it by a Deployment."""
+    big = service_cr("big", model={"name": "llama-3.1-405b"}, gpu={"type": "H100-80GB"},
+                     engine={"maxModelLen": 8192}, replicas=1, autoscaling=None)
+    del big["spec"]["autoscaling"]
+    async with running_operator(kmock, status_interval=0.2):
+        await create(kmock, big)
+        lws = await wait_for(lambda: stored(kmock, LWS, "big-engine"), "the LeaderWorkerSet")
+        assert stored(kmock, DEPLOYMENTS, "big-engine") is None
+        tmpl = lws["spec"]["leaderWorkerTemplate"]
+        assert tmpl["size"] == 2 and lws["metadata"]["ownerReferences"][0]["uid"] == "uid-big"
+        assert tmpl["workerTemplate"]["spec"]["containers"][0]["args"][:2] == ["serve",
+                                                                                "--headless"]
+        first = await wait_for(lambda: ready_condition(kmock, "big"), "the Ready condition")
+        assert (first["status"], first["reason"]) == ("False", "Progressing")
+        status = {"status": {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1}}
+        async with kmock.patch(f"/apis/leaderworkerset.x-k8s.io/v1/namespaces/{NS}/"
+                               "leaderworkersets/big-engine", json=status) as resp:
+            assert resp.status < 300
+        await wait_for(lambda: (c := ready_condition(kmock, "big")) and c["status"] == "True",
+                       "Ready=True from the LeaderWorkerSet")
+        sizing = stored(kmock, PLURAL_KEY, "big")["status"]["sizing"]
+        assert (sizing["tensorParallelSize"], sizing["pipelineParallelSize"],
+                sizing["nodesPerReplica"]) == (8, 2, 2)
+        small = {"spec": {"model": {"name": "llama-3-8b"}}}
+        async with kmock.patch(f"{CR_PATH}/big", json=small) as resp:
+            assert resp.status < 300
+        await wait_for(lambda: stored(kmock, DEPLOYMENTS, "big-engine"), "the Deployment")
+        await wait_for(lambda: stored(kmock, LWS, "big-engine") is None,
+                       "the LeaderWorkerSet pruned")
 
 
 async def test_scale_and_router_off_are_applied(kmock: Any) -> None:
