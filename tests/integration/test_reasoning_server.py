@@ -147,3 +147,51 @@ def test_unknown_parser_is_refused_with_the_list(engine_model):
         model=str(engine_model), max_model_len=256, kv_cache_memory=1 << 20, dtype="float32"))
     with pytest.raises(ConfigError, match="'granite'.*deepseek_r1, qwen3"):
         create_app(engine, ServerConfig(reasoning_parser="granite"))
+
+
+def _ids(chunks: list) -> list[int]:
+    return [i for c in chunks if c.choices for i in (getattr(c.choices[0], "token_ids", None)
+                                                        or [])]
+
+
+def _parts(chunks: list) -> tuple[str, str, list[tuple[str | None, str, str]]]:
+    """(reasoning, content, tool calls as (id, name, arguments) folded by index) of chunks."""
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    calls: dict[int, list] = {}
+    for d in deltas:
+        for t in d.tool_calls or []:
+            call = calls.setdefault(t.index, [None, "", ""])
+            call[0] = t.id or call[0]
+            call[1] += (t.function.name or "") if t.function else ""
+            call[2] += (t.function.arguments or "") if t.function else ""
+    return ("".join(getattr(d, "reasoning_content", None) or "" for d in deltas),
+            "".join(d.content or "" for d in deltas), [tuple(calls[i]) for i in sorted(calls)])
+
+
+def test_a_continuation_goes_on_with_the_reasoning_and_tool_call_parsers_state(r1):
+    """What a migrated stream's continuation gets (the ids of the chunks delivered before a
+    break, any break) on a replica with --reasoning-parser and tools: the parsers restart from
+    the delivered text and the grammar is advanced over it, so the delivered chunks and the
+    continuation's join into the uninterrupted answer: the same reasoning, content and one
+    get_weather call (its id said once, its name once, its arguments whole)."""
+    extra = {"guided_regex": CALL_IN_BOTH, "return_token_ids": True}
+    kw = dict(tools=[WEATHER, TIME], seed=2, extra_body=extra)
+    chunks = list(chat(r1, stream=True, **kw))
+    reasoning, content, calls = _parts(chunks)
+    assert reasoning and [c[1] for c in calls] == ["get_weather"] and calls[0][0]
+    ids = _ids(chunks)
+    cuts = [k for k in range(1, len(chunks)) if _ids(chunks[:k]) and _ids(chunks[k:])]
+    assert len(cuts) >= 5  # breaks in the reasoning, at its end and in the call
+    for k in sorted({*cuts[::max(1, len(cuts) // 8)], cuts[-1]}):  # spread over the answer
+        sent = chunks[:k]
+        rest = list(chat(r1, stream=True, **{**kw, "extra_body": {
+            **extra, "continuation": {"token_ids": _ids(sent)}}}))
+        assert _ids(sent) + _ids(rest) == ids, k
+        r_sent, c_sent, calls_sent = _parts(sent)
+        r_rest, c_rest, calls_rest = _parts(rest)
+        assert (r_sent + r_rest, c_sent + c_rest) == (reasoning, content), k
+        joined = _parts(sent + rest)[2]  # a call begun before the break goes on by its index
+        assert [(name, json.loads(args)) for _, name, args in joined] == \
+            [("get_weather", {"city": "Oslo", "unit": "C"})], k
+        assert sum(1 for c in calls_sent + calls_rest if c[0]) == 1, k
+        assert rest[-1].choices[0].finish_reason == "tool_calls"
