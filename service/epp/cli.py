@@ -19,7 +19,7 @@ ROUTER_FLAGS = ("redis_url", "service_name", "policy", "tokenizer", "session_hea
                 "block_size", "min_match_tokens", "load_weight", "host_weight",
                 "overload_factor", "overload_slack", "shared_load_interval", "down_cooldown",
                 "heartbeat_max_age", "lora_modules", "lora_spread_slack", "lora_load_timeout",
-                "log_level")
+                "log_level", "pd_threshold", "pd_max_prefill_queue")
 
 
 def _router_parser() -> argparse.ArgumentParser:

@@ -13,6 +13,9 @@ from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.struct_pb2 import Struct
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
+# --policy pd: the prefill replica (host:port) a P/D sidecar on the decode pod prefills on first
+# (llm-d's routing sidecar reads it); absent when the decode replica prefills locally.
+PREFILLER_HEADER = "x-prefiller-host-port"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
@@ -42,13 +45,15 @@ def destination_metadata(value: str) -> Struct:
     return meta
 
 
-def routed_common(value: str) -> pb.CommonResponse:
-    """The header mutation that routes: the endpoint header, with the route cache cleared so
-    Envoy picks the route (the ORIGINAL_DST cluster) again. (A streamed body goes upstream
-    chunked: Envoy drops Content-Length itself.)"""
-    return pb.CommonResponse(
-        header_mutation=pb.HeaderMutation(set_headers=[_set(DESTINATION_HEADER, value)]),
-        clear_route_cache=True)
+def routed_common(value: str, prefill: str | None = None) -> pb.CommonResponse:
+    """The header mutation that routes: the endpoint header (and, for a remote prefill, the
+    prefill replica's), with the route cache cleared so Envoy picks the route (the ORIGINAL_DST
+    cluster) again. (A streamed body goes upstream chunked: Envoy drops Content-Length itself.)"""
+    headers = [_set(DESTINATION_HEADER, value)]
+    if prefill is not None:
+        headers.append(_set(PREFILLER_HEADER, prefill))
+    return pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers),
+                             clear_route_cache=True)
 
 
 def request_headers_reply(common: pb.CommonResponse | None = None,

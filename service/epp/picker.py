@@ -1,6 +1,7 @@
 """One pick: the router's own decision (service/router/routing.py: Redis prefix index, load,
 overload guard, LoRA affinity, host-tier hits), narrowed to the endpoints the data plane and the
-pool allow, then shed (429) or refused (503) as the GIE protocol says."""
+pool allow, then shed (429) or refused (503) as the GIE protocol says. Under `--policy pd` a
+remote prefill names the prefill replica too (llm-d's `x-prefiller-host-port`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from kvserve.service.epp.endpoints import endpoint_of
 from kvserve.service.epp.messages import OBJECTIVE_HEADER
 from kvserve.service.epp.metrics import EppMetrics
 from kvserve.service.epp.objectives import Objectives, Saturation
+from kvserve.service.router import pd
 from kvserve.service.router.adapters import AdapterLoadError
 from kvserve.service.router.routing import RouteInfo, Router
 from kvserve.service.routing_policy import Candidate
@@ -27,6 +29,7 @@ class Pick:
     endpoints: tuple[str, ...] = ()
     replica_id: str | None = None  # the chosen replica (its in-flight count was taken)
     message: str = ""
+    prefill: str | None = None  # --policy pd: the prefill replica's endpoint (remote prefill)
 
     @property
     def value(self) -> str:
@@ -87,7 +90,25 @@ class Picker:
             reason = "adapter"
         chosen = eligible if self.fallback_list else eligible[:1]
         return Pick(200, reason, tuple(endpoint_of(c.url) for c in chosen),
-                    eligible[0].replica_id)
+                    eligible[0].replica_id, prefill=self._prefill(route, eligible[0]))
+
+    def _prefill(self, route: RouteInfo | None, decode: Candidate) -> str | None:
+        """--policy pd: the prefill endpoint when the plan prefills remotely for the replica
+        picked (one the pool allows); None: the decode replica prefills locally."""
+        plan = route.pd_plan if route is not None else None
+        if plan is None:
+            return None
+        decision = plan.decision
+        if route.adapter is not None and plan.remote:
+            decision = pd.LOCAL_ADAPTER
+        prefill = None
+        if decision == pd.REMOTE:
+            allowed = [c for c in plan.prefill if c.replica_id != decode.replica_id and
+                       (self.allowed is None or endpoint_of(c.url) in self.allowed)]
+            prefill = endpoint_of(allowed[0].url) if allowed else None
+            decision = pd.REMOTE if prefill else pd.LOCAL_NO_PREFILLER
+        self.router.metrics.pd_decisions.labels(decision).inc()
+        return prefill
 
     async def _adapter_first(self, route: RouteInfo, eligible: list[Candidate],
                              headers: Mapping[str, str]) -> list[Candidate]:

@@ -100,9 +100,9 @@ class ExtProcStream:
         value = pick.value
         if self.request_mode == FULL_DUPLEX:
             data = bytes(self.body)
-            return [m.request_headers_reply(m.routed_common(value), value),
+            return [m.request_headers_reply(m.routed_common(value, pick.prefill), value),
                     *m.streamed_chunks(data, end_of_stream)]
-        return [m.request_body_reply(m.routed_common(value), value)]
+        return [m.request_body_reply(m.routed_common(value, pick.prefill), value)]
 
     async def _pick(self, body: dict[str, Any] | None) -> Pick:
         path = self.headers.get(":path", "/").split("?", 1)[0]

@@ -155,8 +155,8 @@ async def _pd_prefill(router: Router, proxy: Proxy, path: str, parsed: dict[str,
     front) are left alone."""
     plan = route.pd_plan
     assert plan is not None
-    if "kv_transfer_params" in parsed:
-        return parsed, body
+    if "kv_transfer_params" in parsed or path not in pd.PATHS:
+        return parsed, body  # a /v1/responses request: its replica prefills it
     decision = pd.LOCAL_ADAPTER if route.adapter is not None and plan.remote else plan.decision
     if decision == pd.REMOTE:
         assert proxy.http is not None

@@ -38,6 +38,8 @@ LOCAL_ADAPTER = "local_adapter"  # a LoRA adapter's request: prefilled where the
 FALLBACK = "fallback"  # the remote prefill failed or gave no parameters: local prefill
 DECISIONS = (REMOTE, LOCAL_SHORT, LOCAL_BUSY, LOCAL_NO_PREFILLER, LOCAL_UNKNOWN, LOCAL_ADAPTER,
              FALLBACK)
+# The routes a prefill replica is asked through (their bodies take max_tokens).
+PATHS = ("/v1/completions", "/v1/chat/completions")
 # Fields a prefill request must not carry: a prefill generates one token, whole.
 _PREFILL_DROPS = ("stream_options", "min_tokens", "best_of", "use_beam_search")
 
