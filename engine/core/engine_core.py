@@ -235,6 +235,8 @@ class EngineCore:
         if sched.is_empty:
             self.runner.move_blocks(sched)
             self.observe_copies()
+            if self.kv_connector is not None and self.scheduler.waiting:
+                time.sleep(0.001)  # requests wait on KV pulls: the loop need not spin hot
             return None
         return sched
 

@@ -59,8 +59,9 @@ def fetch_blocks(remote: Remote, request_id: str, block_ids: list[int], layout: 
 def _handshake(sock: socket.socket, remote: Remote, layout: KVLayout, engine_id: str) -> None:
     send_message(sock, {"op": "hello", "engine_id": engine_id, "layout": layout.to_json()})
     reply = recv_message(sock)
-    why = reply.get("error") if not reply.get("ok") else \
-        layout_mismatch(layout, reply.get("layout") or {})
+    # said from this side ("... there, ... here"), whichever side found it
+    why = layout_mismatch(layout, reply.get("layout") or {}) or \
+        (reply.get("error") if not reply.get("ok") else None)
     if why:
         raise TransferError(f"KV transfer refused at handshake with the prefill engine "
                             f"{reply.get('engine_id', remote.engine_id)} at {remote.host}:"
