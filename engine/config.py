@@ -224,6 +224,9 @@ class EngineConfig:
             raise ConfigError("calculate_kv_scales runs one calibration batch through the whole "
                               "model in one rank; with pipeline_parallel_size > 1 give the fp8 "
                               "scales in the checkpoint or use kv_cache_dtype='auto'")
+        if self.speculative_config is not None:
+            raise ConfigError("speculative decoding with pipeline_parallel_size > 1 is not "
+                              "supported yet; drop speculative_config or use one stage")
         if self.load_format == "sharded_state":
             raise ConfigError("load_format='sharded_state' holds one shard per tensor-parallel "
                               "rank of a single stage; load the checkpoint itself with "

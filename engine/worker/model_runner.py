@@ -397,13 +397,13 @@ class ModelRunner:
         logits and the prompt logprobs asked; the other ranks only take part in the
         collectives."""
         self.apply_moves(step.moves)
-        if self.lora is not None and step.graph_size is None:  # a graph reads its own buffer
-            slots = step.lora_slots
-            self.lora.set_indices(slots.to(self.device) if slots is not None else None)
-        hidden, _ = self._forward(step)
-        if self.link is not None and self.link.next is not None:
-            self.link.send(*hidden)  # (hidden states, residual) to the next stage
-            return None, None
+        if self.link is not None:
+            hidden = self._stage_forward(step)
+            if hidden is None:  # not the last stage: sent on
+                return None, None
+        else:
+            self._set_lora(step)
+            hidden, _ = self._forward(step)
         if self.keep_hidden:  # a proposer fed by hidden states (engine/spec_decode/)
             self.last_hidden = hidden
         logits = None
@@ -420,6 +420,32 @@ class ModelRunner:
                                              step.prompt_targets, step.prompt_k)
         return logits, prompt
 
+
+    def _set_lora(self, step: StepInput) -> None:
+        if self.lora is not None and step.graph_size is None:  # a graph reads its own buffer
+            slots = step.lora_slots
+            self.lora.set_indices(slots.to(self.device) if slots is not None else None)
+
+    def _stage_forward(self, step: StepInput) -> torch.Tensor | None:
+        """This pipeline stage's share of the step, micro-batch by micro-batch: each one's
+        (hidden states, residual) sent on as soon as computed (the last stage: the hidden
+        states of the whole step, in order; the others: None)."""
+        from kvserve.engine.worker.microbatch import split_step
+
+        link = self.link
+        outs: list[torch.Tensor] = []
+        sends: list[Any] = []
+        for mb in split_step(step, link.microbatches):  # type: ignore[union-attr]
+            self._set_lora(mb.step)
+            hidden, _ = self._forward(mb.step)
+            if link.next is not None:  # type: ignore[union-attr]
+                sends.append(link.isend(*hidden))  # type: ignore[union-attr]
+            else:
+                outs.append(hidden)
+        if sends:
+            link.wait(sends)  # type: ignore[union-attr]
+            return None
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int,
                               capture: Capture | None = None) -> None:

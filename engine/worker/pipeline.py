@@ -19,6 +19,17 @@ import torch
 from kvserve.engine.errors import ConfigError
 
 PARTITION_ENV = "VLLM_PP_LAYER_PARTITION"
+MICROBATCH_ENV = "KVSERVE_PP_MICROBATCHES"
+
+
+def microbatches_for(stages: int) -> int:
+    """Micro-batches per step for `stages` stages (worker/microbatch.py):
+    $KVSERVE_PP_MICROBATCHES, else one per stage (1: the step goes through whole)."""
+    value = os.environ.get(MICROBATCH_ENV)
+    try:
+        return max(int(value), 1) if value else stages
+    except ValueError:
+        raise ConfigError(f"{MICROBATCH_ENV}={value!r} is not an integer") from None
 
 
 def partition_layers(num_layers: int, stages: int, spec: str | None = None) -> list[int]:
@@ -121,22 +132,23 @@ class LinkFigures:
 @dataclass
 class StageLink:
     """This rank's neighbours in the pipeline: it receives (hidden, residual) from `prev` and
-    sends them to `next` (None at the ends); one [2, T, hidden] tensor per step."""
+    sends them to `next` (None at the ends); one [2, T, hidden] tensor per micro-batch."""
 
     prev: int | None
     next: int | None
     hidden: int
     dtype: torch.dtype
     device: torch.device
+    microbatches: int = 1  # per step; every stage cuts a step the same way
     figures: LinkFigures = field(default_factory=LinkFigures)
 
     @classmethod
     def of(cls, rank: int, layout: Layout, hidden: int, dtype: torch.dtype,
-           device: torch.device) -> "StageLink":
+           device: torch.device, microbatches: int = 1) -> "StageLink":
         stage = layout.stage_of(rank)
         prev = rank - layout.tp if stage > 0 else None
         nxt = rank + layout.tp if stage < layout.pp - 1 else None
-        return cls(prev, nxt, hidden, dtype, device)
+        return cls(prev, nxt, hidden, dtype, device, microbatches)
 
     def recv(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The previous stage's (hidden states, residual) of a step of `num_tokens` tokens."""
@@ -148,13 +160,21 @@ class StageLink:
         self.figures.bytes_received += buf.numel() * buf.element_size()
         return buf[0], buf[1]
 
-    def send(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
+    def isend(self, hidden: torch.Tensor, residual: torch.Tensor) -> tuple[object, object]:
+        """Start sending (hidden states, residual) to the next stage; `wait` for it."""
         buf = torch.stack((hidden, residual)).contiguous()
         t0 = time.perf_counter()
-        torch.distributed.send(buf, dst=self.next)
+        work = torch.distributed.isend(buf, dst=self.next)
         self.figures.send_s += time.perf_counter() - t0
         self.figures.sends += 1
         self.figures.bytes_sent += buf.numel() * buf.element_size()
+        return work, buf  # the buffer lives until the send completed
+
+    def wait(self, sends: list[tuple[object, object]]) -> None:
+        t0 = time.perf_counter()
+        for work, _ in sends:
+            work.wait()  # type: ignore[attr-defined]
+        self.figures.send_s += time.perf_counter() - t0
 
 
 def check_pipeline_parallel(pp: int, num_layers: int, pp_unsupported: str | None) -> None:
@@ -167,5 +187,6 @@ def check_pipeline_parallel(pp: int, num_layers: int, pp_unsupported: str | None
     partition_layers(num_layers, pp)
 
 
-__all__ = ["PARTITION_ENV", "LinkFigures", "Layout", "PPStage", "StageLink",
+__all__ = ["MICROBATCH_ENV", "PARTITION_ENV", "LinkFigures", "Layout", "PPStage", "StageLink",
+           "microbatches_for",
            "check_pipeline_parallel", "partition_layers"]

@@ -27,7 +27,8 @@ from kvserve.engine.worker.kv_sizing import (DTYPES, device_budget, host_plan, h
                                              kv_cache_groups, model_shape, page_budget,
                                              resolve_kv_dtype)
 from kvserve.engine.worker.malloc_tuning import keep_activation_memory
-from kvserve.engine.worker.pipeline import PPStage, StageLink, partition_layers
+from kvserve.engine.worker.pipeline import (PPStage, StageLink, microbatches_for,
+                                            partition_layers)
 from kvserve.engine.worker.rank_env import RankEnv, from_environ
 from kvserve.engine.worker.workers import CacheSpec, WorkerGroup
 
@@ -146,7 +147,7 @@ def set_up(config: EngineConfig, model_path: Path | str,
     setup.workers, setup.host_plan = workers, host
     if workers is not None and config.pipeline_parallel_size > 1:
         setup.link = StageLink.of(0, workers.spec.layout, setup.hf_config.hidden_size, dtype,
-                                  device)
+                                  device, workers.spec.microbatches)
     return setup
 
 
@@ -182,10 +183,11 @@ def _start_workers(config: EngineConfig, model_path: Path | str, dtype: torch.dt
                                   hf_overrides=config.hf_overrides,
                                   lora=config.lora_config(),
                                   load_format=config.load_format, pp=pp, layer_counts=counts,
-                                  env=env)
+                                  env=env, microbatches=microbatches_for(pp) if pp > 1 else 1)
     logger.info("parallel: %d stage(s) x %d tensor-parallel rank(s)%s on %d host(s) (%s), "
                 "%d torch thread(s) per rank", pp, n,
-                f", layers per stage {list(counts)}" if counts else "", env.nodes,
+                f", layers per stage {list(counts)}, {group.spec.microbatches} micro-batch(es) "
+                "per step" if counts else "", env.nodes,
                 "nccl" if device.type == "cuda" else "gloo", group.spec.threads)
     return group, tp, counts
 

@@ -69,6 +69,7 @@ class WorkerSpec:
     pp: int = 1  # pipeline stages; `size` = pp x tensor-parallel ranks
     layer_counts: tuple[int, ...] = ()  # layers per stage (the driver's partition)
     local_ranks: int = 0  # ranks per host (0: all on this one); picks each rank's GPU
+    microbatches: int = 1  # pipeline micro-batches per step (the driver's choice)
 
     @property
     def layout(self) -> Layout:
@@ -133,7 +134,8 @@ def stage_link(rank: int, spec: WorkerSpec, model: torch.nn.Module,
     """Rank `rank`'s link to its neighbouring stages (None without pipeline stages)."""
     if spec.pp == 1:
         return None
-    return StageLink.of(rank, spec.layout, model.dims.hidden, model.dtype, device)
+    return StageLink.of(rank, spec.layout, model.dims.hidden, model.dtype, device,
+                        spec.microbatches)
 
 
 def rank_device(rank: int, device_type: str) -> torch.device:
@@ -300,7 +302,8 @@ class WorkerGroup:
               hf_overrides: Any = None, lora: Any = None,
               load_format: str = "auto", pp: int = 1,
               layer_counts: tuple[int, ...] = (),
-              env: RankEnv | None = None) -> tuple["WorkerGroup", TPGroup | None]:
+              env: RankEnv | None = None, microbatches: int = 1
+              ) -> tuple["WorkerGroup", TPGroup | None]:
         """Spawn the local workers, accept the other hosts' (`env`), and join the group as
         rank 0 (returns once all ranks joined). `size`: every rank, pp x tensor-parallel."""
         if torch.distributed.is_initialized():
@@ -317,7 +320,7 @@ class WorkerGroup:
         spec = WorkerSpec(str(model_path), revision, dtype, device_type, size,
                           init, threads, max_model_len, quantization,
                           hf_overrides, lora, load_format, pp, tuple(layer_counts),
-                          local if env.multi_node else 0)
+                          local if env.multi_node else 0, microbatches)
         group = cls(spec, env)
         try:
             try:

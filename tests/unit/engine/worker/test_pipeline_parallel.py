@@ -49,12 +49,15 @@ def generate(llm: LLM, prompts: list[str], **kw) -> list[tuple[list[int], list[d
 
 
 def run(model, prompts: list[str], sample: dict | None = None, **kw):
-    """(outputs, stats, the per-stage KV shapes) of one engine, shut down after."""
+    """(outputs, stats, the driver's KV shape, [the driver's stage-link figures, then each
+    worker's]) of one engine, shut down after."""
     llm = LLM(**engine_kw(model, **kw))
     try:
         out = generate(llm, prompts, **(sample or {}))
         engine = llm.llm_engine
-        return out, engine.get_stats(), tuple(engine.runner.kv.shape)
+        runner = engine.runner
+        links = [runner.link.figures, *runner.workers.link_figures()] if runner.link else []
+        return out, engine.get_stats(), tuple(runner.kv.shape), links
     finally:
         llm.shutdown()
 
@@ -134,6 +137,29 @@ def test_each_stage_loads_only_its_layers(four_layers) -> None:
                        full.model.layers[3].mlp.down_proj.weight)
 
 
+def test_micro_batches_cut_between_sequences_by_tokens() -> None:
+    from kvserve.engine.worker.microbatch import cut_points, split_step
+    from kvserve.engine.worker.model_runner import BlockMoves, StepInput
+
+    assert cut_points(torch.tensor([0, 1, 2, 3, 4]), 2) == [0, 2, 4]  # decode: by sequences
+    assert cut_points(torch.tensor([0, 100, 101, 102, 103]), 2) == [0, 1, 4]  # by tokens
+    assert cut_points(torch.tensor([0, 1, 2]), 4) == [0, 1, 2]  # at most one per sequence
+    assert cut_points(torch.tensor([0, 7]), 2) == [0, 1]
+    qsl = torch.tensor([0, 3, 4, 6], dtype=torch.int32)
+    step = StepInput(torch.arange(6), torch.tensor([0, 1, 2, 9, 4, 5]),
+                     torch.arange(6).view(1, 6), torch.arange(9, dtype=torch.int32).view(1, 3, 3),
+                     torch.tensor([3, 10, 6], dtype=torch.int32), qsl, 3, 10, [0, 1, 2],
+                     BlockMoves(), lora_slots=torch.tensor([0, 0, 0, 1, -1, -1]),
+                     embeds=(torch.tensor([1, 5]), torch.ones(2, 4)))
+    first, second = split_step(step, 2)
+    assert (first.lo, first.hi, second.lo, second.hi) == (0, 3, 3, 6)
+    assert second.step.query_start_loc.tolist() == [0, 1, 3]
+    assert second.step.block_tables.tolist() == [[[3, 4, 5], [6, 7, 8]]]
+    assert (second.step.max_query_len, second.step.max_seq_len) == (2, 10)
+    assert second.step.lora_slots.tolist() == [1, -1, -1]
+    assert first.step.embeds[0].tolist() == [1] and second.step.embeds[0].tolist() == [2]
+
+
 # ---------------------------------------------------------------------------- engines
 
 
@@ -143,31 +169,43 @@ def reference(four_layers):
     return run(four_layers, [SHARED + p for p in PROMPTS])
 
 
-def test_two_stages_equal_one_rank_through_preemption_and_prefix_hits(four_layers,
-                                                                       reference) -> None:
-    want, _, full_kv = reference
-    got, stats, stage_kv = run(four_layers, [SHARED + p for p in PROMPTS],
-                               pipeline_parallel_size=2)
+@pytest.fixture(scope="module")
+def staged(four_layers):
+    """The same with two stages (two layers each, two micro-batches per step)."""
+    return run(four_layers, [SHARED + p for p in PROMPTS], pipeline_parallel_size=2)
+
+
+def test_two_stages_equal_one_rank_through_preemption_and_prefix_hits(reference,
+                                                                       staged) -> None:
+    want, _, full_kv, _ = reference
+    got, stats, stage_kv, links = staged
     assert_same(got, want)  # exact: the same ops in the same order, split over processes
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     assert full_kv[1] == 4 and stage_kv[1] == 2  # the driver's cache: its 2 layers only
     assert stage_kv[2] == full_kv[2] == 12  # the same blocks on every stage
+    sent, received = links
+    assert sent.sends == received.recvs > 0 and sent.bytes_sent == received.bytes_received
 
 
 def test_two_stages_by_two_ranks_equal_one_rank(four_layers, reference) -> None:
-    want, _, _ = reference
-    got, stats, _ = run(four_layers, [SHARED + p for p in PROMPTS], pipeline_parallel_size=2,
-                        tensor_parallel_size=2)
+    want, _, _, _ = reference
+    got, stats, _, _ = run(four_layers, [SHARED + p for p in PROMPTS],
+                           pipeline_parallel_size=2, tensor_parallel_size=2)
     # tensor parallelism sums each row-parallel product in two halves: logprobs within 1e-4
     assert_same(got, want, tol=1e-4)
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
 
 
-def test_an_uneven_split_from_the_env_list(four_layers, reference, monkeypatch) -> None:
+def test_an_uneven_split_and_whole_steps(four_layers, reference, staged, monkeypatch) -> None:
+    """VLLM_PP_LAYER_PARTITION=3,1, and KVSERVE_PP_MICROBATCHES=1: each step goes through the
+    stages whole, in fewer hand-offs than the default two micro-batches of the same steps."""
     monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "3,1")
-    got, _, stage_kv = run(four_layers, [SHARED + p for p in PROMPTS], pipeline_parallel_size=2)
+    monkeypatch.setenv("KVSERVE_PP_MICROBATCHES", "1")
+    got, _, stage_kv, links = run(four_layers, [SHARED + p for p in PROMPTS],
+                                  pipeline_parallel_size=2)
     assert_same(got, reference[0])
     assert stage_kv[1] == 3
+    assert 0 < links[0].sends < staged[3][0].sends  # the same steps, cut in two there
 
 
 def test_prompt_logprobs_and_int8_weights_across_stages(four_layers) -> None:
