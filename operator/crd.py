@@ -369,6 +369,14 @@ def spec_schema() -> Schema:
         "gpu": _gpu(),
         "sizing": _sizing(),
         "adapters": _adapters(),
+        "models": _typed("array", "More small models served by each replica beside spec.model, "
+                         "every one under its servedModelName (default: name) on the same port, "
+                         "all over one shared KV pool (kvserve serve --additional-model). "
+                         "Placed only when sizing says they fit one GPU with spec.model (their "
+                         "weights come out of its KV budget; spec.model must have the largest "
+                         "KV block); else the service gets a condition and no workload. Each "
+                         "loads from the hub (a catalog name, a hub id or hf://).",
+                         items=_model(), maxItems=16),
         "replicas": _typed("integer", "Engine replicas (the HPA's target when autoscaling).",
                            minimum=0, maximum=1000, default=1),
         "autoscaling": _autoscaling(),

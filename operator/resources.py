@@ -6,8 +6,8 @@ import hashlib
 import json
 from typing import Any
 
-from kvserve.operator import (adapters, inference_pool, leader_worker_set, monitoring,
-                              network_policy, offload, traffic, trust, weights)
+from kvserve.operator import (adapters, co_location, inference_pool, leader_worker_set,
+                              monitoring, network_policy, offload, traffic, trust, weights)
 from kvserve.operator.crd import API_VERSION, KIND
 from kvserve.operator.sizing import Sizing
 from kvserve.operator.spec import ServiceSpec
@@ -81,7 +81,7 @@ def engine_args(spec: ServiceSpec, sizing: Sizing) -> list[str]:
     args = ["serve", weights.model_path(spec), "--host", "0.0.0.0", "--port", str(PORT),
             "--block-size", str(e.block_size), "--max-model-len", str(e.max_model_len),
             "--max-num-seqs", str(sizing.max_num_seqs),
-            "--gpu-memory-utilization", f"{e.gpu_memory_utilization:g}",
+            "--gpu-memory-utilization", f"{_utilisation(spec, sizing):g}",
             "--kv-cache-dtype", e.kv_cache_dtype, "--swap-space", f"{e.swap_space_gib:g}",
             "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching",
             "--dtype", sizing.weight_dtype,
@@ -95,13 +95,24 @@ def engine_args(spec: ServiceSpec, sizing: Sizing) -> list[str]:
     if weights.serves_hub_revision(spec) and spec.model.location.revision != "main":
         args += ["--revision", spec.model.location.revision]
     if spec.device == "cpu":  # the KV budget the operator planned within the pod's memory limit
-        args += ["--kv-cache-memory", str(max(sizing.kv_bytes, 0))]
+        co = sizing.co_location
+        kv = sizing.kv_bytes if co is None else co.kv_bytes  # type: ignore[attr-defined]
+        args += ["--kv-cache-memory", str(max(kv, 0))]
+    args += co_location.engine_args(sizing.co_location)  # type: ignore[arg-type]
     url = redis_url(spec)
     if url:
         args += ["--redis-url", url]
     # Drain inside the pod's termination grace period, after the preStop sleep.
     return args + ["--service-name", spec.name, "--advertise-url", f"http://$(POD_IP):{PORT}",
                    "--shutdown-grace-period", str(DRAIN_TIMEOUT_SECONDS)]
+
+
+def _utilisation(spec: ServiceSpec, sizing: Sizing) -> float:
+    """--gpu-memory-utilization: the spec's, less the additional models' weights (spec.models:
+    the engine's profiled KV budget must leave them room)."""
+    co = sizing.co_location
+    return spec.engine.gpu_memory_utilization if co is None else \
+        co.gpu_memory_utilization  # type: ignore[attr-defined]
 
 
 def pod_security() -> Obj:

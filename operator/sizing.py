@@ -11,7 +11,7 @@ fewest GPUs wins. A replica over several nodes becomes a LeaderWorkerSet
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvserve.engine.defaults import MAX_NUM_SEQS
 from kvserve.engine.sizing.memory import (
@@ -68,6 +68,7 @@ class Sizing:
     replicas_for_target: int = 1  # replicas that hold target_concurrency
     alternatives: tuple[dict, ...] = ()  # layouts not chosen, and why
     warnings: tuple[str, ...] = ()  # per-token latency caveats of the chosen layout
+    co_location: object = None  # spec.models placed in each replica (co_location.CoLocation)
 
 
     def as_status(self) -> dict:
@@ -86,6 +87,8 @@ class Sizing:
             "targetConcurrency": self.target_concurrency,
             "replicasForTarget": self.replicas_for_target,
             **({"kvOffloading": self.kv_offloading} if self.kv_offloading else {}),
+            **({"coLocatedModels": self.co_location.as_status()}  # type: ignore[attr-defined]
+               if self.co_location is not None else {}),
             "alternatives": list(self.alternatives), "warnings": list(self.warnings),
             "explanation": self.explanation,
         }
@@ -234,7 +237,14 @@ def plan(spec: ServiceSpec) -> Sizing:
         budget = budget_per_gpu(spec, largest.tp, largest.pp)
         raise InsufficientGPUMemoryError(_refusal(spec, largest, budget))
     lay = choice.chosen.layout
-    return _sizing(spec, choice, budget_per_gpu(spec, lay.tp, lay.pp))
+    sizing = _sizing(spec, choice, budget_per_gpu(spec, lay.tp, lay.pp))
+    if spec.models:  # several models in each replica, when they fit (co_location.py)
+        from kvserve.operator import co_location
+
+        co = co_location.plan(spec, sizing)
+        sizing = replace(sizing, co_location=co,
+                         explanation=sizing.explanation + "; " + co.explanation)
+    return sizing
 
 
 def _device_words(spec: ServiceSpec, gpus: int) -> str:

@@ -273,6 +273,7 @@ class ServiceSpec:
     gpus_per_node: int = GPUS_PER_NODE  # spec.gpu.perNode, else the GPU type's node
     target_concurrency: int | None = None  # spec.sizing.targetConcurrency
     memory_bandwidth: float = 0.0  # bytes/s per GPU (catalog), for the latency estimate
+    models: tuple[ModelRef, ...] = ()  # spec.models: more models in each replica (co_location.py)
 
 
 def _arch_from_spec(a: dict, source: str) -> ModelArch:
@@ -486,4 +487,6 @@ def parse_spec(body: dict, reader: ModelReader | None = None) -> ServiceSpec:
         env=spec.get("env", []), ingress=ingress, gateway=gateway, monitoring=monitoring,
         adapters=adapters, lora=LoraSpec(lora["enabled"], lora["maxLoras"],
                                          lora["maxLoraRank"]), routing=routing,
-        disaggregation=dis)
+        disaggregation=dis,
+        models=tuple(model_ref(m, meta.get("name", ""), reader, namespace, spec.get("env", []))
+                     for m in spec.get("models", [])))
