@@ -148,7 +148,7 @@ def layout_table(status: dict) -> list[str]:
               "replicas": status["replicasForTarget"],
               "totalGpus": status["gpusPerReplica"] * status["replicasForTarget"],
               "verdict": "chosen"}
-    rows = [[str(r[key]) if r["verdict"] in ("chosen", "more GPUs") or key in (
+    rows = [[str(r[key]) if r["verdict"] in ("chosen", "more GPUs", "tie-break") or key in (
         "tensorParallelSize", "pipelineParallelSize", "nodesPerReplica", "gpusPerReplica")
              else "-" for _, key in LAYOUT_COLUMNS]
             + [r["verdict"] + (f" ({r['detail']})" if r.get("detail") else "")]

@@ -24,6 +24,7 @@ MAX_PIPELINE_STAGES = 16  # the longest pipeline the planner considers
 TOO_LITTLE_KV = "too little KV"
 CROSS_NODE_TP = "cross-node TP"
 MORE_GPUS = "more GPUs"
+TIE_BREAK = "tie-break"  # as many GPUs, but more nodes, stages or TP ranks than the chosen
 UNEVEN_PODS = "uneven pods"
 CHOSEN = "chosen"
 
@@ -135,9 +136,8 @@ def choose(layouts: list[Layout], concurrency: Callable[[Layout], int], target: 
 
 
 def _why_not(option: Option, best: Option) -> Option:
-    """More GPUs, or as many but more nodes/stages/TP (the tie-break)."""
+    """More GPUs, or as many but more nodes, stages or TP ranks (the tie-break)."""
     if option.total_gpus > best.total_gpus:
         return option
-    return Option(option.layout, option.concurrency, option.replicas, MORE_GPUS,
-                  f"as many GPUs ({option.total_gpus}); the chosen layout spans fewer nodes, "
-                  "stages or TP ranks")
+    return Option(option.layout, option.concurrency, option.replicas, TIE_BREAK,
+                  "as many GPUs; the chosen layout has fewer nodes, stages or TP ranks")

@@ -4,7 +4,7 @@ shorter pipelines, smaller TP; TP never across nodes; stages only once TP fills 
 from __future__ import annotations
 
 from kvserve.engine.sizing.parallel_layout import (
-    CHOSEN, CROSS_NODE_TP, MORE_GPUS, TOO_LITTLE_KV, Layout, candidate_layouts, choose,
+    CHOSEN, CROSS_NODE_TP, TIE_BREAK, TOO_LITTLE_KV, Layout, candidate_layouts, choose,
 )
 
 
@@ -40,8 +40,8 @@ def test_fewest_gpus_wins_then_fewer_nodes_stages_and_tp() -> None:
     assert choice.chosen is not None and choice.chosen.verdict == CHOSEN
     assert (choice.chosen.layout.tp, choice.chosen.replicas, choice.chosen.total_gpus) == (2, 4, 8)
     verdicts = {(o.layout.tp, o.layout.pp): o.verdict for o in choice.rejected}
-    assert verdicts[(1, 1)] == TOO_LITTLE_KV and verdicts[(4, 1)] == MORE_GPUS
-    assert "as many GPUs (8)" in next(o.detail for o in choice.rejected if o.layout.tp == 4)
+    assert verdicts[(1, 1)] == TOO_LITTLE_KV and verdicts[(4, 1)] == TIE_BREAK
+    assert "as many GPUs" in next(o.detail for o in choice.rejected if o.layout.tp == 4)
 
 
 def test_a_model_past_one_node_gets_pipeline_stages() -> None:

@@ -89,8 +89,9 @@ def test_plan_table(model: str, gpu: str, target: int, layout: tuple) -> None:
     assert got[3] * got[4] >= target  # the replicas hold the target
     chosen = got[0] * got[1] * got[3]
     for alt in s.alternatives:  # nothing cheaper was passed over
-        if alt["verdict"] == "more GPUs":
-            assert alt["totalGpus"] >= chosen
+        if alt["verdict"] in ("more GPUs", "tie-break"):
+            assert alt["totalGpus"] > chosen if alt["verdict"] == "more GPUs" else \
+                alt["totalGpus"] == chosen
     assert bool(s.warnings) == (got[2] > 1)  # multi-node replicas are warned about
 
 
@@ -118,6 +119,8 @@ def test_plan_json_default_target_and_a_local_checkpoint_dtype(capsys) -> None:
     assert status["targetConcurrency"] == 32
     # 21 requests per L40S: 2 replicas of 1 GPU (as cheap as TP 2, and no collective traffic)
     assert (status["tensorParallelSize"], status["replicasForTarget"]) == (1, 2)
+    tp2 = next(a for a in status["alternatives"] if a["tensorParallelSize"] == 2)
+    assert (tp2["verdict"], tp2["replicas"], tp2["totalGpus"]) == ("tie-break", 1, 2)
     fp8 = build_parser().parse_args(["plan", "--model", "llama-3-8b", "--gpu", "L40S",
                                      "--max-model-len", "8192", "--kv-cache-dtype", "fp8",
                                      "--output", "json"])
