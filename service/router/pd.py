@@ -130,9 +130,11 @@ def transfer_params(answer: Any) -> dict[str, Any] | None:
 
 async def remote_prefill(http: httpx.AsyncClient, path: str, body: dict[str, Any],
                          headers: dict[str, str], ranking: Sequence[Candidate], pd: PDConfig,
-                         acquire: Any, release: Any) -> tuple[dict[str, Any], str] | None:
+                         acquire: Any, release: Any, mark_down: Any = None
+                         ) -> tuple[dict[str, Any], str] | None:
     """Prefill on the first replica of `ranking` that answers (one try each, within
-    `pd.prefill_timeout` in all): (kv_transfer_params, its replica id), or None (local)."""
+    `pd.prefill_timeout` in all): (kv_transfer_params, its replica id), or None (local). A
+    replica that refuses the connection is `mark_down`'d, as the proxy does."""
     payload = prefill_body(body)
     for cand in ranking[:2]:  # a second replica only when the first fails fast
         acquire(cand.replica_id)
@@ -143,6 +145,9 @@ async def remote_prefill(http: httpx.AsyncClient, path: str, body: dict[str, Any
         except (httpx.HTTPError, ValueError) as exc:
             logger.warning("pd: prefill on %s failed (%s: %s)", cand.replica_id,
                            type(exc).__name__, exc)
+            if mark_down is not None and isinstance(exc, (httpx.ConnectError,
+                                                          httpx.ConnectTimeout)):
+                mark_down(cand.replica_id)
             if isinstance(exc, httpx.TimeoutException):
                 return None  # the time is spent: the decode replica prefills now
             continue

@@ -2,7 +2,8 @@
 fp32), a real Redis and `kvserve router --policy pd` (in the test process). Long uncached
 prompts are prefilled on the other replica and decoded with its kv_transfer_params; outputs equal
 the offline engine's greedy ones, streamed or not; a prompt the decode replica holds, or a short
-one, is prefilled locally. With the engine's KV connector (engine/kv_transfer) the replicas run
+one, is prefilled locally; a prefill replica that died means a local prefill, exact still. With
+the engine's KV connector (engine/kv_transfer) the replicas run
 as kv_producer / kv_consumer, announce prefill / decode, and the decode replica's external
 prefix-cache hits show the blocks it pulled."""
 
@@ -28,6 +29,8 @@ PROMPTS = [f"Request {i}: paged attention keeps the KV cache in blocks of sixtee
            f"pulls them instead of computing them again; tenant {i} asks for a short summary."
            for i in range(3)]
 SHORT = "Hi there"
+AFTER_KILL = ("A tenant of its own: prefill replicas compute prompts, decode replicas generate, "
+              "and when a prefill replica dies the decode replica computes the prompt itself.")
 MAX_TOKENS = 12
 
 
@@ -105,6 +108,7 @@ def cluster(tiny_model_dir, redis_binary, tmp_path_factory) -> Iterator[dict]:
         wait_for(lambda: len(_health(router.url).get("replicas", [])) == 2, 120,
                  "the router to see both replicas")
         yield {"router": router, "urls": {rid: url for rid, (_, url) in procs.items()},
+               "procs": {rid: proc for rid, (proc, _) in procs.items()},
                "connector": connector}
         router.stop()
     finally:
@@ -120,8 +124,8 @@ def reference(tiny_model_dir) -> dict[str, str]:
     from kvserve import SamplingParams
 
     llm = make_llm(tiny_model_dir)
-    outs = llm.generate([*PROMPTS, SHORT], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
-                                                          ignore_eos=True))
+    outs = llm.generate([*PROMPTS, SHORT, AFTER_KILL],
+                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
     return {o.prompt: o.outputs[0].text for o in outs}
 
 
@@ -221,3 +225,23 @@ def test_short_prompt_is_prefilled_locally(cluster, reference):
     assert headers["x-kvserve-pd-decision"] == "local_short"
     assert _metric(cluster["router"].url, "kvserve:router_pd_decisions_total",
                    'decision="local_short"') >= 1
+
+
+def test_a_dead_prefill_replica_means_local_prefill_and_exact_output(cluster, reference):
+    """Last in the module: it kills the prefill replica."""
+    router = cluster["router"].url
+    procs = cluster["procs"]
+    prefill = "prefill-0" if cluster["connector"] else None
+    if prefill is None:  # two `both` replicas: kill whichever is not the decode replica
+        _, headers = _complete(router, SHORT)
+        prefill = next(rid for rid in procs if rid != headers["x-kvserve-replica"])
+    procs[prefill].kill()
+    procs[prefill].wait()
+    before = _metric(router, "kvserve:router_pd_decisions_total", 'decision="remote"')
+    text, headers = _complete(router, AFTER_KILL)
+    # right after the kill the heartbeat still names it (fallback); once it has expired there
+    # is no prefill replica left (local_no_prefiller): local prefill either way
+    assert headers["x-kvserve-pd-decision"] in ("fallback", "local_no_prefiller")
+    assert headers["x-kvserve-replica"] != prefill
+    assert _metric(router, "kvserve:router_pd_decisions_total", 'decision="remote"') == before
+    assert text == reference[AFTER_KILL]

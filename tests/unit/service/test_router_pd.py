@@ -140,15 +140,18 @@ def test_a_prefill_replica_that_refuses_means_local_prefill():
     def release(rid: str) -> None:
         counts[rid] -= 1
 
+    down: list[str] = []
+
     async def run() -> object:
         dead = [Candidate(f"p{i}", f"http://127.0.0.1:{_closed_port()}", role="prefill")
                 for i in range(3)]
         async with httpx.AsyncClient() as http:
             return await pd.remote_prefill(http, "/v1/completions", {"prompt": "x"}, {}, dead,
-                                           PD, acquire, release)
+                                           PD, acquire, release, down.append)
 
     assert asyncio.run(run()) is None
     assert counts == {"p0": 0, "p1": 0}  # two tried, each released
+    assert down == ["p0", "p1"]  # out of routing for --down-cooldown, as the proxy does
 
 
 def test_heartbeat_role_field():
