@@ -328,7 +328,10 @@ class EngineCore:
         """Prefix-cache changes since the last call: the device pool's (what a tier-unaware
         index holds), and with "host" / "disk" in `media` those tiers' (`KVEvent.medium`).
         Each tier's log is bounded on its own when not drained."""
-        events = self.kv.pool.drain_events() if "device" in media else []
+        if self.seat is not None and self.seat.model_key is not None:
+            return []  # a shared pool's log is drained (and published) by its first model alone
+        with self.turn():  # on a shared pool, another model's thread logs events too
+            events = self.kv.pool.drain_events() if "device" in media else []
         if "host" in media and self.kv.host is not None:
             events += self.kv.host.drain_events()
         if "disk" in media and self.kv.disk is not None:
