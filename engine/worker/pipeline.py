@@ -140,21 +140,27 @@ class StageLink:
     dtype: torch.dtype
     device: torch.device
     microbatches: int = 1  # per step; every stage cuts a step the same way
+    via_host: bool = False  # gloo with GPU tensors: staged through host memory
     figures: LinkFigures = field(default_factory=LinkFigures)
 
     @classmethod
     def of(cls, rank: int, layout: Layout, hidden: int, dtype: torch.dtype,
-           device: torch.device, microbatches: int = 1) -> "StageLink":
+           device: torch.device, microbatches: int = 1, via_host: bool = False
+           ) -> "StageLink":
         stage = layout.stage_of(rank)
         prev = rank - layout.tp if stage > 0 else None
         nxt = rank + layout.tp if stage < layout.pp - 1 else None
-        return cls(prev, nxt, hidden, dtype, device, microbatches)
+        return cls(prev, nxt, hidden, dtype, device, microbatches,
+                   via_host and device.type == "cuda")
 
     def recv(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The previous stage's (hidden states, residual) of a step of `num_tokens` tokens."""
-        buf = torch.empty((2, num_tokens, self.hidden), dtype=self.dtype, device=self.device)
+        where = torch.device("cpu") if self.via_host else self.device
+        buf = torch.empty((2, num_tokens, self.hidden), dtype=self.dtype, device=where)
         t0 = time.perf_counter()
         torch.distributed.recv(buf, src=self.prev)
+        if self.via_host:
+            buf = buf.to(self.device)
         self.figures.recv_s += time.perf_counter() - t0
         self.figures.recvs += 1
         self.figures.bytes_received += buf.numel() * buf.element_size()
@@ -162,8 +168,10 @@ class StageLink:
 
     def isend(self, hidden: torch.Tensor, residual: torch.Tensor) -> tuple[object, object]:
         """Start sending (hidden states, residual) to the next stage; `wait` for it."""
-        buf = torch.stack((hidden, residual)).contiguous()
         t0 = time.perf_counter()
+        buf = torch.stack((hidden, residual)).contiguous()
+        if self.via_host:
+            buf = buf.cpu()
         work = torch.distributed.isend(buf, dst=self.next)
         self.figures.send_s += time.perf_counter() - t0
         self.figures.sends += 1

@@ -8,6 +8,7 @@ other hosts come from the environment (engine/worker/rank_env.py)."""
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,8 +147,9 @@ def set_up(config: EngineConfig, model_path: Path | str,
         raise
     setup.workers, setup.host_plan = workers, host
     if workers is not None and config.pipeline_parallel_size > 1:
-        setup.link = StageLink.of(0, workers.spec.layout, setup.hf_config.hidden_size, dtype,
-                                  device, workers.spec.microbatches)
+        spec = workers.spec
+        setup.link = StageLink.of(0, spec.layout, setup.hf_config.hidden_size, dtype, device,
+                                  spec.microbatches, via_host=spec.backend == "gloo")
     return setup
 
 
@@ -173,7 +175,8 @@ def _start_workers(config: EngineConfig, model_path: Path | str, dtype: torch.dt
             raise ConfigError(f"tensor_parallel_size={n} does not divide {key}={width}; pick an "
                               "N that divides every expert width")
     local = env.local_ranks(n * pp)
-    if device.type == "cuda" and torch.cuda.device_count() < local:
+    if device.type == "cuda" and torch.cuda.device_count() < local \
+            and not os.environ.get("KVSERVE_RANK_DEVICES"):
         raise ConfigError(f"{local} ranks on this host (tensor_parallel_size={n} x "
                           f"pipeline_parallel_size={pp} over {env.nodes} host(s)) need {local} "
                           f"GPUs, this machine shows {torch.cuda.device_count()}")

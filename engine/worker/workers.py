@@ -70,6 +70,18 @@ class WorkerSpec:
     layer_counts: tuple[int, ...] = ()  # layers per stage (the driver's partition)
     local_ranks: int = 0  # ranks per host (0: all on this one); picks each rank's GPU
     microbatches: int = 1  # pipeline micro-batches per step (the driver's choice)
+    # $KVSERVE_RANK_DEVICES: each local rank's GPU (e.g. "0,0": two stages on one GPU, for
+    # measuring; NCCL refuses two ranks on one device, so such a group runs over gloo)
+    rank_devices: tuple[int, ...] = ()
+
+    @property
+    def backend(self) -> str:
+        shared = len(set(self.rank_devices)) < len(self.rank_devices)
+        return "gloo" if shared else backend_for(self.device_type)
+
+    def device_index(self, rank: int) -> int:
+        local = self.local_rank(rank)
+        return self.rank_devices[local] if self.rank_devices else local
 
     @property
     def layout(self) -> Layout:
@@ -112,11 +124,11 @@ def init_group(rank: int, spec: WorkerSpec) -> TPGroup | None:
     tensor-parallel group (None when its stage has one rank). With pipeline stages every rank
     creates every stage's subgroup, in stage order, as torch.distributed requires."""
     if spec.device_type == "cuda":
-        torch.cuda.set_device(spec.local_rank(rank))
+        torch.cuda.set_device(spec.device_index(rank))
     else:
         torch.set_num_threads(spec.threads)
     torch.distributed.init_process_group(
-        backend_for(spec.device_type), init_method=spec.init_method, rank=rank,
+        spec.backend, init_method=spec.init_method, rank=rank,
         world_size=spec.size, timeout=COLLECTIVE_TIMEOUT)
     layout = spec.layout
     if layout.pp == 1:
@@ -135,7 +147,21 @@ def stage_link(rank: int, spec: WorkerSpec, model: torch.nn.Module,
     if spec.pp == 1:
         return None
     return StageLink.of(rank, spec.layout, model.dims.hidden, model.dtype, device,
-                        spec.microbatches)
+                        spec.microbatches, via_host=spec.backend == "gloo")
+
+
+def rank_devices(device_type: str, local: int) -> tuple[int, ...]:
+    """$KVSERVE_RANK_DEVICES as each local rank's GPU index (() when unset or on the CPU)."""
+    value = os.environ.get("KVSERVE_RANK_DEVICES")
+    if not value or device_type != "cuda":
+        return ()
+    devices = tuple(int(x) for x in value.split(","))
+    if len(devices) != local:
+        from kvserve.engine.errors import ConfigError
+
+        raise ConfigError(f"KVSERVE_RANK_DEVICES={value!r} names {len(devices)} GPU(s) for "
+                          f"{local} local rank(s)")
+    return devices
 
 
 def rank_device(rank: int, device_type: str) -> torch.device:
@@ -154,7 +180,7 @@ def worker_main(rank: int, spec: WorkerSpec, conn: Connection, remote: bool = Fa
         tp = init_group(rank, spec)
         from kvserve.engine.worker.model_loader import load_model
 
-        device = rank_device(spec.local_rank(rank), spec.device_type)
+        device = rank_device(spec.device_index(rank), spec.device_type)
         model, _ = load_model(spec.model_path, spec.dtype, device,
                               revision=spec.revision, tp=tp, max_model_len=spec.max_model_len,
                               quantization=spec.quantization,
@@ -320,7 +346,8 @@ class WorkerGroup:
         spec = WorkerSpec(str(model_path), revision, dtype, device_type, size,
                           init, threads, max_model_len, quantization,
                           hf_overrides, lora, load_format, pp, tuple(layer_counts),
-                          local if env.multi_node else 0, microbatches)
+                          local if env.multi_node else 0, microbatches,
+                          rank_devices(device_type, local))
         group = cls(spec, env)
         try:
             try:
