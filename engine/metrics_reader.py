@@ -26,7 +26,7 @@ class Gauge(Metric):
 
 @dataclass
 class Vector(Metric):
-    """vLLM's per-position counters; no kvserve figure is one yet (isinstance checks work)."""
+    """vLLM's per-position counters (vllm:spec_decode_num_accepted_tokens_per_pos)."""
 
     values: list[int] = field(default_factory=list)
 
@@ -53,5 +53,19 @@ def metrics_of(stats: EngineStats, model_name: str) -> list[Metric]:
                 "vllm:num_preemptions": stats.num_preemptions,
                 "vllm:prompt_tokens": stats.prompt_tokens,
                 "vllm:generation_tokens": stats.generation_tokens}
-    return [Gauge(n, dict(labels), float(v)) for n, v in gauges.items()] + \
-        [Counter(n, dict(labels), int(v)) for n, v in counters.items()]
+    out: list[Metric] = [Gauge(n, dict(labels), float(v)) for n, v in gauges.items()]
+    out += [Counter(n, dict(labels), int(v)) for n, v in counters.items()]
+    return out + _spec_metrics(stats, labels)
+
+
+def _spec_metrics(stats: EngineStats, labels: dict[str, str]) -> list[Metric]:
+    """Speculative decoding's counters, present when any draft was scored (as vLLM's, which
+    registers them only with a speculative_config)."""
+    if not getattr(stats, "spec_decode_num_drafts", 0):
+        return []
+    counters = {"vllm:spec_decode_num_drafts": stats.spec_decode_num_drafts,
+                "vllm:spec_decode_num_draft_tokens": stats.spec_decode_num_draft_tokens,
+                "vllm:spec_decode_num_accepted_tokens": stats.spec_decode_num_accepted_tokens}
+    return [Counter(n, dict(labels), int(v)) for n, v in counters.items()] + [
+        Vector("vllm:spec_decode_num_accepted_tokens_per_pos", dict(labels),
+               list(stats.spec_decode_accepted_per_pos))]

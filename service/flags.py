@@ -267,7 +267,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help='vLLM\'s speculative decoding, e.g. \'{"method": "ngram", '
                    '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": '
                    '2}\' (methods ngram, suffix, draft_model, eagle, eagle3; docs/guides/'
-                   'speculative_decoding.md)')
+                   'speculative-decoding.md)')
     g.add_argument("--profiler-config", default=None, metavar="JSON",
                    help='vLLM\'s profiler config: torch.profiler traces of the engine, e.g. '
                    '\'{"profiler": "torch", "torch_profiler_dir": "./traces"}\'')

@@ -114,6 +114,12 @@ def check_offline(script: str, out: str, model_dir: Path, tmp_path: Path) -> Non
         assert any(q.startswith(found["Grammar"]) for q in sql), found
     if script == "offline/simple_profiling.py":
         assert any((tmp_path / "profile").iterdir())
+    if script == "offline/spec_decode.py":  # the drafts were scored and the counters read
+        drafts = re.search(r"^num_draft_tokens: (\d+)$", out, flags=re.M)
+        accepted = re.search(r"^num_accepted_tokens: (\d+)$", out, flags=re.M)
+        assert drafts and accepted and int(drafts.group(1)) > 0, out
+        assert int(accepted.group(1)) <= int(drafts.group(1)), out
+        assert re.search(r"^mean acceptance length: \d", out, flags=re.M), out
     if script == "offline/multilora_inference.py":
         check_multilora(out, model_dir, Path(os.environ["KVSERVE_EXAMPLE_LORA"]))
 

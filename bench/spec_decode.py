@@ -1,0 +1,129 @@
+"""Speculative decoding against the same engine without it, in the same run: generated tokens
+per second on an input-grounded workload (summaries of a given text that reuse its words)
+and on free chat (bench/workload.py), at concurrency 1, 8 and 64, greedy and T=0.7.
+
+    python bench/spec_decode.py [--method ngram] [--k 4] [--rounds 3] [--batches 1,8,64]
+
+Each round runs plain then speculative decoding (or the reverse on odd rounds) on the same
+requests; the ratio is taken per round, and the median and min-max over the rounds are printed
+with the acceptance figures of the speculative runs. Concurrency 1 runs the requests one after
+another; 8 and 64 submit them all at once."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from spec_workloads import agentic_requests, layer_skip_draft
+from workload import chat_requests
+
+from kvserve import LLM, SamplingParams
+
+TEXT = (
+    "Paged attention stores the key and value vectors of every request in fixed-size blocks, "
+    "so the cache of a long conversation does not need one contiguous region of memory. The "
+    "scheduler allocates blocks as tokens arrive, shares the blocks of a common prefix between "
+    "requests, and frees them when a request ends. When memory runs out, the newest request is "
+    "preempted and its blocks are either copied to host memory or dropped and recomputed later. "
+    "Prefix caching keeps finished blocks indexed by a hash of their tokens, so a second "
+    "request with the same system prompt skips most of its prefill."
+)
+# Summaries that reuse the text's own words: SmolLM2-135M copies long runs of the input here
+# (it does not follow "repeat exactly" or "return the whole code" instructions)
+EDITS = ["Summarise this text in three sentences, reusing its own words:",
+         "Summarise this paragraph for an engineer, keeping its wording:",
+         "Give a short summary of this text, quoting its key sentences:",
+         "Summarise the text below in two sentences, in its own words:"]
+
+
+def grounded_requests(n: int) -> list[list[dict[str, str]]]:
+    return [[{"role": "user", "content": f"{EDITS[i % len(EDITS)]}\n\n{TEXT}"}]
+            for i in range(n)]
+
+
+def run(llm: LLM, chats: list, params: SamplingParams, concurrency: int) -> tuple[int, float]:
+    """(generated tokens, seconds) of the requests at this concurrency."""
+    t0 = time.perf_counter()
+    if concurrency == 1:
+        outs = [o for c in chats for o in llm.chat([c], params, use_tqdm=False)]
+    else:
+        outs = llm.chat(chats, params, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - t0
+
+
+def spec_figures(llm: LLM) -> tuple[int, int, int]:
+    s = llm.llm_engine.get_stats()
+    return (s.spec_decode_num_drafts, s.spec_decode_num_draft_tokens,
+            s.spec_decode_num_accepted_tokens)
+
+
+def compare(base: LLM, spec: LLM, chats: list, params: SamplingParams, concurrency: int,
+            rounds: int) -> str:
+    ratios, base_rates, spec_rates = [], [], []
+    before = spec_figures(spec)
+    for r in range(rounds):
+        order = [(base, base_rates), (spec, spec_rates)]
+        results = {}
+        round_chats = chats(r) if callable(chats) else chats  # agentic: new tasks each round
+        for llm, rates in (order if r % 2 == 0 else order[::-1]):
+            tokens, seconds = run(llm, round_chats, params, concurrency)
+            rates.append(tokens / seconds)
+            results[id(llm)] = rates[-1]
+        ratios.append(results[id(spec)] / results[id(base)])
+    drafts, drafted, accepted = (a - b for a, b in zip(spec_figures(spec), before))
+    rate = accepted / drafted if drafted else 0.0
+    mean_len = 1 + accepted / drafts if drafts else 1.0
+    return (f"{statistics.median(base_rates):.1f} | {statistics.median(spec_rates):.1f} | "
+            f"**{statistics.median(ratios):.2f}x** | {min(ratios):.2f}-{max(ratios):.2f} | "
+            f"{rate:.0%} | {mean_len:.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--method", default="ngram")
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--workloads", default="grounded,free")
+    ap.add_argument("--temperatures", default="0,0.7")
+    ap.add_argument("--tokens", type=int, default=160, help="max_tokens per request")
+    ap.add_argument("--serial", type=int, default=2, help="requests run one by one at batch 1")
+    ap.add_argument("--draft", default="self",
+                    help="draft_model: 'self' (the target drafts for itself: every draft is "
+                         "accepted at T=0, at the cost of a second forward) or 'skip:N' (the "
+                         "target's first N layers + its head, bench/spec_workloads.py)")
+    args = ap.parse_args()
+    config = {"method": args.method, "num_speculative_tokens": args.k}
+    if args.method == "draft_model":
+        from kvserve.engine.worker.model_loader import resolve_model
+
+        target = resolve_model(args.model)
+        if args.draft.startswith("skip:"):
+            n = int(args.draft.split(":")[1])
+            target = layer_skip_draft(target, n, f"/tmp/kvserve-skip-draft-{n}")
+        config["model"] = str(target)
+    if args.method == "ngram":
+        config.update(prompt_lookup_min=2, prompt_lookup_max=4)
+    common = dict(max_model_len=2048, max_num_seqs=64)
+    base, spec = LLM(args.model, **common), LLM(args.model, speculative_config=config, **common)
+    print(f"model {args.model}, speculative_config {config}, {args.rounds} rounds; tok/s = "
+          "generated tokens per second (median), ratio = speculative / plain per round")
+    print("| workload | concurrency | T | plain tok/s | spec tok/s | ratio | spread | "
+          "acceptance | mean accepted length |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for workload in args.workloads.split(","):
+        for batch in (int(b) for b in args.batches.split(",")):
+            n = args.serial if batch == 1 else batch
+            chats = grounded_requests(n) if workload == "grounded" else chat_requests(n)
+            if workload == "agentic":  # an agent loop's next tool call, new tasks each round
+                chats = (lambda r, n=n: agentic_requests(n, seed=r))
+            for t in (float(x) for x in args.temperatures.split(",")):
+                params = SamplingParams(temperature=t, max_tokens=args.tokens, seed=None)
+                row = compare(base, spec, chats, params, batch, args.rounds)
+                print(f"| {workload} | {batch} | {t:g} | {row} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
