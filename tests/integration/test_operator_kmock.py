@@ -206,8 +206,9 @@ async def test_big_model_gets_several_gpus(kmock: Any) -> None:
                                        gpu={"type": "H100-80GB"}, engine={"maxModelLen": 8192}))
         await wait_for(lambda: stored(kmock, DEPLOYMENTS, "big-engine"), "the engine Deployment")
     container = engine_container(kmock, "big")
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
-    assert flag(container["args"], "--tensor-parallel-size") == "2"
+    # The default target, 32 requests of 8192 tokens: TP 2 holds 3 of them, TP 4 holds 60.
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    assert flag(container["args"], "--tensor-parallel-size") == "4"
 
 
 async def test_max_model_len_change_patches_deployment(kmock: Any) -> None:

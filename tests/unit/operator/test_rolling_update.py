@@ -12,8 +12,11 @@ from kvserve.operator.resources import HANDBACK_MARGIN_SECONDS
 
 
 def engine_pod(body: dict) -> dict:
-    (deploy,) = [o for o in objects(body) if o["kind"] == "Deployment"
+    """The engine Deployment, or a multi-node replica's leader pod template (same shape)."""
+    (deploy,) = [o for o in objects(body) if o["kind"] in ("Deployment", "LeaderWorkerSet")
                  and o["metadata"]["name"].endswith("-engine")]
+    if deploy["kind"] == "LeaderWorkerSet":
+        return {"spec": {"template": deploy["spec"]["leaderWorkerTemplate"]["leaderTemplate"]}}
     return deploy
 
 
