@@ -69,10 +69,14 @@ def epp_monitors(spec: ServiceSpec, meta: Obj, service_port: str, pod_port: str)
     return out
 
 
-def engine_series(spec: ServiceSpec, metric: str, engine_deployment: str) -> str:
-    """A selector of one service's engine pods: Deployment pods are <deployment>-<rs>-<id>."""
-    return (f'{metric}{{namespace="{spec.namespace}",'
-            f'pod=~"{engine_deployment}-[a-z0-9]+-[a-z0-9]+"}}')
+def engine_series(spec: ServiceSpec, metric: str, engine_deployment: str,
+                  leaders: bool = False) -> str:
+    """A selector of one service's engine pods: Deployment pods are <deployment>-<rs>-<id>;
+    a LeaderWorkerSet's leaders <name>-<group> (its workers, <name>-<group>-<i>, serve no
+    metrics)."""
+    pods = f"{engine_deployment}-[0-9]+" if leaders else \
+        f"{engine_deployment}-[a-z0-9]+-[a-z0-9]+"
+    return f'{metric}{{namespace="{spec.namespace}",pod=~"{pods}"}}'
 
 
 def _trigger(spec: ServiceSpec, query: str, threshold: str) -> Obj:
@@ -83,16 +87,17 @@ def _trigger(spec: ServiceSpec, query: str, threshold: str) -> Obj:
 
 
 def scaled_object(spec: ServiceSpec, meta: Obj, engine_deployment: str,
-                  behavior: Obj) -> Obj | None:
+                  behavior: Obj, leaders: bool = False) -> Obj | None:
     """KEDA instead of the HPA: it scales the KVInferenceService's scale subresource, like it."""
     a = spec.autoscaling
     if a is None or a.engine != "keda":
         return None
-    triggers = [_trigger(spec, f"sum({engine_series(spec, CACHE_USAGE, engine_deployment)})",
-                         f"{a.target_cache_usage:g}")]
+    def series(metric: str) -> str:
+        return engine_series(spec, metric, engine_deployment, leaders)
+
+    triggers = [_trigger(spec, f"sum({series(CACHE_USAGE)})", f"{a.target_cache_usage:g}")]
     if a.target_waiting_requests:
-        triggers.append(_trigger(spec, f"sum({engine_series(spec, WAITING, engine_deployment)})",
-                                 str(a.target_waiting_requests)))
+        triggers.append(_trigger(spec, f"sum({series(WAITING)})", str(a.target_waiting_requests)))
     return {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": meta,
             "spec": {"scaleTargetRef": {"apiVersion": API_VERSION, "kind": KIND,
                                         "name": spec.name},

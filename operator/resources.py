@@ -467,7 +467,7 @@ def desired_objects(spec: ServiceSpec, sizing: Sizing) -> list[Obj]:
     entry = metadata(spec, n["entry"], "entry")
     objs += _present(
         monitoring.scaled_object(spec, metadata(spec, n["entry"], "engine"), n["engine"],
-                                 scale_behavior()),
+                                 scale_behavior(), leaders=sizing.nodes_per_replica > 1),
         traffic.ingress(spec, entry, n["entry"]),
         None if spec.routing.inference_pool else traffic.http_route(spec, entry, n["entry"], PORT),
         monitoring.service_monitor(spec, metadata(spec, n["entry"], "monitoring")),

@@ -179,3 +179,20 @@ def test_render_says_the_layout() -> None:
     assert "# TP 8 x PP 2 on 2 nodes of 8 GPUs: a LeaderWorkerSet group per replica" in text
     assert "# warning: pipeline across 2 nodes" in text
     assert "kind: LeaderWorkerSet" in text
+
+
+def test_keda_reads_the_leaders_metrics() -> None:
+    """Leader pods are <lws>-<group>; workers <lws>-<group>-<index> serve no metrics."""
+    import re
+
+    objs = by_key(cr(autoscaling={"minReplicas": 1, "maxReplicas": 3, "engine": "keda",
+                                  "prometheusAddress": "http://prometheus:9090"}))
+    queries = [t["metadata"]["query"] for t in objs["ScaledObject/big"]["spec"]["triggers"]]
+    pattern = re.search(r'pod=~"([^"]+)"', queries[0]).group(1)
+    assert re.fullmatch(pattern, "big-engine-0") and re.fullmatch(pattern, "big-engine-12")
+    assert not re.fullmatch(pattern, "big-engine-0-1")
+    small = by_key(cr("llama-3-8b", autoscaling={"minReplicas": 1, "maxReplicas": 3,
+                                                 "engine": "keda",
+                                                 "prometheusAddress": "http://prometheus:9090"}))
+    query = small["ScaledObject/big"]["spec"]["triggers"][0]["metadata"]["query"]
+    assert re.fullmatch(re.search(r'pod=~"([^"]+)"', query).group(1), "big-engine-7c9f-x2x4z")
