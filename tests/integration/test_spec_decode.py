@@ -1,7 +1,7 @@
 """Speculative decoding in the engine, against the same engine without it (tiny random Llama,
 fp32): greedy and seeded sampling give the same tokens, logprobs and finishes whatever the
 drafts; rejected drafts leave no block behind; preemption, chunked prefill, prefix caching,
-n > 1 and structured outputs keep working. An oracle proposer (drafts from the reference
+n > 1, LoRA and structured outputs keep working. An oracle proposer (drafts from the reference
 output, with planted errors) makes every acceptance path run; ngram runs on its own too."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import pytest
 from conftest import make_llm
+from lora_checks import adapters, lora_base  # noqa: F401 - fixtures
 
 from kvserve import SamplingParams
 from kvserve.engine.spec_decode.proposer import Proposer, SpecRequestView
@@ -203,3 +204,30 @@ def test_structured_output_requests_decode_without_drafts(tiny_model_dir, base):
     same(a, b)
     assert b[1].outputs[0].text.startswith('{"a"')  # the grammar held (max_tokens cuts it)
     assert counters(llm)[2] > 0  # the plain request was drafted beside the guided one
+
+
+def test_disable_by_batch_size(tiny_model_dir):
+    """Above disable_by_batch_size running requests a step drafts nothing; at or below, it
+    drafts."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm = spec_llm(tiny_model_dir, dict(NGRAM, disable_by_batch_size=2))
+    llm.generate(PROMPTS, params, use_tqdm=False)  # 4 running together, to the end
+    assert counters(llm)[0] == 0
+    llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert counters(llm)[0] > 0
+
+
+def test_lora_requests_with_drafts(lora_base, adapters):
+    from kvserve.lora.request import LoRARequest
+
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    lora = dict(enable_lora=True, max_loras=2, max_lora_rank=8)
+    base_llm = make_llm(lora_base, **lora)
+    llm = spec_llm(lora_base, **lora)
+    reqs = [None, LoRARequest("a0", 1, str(adapters[0]))]
+    ref = base_llm.generate(PROMPTS[:2], params, lora_request=reqs, use_tqdm=False)
+    full = {tuple(o.prompt_token_ids): list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+            for o in ref}
+    llm.llm_engine.core.spec.proposer = Oracle(full, wrong=3)
+    same(ref, llm.generate(PROMPTS[:2], params, lora_request=reqs, use_tqdm=False))
+    assert 0 < counters(llm)[2] < counters(llm)[1]
