@@ -35,6 +35,7 @@ import threading
 import time
 from pathlib import Path
 
+import kvserve  # noqa: F401 - before torch: kvserve sets OpenMP's spin for a shared CPU
 import torch
 
 
@@ -92,15 +93,14 @@ def time_pull(dtype: torch.dtype, n: int, rounds: int) -> list[float]:
     return out
 
 
-def time_prefill(n: int, rounds: int) -> list[float]:
+def time_prefill(llm, n: int, rounds: int) -> list[float]:
     """Seconds of the default model's prefill of n blocks of tokens, prefix cache off."""
-    from kvserve import LLM, SamplingParams
+    from kvserve import SamplingParams
 
-    llm = LLM(dtype="float32", device="cpu", enable_prefix_caching=False,
-              kv_cache_memory=256 << 20)
-    rng = random.Random(0)
+    rng = random.Random(n)
     params = SamplingParams(max_tokens=1, temperature=0)
-    llm.generate([[rng.randrange(100, 40000) for _ in range(16)]], params)  # warm-up
+    llm.generate([[rng.randrange(100, 40000) for _ in range(16)]], params,
+                 use_tqdm=False)  # warm-up
     out = []
     for _ in range(rounds):
         ids = [rng.randrange(100, 40000) for _ in range(16 * n)]
@@ -120,7 +120,14 @@ def transfer(args: argparse.Namespace) -> None:
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16,
               "fp8": torch.float8_e4m3fn}
     sizes = [int(b) for b in args.blocks.split(",")]
-    prefill = {} if args.skip_prefill else {n: time_prefill(n, args.rounds) for n in sizes}
+    prefill = {}
+    if not args.skip_prefill:
+        from kvserve import LLM
+
+        llm = LLM(dtype="float32", device="cpu", enable_prefix_caching=False,
+                  kv_cache_memory=256 << 20)
+        prefill = {n: time_prefill(llm, n, args.rounds) for n in sizes}
+        del llm
     print(f"| KV dtype | blocks | pull ms / block | MB/s | prefill ms / block | "
           f"transfer / prefill |")
     print("|---|---|---|---|---|---|")
