@@ -133,3 +133,19 @@ def test_bandwidth_poor_layouts_are_warned() -> None:
     s = sized("llama-3-70b", "L4", 8, max_len=4096)
     assert s.tensor_parallel_size == 8
     assert any(w.startswith("bandwidth-poor: >= 58.8 ms per token") for w in s.warnings)
+
+
+def test_a_local_folder_is_sized_from_its_files_for_a_target(tiny_model_dir, capsys) -> None:
+    """The target works on a model read from its own files (config.json, safetensors headers)
+    as on a catalog entry: GPUs of 51 MiB (1 GiB x 0.05) cannot hold 400 requests in one
+    replica."""
+    args = build_parser().parse_args(["plan", "--model", str(tiny_model_dir),
+                                      "--gpu-memory-gib", "1", "--gpu-memory-utilization", "0.05",
+                                      "--max-model-len", "256", "--target-concurrency", "400",
+                                      "--output", "json"])
+    assert args.func(args) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["modelSource"].startswith("files:")
+    per_replica = min(status["maxConcurrency"], status["maxNumSeqs"])
+    assert status["replicasForTarget"] == -(-400 // per_replica) > 1
+    assert status["targetConcurrency"] == 400
