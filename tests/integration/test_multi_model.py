@@ -125,13 +125,13 @@ def test_the_server_routes_each_model_and_answers_as_each_alone(server, models):
             alone[name] = llm.generate([PROMPTS[2]], GREEDY)[0].outputs[0].text
         finally:
             llm.shutdown()
-    for served, name in (("tiny", "qwen"), ("llama", "llama"), (None, "qwen")):
-        got = client.completions.create(
-            model=served or "", prompt=PROMPTS[2], max_tokens=12, temperature=0,
-            extra_body={"ignore_eos": True}) if served else None
-        text = got.choices[0].text if got else complete(server, None, PROMPTS[2]).json()[
-            "choices"][0]["text"]
-        assert text == alone[name], served
+    assert alone["qwen"] != alone["llama"]  # so each answer says which model ran
+    for served, name in (("tiny", "qwen"), ("llama", "llama")):
+        got = client.completions.create(model=served, prompt=PROMPTS[2], max_tokens=12,
+                                        temperature=0, extra_body={"ignore_eos": True})
+        assert got.choices[0].text == alone[name] and got.model == served
+    no_model = complete(server, None, PROMPTS[2]).json()  # the first model answers
+    assert no_model["choices"][0]["text"] == alone["qwen"]
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="nope", prompt="hi", max_tokens=2)
     assert err.value.body["code"] == "model_not_found" and "llama" in err.value.body["message"]
