@@ -557,13 +557,14 @@ class KVCacheManager:
                       if b is not None})
 
     def report_load(self, waiting: bool) -> None:
-        """Tell a shared pool whether this model has requests waiting, and what it holds."""
+        """Tell a shared pool whether this model has requests waiting."""
         if self.shared is not None and len(self.shared.members) > 1:
-            self.shared.report(self.member, waiting, self.num_held_blocks())
+            self.shared.report(self.member, waiting)
 
     def may_admit(self) -> bool:
-        """Whether a new request may take pages now (a shared pool's fairness rule)."""
-        return self.shared is None or self.shared.may_admit(self.member)
+        """Whether a new request may take pages now (a shared pool's fairness rule; the pages
+        held are counted only while another model waits)."""
+        return self.shared is None or self.shared.may_admit(self.member, self.num_held_blocks)
 
     def allocated_slots(self) -> int:
         """Token slots in blocks held by running sequences (shared blocks counted once)."""

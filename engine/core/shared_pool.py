@@ -10,6 +10,7 @@ the page (the model runner's view leaves it unused; see docs/guides/multi-model.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.engine.core.block_pool import BlockPool
@@ -50,7 +51,6 @@ class TurnLock:
 class _Member:
     bytes_per_block: int
     waiting: bool = False  # has requests waiting for admission (set by its scheduler)
-    held: int = 0  # pages its sequences hold (refreshed by its scheduler each step)
 
 
 @dataclass
@@ -90,16 +90,16 @@ class SharedBlockPool:
         self.members.pop(model, None)
         return self.pool.forget_owner(model)
 
-    def report(self, model: str, waiting: bool, held: int) -> None:
-        m = self.members[model]
-        m.waiting, m.held = waiting, held
+    def report(self, model: str, waiting: bool) -> None:
+        self.members[model].waiting = waiting
 
-    def may_admit(self, model: str) -> bool:
-        """Whether `model` may take pages for a new request now (see the class docstring)."""
+    def may_admit(self, model: str, held: Callable[[], int]) -> bool:
+        """Whether `model`, holding `held()` pages (counted only when another model waits),
+        may take pages for a new request now (see the class docstring)."""
         if not self.fair or len(self.members) < 2:
             return True
         others_wait = any(m.waiting for name, m in self.members.items() if name != model)
-        return not others_wait or self.members[model].held * len(self.members) < self.num_pages
+        return not others_wait or held() * len(self.members) < self.num_pages
 
     def waste(self, model: str) -> float:
         """The fraction of each page `model`'s blocks leave unused."""

@@ -119,9 +119,9 @@ def test_a_model_over_its_share_admits_nothing_new_while_the_other_waits():
     unfair = SharedBlockPool(8, 1024, fair=False)
     unfair.join("a", 1024)
     unfair.join("b", 1024)
-    unfair.report("a", True, 8)
-    unfair.report("b", True, 0)
-    assert unfair.may_admit("a")
+    unfair.report("a", True)
+    unfair.report("b", True)
+    assert unfair.may_admit("a", lambda: 8)
 
 
 def test_the_turn_lock_excludes_reenters_and_serves_in_arrival_order():
