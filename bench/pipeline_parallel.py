@@ -54,9 +54,10 @@ def run(model: Path, pp: int, micro: int, args: argparse.Namespace) -> dict:
               swap_space=0,
               max_num_seqs=args.requests, enable_prefix_caching=False, seed=0)
     engine = llm.llm_engine
-    if pp > 1:
+    if pp > 1:  # every thread of the stage-1 process (OpenMP's, gloo's) to the other core
         for proc in engine.runner.workers.procs:
-            os.sched_setaffinity(proc.pid, {args.cpus[1]})
+            for tid in os.listdir(f"/proc/{proc.pid}/task"):
+                os.sched_setaffinity(int(tid), {args.cpus[1]})
     steps = [0]
     step = engine.step
 
@@ -132,6 +133,35 @@ def pingpong(args: argparse.Namespace, hidden: int) -> dict[int, float]:
     return {int(k): v for k, v in json.loads(out.read_text()).items()}
 
 
+def _gemm_rank(cpu: int, seconds: float, out) -> None:
+    os.sched_setaffinity(0, {cpu})
+    torch.set_num_threads(1)
+    a, b = torch.randn(512, 512), torch.randn(512, 1536)
+    t0, n = time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        n += 1
+    out.put(n * 2 * 512 * 512 * 1536 / (time.perf_counter() - t0) / 1e9)
+
+
+def gemm_ceiling(args: argparse.Namespace, seconds: float = 3.0) -> tuple[float, float]:
+    """fp32 GEMM GFLOP/s of one pinned process alone, and of two at once on the two cores
+    (summed): what two stages can get out of this machine at best, measured in the same run."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    results = []
+    for cpus in ([args.cpus[0]], args.cpus):
+        out = ctx.Queue()
+        procs = [ctx.Process(target=_gemm_rank, args=(c, seconds, out)) for c in cpus]
+        for p in procs:
+            p.start()
+        results.append(sum(out.get() for _ in procs))
+        for p in procs:
+            p.join()
+    return results[0], results[1]
+
+
 def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
@@ -153,7 +183,9 @@ def main() -> None:
     model = random_model(shape, Path(tempfile.mkdtemp()) / "model")
     configs = [(1, 1), (2, 1), (2, 2)]
     rows: dict[tuple[int, int], list[dict]] = {c: [] for c in configs}
+    ceilings = []
     for _ in range(args.rounds):
+        ceilings.append(gemm_ceiling(args, 1.0 if args.smoke else 3.0))
         for pp, micro in configs:
             rows[(pp, micro)].append(run(model, pp, micro, args))
     base = rows[(1, 1)]
@@ -175,12 +207,17 @@ def main() -> None:
               f"{spread([r['send_ms_per_step'] for r in rs])} |")
         summary.append({k: v for k, v in rs[0].items() if k != "tokens"} |
                        {"tok_s_rounds": [r["tok_s"] for r in rs], "ratios": ratios})
+    print(f"\nfp32 GEMM (512x512 @ 512x1536), pinned, one thread: one process "
+          f"{spread([c[0] for c in ceilings])} GFLOP/s; two at once, summed "
+          f"{spread([c[1] for c in ceilings])} GFLOP/s; two / one "
+          f"{spread([c[1] / c[0] for c in ceilings])}")
     one_way = pingpong(args, shape["hidden_size"])
     print("\n| tokens per hand-off | bytes | one-way time (gloo, pinned) |\n|---|---|---|")
     for t, s in one_way.items():
         print(f"| {t} | {2 * t * shape['hidden_size'] * 4 / 1024:.1f} KiB | {s * 1e6:.0f} us |")
     if args.json:
-        args.json.write_text(json.dumps({"engines": summary, "pingpong_s": one_way}, indent=1))
+        args.json.write_text(json.dumps({"engines": summary, "pingpong_s": one_way,
+                                         "gemm_gflops_one_two": ceilings}, indent=1))
 
 
 if __name__ == "__main__":
