@@ -15,6 +15,7 @@ import yaml
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.operator.children import build_children
+from kvserve.operator.pd_roles import TTFT_METRIC
 from kvserve.operator.resources import CACHE_USAGE_METRIC, WAITING_METRIC
 from kvserve.service.server.app import create_app
 from kvserve.service.server.config import ServerConfig
@@ -92,7 +93,8 @@ def test_adapter_rules_find_the_series_and_name_what_the_hpa_reads(series) -> No
                  .replace("<<.GroupBy>>", "pod"))
         assert unmatched(query, series) == []
         names.add(rule["name"]["as"])
-    assert names == {CACHE_USAGE_METRIC, WAITING_METRIC}
+    # the two of every HPA, and the prefill pool's TTFT (spec.disaggregation, pd_roles.py)
+    assert names == {CACHE_USAGE_METRIC, WAITING_METRIC, TTFT_METRIC}
 
 
 def test_keda_triggers_select_the_replica(series) -> None:

@@ -380,6 +380,28 @@ async def test_disaggregation_builds_both_pools_and_reports_their_readiness(
     assert stored(kmock, PLURAL_KEY, "pd")["status"]["readyReplicas"] == 3
 
 
+async def test_disaggregated_set_workload_is_applied_in_place_of_deployments(
+        kmock: Any) -> None:
+    body = pd_cr("lws", {"workload": "DisaggregatedSet", "prefill": {}, "decode": {}})
+    async with running_operator(kmock):
+        await create(kmock, body)
+        ds = await wait_for(lambda: stored(kmock, "disaggregatedset.x-k8s.io/v1/"
+                                           "disaggregatedsets", "lws-pd"), "the DisaggregatedSet")
+        status = {"status": {"roleStatuses": [
+            {"name": r, "replicas": 1, "readyReplicas": 1, "updatedReplicas": 1}
+            for r in ("prefill", "decode")]}}
+        async with kmock.patch(f"/apis/disaggregatedset.x-k8s.io/v1/namespaces/{NS}/"
+                               "disaggregatedsets/lws-pd", json=status) as resp:
+            assert resp.status < 300
+        cond = await wait_for(lambda: (c := ready_condition(kmock, "lws")) and
+                              c["status"] == "True" and c, "Ready=True from the roles")
+    assert [r["name"] for r in ds["spec"]["roles"]] == ["prefill", "decode"]
+    assert (ds["metadata"]["ownerReferences"][0]["uid"]) == "uid-lws"
+    for name in ("lws-engine", "lws-prefill", "lws-decode"):
+        assert stored(kmock, DEPLOYMENTS, name) is None
+    assert cond["message"].startswith("2/2 engine replicas ready")
+
+
 async def test_mismatched_tensor_parallel_pools_are_refused_without_workload(
         kmock: Any) -> None:
     body = pd_cr("tp", {"prefill": {"tensorParallelSize": 1},
