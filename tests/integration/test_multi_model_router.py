@@ -19,7 +19,8 @@ PROMPT = [7, 8, 9, 10, 11, 12, 13, 14] * 6  # three full blocks of 16
 
 
 @pytest.fixture
-def stack(tmp_path, redis_server):
+def stack(tmp_path, redis_server, monkeypatch):
+    monkeypatch.delenv("KVSERVE_ALLOW_RUNTIME_MODEL_UPDATING", raising=False)
     qwen = build_tiny_qwen3(tmp_path / "qwen")
     llama = build_tiny_llama(tmp_path / "llama")
     with api_server_process(qwen, tmp_path / "server.log", "--additional-model",
@@ -60,6 +61,10 @@ def test_the_router_sends_each_model_to_the_replica_that_serves_it(stack):
     wait_for(lambda: int(httpx.post(router + "/v1/completions", json=body, timeout=60)
                          .headers.get("x-kvserve-predicted-matched-tokens", 0)) >= 32, 30,
              "the router predicting llama's cached prefix")
+    # without KVSERVE_ALLOW_RUNTIME_MODEL_UPDATING the runtime endpoints do not exist
+    refused = httpx.post(server + "/v1/load_model", timeout=10,
+                         json={"model_name": "x", "model_path": "/nowhere"})
+    assert refused.status_code == 404
     other = dict(body, model="tiny")  # the same tokens for the first model: nothing cached yet
     assert int(httpx.post(router + "/v1/completions", json=other, timeout=60)
                .headers.get("x-kvserve-predicted-matched-tokens", 0)) == 0
