@@ -37,6 +37,7 @@ class ModelArch:
     weights: CheckpointWeights | None = None  # from the safetensors headers, when read
     origin: str = "catalog"  # where the figures come from, for status and `kvserve plan`
     active_parameters: int = 0  # an MoE's parameters per token (top-k experts); 0: all
+    tied_embeddings: bool = False  # lm_head shares the embedding (each end stage holds a copy)
 
     def active_share(self) -> float:
         """The share of the weights one decoded token reads (1.0 for a dense model)."""
@@ -68,7 +69,8 @@ def arch_from_config(config: dict[str, Any], source: str, parameters: int | None
         dtype=dtype if dtype in ("float32", "float16", "bfloat16") else "bfloat16",
         max_model_len=int(c.get("max_position_embeddings") or 4096), source=source,
         layer_groups=layer_groups(config), weights=weights, origin=origin,
-        active_parameters=active_parameter_count(config) if moe else 0)
+        active_parameters=active_parameter_count(config) if moe else 0,
+        tied_embeddings=bool(c.get("tie_word_embeddings", False)))
 
 
 def arch_from_checkpoint(checkpoint: Checkpoint, source: str) -> ModelArch:

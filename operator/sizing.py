@@ -146,11 +146,12 @@ def stage_layers(layers: int, pp: int) -> int:
 
 def stage_weight_bytes(arch: ModelArch, weights: int, tp: int, pp: int) -> int:
     """One rank's weights: 1/tp of its stage's. With pp > 1, the largest stage's layers plus
-    the embedding (first stage) or lm_head (last stage), whichever end it is."""
+    the embedding (first stage) or lm_head (last stage), whichever end it is; a tied lm_head is
+    one matrix in the checkpoint but a copy on the last stage."""
     if pp == 1:
         return rank_weight_bytes(weights, tp)
     ends = weights * arch.vocab * arch.hidden // max(arch.parameters, 1)
-    body = max(weights - 2 * ends, 0)
+    body = max(weights - (1 if arch.tied_embeddings else 2) * ends, 0)
     stage = body * stage_layers(arch.layers, pp) // arch.layers + ends
     return rank_weight_bytes(stage, tp)
 
