@@ -1,5 +1,6 @@
 """The KV-cache manager (block pool, LRU free queue, prefix cache, swap, host tier) against a
-naive allocator of plain lists and dicts over random request traces (hypothesis, stateful).
+naive allocator of plain lists and dicts over random request traces (hypothesis, stateful),
+speculative decoding's rollback of rejected draft slots included.
 
 After every step: the two agree on every block table, the free order, the cached hashes, the host
 tier's LRU order and each prompt's cached prefix length; and the real pool's own invariants hold
@@ -177,6 +178,27 @@ class KVMachine(RuleBasedStateMachine):
         if ok:
             seq.output_token_ids.extend(range(200 + seq.num_tokens, 200 + seq.num_tokens + n))
             seq.num_computed_tokens = seq.num_tokens
+            self.kv.register_computed(seq)
+            self._naive_register(seq)
+        self._end_step()
+
+    @rule(k=st.integers(0, 7), d=st.integers(1, 6), a=st.integers(0, 6))
+    def speculate(self, k: int, d: int, a: int) -> None:
+        """Speculative decoding: slots for a token and d drafts, a <= d of them kept, the
+        rejected drafts' slots given back (KVCacheManager.trim)."""
+        if not self.running:
+            return
+        seq, a = self.running[k % len(self.running)], min(a, d)
+        ok = self._naive_allocate(seq, [], 1 + d)
+        assert self.kv.allocate_slots(seq, 1 + d) == ok
+        if ok:
+            seq.output_token_ids.extend(range(300 + seq.num_tokens, 301 + seq.num_tokens + a))
+            seq.num_computed_tokens = seq.num_tokens
+            self.kv.trim(seq, seq.num_computed_tokens)
+            table = self.n.tables[seq.seq_id]
+            keep = -(-seq.num_computed_tokens // BS)
+            self.n.release(list(reversed(table[keep:])))
+            del table[keep:]
             self.kv.register_computed(seq)
             self._naive_register(seq)
         self._end_step()
