@@ -8,6 +8,11 @@ most streams is killed. Per round, with request migration on (--migration-limit)
   gap p50/p99     for those streams, the pause between the last chunk before the kill and the
                   first after it (what a migrated stream's client waits), vs the soak's ITL p50
   tok/s before    chunks per second over the `--window` seconds before the kill and after it
+  re-prefill      per migrated stream, the tokens its continuation re-prefills (prompt + the
+                  tokens delivered before the kill, from the stream's usage and chunks) and the
+                  gap's excess over the ITL p50; on the surviving replica, prompt tokens
+                  prefilled per second and its prefix-cache hit rate, the window before the
+                  kill vs after (its counters)
 
     python bench/chaos.py [--model smollm2-135m-instruct] [--clients 48] [--rounds 3]
                           [--duration 40] [--kill-at 15] [--json-out bench/results/chaos.json]
@@ -44,6 +49,7 @@ class Stream:
     end: float | None = None
     ok: bool = False
     error: str = ""
+    prompt_tokens: int = 0  # from the usage chunk
 
 
 def free_port() -> int:
@@ -97,7 +103,7 @@ async def one(client: httpx.AsyncClient, url: str, model: str, i: int, max_token
               s: Stream) -> None:
     """One streamed chat completion, booked into `s` as it arrives."""
     body = {"model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "messages": [
+            "ignore_eos": True, "stream_options": {"include_usage": True}, "messages": [
                 {"role": "user", "content": f"Explain {TOPICS[i % len(TOPICS)]} ({i})."}]}
     try:
         async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
@@ -109,18 +115,23 @@ async def one(client: httpx.AsyncClient, url: str, model: str, i: int, max_token
                 if line.startswith("data: {\"error\""):
                     s.error = line[6:200]
                 elif line.startswith("data: "):
-                    s.times.append(time.monotonic())
+                    now, data = time.monotonic(), json.loads(line[6:])
+                    if data.get("choices"):
+                        s.times.append(now)
+                    if data.get("usage"):
+                        s.prompt_tokens = data["usage"]["prompt_tokens"]
     except httpx.HTTPError as exc:
         s.error = f"{type(exc).__name__}: {exc}"
     s.end = time.monotonic()
 
 
 async def soak(args: argparse.Namespace, url: str, procs: list[subprocess.Popen],
-               urls: list[str]) -> tuple[list[Stream], float, str]:
+               urls: list[str]) -> tuple[list[Stream], float, str, list[dict[str, float]]]:
     """Clients loop until the duration is over; the kill happens at `kill_at`."""
     t0 = time.monotonic()
     streams: list[Stream] = []
     killed: list[tuple[float, str]] = []
+    counters: list[dict[str, float]] = []  # the survivor's, window before, at and after the kill
 
     async def client_loop(c: int, client: httpx.AsyncClient) -> None:
         n = 0
@@ -130,27 +141,69 @@ async def soak(args: argparse.Namespace, url: str, procs: list[subprocess.Popen]
             n += 1
 
     async def killer() -> None:
-        await asyncio.sleep(args.kill_at)
+        await asyncio.sleep(max(0.0, args.kill_at - args.window))
+        early = {u: await scrape(u) for u in urls}  # a window before the kill
+        await asyncio.sleep(max(0.0, t0 + args.kill_at - time.monotonic()))
         running = [s.replica for s in list(streams) if s.end is None]
         victim = max(urls, key=running.count)
+        survivor = next(u for u in urls if u != victim)
+        at = await scrape(survivor)
         procs[urls.index(victim)].send_signal(signal.SIGKILL)
         killed.append((time.monotonic(), victim))
+        await asyncio.sleep(args.window)
+        counters.extend([early[survivor], at, await scrape(survivor)])
 
     limits = httpx.Limits(max_connections=args.clients + 4)
     async with httpx.AsyncClient(timeout=300, limits=limits) as client:
         await asyncio.gather(killer(), *(client_loop(c, client) for c in range(args.clients)))
-    return streams, killed[0][0], killed[0][1]
+    return streams, killed[0][0], killed[0][1], counters
 
 
-def summarise(streams: list[Stream], kill: float, victim: str, window: float) -> dict:
+COUNTERS = ("vllm:prompt_tokens_total", "vllm:prefix_cache_queries_total",
+            "vllm:prefix_cache_hits_total")
+
+
+async def scrape(url: str) -> dict[str, float]:
+    """The replica's prefill counters (summed over their labels)."""
+    async with httpx.AsyncClient(timeout=30) as client:
+        text = (await client.get(url + "/metrics")).text
+    out = dict.fromkeys(COUNTERS, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in out:
+            out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def refill(counters: list[dict[str, float]], window: float) -> dict:
+    """The survivor's prefill rate and prefix-cache hit rate, the window before the kill vs
+    the window after (what the continuations added)."""
+    if len(counters) != 3:
+        return {}
+    early, at, late = counters
+    prompt, queries, hits = COUNTERS
+
+    def rate(a: dict, b: dict) -> tuple[float, float | None]:
+        q = b[queries] - a[queries]
+        return round((b[prompt] - a[prompt]) / window, 1), \
+            round((b[hits] - a[hits]) / q, 3) if q else None
+    (pre_tok, pre_hit), (post_tok, post_hit) = rate(early, at), rate(at, late)
+    return {"survivor_prefill_tok_s_before": pre_tok, "survivor_prefill_tok_s_after": post_tok,
+            "survivor_hit_rate_before": pre_hit, "survivor_hit_rate_after": post_hit}
+
+
+def summarise(streams: list[Stream], kill: float, victim: str, window: float,
+              counters: list[dict[str, float]]) -> dict:
     hit = [s for s in streams if s.start < kill and s.end is not None and s.end > kill
            and s.replica == victim]
-    gaps = []
+    gaps, refills = [], []
     for s in hit:
         before = [t for t in s.times if t < kill]
         after = [t for t in s.times if t >= kill]
         if before and after:
             gaps.append(after[0] - before[-1])
+            if s.prompt_tokens:  # the continuation's sequence: prompt + delivered (~1 a chunk)
+                refills.append(s.prompt_tokens + len(before))
     itl = [b - a for s in streams for a, b in zip(s.times, s.times[1:]) if b < kill]
     chunks = [t for s in streams for t in s.times]
     before = sum(kill - window <= t < kill for t in chunks) / window
@@ -161,7 +214,12 @@ def summarise(streams: list[Stream], kill: float, victim: str, window: float) ->
             "gap_p50_s": round(statistics.median(gaps), 3) if gaps else None,
             "gap_p99_s": round(q(gaps, n=100)[98], 3) if len(gaps) > 1 else None,
             "itl_p50_s": round(statistics.median(itl), 4) if itl else None,
+            "refill_tokens_p50": statistics.median(refills) if refills else None,
+            "refill_tokens_max": max(refills) if refills else None,
+            "gap_excess_p50_s": round(statistics.median(gaps) - statistics.median(itl), 3)
+            if gaps and itl else None,
             "tok_s_before": round(before, 1), "tok_s_after": round(after, 1),
+            **refill(counters, window),
             "errors": sorted({s.error[:120] for s in streams if s.error})[:5]}
 
 
@@ -171,8 +229,9 @@ def run_round(args: argparse.Namespace, limit: int) -> dict:
     try:
         procs, url = start(args, limit, tmp)
         urls = [r["url"] for r in httpx.get(url + "/health").json()["replicas"]]
-        streams, kill, victim = asyncio.run(soak(args, url, procs, urls))
-        return {"migration_limit": limit, **summarise(streams, kill, victim, args.window)}
+        streams, kill, victim, counters = asyncio.run(soak(args, url, procs, urls))
+        return {"migration_limit": limit,
+                **summarise(streams, kill, victim, args.window, counters)}
     finally:
         for p in procs:
             if p.poll() is None:

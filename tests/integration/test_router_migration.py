@@ -145,9 +145,10 @@ def requests(stop: str | None = None) -> list[tuple[str, dict]]:
     return out
 
 
-async def run_streams(url: str, reqs: list[tuple[str, dict]], kill=None) -> list[Result]:
+async def run_streams(url: str, reqs: list[tuple[str, dict]], kill=None,
+                      at_once: bool = False) -> list[Result]:
     """Start the streams in order (each once its first chunk came back: round robin follows
-    the order); `kill(results)` is awaited alongside."""
+    the order; `at_once`: all together); `kill(results)` is awaited alongside."""
     results = [Result() for _ in reqs]
     async with httpx.AsyncClient(timeout=300) as client:
         async def one(i: int, started: asyncio.Event) -> None:
@@ -169,6 +170,8 @@ async def run_streams(url: str, reqs: list[tuple[str, dict]], kill=None) -> list
         for i in range(len(reqs)):
             started = asyncio.Event()
             tasks.append(asyncio.create_task(one(i, started)))
+            if at_once:
+                continue
             await asyncio.wait({tasks[-1], asyncio.ensure_future(started.wait())},
                                return_when=asyncio.FIRST_COMPLETED)
         if kill is not None:
@@ -441,6 +444,45 @@ def test_whole_answers_and_responses_of_a_killed_replica_complete_as_undisturbed
             assert_close(comparable(r), comparable(want), f"request {i} {reqs[i][0]}")
         moved = [i for i in unfinished if results[i].replica == "m2"]
         assert len(moved) >= 2, moved
+        assert metric(rt.url, "kvserve:router_migrations_total", outcome="migrated") \
+            == len(moved)
+    finally:
+        rt.stop()
+
+
+def test_32_greedy_streams_of_a_killed_replica_complete_as_undisturbed(fleet):
+    """The issue's count: 32 greedy fp32 streams over the three replicas, the one serving the
+    most SIGKILLed once each of its streams is mid-way; all 32 equal the undisturbed run."""
+    fleet.ensure_alive()
+    use = {"stream": True, "model": "tiny", "stream_options": {"include_usage": True},
+           "return_token_ids": True, "temperature": 0, "ignore_eos": True, "max_tokens": 200}
+    reqs = [("/v1/completions", {**use, "prompt": f"stream number {i} says"}) if i % 2 else
+            ("/v1/chat/completions", {**use, "messages": [
+                {"role": "user", "content": f"stream number {i}"}]}) for i in range(32)]
+    rt = router(fleet, "--expose-routing-headers")
+    try:
+        reference = asyncio.run(run_streams(rt.url, reqs, at_once=True))
+    finally:
+        rt.stop()
+    rt = router(fleet, "--expose-routing-headers")
+    try:
+        moved: list[int] = []
+
+        async def kill(results: list[Result]) -> None:
+            while not all(r.replica for r in results):
+                await asyncio.sleep(0.005)
+            victim = max(RIDS, key=[r.replica for r in results].count)
+            mine = [r for r in results if r.replica == victim]
+            while not all(r.chunks >= 12 for r in mine):
+                await asyncio.sleep(0.005)
+            moved.extend(i for i, r in enumerate(results)
+                         if r.replica == victim and "[DONE]" not in r.events)
+            fleet.replicas[victim].proc.send_signal(signal.SIGKILL)
+
+        results = asyncio.run(run_streams(rt.url, reqs, kill, at_once=True))
+        for r, ref in zip(results, reference):
+            assert_whole(r, ref)
+        assert len(moved) >= 10, moved  # round robin: a third of the 32, all mid-way
         assert metric(rt.url, "kvserve:router_migrations_total", outcome="migrated") \
             == len(moved)
     finally:
