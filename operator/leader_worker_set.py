@@ -8,7 +8,9 @@ The sizing (sizing.py) chose TP within a node and PP stages across `nodes_per_re
 LWS_LEADER_ADDRESS, LWS_GROUP_SIZE and LWS_WORKER_INDEX first in every container's env; the
 engine reads its rank from them (engine/worker/rank_env.py) and MASTER_PORT. The worker index
 also comes through the downward API (the pod's worker-index label) so the spec says where it
-comes from. A dead pod or container recreates the whole group (RecreateGroupOnPodRestart):
+comes from; the command channel's key (KVSERVE_GROUP_KEY) is the service's registration Secret,
+never derived from an address. A dead pod or container recreates the whole group
+(RecreateGroupOnPodRestart):
 ranks cannot rejoin a running torch.distributed world.
 
 Leaders keep the engine component label, so the Service, router, HPA selector, PDB, network
@@ -31,9 +33,13 @@ COMMAND_PORT = MASTER_PORT + 1  # the leader's command channel to worker hosts (
 Obj = dict[str, Any]
 
 
-def rank_env(nodes: int) -> list[Obj]:
-    """What the engine reads to find its place in the group (LWS sets the same names first)."""
-    return [
+GROUP_KEY_ENV = "KVSERVE_GROUP_KEY"  # the command channel's shared secret (remote.py)
+
+
+def rank_env(nodes: int, group_key: Obj | None = None) -> list[Obj]:
+    """What the engine reads to find its place in the group (LWS sets the same names first),
+    and the command channel's key from a Secret (`group_key`: a secretKeyRef env entry)."""
+    return [*([group_key] if group_key else []),
         {"name": "LWS_WORKER_INDEX", "valueFrom": {"fieldRef": {
             "fieldPath": f"metadata.labels['{WORKER_INDEX_LABEL}']"}}},
         {"name": "LWS_GROUP_SIZE", "value": str(nodes)},
@@ -46,21 +52,21 @@ def group_ports() -> list[Obj]:
             {"name": "command", "containerPort": COMMAND_PORT, "protocol": "TCP"}]
 
 
-def leader_container(container: Obj, nodes: int) -> Obj:
+def leader_container(container: Obj, nodes: int, group_key: Obj | None = None) -> Obj:
     """The engine container as the group's leader: the API server plus the rendezvous."""
     c = copy.deepcopy(container)
-    c["env"] = [*rank_env(nodes), *c["env"]]
+    c["env"] = [*rank_env(nodes, group_key), *c["env"]]
     c["ports"] = [*c["ports"], *group_ports()]
     return c
 
 
-def worker_container(container: Obj, nodes: int) -> Obj:
+def worker_container(container: Obj, nodes: int, group_key: Obj | None = None) -> Obj:
     """The engine container as a worker host: `--headless`, no HTTP port, no HTTP probes (a
     failed rank ends the group; the leader's /health says why and LWS recreates the group)."""
     c = copy.deepcopy(container)
     args = c["args"]
     c["args"] = [args[0], "--headless", *args[1:]]
-    c["env"] = [*rank_env(nodes), *c["env"]]
+    c["env"] = [*rank_env(nodes, group_key), *c["env"]]
     c["ports"] = group_ports()
     for key in ("startupProbe", "readinessProbe", "livenessProbe", "lifecycle"):
         c.pop(key, None)

@@ -223,10 +223,11 @@ def engine_pod_spec(spec: ServiceSpec, sizing: Sizing, role: str = "") -> Obj:
     """role "leader"/"worker": a pod of a multi-node group (leader_worker_set.py)."""
     vols, mounts = engine_volumes(spec, sizing)
     container = engine_container(spec, sizing, mounts)
+    key = trust.secret_env(leader_worker_set.GROUP_KEY_ENV, trust.registration_ref(spec.name))
     if role == "leader":
-        container = leader_worker_set.leader_container(container, sizing.nodes_per_replica)
+        container = leader_worker_set.leader_container(container, sizing.nodes_per_replica, key)
     elif role == "worker":
-        container = leader_worker_set.worker_container(container, sizing.nodes_per_replica)
+        container = leader_worker_set.worker_container(container, sizing.nodes_per_replica, key)
     tolerations = list(spec.tolerations)
     if sizing.gpus_per_pod:
         tolerations.append({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"})

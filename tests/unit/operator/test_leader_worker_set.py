@@ -125,6 +125,10 @@ def test_ranks_find_each_other_from_the_rendered_env() -> None:
     assert list(ranks.ranks(16)) == list(range(8, 16))
     ports = {p["containerPort"] for p in container["ports"]}
     assert {ranks.master_port, ranks.command_port} == ports
+    for role in ("leaderTemplate", "workerTemplate"):  # the command channel's key: a Secret
+        env = tmpl[role]["spec"]["containers"][0]["env"]
+        key = next(e for e in env if e["name"] == "KVSERVE_GROUP_KEY")
+        assert key["valueFrom"]["secretKeyRef"]["name"] == "big-registration"
 
 
 def test_the_serve_parser_reads_leader_and_worker_flags() -> None:
