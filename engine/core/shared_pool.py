@@ -81,14 +81,16 @@ class SharedBlockPool:
                 f"model {model!r} needs {bytes_per_block} bytes per block, the shared pool's "
                 f"pages hold {self.page_bytes}: start the server with the largest model among "
                 "its models (or a smaller block size)")
-        self.members[model] = _Member(bytes_per_block)
+        with self.lock:  # a model loaded at runtime: the other engines' steps read `members`
+            self.members[model] = _Member(bytes_per_block)
         return self.pool
 
     def leave(self, model: str) -> int:
         """Drop a model (its sequences must be gone): its cached pages are forgotten so a
         model later loaded under the same name never reads them. Returns how many."""
-        self.members.pop(model, None)
-        return self.pool.forget_owner(model)
+        with self.lock:
+            self.members.pop(model, None)
+            return self.pool.forget_owner(model)
 
     def report(self, model: str, waiting: bool) -> None:
         self.members[model].waiting = waiting
