@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from crd_schemas import errors as crd_errors
+from kvserve.operator import pd_roles
 from kvserve.operator.children import build_children
 from kvserve.operator.conditions import readiness
 from kvserve.operator.pd_roles import KV_PORT, ROLE_LABEL, TTFT_METRIC, readiness_view
@@ -74,11 +75,11 @@ def test_two_role_deployments_replace_the_engine_deployment() -> None:
 
 
 def test_each_pool_is_sized_for_its_role() -> None:
-    objs = by_key(cr({"prefill": {}, "decode": {"maxNumSeqs": 64}}))
+    objs = by_key(cr({"prefill": {}, "decode": {"maxNumSeqs": 16}}))
     p_args = container(objs["Deployment/chat-prefill"])["args"]
     d_args = container(objs["Deployment/chat-decode"])["args"]
     assert flag(p_args, "--max-num-seqs") == "8"  # a few prompts in flight, not a batch
-    assert flag(d_args, "--max-num-seqs") == "64"
+    assert flag(d_args, "--max-num-seqs") == "16"
     assert flag(p_args, "--tensor-parallel-size") == flag(d_args, "--tensor-parallel-size")
     sizing = json.loads(objs["ConfigMap/chat-config"]["data"]["sizing.json"])
     assert "prefill pool (1 replica(s)" in sizing["explanation"]
@@ -86,7 +87,9 @@ def test_each_pool_is_sized_for_its_role() -> None:
     assert "decode pool" in sizing["explanation"]
 
 
-def test_both_pools_run_the_larger_tensor_parallel_size() -> None:
+def test_both_pools_run_the_larger_tensor_parallel_size(monkeypatch) -> None:
+    # a connector that moves tensor-parallel shards (today's refuses TP > 1: the next test)
+    monkeypatch.setattr(pd_roles, "CONNECTOR_MAX_TP", 8)
     # 70B at 8k: a decode batch of 32 needs more GPUs than 2 prompts do on the prefill side
     body = cr({"prefill": {"maxNumSeqs": 2}, "decode": {"maxNumSeqs": 32}},
               model={"name": "llama-3-70b"}, gpu={"type": "H100-80GB"})
@@ -102,6 +105,16 @@ def test_both_pools_run_the_larger_tensor_parallel_size() -> None:
         c = container(objs[f"Deployment/chat-{role}"])
         assert flag(c["args"], "--tensor-parallel-size") == str(own["decode"])
         assert c["resources"]["limits"]["nvidia.com/gpu"] == str(own["decode"])
+
+
+def test_pools_the_connector_cannot_pair_are_refused() -> None:
+    exc = refused(cr({"prefill": {"maxNumSeqs": 2}, "decode": {"maxNumSeqs": 32}},
+                     model={"name": "llama-3-70b"}, gpu={"type": "H100-80GB"}))
+    assert exc.reason == "InvalidDisaggregation" and "KVServeConnector" in str(exc)
+    assert "tensor parallel" in str(exc)
+    exc = refused(cr({"prefill": {}, "decode": {}}, model={"name": "gemma-3-27b"},
+                     gpu={"type": "H100-80GB"}, engine={"maxModelLen": 4096}))
+    assert exc.reason == "InvalidDisaggregation" and "sliding-window" in str(exc)
 
 
 def test_per_pool_autoscaling_on_its_own_signal() -> None:
