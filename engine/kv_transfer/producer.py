@@ -23,6 +23,7 @@ logger = logging.getLogger("kvserve.engine")
 # Fault injection for the tests: after sending half of a request's layers the server touches
 # this file and stalls, so a test can kill the process in the middle of a transfer.
 FAULT_STALL_FILE = "KVSERVE_KV_FAULT_STALL_FILE"
+IDLE_TIMEOUT_S = 300.0
 
 
 @dataclass
@@ -118,6 +119,7 @@ class BlockServer:
 
     def _serve(self, conn: socket.socket) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn.settimeout(IDLE_TIMEOUT_S)  # a peer gone silent does not keep a thread forever
         try:
             with conn:
                 while True:
