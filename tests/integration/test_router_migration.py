@@ -487,3 +487,38 @@ def test_32_greedy_streams_of_a_killed_replica_complete_as_undisturbed(fleet):
             == len(moved)
     finally:
         rt.stop()
+
+
+def test_a_rolling_restart_of_two_replicas_under_load_loses_nothing(fleet, refs):
+    """A rolling update: m1 gets SIGTERM while the streams run (it hands its unfinished ones
+    back), exits and is started again; then m2 the same under a second wave of streams. Every
+    stream of both waves equals the undisturbed run."""
+    reqs, reference = refs
+    fleet.ensure_alive()
+    rt = router(fleet, "--expose-routing-headers", "--down-cooldown", "1")
+    try:
+        handed: list[int] = []
+        for rid in ("m1", "m2"):
+            proc = fleet.replicas[rid].proc
+
+            async def drain(results: list[Result], rid: str = rid, proc=proc) -> None:
+                mine = [r for r in results if r.replica == rid]
+                while not all(r.chunks >= 12 for r in mine):
+                    await asyncio.sleep(0.005)
+                handed.append(sum("[DONE]" not in r.events for r in mine))
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.to_thread(proc.wait, 60)
+
+            results = asyncio.run(run_streams(rt.url, reqs, drain))
+            for r, ref in zip(results, reference):
+                assert_whole(r, ref)
+            assert proc.returncode is not None
+            fleet.ensure_alive()  # the new pod of the same replica id
+            wait_until(lambda: {r["url"] for r in httpx.get(rt.url + "/health").json()[
+                "replicas"]} >= {fleet.replicas[rid].url}, timeout=60,
+                what=f"the router seeing the restarted {rid}")
+        assert all(handed), handed  # each drain had streams to hand back
+        assert metric(rt.url, "kvserve:router_migrations_total", reason="drain",
+                      outcome="migrated") >= 2
+    finally:
+        rt.stop()
