@@ -74,6 +74,9 @@ class SpliceState:
             self.ended_by_error = True
             return f"data: {payload}\n\n"
         self._rewrite_head(data)
+        prompt_ids = data.pop("prompt_token_ids", None)  # a chat stream's, on its first chunk
+        if prompt_ids is not None and self.keep_token_ids and not continuation:
+            data["prompt_token_ids"] = prompt_ids
         choices = [c for c in (self._choice(c, continuation) for c in data.get("choices") or [])
                    if c is not None]
         if data.get("usage") is not None:

@@ -2,8 +2,11 @@
 Redis, the router (round robin, so every kind of stream has one on each replica). A replica is
 SIGKILLed while streams are mid-way: every stream completes and equals an undisturbed run, token
 for token (greedy, seeded sampling at 0.8, a JSON schema, a stop string, n = 2). A rolling drain
-(SIGTERM of one replica, then of another) hands every unfinished stream over, losing none. A
-request that breaks more often than --migration-limit ends with an error event naming it."""
+(SIGTERM of one replica, then of another; and a rolling restart, each started again) hands
+every unfinished stream over, losing none. A request that breaks more often than
+--migration-limit ends with an error event naming it. Non-streamed completions and chat, and
+/v1/responses streamed or not, continue exactly too; 32 greedy streams, a third on the killed
+replica, all complete as undisturbed."""
 
 from __future__ import annotations
 

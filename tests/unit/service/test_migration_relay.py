@@ -476,3 +476,17 @@ def test_text_with_unicode_line_separators_stays_one_event():
     (payload,), rest = split_events(raw)
     out = json.loads(split_events(state.event(payload, False).encode())[0][0])
     assert out["choices"][0]["text"] == "a\u2028b\x85c\u2029d" and rest == b""
+
+
+def test_a_chat_streams_prompt_token_ids_reach_only_a_client_that_asked():
+    """The router asks every replica for token ids; a chat stream's first chunk carries the
+    prompt's at its top: kept for a client that asked, dropped otherwise and on continuations."""
+    chunk = {"id": "a", "object": "chat.completion.chunk", "created": 1, "model": "m",
+             "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                          "finish_reason": None, "token_ids": []}], "prompt_token_ids": [1, 2]}
+    for keep, continuation, want in ((True, False, True), (False, False, False),
+                                     (True, True, False)):
+        state = SpliceState(n=1, chat=True, keep_token_ids=keep, want_usage=False)
+        out = state.event(json.dumps(chunk), continuation)
+        got = json.loads(split_events(out.encode())[0][0]) if out else {}
+        assert ("prompt_token_ids" in got) == want, (keep, continuation)
