@@ -163,7 +163,8 @@ async def _pd_prefill(router: Router, proxy: Proxy, path: str, parsed: dict[str,
         start = time.perf_counter()
         got = await pd.remote_prefill(proxy.http, path, parsed, forward_headers(headers),
                                       plan.prefill, router.cfg.pd, router.replicas.acquire,
-                                      router.replicas.release, router.replicas.mark_down)
+                                      router.replicas.release, router.replicas.mark_down,
+                                      router.not_a_producer)
         router.metrics.pd_prefill_seconds.observe(time.perf_counter() - start)
         if got is None:
             decision = pd.FALLBACK

@@ -11,7 +11,9 @@ streamed, and `kv_transfer_params: {"do_remote_decode": true}`; its answer's
 `kv_transfer_params` (do_remote_prefill, remote_block_ids, remote_engine_id, remote_host,
 remote_port) go into the body sent to the decode replica, whose connector pulls the blocks. A
 prefill that fails, times out or answers without parameters costs nothing but its time: the
-decode replica gets the request as it came and prefills it itself.
+decode replica gets the request as it came and prefills it itself. A replica that answered a
+prefill without parameters (role `both` but no connector) is not asked again for
+NOT_A_PRODUCER_S seconds: its prefills would all be computed twice.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ LOCAL_ADAPTER = "local_adapter"  # a LoRA adapter's request: prefilled where the
 FALLBACK = "fallback"  # the remote prefill failed or gave no parameters: local prefill
 DECISIONS = (REMOTE, LOCAL_SHORT, LOCAL_BUSY, LOCAL_NO_PREFILLER, LOCAL_UNKNOWN, LOCAL_ADAPTER,
              FALLBACK)
+# Seconds a replica that answered a prefill without kv_transfer_params is left out of the
+# prefill pool (a `both` replica without a KV connector, or one whose connector is not a producer).
+NOT_A_PRODUCER_S = 60.0
 # The routes a prefill replica is asked through (their bodies take max_tokens).
 PATHS = ("/v1/completions", "/v1/chat/completions")
 # Fields a prefill request must not carry: a prefill generates one token, whole.
@@ -78,24 +83,27 @@ def decode_capable(cands: Sequence[Candidate]) -> list[Candidate]:
     return out or list(cands)
 
 
-def prefill_capable(cands: Sequence[Candidate], decode_id: str | None) -> list[Candidate]:
-    """Replicas that may prefill for `decode_id` (prefill or both, not itself)."""
-    return [c for c in cands if c.role != ROLE_DECODE and c.replica_id != decode_id]
+def prefill_capable(cands: Sequence[Candidate], decode_id: str | None,
+                    skip: frozenset[str] | set[str] = frozenset()) -> list[Candidate]:
+    """Replicas that may prefill for `decode_id` (prefill or both, not itself, not in `skip`)."""
+    return [c for c in cands if c.role != ROLE_DECODE and c.replica_id != decode_id
+            and c.replica_id not in skip]
 
 
 def plan(decode: Candidate | None, cands: Sequence[Candidate], prompt_tokens: int | None,
          block_size: int, pd: PDConfig, policy: PolicyConfig, num_blocks: int = 0,
-         tiebreak: int = 0) -> PDPlan:
+         tiebreak: int = 0, skip: frozenset[str] | set[str] = frozenset()) -> PDPlan:
     """Remote or local prefill for a request routed to `decode` (None: no replica at all).
-    `prompt_tokens` None: the router could not tokenize the prompt (local)."""
+    `prompt_tokens` None: the router could not tokenize the prompt (local). `skip`: replicas
+    known not to answer with transfer parameters (NOT_A_PRODUCER_S)."""
     if decode is None or prompt_tokens is None:
         return PDPlan(LOCAL_UNKNOWN, 0)
     cached = min(decode.matched_blocks * block_size, prompt_tokens)
     uncached = prompt_tokens - cached
     if uncached <= pd.threshold:
         return PDPlan(LOCAL_SHORT, uncached)
-    pool = prefill_capable(cands, decode.replica_id)
-    if not pool:
+    pool = prefill_capable(cands, decode.replica_id, skip)
+    if not pool or decode.role == ROLE_PREFILL:  # a producer-only replica would not pull
         return PDPlan(LOCAL_NO_PREFILLER, uncached)
     short = [c for c in pool if c.load <= pd.max_prefill_queue]
     if not short:
@@ -130,11 +138,12 @@ def transfer_params(answer: Any) -> dict[str, Any] | None:
 
 async def remote_prefill(http: httpx.AsyncClient, path: str, body: dict[str, Any],
                          headers: dict[str, str], ranking: Sequence[Candidate], pd: PDConfig,
-                         acquire: Any, release: Any, mark_down: Any = None
-                         ) -> tuple[dict[str, Any], str] | None:
+                         acquire: Any, release: Any, mark_down: Any = None,
+                         not_a_producer: Any = None) -> tuple[dict[str, Any], str] | None:
     """Prefill on the first replica of `ranking` that answers (one try each, within
     `pd.prefill_timeout` in all): (kv_transfer_params, its replica id), or None (local). A
-    replica that refuses the connection is `mark_down`'d, as the proxy does."""
+    replica that refuses the connection is `mark_down`'d, as the proxy does; one that answers
+    without transfer parameters is passed to `not_a_producer`."""
     payload = prefill_body(body)
     for cand in ranking[:2]:  # a second replica only when the first fails fast
         acquire(cand.replica_id)
@@ -158,5 +167,7 @@ async def remote_prefill(http: httpx.AsyncClient, path: str, body: dict[str, Any
             return params, cand.replica_id
         logger.info("pd: prefill replica %s answered %d without kv_transfer_params; the "
                     "decode replica prefills locally", cand.replica_id, resp.status_code)
+        if not_a_producer is not None and resp.status_code == 200:
+            not_a_producer(cand.replica_id)
         return None
     return None

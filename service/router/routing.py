@@ -55,6 +55,9 @@ class Router:
         self.replicas = ReplicaSet(cfg, self.metrics)
         self.prompts = RouterTokenizer(cfg.tokenizer, self.replicas, cfg.refresh_interval)
         self.adapters = Adapters(cfg.lora_modules, self.metrics, cfg.lora_load_timeout)
+        # --policy pd: replica id -> when it may prefill again (it answered a prefill without
+        # kv_transfer_params: no KV connector producing there).
+        self.not_producers: dict[str, float] = {}
         # A random start, so several routers' tie-break rotations are not in lockstep.
         self.counter = random.randrange(1 << 30)
 
@@ -107,9 +110,21 @@ class Router:
         if is_pd:
             route.pd_plan = pd.plan(route.decision.chosen, everyone,
                                     None if tokens is None else len(tokens), block_size,
-                                    self.cfg.pd, self.cfg.policy_cfg, len(hashes), self.counter)
+                                    self.cfg.pd, self.cfg.policy_cfg, len(hashes), self.counter,
+                                    self._not_producers())
         self.metrics.decision_seconds.observe(time.perf_counter() - start)
         return route
+
+    def not_a_producer(self, replica_id: str) -> None:
+        """A prefill replica answered without transfer parameters: not asked for a while."""
+        self.not_producers[replica_id] = time.monotonic() + pd.NOT_A_PRODUCER_S
+
+    def _not_producers(self) -> set[str]:
+        if not self.not_producers:
+            return set()
+        now = time.monotonic()
+        self.not_producers = {r: t for r, t in self.not_producers.items() if t > now}
+        return set(self.not_producers)
 
     def _prefer_adapter(self, route: RouteInfo, adapter: str) -> None:
         """The adapter's holders first; `load_on` when the router must have it loaded."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -77,6 +79,16 @@ def test_both_role_replicas_prefill_for_each_other():
     a, b = cand("a"), cand("b")
     got = plan(a, [a, b], 400)
     assert got.decision == pd.REMOTE and [c.replica_id for c in got.prefill] == ["b"]
+
+
+def test_skipped_and_producer_only_replicas_change_the_plan():
+    d, p, q = cand("d", "decode"), cand("p", "prefill"), cand("q", "both")
+    got = pd.plan(d, [d, p, q], 400, BS, PD, POLICY, skip={"p"})
+    assert [c.replica_id for c in got.prefill] == ["q"]
+    assert pd.plan(d, [d, p], 400, BS, PD, POLICY, skip={"p"}).decision == \
+        pd.LOCAL_NO_PREFILLER
+    # every decode-capable replica gone: a producer-only one decodes, and prefills itself
+    assert plan(p, [p, cand("p2", "prefill")], 400).decision == pd.LOCAL_NO_PREFILLER
 
 
 def test_unknown_prompt_or_no_replica_is_local():
@@ -152,6 +164,41 @@ def test_a_prefill_replica_that_refuses_means_local_prefill():
     assert asyncio.run(run()) is None
     assert counts == {"p0": 0, "p1": 0}  # two tried, each released
     assert down == ["p0", "p1"]  # out of routing for --down-cooldown, as the proxy does
+
+
+class _NoParams(BaseHTTPRequestHandler):
+    """A replica without a KV connector: a prefill answered, no kv_transfer_params."""
+
+    def do_POST(self) -> None:  # noqa: N802 -- http.server's name
+        self.rfile.read(int(self.headers["content-length"]))
+        body = json.dumps({"choices": [{"text": "x"}], "kv_transfer_params": None}).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_replica_answering_without_params_is_reported_as_no_producer():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _NoParams)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    reported: list[str] = []
+
+    async def run() -> object:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        async with httpx.AsyncClient() as http:
+            return await pd.remote_prefill(http, "/v1/completions", {"prompt": "x"}, {},
+                                           [Candidate("b", url, role="both")], PD,
+                                           lambda _: None, lambda _: None, None,
+                                           reported.append)
+    try:
+        assert asyncio.run(run()) is None
+    finally:
+        server.shutdown()
+    assert reported == ["b"]
 
 
 def test_heartbeat_role_field():
