@@ -285,3 +285,29 @@ def test_lora_adapters_across_stages(lora_base, adapters) -> None:
             llm.shutdown()
     assert outs[0] == outs[1]
     assert len({str(t) for t, _ in outs[0]}) == 3  # each adapter changes the output
+
+
+def test_host_tier_restores_reach_every_stage(tiny_model_dir) -> None:
+    """Tenants whose 5-block prefixes do not fit 12 device blocks together: with two stages
+    each turn's prefix comes back from the host tier into both stages' caches, and the tokens
+    and cached counts are one rank's."""
+    import random
+
+    rng = random.Random(0)
+    prefixes = [[rng.randrange(3, 380) for _ in range(80)] for _ in range(3)]
+    turns = [p + [rng.randrange(3, 380) for _ in range(5)] for _ in range(2) for p in prefixes]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    results = []
+    for pp in (1, 2):
+        llm = LLM(**engine_kw(tiny_model_dir, kv_offloading_size=0.01,
+                              pipeline_parallel_size=pp))
+        try:
+            outs = [llm.generate([{"prompt_token_ids": t}], params, use_tqdm=False)[0]
+                    for t in turns]
+            stats = llm.llm_engine.get_stats()
+        finally:
+            llm.shutdown()
+        results.append(([o.outputs[0].token_ids for o in outs],
+                        [o.num_cached_tokens for o in outs], stats.host_blocks_restored))
+    assert results[0] == results[1]
+    assert results[1][2] > 0 and results[1][1][3:] == [80, 80, 80]
