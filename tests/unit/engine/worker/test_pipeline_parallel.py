@@ -120,6 +120,26 @@ def test_ranks_from_leader_worker_set_and_torchrun_variables() -> None:
         from_environ({"LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "2", "MASTER_ADDR": "x"})
 
 
+def test_a_host_started_in_the_wrong_role_is_told_which(four_layers, monkeypatch) -> None:
+    from kvserve.engine.worker.remote import run_headless
+    from kvserve.service.api_server import run_headless_host
+
+    monkeypatch.setenv("LWS_GROUP_SIZE", "2")
+    monkeypatch.setenv("LWS_LEADER_ADDRESS", "127.0.0.1")
+    monkeypatch.setenv("LWS_WORKER_INDEX", "1")
+    with pytest.raises(ConfigError, match="run `kvserve serve --headless` here"):
+        LLM(**engine_kw(four_layers, pipeline_parallel_size=2))
+    with pytest.raises(ConfigError, match="this is the leader"):
+        run_headless(2, from_environ({"LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "0",
+                                      "LWS_LEADER_ADDRESS": "127.0.0.1"}))
+    for name in ("LWS_GROUP_SIZE", "LWS_LEADER_ADDRESS", "LWS_WORKER_INDEX"):
+        monkeypatch.delenv(name)
+    from kvserve.engine.config import EngineConfig
+
+    with pytest.raises(ConfigError, match="--headless needs a multi-host group"):
+        run_headless_host(EngineConfig(model=str(four_layers), pipeline_parallel_size=2))
+
+
 def test_each_stage_loads_only_its_layers(four_layers) -> None:
     cpu, f32 = torch.device("cpu"), torch.float32
     full, _ = load_model(four_layers, f32, cpu, pack_linears=False)
