@@ -25,7 +25,7 @@ from kvserve.operator.spec import ServiceSpec
 
 ROLE_LABEL = "kvserve.io/role"
 CONNECTOR = "KVServeConnector"  # engine/kv_transfer/kvserve_connector.py
-KV_PORT = 5600  # the connector's block server (vLLM's NIXL side-channel port)
+KV_PORT = 5600  # the connector's block server (vLLM's NIXL side-channel port); rank r: +r
 DS_API_VERSION = "disaggregatedset.x-k8s.io/v1"
 # What KVServeConnector moves today (engine/kv_transfer/kvserve_connector.py refuses the rest at
 # start-up): one rank's KV cache, of models without sliding-window layers. The operator refuses
@@ -159,9 +159,10 @@ def role_deployment(spec: ServiceSpec, rp: RolePlan) -> Obj:
     if spec.device != "cpu":
         container["resources"].setdefault("limits", {})["nvidia.com/gpu"] = \
             str(rp.tensor_parallel_size)
-    if rp.name == "prefill":  # decode replicas pull the blocks from here
-        container["ports"].append({"name": "kv-transfer", "containerPort": KV_PORT,
-                                   "protocol": "TCP"})
+    if rp.name == "prefill":  # decode replicas pull the blocks from here, each rank its shard
+        container["ports"] += [{"name": "kv-transfer" + (f"-{r}" if r else ""),
+                                "containerPort": KV_PORT + r, "protocol": "TCP"}
+                               for r in range(rp.tensor_parallel_size)]
     if rp.role.autoscaling is not None:
         del dep["spec"]["replicas"]
     return dep
@@ -231,11 +232,13 @@ def router_args(spec: ServiceSpec, args: list[str]) -> list[str]:
                    "--pd-max-prefill-queue", str(dis.max_prefill_queue)]
 
 
-def _open_kv_port(policy: Obj, spec: ServiceSpec) -> None:
-    """Decode pods pull blocks from prefill pods: engine -> engine on KV_PORT."""
+def _open_kv_port(policy: Obj, spec: ServiceSpec, tp: int) -> None:
+    """Decode pods pull blocks from prefill pods: engine -> engine on KV_PORT (+ rank)."""
+    port: Obj = {"protocol": "TCP", "port": KV_PORT}
+    if tp > 1:
+        port["endPort"] = KV_PORT + tp - 1
     policy["spec"]["ingress"].append(
-        {"ports": [{"protocol": "TCP", "port": KV_PORT}],
-         "from": [{"podSelector": {"matchLabels": res.selector(spec, "engine")}}]})
+        {"ports": [port], "from": [{"podSelector": {"matchLabels": res.selector(spec, "engine")}}]})
 
 
 def disaggregate(spec: ServiceSpec, objects: list[Obj], plans: tuple[RolePlan, RolePlan]
@@ -253,7 +256,7 @@ def disaggregate(spec: ServiceSpec, objects: list[Obj], plans: tuple[RolePlan, R
             container = obj["spec"]["template"]["spec"]["containers"][0]
             container["args"] = router_args(spec, container["args"])
         if kind == "NetworkPolicy" and name == n["engine"]:
-            _open_kv_port(obj, spec)
+            _open_kv_port(obj, spec, plans[0].tensor_parallel_size)
         out.append(obj)
     return out
 

@@ -105,6 +105,14 @@ def test_both_pools_run_the_larger_tensor_parallel_size(monkeypatch) -> None:
         c = container(objs[f"Deployment/chat-{role}"])
         assert flag(c["args"], "--tensor-parallel-size") == str(own["decode"])
         assert c["resources"]["limits"]["nvidia.com/gpu"] == str(own["decode"])
+        kubernetes_validate.validate(objs[f"Deployment/chat-{role}"], "1.31", strict=True)
+    # each rank serves its shard on KV_PORT + rank; the policy lets the whole range through
+    ports = container(objs["Deployment/chat-prefill"])["ports"][1:]
+    assert [p["containerPort"] for p in ports] == [KV_PORT + r for r in range(own["decode"])]
+    policy = objs["NetworkPolicy/chat-engine"]
+    kubernetes_validate.validate(policy, "1.31", strict=True)
+    assert policy["spec"]["ingress"][-1]["ports"] == [
+        {"protocol": "TCP", "port": KV_PORT, "endPort": KV_PORT + own["decode"] - 1}]
 
 
 def test_pools_the_connector_cannot_pair_are_refused() -> None:
