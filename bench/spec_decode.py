@@ -62,8 +62,9 @@ def compare(base: LLM, spec: LLM, chats: list, params: SamplingParams, concurren
             rounds: int) -> str:
     ratios, base_rates, spec_rates = [], [], []
     warm = SamplingParams(temperature=params.temperature, max_tokens=32)
+    first = chats(-1) if callable(chats) else chats  # agentic: a task set of its own
     for llm in (base, spec):  # first calls of new shapes (oneDNN primitives) are not timed
-        run(llm, chats[:1], warm, 1)
+        run(llm, first[:1], warm, 1)
     before = spec_figures(spec)
     for r in range(rounds):
         order = [(base, base_rates), (spec, spec_rates)]
