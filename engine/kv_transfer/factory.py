@@ -76,6 +76,9 @@ def engine_connectors(config: Any, runner: Any, kv_groups: Any, hf_config: Any
     kvt = config.kv_transfer_config
     if kvt is None:
         return None
+    if getattr(config, "pipeline_parallel_size", 1) > 1:
+        raise ConfigError("kv_transfer_config: the KV connectors move the cache of tensor-"
+                          "parallel ranks of one stage; pipeline_parallel_size must be 1")
     if kv_groups is not None and (kv_groups.is_hybrid or kv_groups.slides):
         raise ConfigError("kv_transfer_config: models with sliding-window layers keep several "
                           "block tables; the KV connectors move models of full attention only")
@@ -89,4 +92,24 @@ def engine_connectors(config: Any, runner: Any, kv_groups: Any, hf_config: Any
     engine = EngineInfo(layout, layout.block_size, layout.tp_size, kv.device)
     sched, worker = make_connectors(kvt, engine)
     worker.register_kv_caches({f"layers.{i}": kv[:, i] for i in range(kv.shape[1])})
+    workers = getattr(runner, "workers", None)
+    if workers is not None:  # ranks 1..N-1: each its worker side on its own shard
+        workers.broadcast("kv_connector", (kvt, layout))
+        ports = workers.wait_for("kv_connector")
+        server = getattr(getattr(worker, "shared", None), "server", None)
+        if server is not None:
+            server.rank_ports = [server.port, *ports]
     return sched, worker
+
+
+def attach_worker_connector(runner: Any, rank: int, kvt: KVTransferConfig, layout: KVLayout
+                            ) -> int | None:
+    """A tensor-parallel worker's side of the connector on its runner's cache; its block
+    server's port (None: it serves none)."""
+    cls = connector_class(kvt)
+    engine = EngineInfo(layout, layout.block_size, layout.tp_size, runner.kv.device)
+    worker = cls(kvt, KVConnectorRole.WORKER, engine, rank=rank)
+    worker.register_kv_caches({f"layers.{i}": runner.kv[:, i]
+                               for i in range(runner.kv.shape[1])})
+    runner.kv_connector = worker
+    return getattr(worker, "server_port", None)

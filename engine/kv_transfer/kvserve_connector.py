@@ -36,7 +36,7 @@ import torch
 from kvserve.engine.errors import ConfigError
 from kvserve.engine.kv_transfer.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                              KVConnectorRole, kv_transfer_params)
-from kvserve.engine.kv_transfer.consumer import Remote, confirm_only, fetch_blocks
+from kvserve.engine.kv_transfer.consumer import Remote, confirm_only, fetch_shards
 from kvserve.engine.kv_transfer.producer import BlockServer, SendRegistry
 from kvserve.engine.kv_transfer.wire import TransferError
 
@@ -68,15 +68,15 @@ class _Recv:
     start: int
     end: int
     future: Future | None = None
-    payload: torch.Tensor | None = None  # [layers, 2, n, per-block bytes] uint8
+    payload: list[torch.Tensor] | None = None  # per rank: [layers, 2, n, per-block bytes] uint8
     used: bool = False
 
 
 class KVServeMetadata(KVConnectorMetadata):
-    """A step's loads: (payload, destination block ids) pairs."""
+    """A step's loads: (each rank's payload, destination block ids) pairs."""
 
     def __init__(self) -> None:
-        self.loads: list[tuple[torch.Tensor, list[int]]] = []
+        self.loads: list[tuple[list[torch.Tensor], list[int]]] = []
 
     def __bool__(self) -> bool:
         return bool(self.loads)
@@ -101,15 +101,14 @@ def side_channel(config: Any) -> tuple[str, str, int]:
 class KVServeConnector(KVConnectorBase_V1):
     """Both sides in one class (vLLM's NixlConnector splits them into a scheduler and a worker
     object); the engine makes one instance per role, sharing `shared` (the send registry and
-    the listener's address)."""
+    the listener's address). With tensor parallelism every rank has a worker side (`rank`):
+    each serves and loads its own shard of the cache; rank 0's server checks the requests and
+    names the others' ports at the handshake."""
 
     def __init__(self, config: Any, role: KVConnectorRole, engine: Any = None,
-                 shared: Any = None) -> None:
+                 shared: Any = None, rank: int = 0) -> None:
         super().__init__(config, role, engine)
-        if engine is not None and engine.tp_size > 1:
-            raise ConfigError("KVServeConnector moves the KV cache of one rank: "
-                              f"tensor_parallel_size {engine.tp_size} is not supported yet; run "
-                              "prefill and decode replicas with tensor_parallel_size 1")
+        self.rank = rank
         self.shared = shared if shared is not None else _Shared(config)
         self.figures = self.shared.figures
         self._recv: dict[str, _Recv] = {}
@@ -122,15 +121,20 @@ class KVServeConnector(KVConnectorBase_V1):
         layers = list(kv_caches.values())
         self._layers = [t.view(torch.uint8) for t in layers]
         if self.config.is_kv_producer and self.engine is not None:
-            self.shared.start_server(self.engine, layers)
+            self.shared.start_server(self.engine, layers, self.rank)
+
+    @property
+    def server_port(self) -> int | None:
+        """This rank's block server's port (None: not a producer)."""
+        return self.shared.server_port
 
     def start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
         meta = self.get_connector_metadata()
         if not isinstance(meta, KVServeMetadata):
             return
-        for payload, dst in meta.loads:  # [layers, 2, n, bytes] -> each layer's blocks
+        for payloads, dst in meta.loads:  # this rank's [layers, 2, n, bytes] -> each layer
             idx = torch.tensor(dst, dtype=torch.int64, device=self._layers[0].device)
-            for layer, cache in zip(payload, self._layers):
+            for layer, cache in zip(payloads[self.rank], self._layers):
                 src = layer.view(2, len(dst), *cache.shape[2:]).to(cache.device)
                 cache.index_copy_(1, idx, src)
 
@@ -175,7 +179,8 @@ class KVServeConnector(KVConnectorBase_V1):
             return
         n = num_external_tokens // self.engine.block_size
         skip = st.end - n - st.start  # blocks the local prefix cache has gained meanwhile
-        self._meta.loads.append((st.payload[:, :, skip:skip + n].contiguous(), list(block_ids)))
+        self._meta.loads.append(([p[:, :, skip:skip + n].contiguous() for p in st.payload],
+                                 list(block_ids)))
         self.figures.blocks_received += n
         st.payload, st.used = None, True
 
@@ -235,9 +240,9 @@ class KVServeConnector(KVConnectorBase_V1):
         st.future = self._executor().submit(self._pull, remote, remote_id, ids)
         return st
 
-    def _pull(self, remote: Remote, remote_id: str, ids: list[int]) -> torch.Tensor:
+    def _pull(self, remote: Remote, remote_id: str, ids: list[int]) -> list[torch.Tensor]:
         t0 = time.perf_counter()
-        out = fetch_blocks(remote, remote_id, ids, self.engine.layout, self.config.engine_id,
+        out = fetch_shards(remote, remote_id, ids, self.engine.layout, self.config.engine_id,
                            self.shared.transfer_timeout)
         self.figures.seconds.append(time.perf_counter() - t0)
         del self.figures.seconds[:-4096]
@@ -248,7 +253,7 @@ class KVServeConnector(KVConnectorBase_V1):
         try:
             st.payload = future.result()  # type: ignore[union-attr]
             self.figures.transfers += 1
-            self.figures.bytes_received += st.payload.numel()
+            self.figures.bytes_received += sum(p.numel() for p in st.payload)
         except TransferError as exc:
             self._failed(exc.reason, f"request {request_id}: {exc}; computing the prompt here")
             if exc.reason in ("handshake", "refused"):
@@ -289,16 +294,19 @@ class _Shared:
     def server_port(self) -> int | None:
         return None if self.server is None else self.server.port
 
-    def start_server(self, engine: Any, layers: list[torch.Tensor]) -> None:
+    def start_server(self, engine: Any, layers: list[torch.Tensor], rank: int = 0) -> None:
+        """This rank's block server: port + rank (any free port when port is 0); only rank 0's
+        checks requests against the registry (the others serve what rank 0 let through)."""
         try:
             self.server = BlockServer(engine.layout, self.config.engine_id, layers,
-                                      self.registry, self.bind_host, self.port)
+                                      self.registry if rank == 0 else None, self.bind_host,
+                                      self.port + rank if self.port else 0)
         except OSError as exc:
             raise ConfigError(f"KVServeConnector cannot listen on {self.bind_host}:{self.port} "
                               f"({exc}); set kv_connector_extra_config.kv_port to a free port "
                               "(0: any)") from None
-        logger.info("KV transfer: serving blocks on %s:%d as %s (engine %s)", self.bind_host,
-                    self.server.port, self.host, self.config.engine_id)
+        logger.info("KV transfer: rank %d serving blocks on %s:%d as %s (engine %s)", rank,
+                    self.bind_host, self.server.port, self.host, self.config.engine_id)
 
     def close(self) -> None:
         if self.server is not None:

@@ -97,6 +97,7 @@ class BlockServer:
         self.port = self.sock.getsockname()[1]
         self.num_blocks_sent = 0
         self.bytes_sent = 0
+        self.rank_ports = [self.port]  # rank 0's: every tensor-parallel rank's server, in order
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="kv-block-server", daemon=True)
         self._thread.start()
@@ -134,7 +135,7 @@ class BlockServer:
         if op == "hello":
             why = layout_mismatch(self.layout, msg.get("layout") or {})
             send_message(conn, {"ok": why is None, "error": why, "engine_id": self.engine_id,
-                                "layout": self.layout.to_json()})
+                                "layout": self.layout.to_json(), "rank_ports": self.rank_ports})
             if why is not None:
                 logger.warning("KV transfer refused at handshake from engine %s: %s",
                                msg.get("engine_id"), why)

@@ -228,6 +228,10 @@ def _serve(rank: int, model: torch.nn.Module, spec: WorkerSpec, conn: Connection
             conn.send(("link_figures", runner.link.figures if runner.link else None))
         elif cmd == "move":
             runner.apply_moves(arg)  # type: ignore[union-attr]
+        elif cmd == "kv_connector":  # this rank's side of a KV connector (engine/kv_transfer/)
+            from kvserve.engine.kv_transfer.factory import attach_worker_connector
+
+            conn.send(("kv_connector", attach_worker_connector(runner, rank, *arg)))
         elif cmd == "calibrate":
             runner.calibrate_kv_scales(*arg)  # type: ignore[union-attr]
         elif cmd == "lora":

@@ -281,3 +281,43 @@ def test_kv_transfer_params_cross_the_engine_core_process_boundary():
                         finished=True, kv_transfer_params=params)
     outputs, _ = client.process(DeltaTracker().deltas([out], whole={"r"}))
     assert outputs[0].kv_transfer_params == params
+
+
+def test_tensor_parallel_shards_move_rank_to_rank():
+    """tp_size 2 on both sides: rank 0's server names rank 1's at the handshake; each decode
+    rank loads its own shard from the same metadata, and rank 0 is told once both arrived."""
+    from kvserve.engine.kv_transfer.kvserve_connector import KVServeConnector
+
+    def side(role: str):
+        cfg = KVTransferConfig("KVServeConnector", role, {"kv_port": 0})
+        lay = layout(tp_size=2)
+        info = EngineInfo(lay, BS, 2, torch.device("cpu"))
+        sched, rank0 = make_connectors(cfg, info)
+        rank1 = KVServeConnector(cfg, KVConnectorRole.WORKER, info, rank=1)
+        kvs = [torch.randn(2, LAYERS, BLOCKS, BS, HEADS, DIM) for _ in range(2)]
+        for worker, kv in zip((rank0, rank1), kvs):
+            worker.register_kv_caches({f"layers.{i}": kv[:, i] for i in range(LAYERS)})
+        if role == "kv_producer":
+            rank0.shared.server.rank_ports = [rank0.server_port, rank1.server_port]
+        return sched, (rank0, rank1), kvs
+
+    p_sched, p_workers, p_kvs = side("kv_producer")
+    c_sched, c_workers, c_kvs = side("kv_consumer")
+    try:
+        params = prefill(p_sched, [2, 4, 6])
+        assert params["tp_size"] == 2
+        s = seq("d", 3 * BS + 1, params)
+        assert pulled(c_sched, s) == 3 * BS
+        c_sched.update_state_after_alloc(s, [10, 11, 12], 3 * BS)
+        meta = c_sched.build_connector_meta(None)
+        for worker in c_workers:
+            worker.bind_connector_metadata(meta)
+            worker.start_load_kv()
+        for p_kv, c_kv in zip(p_kvs, c_kvs):
+            assert torch.equal(c_kv[:, :, [10, 11, 12]], p_kv[:, :, [2, 4, 6]])
+        wait_for(lambda: (p_workers[0].get_finished()[0] or set()) == {"p"}, 30, "the release")
+    finally:
+        p_sched.shutdown()
+        c_sched.shutdown()
+        for w in (*p_workers, *c_workers):
+            w.shutdown()
