@@ -331,3 +331,18 @@ def test_host_tier_restores_reach_every_stage(tiny_model_dir) -> None:
                         [o.num_cached_tokens for o in outs], stats.host_blocks_restored))
     assert results[0] == results[1]
     assert results[1][2] > 0 and results[1][1][3:] == [80, 80, 80]
+
+
+def test_swap_preemption_and_fp8_kv_across_stages(four_layers) -> None:
+    """Swapped-out blocks leave and come back on every stage; an fp8 cache (scale 1) too."""
+    prompts = [SHARED + p for p in PROMPTS]
+    kw = {"preemption_mode": "swap", "swap_space": 0.01, "kv_cache_dtype": "fp8"}
+    want, _, _, _ = run(four_layers, prompts, **kw)
+    llm = LLM(**engine_kw(four_layers, pipeline_parallel_size=2, **kw))
+    try:
+        got = generate(llm, prompts)
+        engine = llm.llm_engine
+        assert engine.scheduler.num_preemptions > 0 and engine.kv.num_cpu_blocks > 0
+    finally:
+        llm.shutdown()
+    assert_same(got, want)
