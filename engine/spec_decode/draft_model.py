@@ -14,7 +14,6 @@ target itself as the draft every greedy draft is accepted.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -24,8 +23,6 @@ from kvserve.engine.errors import ConfigError
 from kvserve.engine.spec_decode.draft_kv import DraftKV
 from kvserve.engine.spec_decode.proposer import Proposer, ProposerContext, SpecRequestView
 from kvserve.engine.spec_decode.registry import register_proposer
-
-logger = logging.getLogger("kvserve.engine")
 
 
 @dataclass
