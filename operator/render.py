@@ -57,11 +57,20 @@ def render(text: str, namespace: str | None = None) -> str:
         once = ", ".join(f"{o['kind']} {o['metadata']['name']}" for o in built.create_once)
         docs[0] = (f"# {body['metadata']['name']}: {s['gpusPerReplica']} GPU(s)/replica, "
                    f"{s['numBlocks']} KV blocks, max concurrency {s['maxConcurrency']}\n"
-                   + _layout_comment(s)
+                   + (_pools_comment(built.spec) if built.spec.disaggregation else
+                      _layout_comment(s))
                    + f"# not shown: {once} (created once by the operator, random token)\n"
                    + docs[0])
         out += docs
     return "---\n".join(out)
+
+
+def _pools_comment(spec: Any) -> str:
+    """spec.disaggregation: the two pools (the figures above are a decode replica's)."""
+    dis = spec.disaggregation
+    return (f"# prefill/decode pools ({dis.workload}): {dis.prefill.replicas} prefill + "
+            f"{dis.decode.replicas} decode replica(s); the figures above are a decode "
+            "replica's, both pools' arithmetic is in the ConfigMap's sizing.json\n")
 
 
 def _layout_comment(s: dict) -> str:

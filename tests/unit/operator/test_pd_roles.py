@@ -262,6 +262,7 @@ def test_render_prints_both_pools() -> None:
     text = render(json.dumps(cr({"prefill": {}, "decode": {}})))
     assert "name: chat-prefill" in text and "name: chat-decode" in text
     assert "name: chat-engine\n" in text  # the Service, not a Deployment
+    assert "# prefill/decode pools (Deployments): 1 prefill + 1 decode replica(s)" in text
 
 
 def test_the_example_renders_both_pools_with_their_hpas() -> None:
