@@ -10,8 +10,10 @@ graph size every rank replays.
 
 With pipeline stages (a StageLink), each rank runs its stage's layers: a stage after the first
 starts from the (hidden states, residual) the previous stage sends, a stage before the last
-sends its own on; the last stage computes the sampled rows' logits and prompt logprobs, and the
-driver (stage 0) receives them from the last stage's first rank and samples."""
+sends its own on; the last stage computes the sampled rows' logits and prompt logprobs and
+samples with the SamplingMetadata the step carries (unless the driver holds a logits hook: then
+it returns the logits), and the driver (stage 0) receives that from the last stage's first
+rank."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -107,6 +109,9 @@ class StepInput:
     # prompt embeddings: (flattened rows [E] int64, values [E, hidden]) fed in place of the
     # embedded ids of those rows (engine/prompt_embeds.py); every rank gets them
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    # pipeline stages: the step's SamplingMetadata, for the last stage to sample (None: it
+    # returns the sampled rows' logits, as when the driver holds a logits hook)
+    sampling: Any = None
     # speculative decoding: per sampled row, how many tokens before its seq's last scheduled
     # token its logits are taken (0: the last; None: every row the last)
     sample_offsets: list[int] | None = None
@@ -372,6 +377,8 @@ class ModelRunner:
             step.prompt_rows, step.prompt_targets, step.prompt_k = \
                 prompt.rows, prompt.targets, prompt.k
         step.graph_size = self.decode_graph_size(step)
+        if self.link is not None and self.logits_hook is None:  # the last stage samples
+            step.sampling = sampling
         if self.workers is None:
             logits, prompt_result = self.run_step(step)
         else:
@@ -382,6 +389,8 @@ class ModelRunner:
                 raise self.workers.failed(exc) from exc
             if self.link is not None:  # the last stage computed them
                 logits, prompt_result = self.workers.receive_output()
+                if isinstance(logits, SamplerOutput):  # it sampled too
+                    return _on(logits, self.device), prompt_result
                 if logits is not None:
                     logits = logits.to(self.device)
         if logits is None or sampling is None:
@@ -418,6 +427,8 @@ class ModelRunner:
         if step.prompt_rows:
             prompt = compute_prompt_logprobs(self.model, hidden, step.prompt_rows,
                                              step.prompt_targets, step.prompt_k)
+        if step.sampling is not None and logits is not None:  # the last pipeline stage
+            return self.sampler(logits, _on(step.sampling, self.device)), prompt
         return logits, prompt
 
 
@@ -534,6 +545,18 @@ class ModelRunner:
         def write(ids: torch.Tensor) -> None:
             ids[index] = f.tokens[source].to(ids.dtype)
         return write
+
+
+def _on(obj: Any, device: torch.device) -> Any:
+    """A dataclass of tensors (and tuples of them) with every tensor on `device` (what another
+    pipeline stage sent: its tensors unpickle onto the device index they left)."""
+    def move(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return v.to(device)
+        if isinstance(v, tuple):
+            return tuple(move(x) for x in v)
+        return v
+    return replace(obj, **{f.name: move(getattr(obj, f.name)) for f in fields(obj)})
 
 
 def _moves(sched: SchedulerOutput) -> BlockMoves:

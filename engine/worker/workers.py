@@ -14,8 +14,8 @@ does, so no process outlives the engine.
 With pipeline_parallel_size P > 1 the world is P x N ranks (engine/worker/pipeline.py): each
 stage's N ranks form their own tensor-parallel subgroup, each rank holds its stage's layers and
 their KV cache, a stage hands (hidden states, residual) to the next, and the last stage's first
-rank returns the step's outputs (the sampled rows' logits, prompt logprobs) to the driver on its
-command connection. Ranks on other hosts (engine/worker/rank_env.py) are connected through
+rank returns the step's outputs (its sampled tokens and logprobs, or the sampled rows' logits;
+prompt logprobs) to the driver on its command connection. Ranks on other hosts (engine/worker/rank_env.py) are connected through
 engine/worker/remote.py and stand in the same lists as local processes.
 """
 

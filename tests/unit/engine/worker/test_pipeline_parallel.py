@@ -346,3 +346,27 @@ def test_swap_preemption_and_fp8_kv_across_stages(four_layers) -> None:
     finally:
         llm.shutdown()
     assert_same(got, want)
+
+
+def test_the_last_stage_samples_seeded_rows_as_one_rank(tiny_model_dir) -> None:
+    """With no logits hook on the driver the last stage samples (the driver's sampler is
+    never called) and seeded random rows draw what one rank draws."""
+    params = [SamplingParams(temperature=0.9, top_p=0.9, seed=7 + i, max_tokens=12, logprobs=1)
+              for i in range(3)]
+
+    class Refuse:
+        def __call__(self, *args):  # noqa: ANN002
+            raise AssertionError("the driver sampled")
+
+    outs = []
+    for pp in (1, 2):
+        llm = LLM(**engine_kw(tiny_model_dir, pipeline_parallel_size=pp))
+        if pp == 2:
+            llm.llm_engine.runner.sampler = Refuse()
+        try:
+            got = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+        finally:
+            llm.shutdown()
+        outs.append([(o.outputs[0].token_ids, [{t: v.logprob for t, v in d.items()}
+                                               for d in o.outputs[0].logprobs]) for o in got])
+    assert outs[0] == outs[1]
