@@ -167,3 +167,23 @@ def test_mismatched_layout_is_refused_at_the_handshake(pair, tiny_model_dir, tmp
         assert why in log, log[-3000:]
 
 
+
+
+@pytest.mark.slow  # two replicas of two ranks each: four processes to start
+def test_tensor_parallel_replicas_move_each_rank_shard(tiny_model_dir, tmp_path):
+    """Two replicas of tensor_parallel_size 2 (gloo on the CPU, a worker process each): each
+    rank's shard moves rank to rank, and the answer is one replica's."""
+    ids, tp = prompt_ids(4), ("--tensor-parallel-size", "2")
+    with api_server_process(tiny_model_dir, tmp_path / "prefill.log",
+                            *kv_flags("kv_producer", free_port()), *tp) as (_, prefill), \
+            api_server_process(tiny_model_dir, tmp_path / "decode.log",
+                               *kv_flags("kv_consumer"), *tp) as (_, decode):
+        params = complete(prefill, ids, max_tokens=1,
+                          kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
+        assert params["tp_size"] == 2
+        out = complete(decode, ids, kv_transfer_params=params)
+        ref = complete(prefill, ids, cache_salt="reference")
+        d = figures(decode)
+    assert tokens(out) == tokens(ref)
+    full = (PROMPT_LEN - 1) // BLOCK * BLOCK
+    assert (d["hits"], d["computed"], d["failures"]) == (full, PROMPT_LEN - full, 0)
