@@ -27,10 +27,6 @@ ROLE_LABEL = "kvserve.io/role"
 CONNECTOR = "KVServeConnector"  # engine/kv_transfer/kvserve_connector.py
 KV_PORT = 5600  # the connector's block server (vLLM's NIXL side-channel port); rank r: +r
 DS_API_VERSION = "disaggregatedset.x-k8s.io/v1"
-# What KVServeConnector moves today (engine/kv_transfer/kvserve_connector.py refuses the rest at
-# start-up): one rank's KV cache, of models without sliding-window layers. The operator refuses
-# what the pods would crash on; raise this with the connector.
-CONNECTOR_MAX_TP = 1
 # vllm:time_to_first_token_seconds' mean over 2 minutes per pod, via the chart's
 # prometheus-adapter rule (charts/kvserve/templates/prometheus-adapter-rules.yaml).
 TTFT_METRIC = "vllm_time_to_first_token_seconds_mean"
@@ -94,28 +90,18 @@ def plan_roles(spec: ServiceSpec) -> tuple[RolePlan, RolePlan]:
     fixed = dis.prefill.tensor_parallel_size or dis.decode.tensor_parallel_size
     sized = [(r, *_plan_role(spec, r, fixed)) for r in dis.roles]
     tp = 1 if spec.device == "cpu" else fixed or max(_tp(s) for _, _, s in sized)
-    _connector_tp(tp)
     return tuple(RolePlan(r, rs, s, tp) for r, rs, s in sized)  # type: ignore[return-value]
 
 
 def _connector_model(spec: ServiceSpec) -> None:
-    """Refuse a model whose KV the connector cannot move (its pods would fail at start-up)."""
+    """Refuse a model whose KV KVServeConnector cannot move: engine/kv_transfer/factory.py
+    refuses sliding-window layers at start-up, so its pods would crash-loop."""
     windows = [g for g in spec.model.arch.layer_groups or () if g.window is not None]
     if windows:
         raise InvalidSpecError(
             f"{spec.model.key} has sliding-window layers (window {windows[0].window}), whose "
             "block tables KVServeConnector does not move yet; serve it without "
             "spec.disaggregation", "InvalidDisaggregation")
-
-
-def _connector_tp(tp: int) -> None:
-    """Refuse a tensor-parallel size the connector cannot pair."""
-    if tp > CONNECTOR_MAX_TP:
-        raise InvalidSpecError(
-            f"the pools need tensor parallel {tp}, and KVServeConnector moves one rank's KV "
-            f"cache (tensor parallel up to {CONNECTOR_MAX_TP}): lower maxModelLen or "
-            "prefill/decode.maxNumSeqs, use kvCacheDtype fp8 or bigger GPUs",
-            "InvalidDisaggregation")
 
 
 def status_sizing(plans: tuple[RolePlan, RolePlan]) -> Sizing:

@@ -14,7 +14,6 @@ import pytest
 import yaml
 
 from crd_schemas import errors as crd_errors
-from kvserve.operator import pd_roles
 from kvserve.operator.children import build_children
 from kvserve.operator.conditions import readiness
 from kvserve.operator.pd_roles import KV_PORT, ROLE_LABEL, TTFT_METRIC, readiness_view
@@ -87,9 +86,7 @@ def test_each_pool_is_sized_for_its_role() -> None:
     assert "decode pool" in sizing["explanation"]
 
 
-def test_both_pools_run_the_larger_tensor_parallel_size(monkeypatch) -> None:
-    # a connector that moves tensor-parallel shards (today's refuses TP > 1: the next test)
-    monkeypatch.setattr(pd_roles, "CONNECTOR_MAX_TP", 8)
+def test_both_pools_run_the_larger_tensor_parallel_size() -> None:
     # 70B at 8k: a decode batch of 32 needs more GPUs than 2 prompts do on the prefill side
     body = cr({"prefill": {"maxNumSeqs": 2}, "decode": {"maxNumSeqs": 32}},
               model={"name": "llama-3-70b"}, gpu={"type": "H100-80GB"})
@@ -115,11 +112,7 @@ def test_both_pools_run_the_larger_tensor_parallel_size(monkeypatch) -> None:
         {"protocol": "TCP", "port": KV_PORT, "endPort": KV_PORT + own["decode"] - 1}]
 
 
-def test_pools_the_connector_cannot_pair_are_refused() -> None:
-    exc = refused(cr({"prefill": {"maxNumSeqs": 2}, "decode": {"maxNumSeqs": 32}},
-                     model={"name": "llama-3-70b"}, gpu={"type": "H100-80GB"}))
-    assert exc.reason == "InvalidDisaggregation" and "KVServeConnector" in str(exc)
-    assert "tensor parallel" in str(exc)
+def test_models_the_connector_cannot_move_are_refused() -> None:
     exc = refused(cr({"prefill": {}, "decode": {}}, model={"name": "gemma-3-27b"},
                      gpu={"type": "H100-80GB"}, engine={"maxModelLen": 4096}))
     assert exc.reason == "InvalidDisaggregation" and "sliding-window" in str(exc)
