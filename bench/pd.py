@@ -254,7 +254,8 @@ def run_mixed(urls: dict, args: argparse.Namespace) -> dict:
         for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
             if line.startswith("vllm:external_prefix_cache_hits_total"):
                 pulled += float(line.split()[-1])
-    return {"pulled_tokens": pulled, "itl_p50_ms": 1000 * statistics.median(itl) if itl else float("nan"),
+    return {"pulled_tokens": pulled,
+            "itl_p50_ms": 1000 * statistics.median(itl) if itl else float("nan"),
             "itl_p99_ms": 1000 * q[98], "ttft_long_s": statistics.median(ttft_long)
             if ttft_long else float("nan"), "long_prompts": len(ttft_long),
             "tokens_per_s": tokens[0] / wall}
