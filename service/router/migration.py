@@ -96,6 +96,9 @@ class Migrating:
             index, ids = continuation
             body.update(n=1, continuation={"token_ids": ids, "index": index})
             body.pop("best_of", None)
+            # --policy pd: the prefill replica's KV was for the first leg; the continuation's
+            # replica prefills prompt + delivered tokens itself
+            body.pop("kv_transfer_params", None)
             # A remote prefill's blocks were for the first leg (--policy pd): prefill here.
             body.pop("kv_transfer_params", None)
         return body
