@@ -110,7 +110,7 @@ def serve(args: argparse.Namespace) -> int:
 def run_headless_host(engine_config: Any) -> int:
     """Run this host's ranks until the leader stops them (0) or one of them fails (1)."""
     from kvserve.engine.worker.rank_env import from_environ
-    from kvserve.engine.worker.remote import run_headless
+    from kvserve.engine.worker.headless import run_headless
 
     env = from_environ()
     if not env.multi_node:

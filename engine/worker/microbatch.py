@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.engine.worker.model_runner import BlockMoves, StepInput
+from kvserve.engine.worker.step_input import BlockMoves, StepInput
 
 
 @dataclass(frozen=True)

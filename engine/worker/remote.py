@@ -5,7 +5,7 @@ connection on which nothing is sent, so that its end (the process died: the kern
 socket; the host vanished: TCP keepalive gives up within ~15 s) wakes the leader's watchdog at
 once. RemoteRank stands in for a local worker's multiprocessing.Process in the WorkerGroup.
 
-`kvserve serve --headless` (run_headless) starts this host's local ranks as child processes,
+`kvserve serve --headless` (headless.py: run_headless) starts this host's local ranks as child processes,
 each connecting to the leader, receiving the WorkerSpec and running the same worker loop as a
 local worker; it exits nonzero as soon as one of them fails, and its ranks exit when the leader
 goes away, so a LeaderWorkerSet restarts the whole group.
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import time
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from kvserve.engine.worker.rank_env import RankEnv
 logger = logging.getLogger("kvserve.engine")
 KEY_ENV = "KVSERVE_GROUP_KEY"
 CONNECT_TIMEOUT_S = float(os.environ.get("KVSERVE_CONNECT_TIMEOUT_S", "600"))
-_LIFE: list[Connection] = []  # this process's life connection, open until it exits
+LIFE: list[Connection] = []  # this process's life connection, open until it exits
 
 
 def group_key(env: RankEnv) -> bytes:
@@ -177,61 +176,4 @@ def connect(env: RankEnv, rank: int, role: str, timeout: float = CONNECT_TIMEOUT
     return conn
 
 
-def remote_rank_main(rank: int, env: RankEnv) -> None:
-    """A child of `kvserve serve --headless`: connect, take the spec, run the worker loop."""
-    from kvserve.engine.worker.workers import worker_main
-
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {rank} %(message)s")
-    try:
-        cmd = connect(env, rank, "cmd")
-        _LIFE.append(connect(env, rank, "life"))
-        kind, spec = cmd.recv()
-    except (WorkerDiedError, EOFError, OSError) as exc:
-        logger.error("%s", exc)
-        os._exit(1)
-    if kind != "spec":
-        logger.error("rank %d: the leader sent %r, expected its spec", rank, kind)
-        os._exit(1)
-    worker_main(rank, spec, cmd, remote=True)
-
-
-def run_headless(world: int, env: RankEnv) -> int:
-    """`kvserve serve --headless`: this host's ranks as child processes until they end; 1 as
-    soon as one fails (the others are stopped), 0 once all stopped cleanly."""
-    import multiprocessing
-
-    if env.is_leader:
-        from kvserve.engine.errors import ConfigError
-
-        raise ConfigError(f"--headless runs a worker host, and this is the leader (host 0 of "
-                          f"{env.nodes}, {env.source}); run `kvserve serve` without --headless")
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=remote_rank_main, args=(r, env), name=f"kvserve-rank{r}")
-             for r in env.ranks(world)]
-    for p in procs:
-        p.start()
-    logger.info("headless: ranks %s of %d, leader %s:%d", list(env.ranks(world)), world,
-                env.master_addr, env.command_port)
-    signal.signal(signal.SIGTERM, lambda *_: _stop(procs))
-    code = 0
-    pending = list(procs)
-    while pending:
-        wait([p.sentinel for p in pending])
-        for p in [p for p in pending if p.exitcode is not None]:
-            pending.remove(p)
-            if p.exitcode != 0 and code == 0:
-                code = 1
-                logger.error("%s exited with code %s: stopping this host's ranks", p.name,
-                             p.exitcode)
-                _stop(pending)
-    return code
-
-
-def _stop(procs: list[Any]) -> None:
-    for p in procs:
-        if p.exitcode is None:
-            p.terminate()
-
-
-__all__ = ["KEY_ENV", "RemoteRank", "accept_ranks", "connect", "group_key", "remote_rank_main",
-           "run_headless"]
+__all__ = ["KEY_ENV", "RemoteRank", "accept_ranks", "connect", "group_key"]

@@ -121,7 +121,7 @@ def test_ranks_from_leader_worker_set_and_torchrun_variables() -> None:
 
 
 def test_a_host_started_in_the_wrong_role_is_told_which(four_layers, monkeypatch) -> None:
-    from kvserve.engine.worker.remote import run_headless
+    from kvserve.engine.worker.headless import run_headless
     from kvserve.service.api_server import run_headless_host
 
     monkeypatch.setenv("LWS_GROUP_SIZE", "2")
