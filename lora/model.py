@@ -142,10 +142,15 @@ class LoRAModel:
 
 
 def _other_stage(model: nn.Module, hf_name: str) -> bool:
-    """Whether `hf_name` names a layer that another pipeline stage holds."""
-    stage = getattr(getattr(model, "model", None), "pp", None)
+    """Whether `hf_name` names a layer that another pipeline stage holds (a layer past the
+    model's last is no stage's: the adapter was trained for another model)."""
+    inner = getattr(model, "model", None)
+    stage = getattr(inner, "pp", None)
     m = re.search(r"layers\.(\d+)\.", hf_name)
-    return stage is not None and m is not None and not stage.holds(int(m[1]))
+    if stage is None or m is None or stage.holds(int(m[1])):
+        return False
+    layers = getattr(inner, "layers", None)  # every layer's slot, another stage's a placeholder
+    return layers is None or int(m[1]) < len(layers)
 
 
 def attach_lora(model: nn.Module, config) -> LoRAModel:

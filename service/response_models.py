@@ -59,13 +59,19 @@ class CompletionChoice(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra, on the choice
 
 
-class CompletionResponse(BaseModel):
+class CompletionStreamResponse(BaseModel):
+    """One streamed /v1/completions event (vLLM's name): a whole answer's fields without
+    kv_transfer_params, which only a whole answer carries."""
+
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+
+
+class CompletionResponse(CompletionStreamResponse):
     kv_transfer_params: dict[str, Any] | None = None  # vLLM's: engine/kv_transfer/
 
 

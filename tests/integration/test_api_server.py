@@ -21,7 +21,7 @@ from server_thread import ServerThread
 
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.service.response_models import ChatCompletionChunk, CompletionResponse
+from kvserve.service.response_models import ChatCompletionChunk, CompletionStreamResponse
 from kvserve.service.server.app import create_app
 from kvserve.service.server.config import ServerConfig
 
@@ -118,7 +118,7 @@ def sse_events(url: str, path: str, body: dict) -> list[str]:
 @pytest.mark.parametrize("path, model, body", [
     ("/v1/chat/completions", ChatCompletionChunk,
      {"messages": CHAT, "n": 2, "logprobs": True, "top_logprobs": 2}),
-    ("/v1/completions", CompletionResponse,
+    ("/v1/completions", CompletionStreamResponse,
      {"prompt": ["The quick brown fox", "a b c"], "n": 2, "logprobs": 2, "echo": True}),
 ])
 def test_stream_events_are_the_response_models_bytes(server, path, model, body):

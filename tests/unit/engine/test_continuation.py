@@ -155,7 +155,7 @@ def test_the_client_side_text_of_a_core_process_continues_too(engine):
     for i, tok in enumerate(new):
         last = i == len(new) - 1
         delta = ("r", last, 0, None, [(0, [tok], None, None, "length" if last else None, None)],
-                 None, prompt_ids if i == 0 else None, None)
+                 None, prompt_ids if i == 0 else None, None, None)
         outs += client.process([delta])[0]
     assert outs[-1].outputs[0].token_ids == new
     assert text_after(full, k) + outs[-1].outputs[0].text == final.text

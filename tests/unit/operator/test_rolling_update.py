@@ -11,12 +11,18 @@ from test_resources import load, objects, variants
 from kvserve.operator.resources import HANDBACK_MARGIN_SECONDS
 
 
+def engine_pods(body: dict) -> list[dict]:
+    """The engine Deployments (one, or a prefill and a decode pool), or a multi-node replica's
+    leader pod template (same shape)."""
+    found = [o for o in objects(body) if o["kind"] in ("Deployment", "LeaderWorkerSet")
+             and o["metadata"]["name"].endswith(("-engine", "-prefill", "-decode"))]
+    assert found, "no engine workload rendered"
+    return [{"spec": {"template": o["spec"]["leaderWorkerTemplate"]["leaderTemplate"]}}
+            if o["kind"] == "LeaderWorkerSet" else o for o in found]
+
+
 def engine_pod(body: dict) -> dict:
-    """The engine Deployment, or a multi-node replica's leader pod template (same shape)."""
-    (deploy,) = [o for o in objects(body) if o["kind"] in ("Deployment", "LeaderWorkerSet")
-                 and o["metadata"]["name"].endswith("-engine")]
-    if deploy["kind"] == "LeaderWorkerSet":
-        return {"spec": {"template": deploy["spec"]["leaderWorkerTemplate"]["leaderTemplate"]}}
+    (deploy,) = engine_pods(body)
     return deploy
 
 
@@ -24,14 +30,15 @@ def engine_pod(body: dict) -> dict:
 def test_the_grace_period_holds_the_presleep_the_drain_and_the_hand_back(name, body) -> None:
     from kvserve.service.cli import build_parser
 
-    pod = engine_pod(body)["spec"]["template"]["spec"]
-    (container,) = pod["containers"]
-    sleep = container["lifecycle"]["preStop"]["exec"]["command"]
-    assert sleep[0] == "sleep"
-    drain = build_parser().parse_args(container["args"]).shutdown_grace_period  # --drain-timeout
-    assert drain > 0
-    assert pod["terminationGracePeriodSeconds"] >= (
-        float(sleep[1]) + drain + HANDBACK_MARGIN_SECONDS), (sleep, drain)
+    for workload in engine_pods(body):
+        pod = workload["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        sleep = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert sleep[0] == "sleep"
+        drain = build_parser().parse_args(container["args"]).shutdown_grace_period
+        assert drain > 0  # --drain-timeout
+        assert pod["terminationGracePeriodSeconds"] >= (
+            float(sleep[1]) + drain + HANDBACK_MARGIN_SECONDS), (sleep, drain)
 
 
 def test_readiness_is_the_health_endpoint_that_says_draining() -> None:

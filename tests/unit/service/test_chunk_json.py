@@ -11,7 +11,7 @@ import pytest
 
 from kvserve.service.response_models import (ChatCompletionChunk, ChatLogProbs, ChatStreamChoice,
                                              ChatTokenLogprob, CompletionChoice,
-                                             CompletionLogProbs, CompletionResponse, DeltaMessage,
+                                             CompletionLogProbs, CompletionStreamResponse, DeltaMessage,
                                              PromptTokensDetails, TopLogprob, UsageInfo)
 from kvserve.service.server.chunk_json import (ChunkFramer, chat_choice, completion_choice,
                                                usage_json)
@@ -103,7 +103,7 @@ def test_completion_chunk_is_the_models_bytes(text, reason):
                 fast = framer.event([completion_choice(index, text, logprobs=lp,
                                                        finish_reason=finish, stop_reason=stop)],
                                     usage_text)
-                model = CompletionResponse(id="cmpl-9", model="tiny", created=CREATED,
+                model = CompletionStreamResponse(id="cmpl-9", model="tiny", created=CREATED,
                                            usage=usage, choices=[CompletionChoice(
                                                index=index, text=text, logprobs=lp,
                                                finish_reason=finish, stop_reason=stop)])
