@@ -5,8 +5,14 @@ prefill chunk) and the sampler draws the target's token at every scored position
 step the longest agreeing prefix is kept (rejection_sampler.py), the rejected drafts' KV slots
 are rolled back (num_computed_tokens lowered, blocks that hold no kept token freed).
 
-Requests under a grammar, beam searches and engines with custom logits processors get no
-drafts (they decode as without speculation); steps run synchronously (no async scheduling)."""
+Structured outputs (engine/structured_output/): a request under a grammar gets its drafts cut
+at the first token the grammar refuses (the matcher is taken over them and rolled back), each
+scored position is masked by the grammar as it stands after the drafts before it (one bitmask
+for all rows, filled depth by depth), so the target's sample there, and with it the rejection
+test, uses the masked target distribution; the matcher then moves over exactly the kept tokens
+(the accepted drafts and the target's own). Beam searches and engines with custom logits
+processors get no drafts (they decode as without speculation); steps run synchronously (no
+async scheduling)."""
 
 from __future__ import annotations
 
@@ -43,6 +49,7 @@ class SpecGroup:
     first_row: int
     drafts: list[int]
     accepted: int = 0  # set once verified
+    valid: int | None = None  # drafts the request's grammar allows (None: all); never more kept
 
 
 @dataclass
@@ -90,17 +97,16 @@ class Speculator:
                                  s.num_prompt_tokens) for s, _ in chosen]
         drafts = self.proposer.propose(views, max(k for _, k in chosen))
         for (seq, k), d in zip(chosen, drafts):
-            seq.spec_token_ids = [int(t) for t in d[:k]]
+            seq.spec_token_ids = _grammar_prefix(core, seq, [int(t) for t in d[:k]])
             self.live.add(stream_id(seq))
 
     def _budget(self, core: Any, seq: Sequence, threshold: float) -> int:
-        """Drafts a seq may get: 0 unless it decodes without a grammar or beam; at most what
-        max_tokens and max_model_len leave after the token it samples anyway."""
+        """Drafts a seq may get: 0 unless it decodes without a beam; at most what max_tokens
+        and max_model_len leave after the token it samples anyway."""
         if seq.num_tokens - seq.num_computed_tokens != 1 or not seq.output_token_ids \
                 or seq.pending_forks or seq.group is not None:
             return 0
-        state = core.requests.get(seq.request_id)
-        if state is None or state.grammar is not None or core.logits_processors is not None:
+        if seq.request_id not in core.requests or core.logits_processors is not None:
             return 0
         left = min(seq.params.max_tokens - len(seq.output_token_ids),  # type: ignore[operator]
                    core.max_model_len - seq.num_tokens) - 1
@@ -141,6 +147,7 @@ class Speculator:
         seqs: list[Sequence] = []
         outputs: list[list[int]] = []
         draws: list[int] = []
+        prefixes: list[list[int]] = []  # the drafts before each row (its grammar's position)
         for r, i in enumerate(rows):
             seq, drafts = sched.seqs[i], sched.spec_token_ids[i]
             forked = r > 0 and rows[r - 1] == i
@@ -153,6 +160,7 @@ class Speculator:
                 seqs.append(seq)
                 outputs.append(seq.output_token_ids + scored[:j] if j else seq.output_token_ids)
                 draws.append(indices[r])
+                prefixes.append(scored[:j])
         if not out_rows:
             return out_rows, None, plan
         meta = SamplingMetadata.build(
@@ -161,8 +169,11 @@ class Speculator:
             {r: d for r, d in enumerate(draws) if d}, core.vocab_size, core.device,
             eos_token_id=core.eos_token_ids)
         if any(core.requests[s.request_id].grammar is not None for s in seqs):
-            meta.token_bitmask = core.grammars.token_bitmask([grammar_state(core, s)
-                                                              for s in seqs])
+            # each scored position masked by its grammar after the drafts before it
+            meta.token_bitmask, reached = core.grammars.draft_token_bitmask(
+                [grammar_state(core, s) for s in seqs], prefixes)
+            for g in plan.groups:
+                g.valid = reached[g.first_row + len(g.drafts)]
         return out_rows, meta, plan
 
     # ---- after the step -----------------------------------------------------------------------
@@ -220,7 +231,9 @@ class Speculator:
         flat = torch.tensor(tokens, dtype=torch.int64)
         for row, g in enumerate(plan.groups):
             n = len(g.drafts)
-            drafts[row, :n] = torch.tensor(g.drafts)
+            # drafts past the grammar's first refusal stay -1: never accepted
+            drafts[row, : g.valid if g.valid is not None else n] = \
+                torch.tensor(g.drafts[: g.valid])
             sampled[row, : n + 1] = flat[g.first_row : g.first_row + n + 1]
         return num_accepted(drafts, sampled).tolist()
 
@@ -249,6 +262,17 @@ class Speculator:
             [stream_id(s) for s in sched.seqs], hidden, qsl, kept, ids, list(step.starts),
             [start + n >= s.num_prompt_tokens
              for s, n, start in zip(sched.seqs, kept, step.starts)]))
+
+
+def _grammar_prefix(core: Any, seq: Sequence, drafts: list[int]) -> list[int]:
+    """`drafts` cut at the first token the request's grammar refuses (none: as they are)."""
+    if not drafts or core.requests[seq.request_id].grammar is None:
+        return drafts
+    try:
+        state = grammar_state(core, seq)
+    except Exception:  # noqa: BLE001 - the step's sampling_rows fails the request, by name
+        return []
+    return drafts if state is None else drafts[: state.num_valid(drafts)]
 
 
 def _select(result: SamplerOutput, rows: list[int]) -> SamplerOutput:

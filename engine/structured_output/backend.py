@@ -36,6 +36,19 @@ class GrammarBackend(ABC):
                      indices: list[int]) -> None:
         """Fill row indices[i] of the int32 bitmask from matchers[i] (distinct matchers)."""
 
+    def accept_prefix(self, matcher: Any, tokens: list[int]) -> int:
+        """Accept the longest leading run of `tokens` the grammar allows (ending at a token
+        that terminates it); how many. A refused token leaves the matcher as it was (xgrammar
+        refuses without moving; a backend whose matcher breaks on a refusal overrides this)."""
+        taken = 0
+        for tok in tokens:
+            if not matcher.accept_token(tok):
+                break
+            taken += 1
+            if matcher.is_terminated():
+                break
+        return taken
+
 
 def import_library(package: str, *submodules: str, needed_by: str) -> Any:
     """`package` (and its `submodules`), imported on first use: engines that never see a

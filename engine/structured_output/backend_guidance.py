@@ -76,6 +76,18 @@ class GuidanceBackend(GrammarBackend):
         pairs = [(m.matcher, i) for m, i in zip(matchers, indices)]
         llg().torch.fill_next_token_bitmask_par(self._executor, pairs, bitmask)
 
+    def accept_prefix(self, matcher: GuidanceMatcher, tokens: list[int]) -> int:
+        """An LLMatcher that consumes a refused token is broken for good (no rollback): the
+        run is measured first (`validate_tokens`, no state change), then consumed."""
+        taken = 0
+        for tok in tokens[: matcher.matcher.validate_tokens(tokens)]:
+            if not matcher.accept_token(tok):
+                break
+            taken += 1
+            if matcher.is_terminated():
+                break
+        return taken
+
 
 class GuidanceMatcher:
     """An LLMatcher behind xgrammar's matcher interface. llguidance stops as soon as nothing but

@@ -117,22 +117,66 @@ class GrammarCompiler:
         if not rows:
             return None
         bitmask = torch.empty((len(states), (self.vocab_size + 31) // 32), dtype=torch.int32)
-        # A sequence about to fork appears once per sample in the batch: fill its matcher once
-        # (the filler's threads must never share a matcher) and copy that row to the others.
-        first: dict[int, int] = {}
-        for i in rows:
-            first.setdefault(id(states[i]), i)
-        by_backend: dict[str, list[int]] = {}
-        for i in sorted(first.values()):
-            by_backend.setdefault(states[i].backend.name, []).append(i)  # type: ignore[union-attr]
-        for unique in by_backend.values():
-            backend = states[unique[0]].backend  # type: ignore[union-attr]
-            backend.fill_bitmask([states[i].matcher for i in unique], bitmask,  # type: ignore
-                                 unique)
-        for i in rows:
-            if first[id(states[i])] != i:
-                bitmask[i] = bitmask[first[id(states[i])]]
+        _fill(states, rows, bitmask)
         return rows, bitmask
+
+    def draft_token_bitmask(self, states: Sequence[GrammarState | None],
+                            prefixes: Sequence[Sequence[int]]
+                            ) -> tuple[tuple[list[int], torch.Tensor] | None, list[int]]:
+        """`token_bitmask` for speculative decoding's scored positions: row i is filled from
+        its matcher once taken past `prefixes[i]` (the drafts before that position). The rows
+        of one matcher must have nested prefixes (a seq's drafts[:j]); they are filled depth by
+        depth, each depth in one call per backend, and every matcher is rolled back at the end.
+
+        Also returns, per row, how many of its prefix the grammar took: fewer than all means
+        a draft in it is refused, and the row is left unconstrained (its sample is never kept:
+        the target's sample at the refused position differs from the draft)."""
+        reached = [len(p) for p in prefixes]
+        walks: dict[int, list[int]] = {}  # one walk per matcher: its rows
+        for i, s in enumerate(states):
+            if s is not None and not s.is_terminated:
+                walks.setdefault(id(s), []).append(i)
+        if not walks:
+            return None, reached
+        bitmask = torch.empty((len(states), (self.vocab_size + 31) // 32), dtype=torch.int32)
+        rows: list[int] = []
+        paths = {w: list(max((prefixes[i] for i in r), key=len)) for w, r in walks.items()}
+        taken = dict.fromkeys(walks, 0)  # tokens of its path each matcher has taken
+        try:
+            for depth in range(max(len(p) for p in paths.values()) + 1):
+                now = [i for w, r in walks.items() for i in r if len(prefixes[i]) == depth
+                       and taken[w] == depth and not states[i].is_terminated]  # type: ignore
+                _fill(states, now, bitmask)
+                rows += now
+                for w, path in paths.items():
+                    if taken[w] == depth < len(path):
+                        taken[w] += states[walks[w][0]].advance(path[depth:depth + 1])  # type: ignore
+        finally:
+            for w in walks:
+                states[walks[w][0]].retreat()  # type: ignore[union-attr]
+        for w, r in walks.items():
+            for i in r:
+                reached[i] = min(reached[i], taken[w])
+        return (sorted(rows), bitmask) if rows else None, reached
+
+
+def _fill(states: Sequence[GrammarState | None], rows: list[int], bitmask: torch.Tensor) -> None:
+    """Fill `rows` of `bitmask` from their states' matchers, one call per backend. A sequence
+    about to fork appears once per sample in the batch: its matcher is filled once (the
+    filler's threads must never share a matcher) and that row copied to the others."""
+    first: dict[int, int] = {}
+    for i in rows:
+        first.setdefault(id(states[i]), i)
+    by_backend: dict[str, list[int]] = {}
+    for i in sorted(first.values()):
+        by_backend.setdefault(states[i].backend.name, []).append(i)  # type: ignore[union-attr]
+    for unique in by_backend.values():
+        backend = states[unique[0]].backend  # type: ignore[union-attr]
+        backend.fill_bitmask([states[i].matcher for i in unique], bitmask,  # type: ignore
+                             unique)
+    for i in rows:
+        if first[id(states[i])] != i:
+            bitmask[i] = bitmask[first[id(states[i])]]
 
 
 class GrammarState:
@@ -142,11 +186,13 @@ class GrammarState:
         self.matcher = matcher
         self.backend = backend
         self.tokens: list[int] = []  # the tokens the matcher has accepted, in order
+        self._ahead = 0  # tokens `advance` took beyond `tokens` (drafts), until `retreat`
 
     def sync(self, output_token_ids: list[int]) -> None:
         """Accept the tokens the sequence has and the matcher lacks; roll back any the sequence
         no longer has (a preemption that dropped tokens). ValueError on a token the grammar
         forbids, which the mask makes impossible unless the sequence was edited."""
+        self.retreat()
         common = 0
         limit = min(len(self.tokens), len(output_token_ids))
         while common < limit and self.tokens[common] == output_token_ids[common]:
@@ -162,6 +208,32 @@ class GrammarState:
             if not self.matcher.accept_token(tok):
                 raise ValueError(f"token {tok} is not allowed by the request's grammar here")
             self.tokens.append(tok)
+
+    def advance(self, tokens: Sequence[int]) -> int:
+        """Take the matcher past `tokens` (speculative drafts) as far as the grammar allows,
+        without counting them as the sequence's: how many were taken (all of those past the
+        grammar's end, as `sync` lets them through). `retreat` undoes it."""
+        taken, tokens = 0, list(tokens)
+        while taken < len(tokens) and not self.matcher.is_terminated():
+            n = self.backend.accept_prefix(self.matcher, tokens[taken:])
+            if n == 0:
+                return taken
+            taken += n
+            self._ahead += n
+        return len(tokens)
+
+    def retreat(self) -> None:
+        """Back to the sequence's own tokens (undo `advance`)."""
+        if self._ahead:
+            self.matcher.rollback(self._ahead)
+            self._ahead = 0
+
+    def num_valid(self, tokens: Sequence[int]) -> int:
+        """How many leading `tokens` the grammar allows from here (the matcher is left as is)."""
+        try:
+            return self.advance(tokens)
+        finally:
+            self.retreat()
 
     @property
     def is_terminated(self) -> bool:
