@@ -61,6 +61,8 @@ class EngineStats:
     external_prefix_cache_hits: int = 0
     kv_transfer_blocks_received: int = 0  # cumulative blocks pulled and loaded
     kv_transfer_bytes_received: int = 0
+    kv_transfer_bytes_tcp: int = 0  # of those, pulled as TCP frames
+    kv_transfer_bytes_shm: int = 0  # of those, pulled through shared memory (one host)
     kv_transfer_blocks_sent: int = 0  # cumulative blocks served to decode replicas
     kv_transfer_failures: int = 0  # cumulative pulls that fell back to local prefill
     kv_transfer_held_requests: int = 0  # finished requests whose blocks wait to be pulled

@@ -73,6 +73,8 @@ def transfer_figures(core: Any) -> dict[str, int]:
     f, server = shared.figures, shared.server
     return {"kv_transfer_blocks_received": f.blocks_received,
             "kv_transfer_bytes_received": f.bytes_received,
+            "kv_transfer_bytes_tcp": f.bytes_by_transport.get("tcp", 0),
+            "kv_transfer_bytes_shm": f.bytes_by_transport.get("shm", 0),
             "kv_transfer_failures": sum(f.failures.values()),
             "kv_transfer_blocks_sent": server.num_blocks_sent if server is not None else 0,
             "kv_transfer_held_requests": len(shared.registry)}

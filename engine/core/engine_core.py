@@ -122,7 +122,8 @@ class EngineCore:
         self.kv_connector = engine_connectors(config, self.runner, setup.kv_groups,
                                               setup.hf_config)
         if self.kv_connector is not None:  # (scheduler side, worker side)
-            self.scheduler.connector, self.runner.kv_connector = self.kv_connector
+            self.scheduler.connector = self.kv_connector[0]
+            self.runner.attach_kv_connector(self.kv_connector[1])
         self.loras = EngineLoRAs.create(config, self.runner)
         if config.calculate_kv_scales and setup.kv_dtype == FP8_DTYPE:
             calibrate_kv_scales(self)

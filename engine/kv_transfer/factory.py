@@ -111,5 +111,5 @@ def attach_worker_connector(runner: Any, rank: int, kvt: KVTransferConfig, layou
     worker = cls(kvt, KVConnectorRole.WORKER, engine, rank=rank)
     worker.register_kv_caches({f"layers.{i}": runner.kv[:, i]
                                for i in range(runner.kv.shape[1])})
-    runner.kv_connector = worker
+    runner.attach_kv_connector(worker)
     return getattr(worker, "server_port", None)

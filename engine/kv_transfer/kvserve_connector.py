@@ -1,5 +1,7 @@
 """KVServeConnector: the built-in connector that moves a prompt's KV blocks from a prefill
-replica to a decode replica over TCP, with vLLM's request protocol (`kv_transfer_params`).
+replica to a decode replica over TCP, or through shared memory when both run on one host
+(kv_connector_extra_config `transport`: auto | tcp | shm; engine/kv_transfer/shm.py), with vLLM's
+request protocol (`kv_transfer_params`).
 
 Prefill side (kv_producer): a request sent with `{"do_remote_decode": true}` runs as usual
 (max_tokens=1 by its sender); when it finishes its blocks are not freed but held in the
@@ -17,15 +19,22 @@ cache before the forward, which computes only the rest of the prompt (at least i
 A transfer that fails (peer gone, refused at the handshake, cut mid-stream, timed out) leaves the
 request to compute its prompt locally: nothing is lost, the reason is logged and counted.
 
-Transfers are pulled whole before admission, so the forward never waits for a layer:
-`wait_for_layer_load` and `save_kv_layer` have nothing to do; the wire is layer by layer (the
-prefill side gathers layer i + 1 while layer i is on the wire).
+Overlap: the pull runs while the engine keeps stepping the other requests, and a request is
+admitted once its bytes are on this host, so a transfer that fails never leaves a half-filled
+block in the cache (vLLM's recompute of blocks whose load failed mid-forward is not needed).
+Writing them into the cache is layer by layer inside the admitting step's forward:
+`start_load_kv` starts a thread (a side stream on CUDA) that scatters layer after layer, and the
+model waits in `wait_for_layer_load` only for layer i before layer i's attention (the runner
+installs that hook where the model has one; `wait_for_save` waits for the rest). The wire is
+layer by layer too (the prefill side gathers layer i + 1 while layer i is on its way).
+`save_kv_layer` has nothing to do: the prefill side serves its live cache.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -37,7 +46,9 @@ from kvserve.engine.errors import ConfigError
 from kvserve.engine.kv_transfer.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                              KVConnectorRole, kv_transfer_params)
 from kvserve.engine.kv_transfer.consumer import Remote, confirm_only, fetch_shards
+from kvserve.engine.kv_transfer.layer_loader import LayerLoader
 from kvserve.engine.kv_transfer.producer import BlockServer, SendRegistry
+from kvserve.engine.kv_transfer.shm import TRANSPORTS, allowed
 from kvserve.engine.kv_transfer.wire import TransferError
 
 logger = logging.getLogger("kvserve.engine")
@@ -46,7 +57,7 @@ DEFAULT_PORT = 5600  # vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT default
 DEFAULT_ABORT_TIMEOUT_S = 480.0  # vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT default
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0
 EXTRA_KEYS = ("kv_port", "kv_host", "kv_bind_host", "abort_request_timeout",
-              "transfer_timeout", "num_fetch_threads")
+              "transfer_timeout", "num_fetch_threads", "transport")
 
 
 @dataclass
@@ -58,6 +69,8 @@ class TransferFigures:
     transfers: int = 0
     failures: dict[str, int] = field(default_factory=dict)  # reason -> count
     seconds: list[float] = field(default_factory=list)  # each finished pull's wall time
+    bytes_by_transport: dict[str, int] = field(default_factory=dict)  # tcp / shm -> received
+    layerwise_loads: int = 0  # steps whose loads landed layer by layer inside the forward
 
 
 @dataclass
@@ -115,6 +128,9 @@ class KVServeConnector(KVConnectorBase_V1):
         self._meta = KVServeMetadata()
         self._pool: ThreadPoolExecutor | None = None
         self._layers: list[torch.Tensor] = []  # worker: each layer's cache as bytes
+        self._loader: LayerLoader | None = None  # worker: the step's loads, layer by layer
+        # worker: set by the model runner when the model calls wait_for_layer_load per layer
+        self.layerwise = False
 
     # ---- worker side --------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -129,24 +145,31 @@ class KVServeConnector(KVConnectorBase_V1):
         return self.shared.server_port
 
     def start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
+        self.wait_for_save()  # a previous step's loads (one with no forward) land first
         meta = self.get_connector_metadata()
-        if not isinstance(meta, KVServeMetadata):
+        if not isinstance(meta, KVServeMetadata) or not meta.loads:
             return
-        for payloads, dst in meta.loads:  # this rank's [layers, 2, n, bytes] -> each layer
-            idx = torch.tensor(dst, dtype=torch.int64, device=self._layers[0].device)
-            for layer, cache in zip(payloads[self.rank], self._layers):
-                src = layer.view(2, len(dst), *cache.shape[2:]).to(cache.device)
-                cache.index_copy_(1, idx, src)
+        loader = LayerLoader(meta.loads, self._layers, self.rank)
+        if self.layerwise:
+            self._loader = loader
+            self.figures.layerwise_loads += 1
+        else:  # a model without the per-layer hook: everything lands before the forward
+            loader.finish()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads land before the forward starts
+        loader = self._loader
+        if loader is not None:
+            loader.wait(int(layer_name.rsplit(".", 1)[-1]))
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
         return None  # the prefill side serves its live cache; nothing is copied out
 
     def wait_for_save(self) -> None:
-        return None
+        """After the forward: the step's loads are all in place (nothing is saved)."""
+        loader, self._loader = self._loader, None
+        if loader is not None:
+            loader.finish()
 
     def get_finished(self, finished_req_ids: set[str] | None = None
                      ) -> tuple[set[str] | None, set[str] | None]:
@@ -240,23 +263,29 @@ class KVServeConnector(KVConnectorBase_V1):
         st.future = self._executor().submit(self._pull, remote, remote_id, ids)
         return st
 
-    def _pull(self, remote: Remote, remote_id: str, ids: list[int]) -> list[torch.Tensor]:
+    def _pull(self, remote: Remote, remote_id: str, ids: list[int]
+              ) -> tuple[list[torch.Tensor], dict[str, int]]:
         t0 = time.perf_counter()
+        by_transport: dict[str, int] = {}
         out = fetch_shards(remote, remote_id, ids, self.engine.layout, self.config.engine_id,
-                           self.shared.transfer_timeout)
-        self.figures.seconds.append(time.perf_counter() - t0)
-        del self.figures.seconds[:-4096]
-        return out
+                           self.shared.transfer_timeout, self.shared.transports, by_transport)
+        with self.shared.lock:
+            self.figures.seconds.append(time.perf_counter() - t0)
+            del self.figures.seconds[:-4096]
+        return out, by_transport
 
     def _collect(self, request_id: str, st: _Recv) -> None:
         future, st.future = st.future, None
         try:
-            st.payload = future.result()  # type: ignore[union-attr]
+            st.payload, by_transport = future.result()  # type: ignore[union-attr]
+            for name, n in by_transport.items():
+                self.figures.bytes_by_transport[name] = \
+                    self.figures.bytes_by_transport.get(name, 0) + n
             self.figures.transfers += 1
             self.figures.bytes_received += sum(p.numel() for p in st.payload)
         except TransferError as exc:
             self._failed(exc.reason, f"request {request_id}: {exc}; computing the prompt here")
-            if exc.reason in ("handshake", "refused"):
+            if exc.reason in ("handshake", "refused", "transport"):
                 self._confirm(st.remote, request_id)
         except Exception as exc:  # noqa: BLE001 - any failure falls back to local prefill
             self._failed("transfer", f"request {request_id}: KV transfer failed: {exc!r}; "
@@ -288,6 +317,15 @@ class _Shared:
         self.transfer_timeout = float(config.extra("transfer_timeout",
                                                    DEFAULT_TRANSFER_TIMEOUT_S))
         self.figures = TransferFigures()
+        self.lock = threading.Lock()  # the pull threads' share of the figures
+        self.transport = str(config.extra("transport", "auto"))
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"kv_connector_extra_config.transport must be one of "
+                              f"{list(TRANSPORTS)}, got {self.transport!r}")
+        self.transports = allowed(self.transport)
+        if not self.transports:
+            raise ConfigError("kv_connector_extra_config.transport is shm but /dev/shm is not a "
+                              "writable directory here; use auto or tcp")
         self.server: BlockServer | None = None
 
     @property
@@ -300,7 +338,7 @@ class _Shared:
         try:
             self.server = BlockServer(engine.layout, self.config.engine_id, layers,
                                       self.registry if rank == 0 else None, self.bind_host,
-                                      self.port + rank if self.port else 0)
+                                      self.port + rank if self.port else 0, self.transports)
         except OSError as exc:
             raise ConfigError(f"KVServeConnector cannot listen on {self.bind_host}:{self.port} "
                               f"({exc}); set kv_connector_extra_config.kv_port to a free port "

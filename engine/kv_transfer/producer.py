@@ -1,7 +1,9 @@
 """The prefill side of KVServeConnector: `SendRegistry` (the finished requests whose blocks a
 decode replica may still pull, each until it confirms or its deadline passes) and
 `BlockServer`, a listener thread per engine that answers the handshake and streams the asked
-blocks of a registered request layer by layer, straight from the live KV cache."""
+blocks of a registered request layer by layer, straight from the live KV cache: as TCP frames, or
+(a consumer on the same host, engine/kv_transfer/shm.py) into a shared-memory segment whose layers
+it announces one by one on the socket."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kvserve.engine.kv_transfer.shm import Segment, host_id, sweep_stale
 from kvserve.engine.kv_transfer.wire import (KVLayout, TransferError, layout_mismatch,
                                              recv_message, send_frame, send_message)
 
@@ -89,14 +92,20 @@ class BlockServer:
     """Serves one rank's KV cache on `host:port` (port 0: any free port, read `.port`)."""
 
     def __init__(self, layout: KVLayout, engine_id: str, layers: list[torch.Tensor],
-                 registry: SendRegistry | None, host: str, port: int) -> None:
+                 registry: SendRegistry | None, host: str, port: int,
+                 transports: tuple[str, ...] = ("tcp",)) -> None:
         self.layout, self.engine_id = layout, engine_id
+        self.transports = transports  # what this side serves: tcp and/or shm
+        self.host_id = host_id()
+        if "shm" in transports:
+            sweep_stale()
         self.layers = [_raw(t) for t in layers]  # [2, num_blocks, block_size, heads, dim] each
         self.registry = registry  # None on ranks > 0: rank 0 checks the request
         self.sock = socket.create_server((host, port), reuse_port=False)
         self.port = self.sock.getsockname()[1]
         self.num_blocks_sent = 0
         self.bytes_sent = 0
+        self.bytes_by_transport = {"tcp": 0, "shm": 0}
         self.rank_ports = [self.port]  # rank 0's: every tensor-parallel rank's server, in order
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="kv-block-server", daemon=True)
@@ -135,14 +144,16 @@ class BlockServer:
         if op == "hello":
             why = layout_mismatch(self.layout, msg.get("layout") or {})
             send_message(conn, {"ok": why is None, "error": why, "engine_id": self.engine_id,
-                                "layout": self.layout.to_json(), "rank_ports": self.rank_ports})
+                                "layout": self.layout.to_json(), "rank_ports": self.rank_ports,
+                                "host_id": self.host_id, "transports": list(self.transports)})
             if why is not None:
                 logger.warning("KV transfer refused at handshake from engine %s: %s",
                                msg.get("engine_id"), why)
             return why is None
         if op == "read":
             return self._send_blocks(conn, str(msg.get("request_id")),
-                                     [int(b) for b in msg.get("block_ids") or []])
+                                     [int(b) for b in msg.get("block_ids") or []],
+                                     str(msg.get("transport") or "tcp"))
         if op == "done":
             if self.registry is not None:
                 self.registry.confirm(str(msg.get("request_id")))
@@ -151,24 +162,76 @@ class BlockServer:
         send_message(conn, {"ok": False, "error": f"unknown op {op!r}"})
         return False
 
-    def _send_blocks(self, conn: socket.socket, request_id: str, block_ids: list[int]) -> bool:
+    def _send_blocks(self, conn: socket.socket, request_id: str, block_ids: list[int],
+                     transport: str = "tcp") -> bool:
         why = self.registry.check(request_id, block_ids) if self.registry is not None else None
         if why is None and any(not 0 <= b < self.layers[0].shape[1] for b in block_ids):
             why = f"block ids out of range 0..{self.layers[0].shape[1] - 1}"
-        send_message(conn, {"ok": why is None, "error": why, "num_layers": len(self.layers)})
+        if why is None and transport not in self.transports:
+            why = f"transport {transport!r} not served here (this side serves " \
+                  f"{list(self.transports)}: kv_connector_extra_config.transport)"
         if why is not None:
+            send_message(conn, {"ok": False, "error": why, "num_layers": len(self.layers)})
             return False
         idx = torch.tensor(block_ids, dtype=torch.int64, device=self.layers[0].device)
-        stall = os.environ.get(FAULT_STALL_FILE)
+        if transport == "shm":
+            sent = self._send_shm(conn, idx)
+        else:
+            send_message(conn, {"ok": True, "num_layers": len(self.layers)})
+            sent = self._send_frames(conn, idx)
+        if sent is None:
+            return False
+        self.num_blocks_sent += len(block_ids)
+        nbytes = len(block_ids) * self.layout.layer_bytes_per_block * len(self.layers)
+        self.bytes_sent += nbytes
+        self.bytes_by_transport[sent] += nbytes
+        return True
+
+    def _send_frames(self, conn: socket.socket, idx: torch.Tensor) -> str:
         for i, layer in enumerate(self.layers):  # one layer gathered while the last is sent
-            if stall and i == len(self.layers) // 2:
-                Path(stall).touch()
-                time.sleep(3600)
+            _maybe_stall(i, len(self.layers))
             data = layer.index_select(1, idx).contiguous().cpu()
             send_frame(conn, memoryview(data.numpy()).cast("B"))
-        self.num_blocks_sent += len(block_ids)
-        self.bytes_sent += len(block_ids) * self.layout.layer_bytes_per_block * len(self.layers)
-        return True
+        return "tcp"
+
+    def _send_shm(self, conn: socket.socket, idx: torch.Tensor) -> str | None:
+        """The blocks through a segment the consumer maps (it unlinks the name once mapped;
+        this side unlinks it too, whatever happens): one `{"layer": i}` message per layer
+        written. A consumer that cannot map it may ask for TCP frames instead."""
+        n, first = int(idx.numel()), self.layers[0]
+        shape = (len(self.layers), 2, n, first[0, 0].numel())
+        seg = Segment.create(shape[0] * shape[1] * n * shape[3])
+        try:
+            send_message(conn, {"ok": True, "num_layers": len(self.layers), "shm": seg.path.name,
+                                "size": seg.size})
+            mapped = recv_message(conn)
+            if not mapped.get("ok"):
+                seg.close()
+                if mapped.get("tcp") and "tcp" in self.transports:
+                    return self._send_frames(conn, idx)
+                return None
+            seg.unlink()
+            out = seg.tensor(shape)
+            for i, layer in enumerate(self.layers):
+                _maybe_stall(i, len(self.layers))
+                dst = out[i].view(2, n, *layer.shape[2:])
+                if layer.device.type == "cpu":
+                    torch.index_select(layer, 1, idx, out=dst)
+                else:
+                    dst.copy_(layer.index_select(1, idx))
+                send_message(conn, {"layer": i})
+            del out, dst
+            return "shm"
+        finally:
+            seg.close()
+
+
+def _maybe_stall(layer: int, num_layers: int) -> None:
+    """The tests' fault injection (FAULT_STALL_FILE): stall after half the layers."""
+    stall = os.environ.get(FAULT_STALL_FILE)
+    if stall and layer == num_layers // 2:
+        Path(stall).touch()
+        time.sleep(3600)
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -206,6 +207,9 @@ class DecoderModel(nn.Module):
             DecoderLayer(spec, i, s, tp, dtype, device) if pp.holds(i) else PPMissingLayer()
             for i in range(d.num_layers))
         self.norm = spec.norm(d.hidden, dtype, device) if pp.is_last else PPMissingLayer()
+        # Called with j before layer j's attention where set (a KV connector's
+        # wait_for_layer_load: blocks pulled from another replica land layer by layer).
+        self.layer_hook: Any = None
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
                 attn: AttentionMetadata, attn_ops: AttentionOps,
@@ -224,7 +228,10 @@ class DecoderModel(nn.Module):
             x = self._embed(input_ids, embeds)
         ropes = {k: rot(positions) for k, rot in self.rotary.items()}  # once per step
         layers = self.layers[self.pp.start:self.pp.end]
+        hook = self.layer_hook
         for j, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
+            if hook is not None:
+                hook(j)
             kind = layer.self_attn.rope_type or "all"
             x, residual = layer(x, residual, self.rotary[kind], ropes[kind], kv_cache,
                                 attn.for_layer(j), attn_ops)

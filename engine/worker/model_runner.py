@@ -108,6 +108,16 @@ class ModelRunner:
         self.keep_hidden = False  # keep the last forward's hidden states (EAGLE proposers)
         self.last_hidden: torch.Tensor | None = None
 
+    def attach_kv_connector(self, connector: Any) -> None:
+        """A KV connector's worker side on this runner's cache: its loads land layer by layer
+        inside the forward where the model calls a per-layer hook (`layer_hook`, set here to
+        the connector's wait_for_layer_load), else all before the forward."""
+        self.kv_connector = connector
+        decoder = getattr(self.model, "model", None)
+        if self.link is None and hasattr(decoder, "layer_hook"):
+            decoder.layer_hook = lambda j: connector.wait_for_layer_load(f"layers.{j}")
+            connector.layerwise = True
+
     @property
     def bytes_per_block(self) -> int:
         """KV bytes of one block on this rank (every layer, K and V)."""
@@ -320,7 +330,8 @@ class ModelRunner:
         if prompt is not None:
             step.prompt_rows, step.prompt_targets, step.prompt_k = \
                 prompt.rows, prompt.targets, prompt.k
-        step.graph_size = self.decode_graph_size(step)
+        # a graph runs no per-layer hook: a step loading a connector's blocks runs eagerly
+        step.graph_size = None if step.moves.kv_meta else self.decode_graph_size(step)
         if self.link is not None and self.logits_hook is None:  # the last stage samples
             step.sampling = sampling
         if self.workers is None:
@@ -350,13 +361,17 @@ class ModelRunner:
         logits and the prompt logprobs asked; the other ranks only take part in the
         collectives."""
         self.apply_moves(step.moves)
-        if self.link is not None:
-            hidden = self._stage_forward(step)
-            if hidden is None:  # not the last stage: sent on
-                return None, None
-        else:
-            self._set_lora(step)
-            hidden, _ = self._forward(step)
+        try:
+            if self.link is not None:
+                hidden = self._stage_forward(step)
+                if hidden is None:  # not the last stage: sent on
+                    return None, None
+            else:
+                self._set_lora(step)
+                hidden, _ = self._forward(step)
+        finally:
+            if self.kv_connector is not None:  # its layer-by-layer loads: all landed
+                self.kv_connector.wait_for_save()
         if self.keep_hidden:  # a proposer fed by hidden states (engine/spec_decode/)
             self.last_hidden = hidden
         logits = None

@@ -98,6 +98,9 @@ class ServerMetrics:
                                  "the model (neither cached nor transferred).").labels(m)
         self.kv_transfer_blocks = c("kvserve:kv_transfer_blocks", "KV blocks moved between "
                                     "replicas by the KV connector.", ("direction",))
+        self.kv_transfer_bytes = c("kvserve:kv_transfer_bytes", "KV bytes pulled from prefill "
+                                   "replicas, by transport (tcp, or shm on one host).",
+                                   ("transport",))
         self.kv_transfer_failures = c("kvserve:kv_transfer_failures", "KV pulls that failed and "
                                       "fell back to local prefill.").labels(m)
         self.kv_transfer_held = g("kvserve:kv_transfer_held_requests", "Finished requests whose "
@@ -259,6 +262,9 @@ class ServerMetrics:
         for direction in ("received", "sent"):
             self._advance(f"kvt_{direction}", self.kv_transfer_blocks.labels(m, direction),
                           _stat(stats, f"kv_transfer_blocks_{direction}"))
+        for transport in ("tcp", "shm"):
+            self._advance(f"kvt_bytes_{transport}", self.kv_transfer_bytes.labels(m, transport),
+                          _stat(stats, f"kv_transfer_bytes_{transport}"))
         self._advance("kvt_failures", self.kv_transfer_failures,
                       _stat(stats, "kv_transfer_failures"))
         self.kv_transfer_held.set(_stat(stats, "kv_transfer_held_requests"))
