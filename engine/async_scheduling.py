@@ -21,7 +21,18 @@ Overlap needs requests whose sampling does not read the tokens in flight; a step
 other request runs synchronously (launch, then finish): penalties and structured outputs read
 the output tokens, prompt logprobs and n > 1 forks the exact progress of each seq, custom logits
 processors the whole token history. Tensor-parallel engines run synchronously too (every rank
-would need the sampled ids). On a CPU the forward runs inside the launch, so nothing overlaps:
+would need the sampled ids).
+
+Speculative decoding with a host-side proposer (ngram, suffix; EngineConfig refuses the others
+with async scheduling, and they run in turn when it is on by default): a verification step is
+finished before the next step is scheduled, since the next positions depend on how many drafts
+it accepts and the next drafts on its tokens. A step without drafts (the proposer found none,
+`disable_by_batch_size`, adaptive lengths at 0) asks the proposer, while its forward runs, over
+the tokens known so far (Speculator.would_draft): if it would draft for nobody, the next step
+launches ahead as above (drafting nothing); otherwise that step waits and gets drafts over
+every token. So what overlaps is the plain decode steps, and the proposer's probe overlaps
+the forward; verification steps run as without async scheduling, and the outputs are the same
+token for token. On a CPU the forward runs inside the launch, so nothing overlaps:
 the mode is on by default only on a GPU (`async_scheduling=None`), and the tests force it on a
 CPU to check that it yields exactly the synchronous tokens.
 """
@@ -108,7 +119,7 @@ class OverlappedStep:
             if self.inflight is None:
                 return []
         current, self.inflight = self.inflight, None
-        if current.overlappable and self._may_overlap():
+        if current.overlappable and self._may_overlap(current):
             self.inflight = self._launch(lookahead=current)
             if self.inflight is not None:
                 self.overlapped_steps += 1
@@ -131,11 +142,21 @@ class OverlappedStep:
         current, self.inflight = self.inflight, None
         self.core.pending += self._finish(current)
 
-    def _may_overlap(self) -> bool:
+    def _may_overlap(self, current: InFlight) -> bool:
         core = self.core
-        # speculative decoding's next drafts need this step's tokens: steps run in turn
-        return self.overlap and core.logits_processors is None and core.spec is None and all(
-            request_overlaps(s) for s in core.requests.values())
+        if not (self.overlap and core.logits_processors is None
+                and all(request_overlaps(s) for s in core.requests.values())):
+            return False
+        return core.spec is None or self._spec_allows(current)
+
+    def _spec_allows(self, current: InFlight) -> bool:
+        """With speculative decoding (see the module doc): a verification step in flight
+        runs in turn (the next positions follow its accepted count), and so does the next step
+        when the proposer, asked over the known tokens, would draft for it."""
+        spec = self.core.spec
+        if not spec.overlaps or current.launched.spec is not None:
+            return False
+        return not spec.would_draft(self.core)
 
     def _launch(self, lookahead: InFlight | None) -> InFlight | None:
         """Schedule and launch one step. With `lookahead` (the step in flight) nothing is

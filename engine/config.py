@@ -234,16 +234,17 @@ class EngineConfig:
 
     def _check_speculative(self) -> None:
         """speculative_config parsed (SpeculativeConfig), and what it cannot run with refused."""
-        from kvserve.engine.spec_decode.config import parse_speculative_config
+        from kvserve.engine.spec_decode.config import HOST_METHODS, parse_speculative_config
 
         spec = parse_speculative_config(self.speculative_config)
         object.__setattr__(self, "speculative_config", spec)
         if spec is None:
             return
-        if self.async_scheduling:
-            raise ConfigError("speculative decoding runs its steps in turn (the next drafts "
-                              "need this step's tokens); drop --async-scheduling or "
-                              "speculative_config")
+        if self.async_scheduling and spec.method not in HOST_METHODS:
+            raise ConfigError(f"async scheduling with speculative decoding runs with the "
+                              f"host-side proposers {HOST_METHODS} only ({spec.method!r} drafts "
+                              f"from each step's forward); drop --async-scheduling or use one "
+                              f"of them")
         tp = spec.draft_tensor_parallel_size
         if tp is not None and tp not in (1, self.tensor_parallel_size):
             raise ConfigError(f"draft_tensor_parallel_size must be 1 or the target's "

@@ -12,6 +12,8 @@ from kvserve.engine.errors import ConfigError
 
 METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3")
 MODEL_METHODS = ("draft_model", "eagle", "eagle3")  # need `model`: a draft or a head checkpoint
+# draft on the host from the token ids alone: they run with async scheduling (async_scheduling.py)
+HOST_METHODS = ("ngram", "suffix")
 NGRAM_FIELDS = ("prompt_lookup_min", "prompt_lookup_max")
 SUFFIX_FIELDS = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
                  "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")

@@ -11,8 +11,14 @@ scored position is masked by the grammar as it stands after the drafts before it
 for all rows, filled depth by depth), so the target's sample there, and with it the rejection
 test, uses the masked target distribution; the matcher then moves over exactly the kept tokens
 (the accepted drafts and the target's own). Beam searches and engines with custom logits
-processors get no drafts (they decode as without speculation); steps run synchronously (no
-async scheduling)."""
+processors get no drafts (they decode as without speculation).
+
+Async scheduling (engine/async_scheduling.py) runs with the host-side proposers (ngram, suffix):
+a verification step is finished before the next one is scheduled (the next positions follow its
+accepted count, the next drafts its tokens); a step without drafts lets the next one launch
+ahead when `would_draft`, the proposer asked over the tokens known while the step is in flight,
+drafts for nobody (the lookahead step then drafts nothing), else the next step runs in turn with
+drafts over every token. A draft model or an EAGLE head runs every step in turn."""
 
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ from kvserve.engine.core.sequence import Sequence
 from kvserve.engine.core.step_update import append_token, apply_samples
 from kvserve.engine.sample.sampler import SamplerOutput, SamplingMetadata
 from kvserve.engine.spec_decode.adaptive import AdaptiveDrafts
-from kvserve.engine.spec_decode.config import SpeculativeConfig
+from kvserve.engine.spec_decode.config import HOST_METHODS, SpeculativeConfig
 from kvserve.engine.spec_decode.metrics import SpecCounters, SpecLogger
 from kvserve.engine.spec_decode.proposer import (Proposer, ProposerContext, SpecRequestView,
                                                  StepHiddenStates)
@@ -121,6 +127,38 @@ class Speculator:
             self.proposer.release(sid)
             self.adaptive.release(sid)
         self.live &= now
+
+    # ---- async scheduling (engine/async_scheduling.py) ----------------------------------------
+    @property
+    def overlaps(self) -> bool:
+        """Whether steps may launch ahead at all: only with a proposer that drafts on the host
+        from the token ids (ngram, suffix); a draft model or an EAGLE head reads each step's
+        forward (its KV, its hidden states), so those engines run every step in turn."""
+        return self.config.method in HOST_METHODS and not self.proposer.uses_hidden_states
+
+    def would_draft(self, core: Any) -> bool:
+        """Whether the next step would draft for some running seq, asked of the proposer over
+        the tokens known now (a seq whose token is in flight: without it). Called while a
+        step without drafts is in flight (its forward runs meanwhile): False lets the next
+        step launch ahead, drafting nothing; True runs it in turn, with full-context drafts."""
+        running = core.scheduler.running
+        self._release_gone(running)  # steps that keep launching ahead never call `propose`
+        limit = self.config.disable_by_batch_size
+        if limit is not None and len(running) > limit:
+            return False
+        threshold = self.adaptive.threshold()
+        chosen: list[tuple[Sequence, int]] = []
+        for seq in running:
+            k = self._budget(core, seq, threshold)
+            if k > 0:
+                chosen.append((seq, k))
+        if not chosen:
+            return False
+        views = [SpecRequestView(stream_id(s), _known_tokens(s), s.num_prompt_tokens)
+                 for s, _ in chosen]
+        self.live.update(v.request_id for v in views)  # the proposer may keep state for them
+        drafts = self.proposer.propose(views, max(k for _, k in chosen))
+        return any(len(d) > 0 for d in drafts)
 
     @staticmethod
     def take_drafts(sched: SchedulerOutput) -> None:
@@ -262,6 +300,16 @@ class Speculator:
             [stream_id(s) for s in sched.seqs], hidden, qsl, kept, ids, list(step.starts),
             [start + n >= s.num_prompt_tokens
              for s, n, start in zip(sched.seqs, kept, step.starts)]))
+
+
+def _known_tokens(seq: Sequence) -> np.ndarray:
+    """A seq's prompt and output without the placeholders of tokens still in flight
+    (async_scheduling.PLACEHOLDER: negative, never a vocabulary id)."""
+    ids = seq.all_token_ids
+    n = len(ids)
+    while n > seq.num_prompt_tokens and ids[n - 1] < 0:
+        n -= 1
+    return np.asarray(ids[:n], dtype=np.int64)
 
 
 def _grammar_prefix(core: Any, seq: Sequence, drafts: list[int]) -> list[int]:

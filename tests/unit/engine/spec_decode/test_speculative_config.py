@@ -50,8 +50,9 @@ def test_refusals_name_the_problem(value, words):
 
 def test_engine_refusals():
     spec = {"method": "ngram", "num_speculative_tokens": 2}
-    with pytest.raises(ConfigError, match="async-scheduling"):
-        EngineConfig(speculative_config=spec, async_scheduling=True)
+    with pytest.raises(ConfigError, match="async-scheduling"):  # a host-side proposer only
+        EngineConfig(speculative_config={"method": "eagle3", "model": "m",
+                                         "num_speculative_tokens": 2}, async_scheduling=True)
     with pytest.raises(ConfigError, match="draft_tensor_parallel_size must be 1 or"):
         EngineConfig(speculative_config={"method": "draft_model", "model": "m",
                                          "num_speculative_tokens": 2,
