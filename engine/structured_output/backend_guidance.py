@@ -78,14 +78,19 @@ class GuidanceBackend(GrammarBackend):
 
     def accept_prefix(self, matcher: GuidanceMatcher, tokens: list[int]) -> int:
         """An LLMatcher that consumes a refused token is broken for good (no rollback): the
-        run is measured first (`validate_tokens`, no state change), then consumed."""
+        run is measured first (`validate_tokens`, no state change), then consumed. EOS right
+        after the run is taken when the grammar may end there (`validate_tokens` does not count
+        an EOS it could take once the grammar has stopped)."""
         taken = 0
         for tok in tokens[: matcher.matcher.validate_tokens(tokens)]:
             if not matcher.accept_token(tok):
-                break
+                return taken
             taken += 1
             if matcher.is_terminated():
-                break
+                return taken
+        if taken < len(tokens) and tokens[taken] in self._stop \
+                and matcher.matcher.is_accepting() and matcher.accept_token(tokens[taken]):
+            taken += 1
         return taken
 
 
@@ -98,18 +103,24 @@ class GuidanceMatcher:
         self.matcher = matcher
         self._stop = stop_token_ids
         self._ended = False
+        # EOS taken once llguidance had stopped is not in its token history: a rollback over
+        # it is one token shorter there (else it would undo the token before EOS too)
+        self._eos_unrecorded = False
 
     def accept_token(self, token: int) -> bool:
+        stopped = self.matcher.is_stopped()
         if not self.matcher.consume_token(token):
             return False
         self._ended = token in self._stop
+        self._eos_unrecorded = self._ended and stopped
         return True
 
     def rollback(self, num_tokens: int) -> None:
-        if not self.matcher.rollback(num_tokens):
+        recorded = num_tokens - (self._ended and self._eos_unrecorded and num_tokens > 0)
+        if recorded and not self.matcher.rollback(recorded):
             raise ValueError(f"llguidance could not roll back {num_tokens} tokens: "
                              f"{self.matcher.get_error()}")
-        self._ended = False
+        self._ended = self._eos_unrecorded = False
 
     def is_terminated(self) -> bool:
         return self._ended
