@@ -80,6 +80,7 @@ class _Recv:
     remote: Remote
     start: int
     end: int
+    remote_id: str = ""  # the prefill's request id (what its registry holds)
     future: Future | None = None
     payload: list[torch.Tensor] | None = None  # per rank: [layers, 2, n, per-block bytes] uint8
     used: bool = False
@@ -248,7 +249,7 @@ class KVServeConnector(KVConnectorBase_V1):
             return None
         bs = self.engine.block_size
         end = min(len(remote.block_ids), (request.num_tokens - 1) // bs)
-        st = _Recv(remote, num_computed // bs, end)
+        st = _Recv(remote, num_computed // bs, end, remote_id)
         self._recv[request.request_id] = st
         if remote.tp_size != self.engine.tp_size:
             self._failed("handshake", f"KV transfer refused: the prefill engine runs "
@@ -286,7 +287,7 @@ class KVServeConnector(KVConnectorBase_V1):
         except TransferError as exc:
             self._failed(exc.reason, f"request {request_id}: {exc}; computing the prompt here")
             if exc.reason in ("handshake", "refused", "transport"):
-                self._confirm(st.remote, request_id)
+                self._confirm(st.remote, st.remote_id or request_id)
         except Exception as exc:  # noqa: BLE001 - any failure falls back to local prefill
             self._failed("transfer", f"request {request_id}: KV transfer failed: {exc!r}; "
                          "computing the prompt here")
