@@ -191,19 +191,21 @@ def test_prefix_cache_hits_with_drafts(tiny_model_dir, base):
     assert llm.llm_engine.get_stats().prefix_cache_hits - hits >= 8 * len(PROMPTS)
 
 
-def test_structured_output_requests_decode_without_drafts(tiny_model_dir, base):
+def test_structured_output_request_beside_a_plain_one(tiny_model_dir, base):
+    """A guided and a plain request drafted in the same steps (the guided ones alone, both
+    backends: tests/integration/test_spec_decode_structured.py)."""
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     from kvserve.engine.sample.sampling_params import StructuredOutputsParams
 
     guided = SamplingParams(temperature=0, max_tokens=40,
                             structured_outputs=StructuredOutputsParams(json=schema))
     plain = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    llm = with_oracle(spec_llm(tiny_model_dir), base, PROMPTS[:1], plain)
+    llm = with_oracle(spec_llm(tiny_model_dir), base, PROMPTS[:2], [plain, guided])
     a = base.generate(PROMPTS[:2], [plain, guided], use_tqdm=False)
     b = llm.generate(PROMPTS[:2], [plain, guided], use_tqdm=False)
     same(a, b)
     assert b[1].outputs[0].text.startswith('{"a"')  # the grammar held (max_tokens cuts it)
-    assert counters(llm)[2] > 0  # the plain request was drafted beside the guided one
+    assert counters(llm)[2] > 0
 
 
 def test_disable_by_batch_size(tiny_model_dir):
