@@ -140,20 +140,21 @@ class GrammarCompiler:
             return None, reached
         bitmask = torch.empty((len(states), (self.vocab_size + 31) // 32), dtype=torch.int32)
         rows: list[int] = []
+        owner: dict[int, GrammarState] = {w: states[r[0]] for w, r in walks.items()}  # type: ignore
         paths = {w: list(max((prefixes[i] for i in r), key=len)) for w, r in walks.items()}
         taken = dict.fromkeys(walks, 0)  # tokens of its path each matcher has taken
         try:
             for depth in range(max(len(p) for p in paths.values()) + 1):
                 now = [i for w, r in walks.items() for i in r if len(prefixes[i]) == depth
-                       and taken[w] == depth and not states[i].is_terminated]  # type: ignore
+                       and taken[w] == depth and not owner[w].is_terminated]
                 _fill(states, now, bitmask)
                 rows += now
                 for w, path in paths.items():
                     if taken[w] == depth < len(path):
-                        taken[w] += states[walks[w][0]].advance(path[depth:depth + 1])  # type: ignore
+                        taken[w] += owner[w].advance(path[depth:depth + 1])
         finally:
-            for w in walks:
-                states[walks[w][0]].retreat()  # type: ignore[union-attr]
+            for state in owner.values():
+                state.retreat()
         for w, r in walks.items():
             for i in r:
                 reached[i] = min(reached[i], taken[w])
