@@ -1,7 +1,11 @@
 """How many tokens to draft for each request: a draft at position j (1-based) is worth scoring
 when its chance of being used, alpha^j (alpha: the request's measured per-token acceptance),
 exceeds what one more token costs the step in output: b * throughput, where b is the step's
-marginal seconds per scored token, fitted on recent steps (seconds ~ a + b * tokens). On a
+marginal seconds per scored token, fitted on recent steps (seconds ~ a + b * tokens), and
+throughput is the output tokens per second of those steps. Both are taken over decoding steps
+only (each seq scores its last token and its drafts): a prefill chunk's tokens are cheaper per
+token (one large GEMM) and, hundreds at a time, they would set the fit's slope alone, so b
+came out at the prefill's cost, well under what a scored draft costs. On a
 CPU at batch 1 a forward costs about the same for one token or five (a >> b), so drafts are
 scored freely; at batch 64 the forward is compute-bound and only drafts that are nearly sure
 survive, so speculation does not cost throughput."""
@@ -64,14 +68,18 @@ class AdaptiveDrafts:
         self.enabled = enabled
         self.streams: dict[str, StreamAcceptance] = {}
         self.cost = StepCost()
-        self.throughput = 0.0  # output tokens per second, smoothed
+        self.throughput = 0.0  # output tokens per second over the window's decoding steps
+        self.outputs: deque[tuple[int, float]] = deque(maxlen=FIT_WINDOW)
 
-    def observe_step(self, num_tokens: int, num_output_tokens: int, seconds: float) -> None:
-        if seconds <= 0:
+    def observe_step(self, num_tokens: int, num_output_tokens: int, seconds: float,
+                     decoding: bool = True) -> None:
+        """A finished step: `decoding` when every seq scored only its last token and drafts
+        (steps with a prefill chunk are left out of the cost and the throughput)."""
+        if seconds <= 0 or not decoding:
             return
         self.cost.observe(num_tokens, seconds)
-        rate = num_output_tokens / seconds
-        self.throughput = rate if not self.throughput else 0.9 * self.throughput + 0.1 * rate
+        self.outputs.append((num_output_tokens, seconds))
+        self.throughput = sum(n for n, _ in self.outputs) / sum(t for _, t in self.outputs)
 
     def threshold(self) -> float:
         """The chance of use a draft token must have to pay for its place in the step."""

@@ -278,7 +278,9 @@ class Speculator:
     def observe_step(self, sched: SchedulerOutput, num_output_tokens: int,
                      seconds: float) -> None:
         """A finished step's size and time (the adaptive draft lengths' cost model)."""
-        self.adaptive.observe_step(sched.total_tokens, num_output_tokens, seconds)
+        drafts = sum(len(d) for d in sched.spec_token_ids)
+        decoding = sched.total_tokens == len(sched.seqs) + drafts
+        self.adaptive.observe_step(sched.total_tokens, num_output_tokens, seconds, decoding)
         self.log.maybe_log(self.counters)
 
     def hidden_states(self, core: Any, sched: SchedulerOutput, step: Any) -> None:

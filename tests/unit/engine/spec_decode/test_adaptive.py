@@ -38,3 +38,16 @@ def test_off_when_not_adaptive():
     a = AdaptiveDrafts(max_tokens=3, enabled=False)
     a.observe("r", 3, 0)
     assert a.num_tokens("r", 0.99) == 3
+
+
+def test_prefill_steps_leave_the_fit_and_the_throughput():
+    """A prefill chunk's tokens cost less each than scored drafts: were they fitted, the slope
+    would be the prefill's (here 1 ms) instead of the decoding steps' (3 ms)."""
+    a = AdaptiveDrafts(max_tokens=4)
+    for tokens in [8, 12, 16, 24] * 4:
+        a.observe_step(tokens, 8, 0.030 + 0.003 * tokens)
+        a.observe_step(500, 8, 0.030 + 0.001 * 500, decoding=False)
+    assert abs(a.cost.per_token - 0.003) < 1e-6
+    decoding_seconds = sum(0.030 + 0.003 * t for t in [8, 12, 16, 24])
+    assert abs(a.throughput - 32 / decoding_seconds) < 1e-6
+    assert abs(a.threshold() - 0.003 * 32 / decoding_seconds) < 1e-9
