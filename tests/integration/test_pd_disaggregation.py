@@ -10,6 +10,7 @@ answers. A prefill replica killed in the middle of a transfer (a third process, 
 connector's fault injection), or one whose KV layout differs (block size, dtype, model: an engine
 started from those flags in the test process), leaves the decode replica to compute the prompt
 itself: same answer, the failure counted and, for a layout, a refusal naming each difference.
+Two replicas of tensor_parallel_size 2 move each rank's shard rank to rank.
 
 Through the router: the replicas announce prefill / decode; long uncached prompts are prefilled
 on the prefill replica and decoded with its kv_transfer_params (the decode replica's external
@@ -17,8 +18,8 @@ prefix-cache hits show the blocks it pulled); outputs equal the offline engine's
 streamed or not; a prompt the decode replica holds, or a short one, is prefilled locally; a
 prefill replica that died means a local prefill, exact still.
 
-All the replicas a module needs start at once, in its fixture; the test that kills the prefill
-replica runs last."""
+The module's replicas start at once, in its fixture, and serve every test but the
+tensor-parallel one (first, with its own); the test that kills the prefill replica runs last."""
 
 from __future__ import annotations
 
@@ -247,6 +248,35 @@ def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]
     return {k: after[k] - before[k] for k in after}
 
 
+@pytest.mark.slow  # two replicas of two ranks each
+def test_tensor_parallel_replicas_move_each_rank_shard(tiny_model_dir, tmp_path):
+    """Two replicas of tensor_parallel_size 2 (gloo on the CPU, a worker process each): a
+    `kvserve serve` process prefills, an engine in the test process (one tensor-parallel engine
+    per process) decodes, started together, their workers forked (the spawned kind's start:
+    test_tensor_parallel_server.py); each rank's shard moves rank to rank, and the answer is
+    one replica's. First in the module: the workers fork before its servers' threads start."""
+    ids, tp = prompt_ids(4), ("--tensor-parallel-size", "2")
+    with ExitStack() as stack:
+        proc, prefill = start_serve("prefill-tp", tiny_model_dir, tmp_path,
+                                    *kv_flags("kv_producer"), *tp,
+                                    env={"KVSERVE_WORKER_MULTIPROC_METHOD": "fork"})
+        stack.callback(proc.wait)
+        stack.callback(proc.kill)
+        decode = in_process_replica(tiny_model_dir, *kv_flags("kv_consumer"), *tp)
+        stack.callback(stop_in_process, decode)
+        wait_for(lambda: proc.poll() is not None or health(prefill) == 200, 240, "prefill-tp")
+        assert proc.poll() is None, (tmp_path / "prefill-tp.log").read_text()[-3000:]
+        params = complete(prefill, ids, max_tokens=1,
+                          kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
+        assert params["tp_size"] == 2
+        out = complete(decode.url, ids, kv_transfer_params=params)
+        ref = complete(prefill, ids, cache_salt="reference")
+        d = figures(decode.url)
+    assert tokens(out) == tokens(ref)
+    full = (PROMPT_LEN - 1) // BLOCK * BLOCK
+    assert (d["hits"], d["computed"], d["failures"]) == (full, PROMPT_LEN - full, 0)
+
+
 def test_decode_through_pulled_blocks_answers_as_one_replica(cluster):
     prefill, decode = cluster["prefill"], cluster["decode"]
     ids = prompt_ids(1)
@@ -334,33 +364,6 @@ def test_mismatched_layout_is_refused_at_the_handshake(cluster, tiny_model_dir, 
     for why in ("model 'tiny-other' there, 'tiny-llama' here", "block_size 32 there, 16 here",
                 "kv_dtype 'torch.bfloat16' there, 'torch.float32' here"):
         assert why in log, log[-3000:]
-
-
-@pytest.mark.slow  # two replicas of two ranks each
-def test_tensor_parallel_replicas_move_each_rank_shard(tiny_model_dir, tmp_path):
-    """Two replicas of tensor_parallel_size 2 (gloo on the CPU, a worker process each): a
-    `kvserve serve` process prefills, an engine in the test process (one tensor-parallel engine
-    per process) decodes, started together; each rank's shard moves rank to rank, and the
-    answer is one replica's."""
-    ids, tp = prompt_ids(4), ("--tensor-parallel-size", "2")
-    with ExitStack() as stack:
-        proc, prefill = start_serve("prefill-tp", tiny_model_dir, tmp_path,
-                                    *kv_flags("kv_producer"), *tp)
-        stack.callback(proc.wait)
-        stack.callback(proc.kill)
-        decode = in_process_replica(tiny_model_dir, *kv_flags("kv_consumer"), *tp)
-        stack.callback(stop_in_process, decode)
-        wait_for(lambda: proc.poll() is not None or health(prefill) == 200, 240, "prefill-tp")
-        assert proc.poll() is None, (tmp_path / "prefill-tp.log").read_text()[-3000:]
-        params = complete(prefill, ids, max_tokens=1,
-                          kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
-        assert params["tp_size"] == 2
-        out = complete(decode.url, ids, kv_transfer_params=params)
-        ref = complete(prefill, ids, cache_salt="reference")
-        d = figures(decode.url)
-    assert tokens(out) == tokens(ref)
-    full = (PROMPT_LEN - 1) // BLOCK * BLOCK
-    assert (d["hits"], d["computed"], d["failures"]) == (full, PROMPT_LEN - full, 0)
 
 
 # ---- through the router: --policy pd -----------------------------------------------------------
