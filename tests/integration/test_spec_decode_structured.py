@@ -206,3 +206,33 @@ def test_sampled_outputs_stay_valid_with_ngram(tiny_model_dir, backend):
     drafted, accepted = counters(llm)
     assert 0 < accepted <= drafted
     assert_no_blocks_held(llm)
+
+
+@pytest.mark.slow
+def test_default_model_extraction_under_a_schema(default_model_dir, backend):
+    """SmolLM2-135M-Instruct (fp32) pulling fields of a given text into a JSON schema: the
+    values are copied from the prompt, so n-gram drafts are accepted; tokens equal plain
+    decoding's."""
+    from kvserve import LLM
+
+    schema = {"type": "object", "properties": {
+        "title": {"type": "string"}, "year": {"type": "integer"},
+        "authors": {"type": "array", "items": {"type": "string"}, "maxItems": 4}},
+        "required": ["title", "year", "authors"]}
+    text = ("Attention Is All You Need, published in 2017 by Ashish Vaswani, Noam Shazeer, "
+            "Niki Parmar and Jakob Uszkoreit.")
+    chats = [[{"role": "user", "content": f"Extract title, year and authors as JSON from: {text}"}]]
+    params = SamplingParams(temperature=0, max_tokens=96,
+                            structured_outputs=StructuredOutputsParams(json=schema,
+                                                                       backend=backend))
+    common = dict(dtype="float32", max_model_len=1024, kv_cache_memory=64 << 20)
+    plain = LLM(str(default_model_dir), **common)
+    ref = plain.chat(chats, params, use_tqdm=False)
+    del plain
+    spec = LLM(str(default_model_dir), speculative_config={
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+        "prompt_lookup_max": 4}, **common)
+    got = spec.chat(chats, params, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+    assert json.loads(got[0].outputs[0].text)["year"] == 2017
+    assert counters(spec)[1] > 0
