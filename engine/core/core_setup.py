@@ -112,7 +112,10 @@ def capture_decode_graphs(core: Any, capture: Any = None) -> None:
     (an op of this model that syncs with the host) leaves every step of every rank eager, said
     once in the log. `capture`: the CPU tests' stand-in for CUDAGraph."""
     try:
-        core.runner.capture_decode_graphs(core.config.max_num_seqs, core.max_model_len, capture)
+        spec = core.config.speculative_config  # verification steps: 1 + k tokens per sequence
+        query_lens = (1 + int(spec.num_speculative_tokens),) if spec is not None else ()
+        core.runner.capture_decode_graphs(core.config.max_num_seqs, core.max_model_len, capture,
+                                          query_lens)
     except RuntimeError as exc:
         core.runner.graphs = None
         logger.warning("CUDA graph capture failed (%s); decode runs eagerly "

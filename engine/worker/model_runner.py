@@ -34,7 +34,8 @@ from kvserve.engine.kv_offload.swap_pool import SwapPool
 from kvserve.engine.sample.prompt_logprobs import PromptLogprobsPlan, PromptLogprobsResult
 from kvserve.engine.sample.prompt_logprobs import compute as compute_prompt_logprobs
 from kvserve.engine.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
-from kvserve.engine.worker.cuda_graph import Capture, DecodeGraphs, cuda_capture, graphs_log_line
+from kvserve.engine.worker.cuda_graph import (Capture, DecodeGraphs, cuda_capture,
+                                              graphs_log_line, pad_to_uniform)
 from kvserve.engine.worker.step_input import BlockMoves, StepInput
 from kvserve.kernels.backend import resolve_backend
 from kvserve.kernels.fp8 import compute_kv_scale
@@ -418,14 +419,18 @@ class ModelRunner:
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int,
-                              capture: Capture | None = None) -> None:
+                              capture: Capture | None = None,
+                              query_lens: tuple[int, ...] = ()) -> None:
         """Capture the decode forward for the ladder of batch sizes on every rank (`capture`: a
         stand-in for torch.cuda.CUDAGraph in the CPU tests, sent to the workers too, so picklable
-        there; None: `cuda_capture`). Run after the fp8 scales are calibrated. All ranks keep
-        their graphs or none does: RuntimeError naming the failed ranks, every rank eager."""
+        there; None: `cuda_capture`; `query_lens`: more tokens per sequence to capture, 1 + k for
+        speculative decoding's verification). Run after the fp8 scales are calibrated. All
+        ranks keep their graphs or none does: RuntimeError naming the failed ranks, every rank
+        eager."""
         if self.workers is not None:
-            self.workers.broadcast("capture", (max_num_seqs, max_model_len, capture))
-        errors: list[object] = [self.try_capture(max_num_seqs, max_model_len, capture)]
+            self.workers.broadcast("capture", (max_num_seqs, max_model_len, capture, query_lens))
+        errors: list[object] = [self.try_capture(max_num_seqs, max_model_len, capture,
+                                                 query_lens)]
         if self.workers is not None:
             errors += self.workers.wait_for("captured")
         failed = [f"rank {rank}: {e}" for rank, e in enumerate(errors) if e is not None]
@@ -437,7 +442,8 @@ class ModelRunner:
         logger.info("%s", graphs_log_line(self.graphs))
 
     def try_capture(self, max_num_seqs: int, max_model_len: int,
-                    capture: Capture | None = None) -> str | None:
+                    capture: Capture | None = None,
+                    query_lens: tuple[int, ...] = ()) -> str | None:
         """This rank's capture (every rank, in the same order: the forward's collectives are
         recorded too); None when it worked, else why, with this rank left eager."""
         self.graphs = None
@@ -445,7 +451,8 @@ class ModelRunner:
         try:
             self.graphs = DecodeGraphs(
                 self._graph_forward, max_num_seqs, width, self.block_size, self.device,
-                capture or cuda_capture(), self.backend, self.k_scale, self.v_scale)
+                capture or cuda_capture(), self.backend, self.k_scale, self.v_scale,
+                tuple(query_lens))
         except Exception as exc:  # noqa: BLE001 - any failure leaves the rank eager
             self.graphs = None
             return f"{type(exc).__name__}: {exc}"
@@ -459,14 +466,41 @@ class ModelRunner:
 
     def decode_graph_size(self, step: StepInput) -> int | None:
         """The captured size `step` replays (None: eager): a pure decode step of one KV-cache
-        group (several run eagerly) without prompt logprobs, within the ladder. The driver
-        decides it once and sends it with the step, so no rank decides on its own."""
+        group (several run eagerly) without prompt logprobs, within the ladder; or a step of a
+        captured query length (speculative verification, `step.graph_query_len` set). The
+        driver decides it once and sends it with the step, so no rank decides on its own."""
         g = self.graphs
+        step.graph_query_len = 1
         if g is None or self.link is not None or step.prompt_rows or step.embeds is not None \
                 or step.block_tables.shape[0] != 1:
             return None
-        return g.size_for(step.seq_lens.shape[0], step.input_ids.shape[0],
-                          step.block_tables.shape[2])
+        n, width = step.seq_lens.shape[0], step.block_tables.shape[2]
+        if step.input_ids.shape[0] == n:
+            return g.size_for(n, n, width)
+        q = self._graph_query_len(step, g)
+        size = g.size_for(n, n * q, width, q) if q is not None else None
+        if size is not None:
+            step.graph_query_len = q
+        return size
+
+    def _graph_query_len(self, step: StepInput, g: DecodeGraphs) -> int | None:
+        """The smallest captured query length > 1 that holds every sequence's tokens, when the
+        step may be padded to it (cuda_graph.pad_to_uniform): no fresh prompt (the eager step
+        sends those to another kernel), a padded length within the captured table width, and
+        no device-supplied input unless nothing is padded (async fills index the real rows)."""
+        fits = [q for q in g.query_lens if 1 < q and step.max_query_len <= q]
+        if not fits:
+            return None
+        q = min(fits)
+        q_lens = step.query_start_loc[1:] - step.query_start_loc[:-1]
+        seq_lens = step.seq_lens
+        if bool(((q_lens == seq_lens) & (q_lens > 1)).any()):
+            return None
+        if bool((q_lens != q).any()) and (
+                step.fill is not None
+                or int((seq_lens + (q - q_lens)).max()) > g.width * self.block_size):
+            return None
+        return q
 
     def _forward(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states and query_start_loc (on the device): the captured graph the driver
@@ -475,10 +509,7 @@ class ModelRunner:
             if self.graphs is None:  # an error, never a collective run by some ranks only
                 raise RuntimeError(f"the driver replays decode graph {step.graph_size}, which "
                                    "this rank did not capture")
-            hidden = self.graphs.run(step.input_ids, step.positions, step.slot_mapping[0],
-                                     step.block_tables[0], step.seq_lens, step.lora_slots,
-                                     step.graph_size, self._fill(step))
-            return hidden, step.query_start_loc.to(self.device, non_blocking=True)
+            return self._replay(step), step.query_start_loc.to(self.device, non_blocking=True)
         ids, positions, meta = self.to_device(step)
         if self.link is not None and self.link.prev is not None:
             passed = self.link.recv(step.input_ids.shape[0])
@@ -492,6 +523,16 @@ class ModelRunner:
             return (self.model(ids, positions, self.kv_caches, meta, embeds=embeds),
                     meta.query_start_loc)
         return self.model(ids, positions, self.kv_caches, meta), meta.query_start_loc
+
+    def _replay(self, step: StepInput) -> torch.Tensor:
+        """The step's hidden states from its captured graph, in the step's own row order."""
+        q = step.graph_query_len
+        b = pad_to_uniform(step.query_start_loc, q, step.input_ids, step.positions,
+                           step.slot_mapping[0], step.seq_lens, step.lora_slots)
+        hidden = self.graphs.run(b.input_ids, b.positions, b.slot_mapping,  # type: ignore[union-attr]
+                                 step.block_tables[0], b.seq_lens, b.lora_slots,
+                                 step.graph_size, self._fill(step), q)
+        return hidden if b.rows is None else hidden[self._dev(b.rows)]
 
     def _fill(self, step: StepInput) -> Callable[[torch.Tensor], None] | None:
         """Writes the step's device-supplied tokens into a device ids tensor (no host read)."""

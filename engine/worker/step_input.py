@@ -52,8 +52,10 @@ class StepInput:
     prompt_targets: list[int] = field(default_factory=list)
     prompt_k: int = 0
     lora_slots: torch.Tensor | None = None  # [T] int64: each token's LoRA slot (-1: none)
-    # the captured decode size every rank replays (None: eager), chosen by the driver
+    # the captured decode size every rank replays (None: eager), chosen by the driver, and its
+    # tokens per sequence (1: decode; 1 + k: a speculative verification, worker/cuda_graph.py)
     graph_size: int | None = None
+    graph_query_len: int = 1
     # input tokens still on the device (async scheduling's placeholders; single rank only)
     fill: Any = None
     # prompt embeddings: (flattened rows [E] int64, values [E, hidden]) fed in place of the
