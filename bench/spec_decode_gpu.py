@@ -9,6 +9,10 @@ tokens), so the speed-up rows are projections for assumed acceptance rates:
   E[tokens per step] = (1 - a^(k+1)) / (1 - a),
   speed-up = E * t(decode) / (t(verify k) + t(draft k)).
 
+The verification step is timed eager and replayed from a captured CUDA graph of k + 1 tokens per
+sequence (engine/worker/cuda_graph.py's verification ladder, as the engine captures it with a
+speculative_config), with the largest difference of their logits.
+
 `--smoke` (or KV_BENCH_SMOKE=1) runs the same code path at a tiny shape on the CPU.
 Usage: bash bench/spec_decode_gpu.sh [--smoke]
 """
@@ -31,6 +35,7 @@ from kvserve.engine.spec_decode.draft_kv import DraftKV
 from kvserve.engine.spec_decode.eagle import Eagle3Proposer
 from kvserve.engine.spec_decode.eagle_head import write_random_head
 from kvserve.engine.spec_decode.proposer import ProposerContext, SpecRequestView, StepHiddenStates
+from kvserve.engine.worker.cuda_graph import DecodeGraphs, cuda_capture
 
 SMOKE = os.environ.get("KV_BENCH_SMOKE") == "1" or "--smoke" in sys.argv
 DEV = torch.device("cpu" if SMOKE else "cuda")
@@ -86,6 +91,44 @@ def forward(model, kv: DraftKV, batch: int, start: int, width: int, rows_per_seq
     return hidden, model.compute_logits(hidden[rows])
 
 
+def host_verify_inputs(kv: DraftKV, batch: int, start: int, q: int) -> tuple[torch.Tensor, ...]:
+    """The host tensors of `batch` sequences each scoring q tokens at `start` (what the model
+    runner stages into a graph): ids, positions, slots, block tables, lengths."""
+    bs = kv.block_size
+    tables = [kv.tables[f"s{i}"] for i in range(batch)]
+    bt = torch.tensor(tables, dtype=torch.int32)
+    pos = (start + torch.arange(q)).repeat(batch)
+    seq_idx = torch.arange(batch).repeat_interleave(q)
+    slots = bt[seq_idx, pos // bs].long() * bs + pos % bs
+    seq_lens = torch.full((batch,), start + q, dtype=torch.int32)
+    return torch.full((batch * q,), 7, dtype=torch.int64), pos, slots, bt, seq_lens
+
+
+def bench_verify_graph(model, kv: DraftKV, batch: int, k: int, t_eager: float) -> None:
+    """The verification step replayed from a captured graph (the smoke: a plain call stands in
+    for the capture) against the eager one, same inputs, logits compared."""
+    q = k + 1
+    width = len(kv.tables["s0"])
+    capture = cuda_capture() if DEV.type == "cuda" else (lambda fn: fn)
+    graphs = DecodeGraphs(lambda ids, pos, meta, lora: model(ids, pos, kv.kv_caches, meta),
+                          batch, width, kv.block_size, DEV, capture, "triton",
+                          query_lens=(q,))
+    inputs = host_verify_inputs(kv, batch, CONTEXT, q)
+    size = graphs.size_for(batch, batch * q, width, q)
+
+    def replay() -> torch.Tensor:
+        return model.compute_logits(graphs.run(*inputs, None, size, None, q))
+    t_graph = timed(replay)
+    _, eager = forward(model, kv, batch, CONTEXT, q, q)
+    # forward's rows run from each sequence's last token back: put them in token order
+    eager = eager.view(batch, q, -1).flip(1).reshape(batch * q, -1)
+    diff = (replay().float() - eager.float()).abs().max().item()
+    print(f"verify graph batch {batch} k={k}: {t_graph * 1e3:.2f} ms replayed (size {size} x "
+          f"{q} tokens) vs {t_eager * 1e3:.2f} ms eager ({t_eager / t_graph:.2f}x); max logit "
+          f"difference {diff:.3g}", flush=True)
+    del graphs
+
+
 def eagle_proposer(config: LlamaConfig, model, head_dir: Path, k: int) -> Eagle3Proposer:
     write_random_head(head_dir, config, draft_vocab_size=DRAFT_VOCAB)
     spec = SpeculativeConfig(method="eagle3", model=str(head_dir), num_speculative_tokens=k)
@@ -120,6 +163,7 @@ def bench_batch(model, config, proposer: Eagle3Proposer, batch: int) -> None:
             print(f"verify batch {batch} k={k}: {t_verify * 1e3:.2f} ms "
                   f"({t_verify / t_decode:.2f}x decode); eagle3 draft k={k}: "
                   f"{t_draft * 1e3:.2f} ms", flush=True)
+            bench_verify_graph(model, kv, batch, k, t_verify)
             projected = []
             for a in ACCEPTANCE:
                 tokens = (1 - a ** (k + 1)) / (1 - a)
