@@ -3,13 +3,16 @@ costs, next to computing them again.
 
 `transfer`: a prefill engine's KVServeConnector serves blocks of the default model's layout
 (30 layers, 3 KV heads x 64, 16-token blocks) from a KV cache in memory; a decode engine's
-connector pulls N of them over loopback TCP and writes them into its cache (the whole decode-side
-path: handshake, layer frames, confirmation, scatter). Per N and KV dtype: milliseconds per block
-(median of the rounds, min-max), MB/s. Same run: the default model's prefill of the same N x 16
-tokens (max_tokens=1, no prefix cache) per block, and the ratio transfer / prefill.
+connector pulls N of them over loopback TCP, or through shared memory (both on this host), and
+writes them into its cache (the whole decode-side path: handshake, layer frames or segment,
+confirmation, scatter). Per N, KV dtype and transport: milliseconds per block (median of the
+rounds, min-max), MB/s, and shm / tcp (the median of each round's ratio, min-max: the transports
+alternate within a round, so both see the same machine load). Same run: the default model's
+prefill of the same N x 16 tokens (max_tokens=1, no prefix cache) per block, and the ratio
+transfer / prefill.
 
     python bench/pd.py transfer [--blocks 1,8,32,128] [--rounds 5] [--dtypes float32,fp8]
-                                [--threads 1] [--skip-prefill]
+                                [--transports tcp,shm] [--threads 1] [--skip-prefill]
 
 `mixed`: the interference figures of issue 43 (aggregated vs disaggregated replicas each pinned
 to one core with taskset): decode-heavy streamed chats while long prompts arrive every few
@@ -47,50 +50,66 @@ def layout_for(dtype: torch.dtype):
                     kv_dtype=str(dtype), tp_size=1)
 
 
-def connectors(role: str, dtype: torch.dtype, num_blocks: int):
+def connectors(role: str, dtype: torch.dtype, num_blocks: int, transport: str = "tcp"):
     from kvserve.engine.kv_transfer.config import KVTransferConfig
     from kvserve.engine.kv_transfer.factory import EngineInfo, make_connectors
 
     lay = layout_for(dtype)
     kv = torch.randn(2, lay.num_layers, num_blocks, 16, 3, 64).to(dtype)
-    cfg = KVTransferConfig("KVServeConnector", role, {"kv_port": 0})
+    cfg = KVTransferConfig("KVServeConnector", role, {"kv_port": 0, "transport": transport})
     sched, worker = make_connectors(cfg, EngineInfo(lay, 16, 1, torch.device("cpu")))
     worker.register_kv_caches({f"layers.{i}": kv[:, i] for i in range(lay.num_layers)})
     return sched, worker, kv
 
 
-def time_pull(dtype: torch.dtype, n: int, rounds: int) -> list[float]:
-    """Seconds of each round's pull + scatter of n blocks (the decode side's whole path)."""
+def time_pulls(dtype: torch.dtype, n: int, rounds: int, transports: list[str]
+               ) -> dict[str, list[float]]:
+    """Per transport, seconds of each round's pull + scatter of n blocks (the decode side's
+    whole path); the transports alternate within each round, their order too."""
+    pairs = {t: (connectors("kv_producer", dtype, n + 1, t)[0],
+                 *connectors("kv_consumer", dtype, n + 1, t)[:2]) for t in transports}
+    out: dict[str, list[float]] = {t: [] for t in transports}
+    try:
+        for r in range(rounds + 1):  # round 0 warms up
+            order = transports if r % 2 else transports[::-1]
+            for t in order:
+                seconds = pull_once(*pairs[t], n, f"{t}{r}")
+                if r:
+                    out[t].append(seconds)
+        for t, (_, c_sched, _) in pairs.items():
+            got = set(c_sched.figures.bytes_by_transport)
+            assert got == {t}, f"asked for {t}, moved over {got}"
+    finally:
+        for p_sched, c_sched, _ in pairs.values():
+            p_sched.shutdown()
+            c_sched.shutdown()
+    return out
+
+
+def pull_once(p_sched, c_sched, c_worker, n: int, tag: str) -> float:
     from kvserve.engine.core.sequence import Sequence
     from kvserve.engine.sample.sampling_params import SamplingParams
 
-    p_sched, _, _ = connectors("kv_producer", dtype, n + 1)
-    c_sched, c_worker, _ = connectors("kv_consumer", dtype, n + 1)
-    out = []
-    try:
-        for r in range(rounds):
-            held = Sequence(r, f"p{r}", 0, [1] * (16 * n + 1), SamplingParams(
-                max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}}))
-            held.finish_reason = "length"
-            _, params = p_sched.request_finished(held, list(range(1, n + 1)))
-            seq = Sequence(r, f"d{r}", 0, [1] * (16 * n + 1), SamplingParams(
-                max_tokens=1, extra_args={"kv_transfer_params": params}))
-            t0 = time.perf_counter()
-            got = None
-            while got is None:
-                got = c_sched.get_num_new_matched_tokens(seq, 0)[0]
-                if got is None:
-                    time.sleep(0.0002)
-            assert got == 16 * n, got
-            c_sched.update_state_after_alloc(seq, list(range(1, n + 1)), got)
-            c_worker.bind_connector_metadata(c_sched.build_connector_meta(None))
-            c_worker.start_load_kv()
-            out.append(time.perf_counter() - t0)
-            c_sched.request_finished(seq, [])
-    finally:
-        p_sched.shutdown()
-        c_sched.shutdown()
-    return out
+    held = Sequence(0, f"p{tag}", 0, [1] * (16 * n + 1), SamplingParams(
+        max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}}))
+    held.finish_reason = "length"
+    _, params = p_sched.request_finished(held, list(range(1, n + 1)))
+    seq = Sequence(0, f"d{tag}", 0, [1] * (16 * n + 1), SamplingParams(
+        max_tokens=1, extra_args={"kv_transfer_params": params}))
+    t0 = time.perf_counter()
+    got = None
+    while got is None:
+        got = c_sched.get_num_new_matched_tokens(seq, 0)[0]
+        if got is None:
+            time.sleep(0.0002)
+    assert got == 16 * n, got
+    c_sched.update_state_after_alloc(seq, list(range(1, n + 1)), got)
+    c_worker.bind_connector_metadata(c_sched.build_connector_meta(None))
+    c_worker.start_load_kv()
+    c_worker.wait_for_save()
+    seconds = time.perf_counter() - t0
+    c_sched.request_finished(seq, [])
+    return seconds
 
 
 def time_prefill(llm, n: int, rounds: int) -> list[float]:
@@ -128,21 +147,26 @@ def transfer(args: argparse.Namespace) -> None:
                   kv_cache_memory=256 << 20)
         prefill = {n: time_prefill(llm, n, args.rounds) for n in sizes}
         del llm
-    print(f"| KV dtype | blocks | pull ms / block | MB/s | prefill ms / block | "
-          f"transfer / prefill |")
-    print("|---|---|---|---|---|---|")
+    transports = args.transports.split(",")
+    print("| KV dtype | blocks | transport | pull ms / block | MB/s | vs tcp (same rounds) | "
+          "prefill ms / block | transfer / prefill |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in args.dtypes.split(","):
         dtype = dtypes[name]
         per_block = layout_for(dtype).layer_bytes_per_block * 30
         for n in sizes:
-            t = time_pull(dtype, n, args.rounds)
-            med = statistics.median(t)
-            mbs = per_block * n / med / 1e6
+            times = time_pulls(dtype, n, args.rounds, transports)
             pre = prefill.get(n)
             pre_s = spread(pre, 1000 / n) if pre else "-"
-            ratio = f"{med / statistics.median(pre):.3f}" if pre else "-"
-            print(f"| {name} | {n} | {spread(t, 1000 / n)} | {mbs:.0f} | {pre_s} | {ratio} |",
-                  flush=True)
+            for t, v in times.items():
+                med = statistics.median(v)
+                mbs = per_block * n / med / 1e6
+                vs = "-"
+                if t != "tcp" and "tcp" in times:
+                    vs = spread([a / b for a, b in zip(v, times["tcp"])], 1)
+                ratio = f"{med / statistics.median(pre):.3f}" if pre else "-"
+                print(f"| {name} | {n} | {t} | {spread(v, 1000 / n)} | {mbs:.0f} | {vs} | "
+                      f"{pre_s} | {ratio} |", flush=True)
 
 
 # ---- mixed workload ---------------------------------------------------------------------------
@@ -312,6 +336,7 @@ def main() -> None:
     t.add_argument("--blocks", default="1,8,32,128")
     t.add_argument("--rounds", type=int, default=5)
     t.add_argument("--dtypes", default="float32,fp8")
+    t.add_argument("--transports", default="tcp,shm")
     t.add_argument("--threads", type=int, default=1)
     t.add_argument("--skip-prefill", action="store_true")
     m = sub.add_parser("mixed")

@@ -48,7 +48,7 @@ from kvserve.engine.kv_transfer.base import (KVConnectorBase_V1, KVConnectorMeta
 from kvserve.engine.kv_transfer.consumer import Remote, confirm_only, fetch_shards
 from kvserve.engine.kv_transfer.layer_loader import LayerLoader
 from kvserve.engine.kv_transfer.producer import BlockServer, SendRegistry
-from kvserve.engine.kv_transfer.shm import TRANSPORTS, allowed
+from kvserve.engine.kv_transfer.shm import TRANSPORTS, MappingCache, allowed
 from kvserve.engine.kv_transfer.wire import TransferError
 
 logger = logging.getLogger("kvserve.engine")
@@ -269,7 +269,8 @@ class KVServeConnector(KVConnectorBase_V1):
         t0 = time.perf_counter()
         by_transport: dict[str, int] = {}
         out = fetch_shards(remote, remote_id, ids, self.engine.layout, self.config.engine_id,
-                           self.shared.transfer_timeout, self.shared.transports, by_transport)
+                           self.shared.transfer_timeout, self.shared.transports, by_transport,
+                           self.shared.mappings)
         with self.shared.lock:
             self.figures.seconds.append(time.perf_counter() - t0)
             del self.figures.seconds[:-4096]
@@ -324,9 +325,10 @@ class _Shared:
             raise ConfigError(f"kv_connector_extra_config.transport must be one of "
                               f"{list(TRANSPORTS)}, got {self.transport!r}")
         self.transports = allowed(self.transport)
+        self.mappings = MappingCache()  # the decode side's of producers' segments
         if not self.transports:
-            raise ConfigError("kv_connector_extra_config.transport is shm but /dev/shm is not a "
-                              "writable directory here; use auto or tcp")
+            raise ConfigError("kv_connector_extra_config.transport is shm but this platform has "
+                              "no memfd_create or /proc; use auto or tcp")
         self.server: BlockServer | None = None
 
     @property
@@ -350,4 +352,5 @@ class _Shared:
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
+        self.mappings.clear()
 

@@ -2,8 +2,8 @@
 decode replica may still pull, each until it confirms or its deadline passes) and
 `BlockServer`, a listener thread per engine that answers the handshake and streams the asked
 blocks of a registered request layer by layer, straight from the live KV cache: as TCP frames, or
-(a consumer on the same host, engine/kv_transfer/shm.py) into a shared-memory segment whose layers
-it announces one by one on the socket."""
+(a consumer on the same host, engine/kv_transfer/shm.py) into a shared-memory segment of its pool,
+each layer named on the socket once written."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kvserve.engine.kv_transfer.shm import Segment, host_id, sweep_stale
+from kvserve.engine.kv_transfer.shm import SegmentPool, host_id
 from kvserve.engine.kv_transfer.wire import (KVLayout, TransferError, layout_mismatch,
                                              recv_message, send_frame, send_message)
 
@@ -97,8 +97,7 @@ class BlockServer:
         self.layout, self.engine_id = layout, engine_id
         self.transports = transports  # what this side serves: tcp and/or shm
         self.host_id = host_id()
-        if "shm" in transports:
-            sweep_stale()
+        self.pool = SegmentPool()
         self.layers = [_raw(t) for t in layers]  # [2, num_blocks, block_size, heads, dim] each
         self.registry = registry  # None on ranks > 0: rank 0 checks the request
         self.sock = socket.create_server((host, port), reuse_port=False)
@@ -117,6 +116,7 @@ class BlockServer:
             self.sock.close()
         except OSError:
             pass
+        self.pool.close()
 
     def _accept(self) -> None:
         while not self._stop.is_set():
@@ -195,23 +195,24 @@ class BlockServer:
         return "tcp"
 
     def _send_shm(self, conn: socket.socket, idx: torch.Tensor) -> str | None:
-        """The blocks through a segment the consumer maps (it unlinks the name once mapped;
-        this side unlinks it too, whatever happens): one `{"layer": i}` message per layer
-        written. A consumer that cannot map it may ask for TCP frames instead."""
+        """The blocks through a segment of the pool the consumer maps: each layer written, then
+        named (`{"layer": i}`); the segment goes back to the pool once the consumer says it
+        has copied them out. A consumer that cannot map it may ask for TCP frames instead."""
         n, first = int(idx.numel()), self.layers[0]
         shape = (len(self.layers), 2, n, first[0, 0].numel())
-        seg = Segment.create(shape[0] * shape[1] * n * shape[3])
+        nbytes = shape[0] * shape[1] * n * shape[3]
+        seg = self.pool.take(nbytes)
+        done = False
         try:
-            send_message(conn, {"ok": True, "num_layers": len(self.layers), "shm": seg.path.name,
-                                "size": seg.size})
+            send_message(conn, {"ok": True, "num_layers": len(self.layers),
+                                "segment": seg.ref.to_json()})
             mapped = recv_message(conn)
             if not mapped.get("ok"):
-                seg.close()
+                done = True
                 if mapped.get("tcp") and "tcp" in self.transports:
                     return self._send_frames(conn, idx)
                 return None
-            seg.unlink()
-            out = seg.tensor(shape)
+            out = seg.tensor(nbytes).view(shape)
             for i, layer in enumerate(self.layers):
                 _maybe_stall(i, len(self.layers))
                 dst = out[i].view(2, n, *layer.shape[2:])
@@ -220,10 +221,13 @@ class BlockServer:
                 else:
                     dst.copy_(layer.index_select(1, idx))
                 send_message(conn, {"layer": i})
-            del out, dst
-            return "shm"
+            done = recv_message(conn).get("op") == "copied"
+            return "shm" if done else None
         finally:
-            seg.close()
+            if done:  # nobody reads it any more
+                self.pool.give(seg)
+            else:  # a reader that broke off may still read it: not reused (its own mapping
+                seg.close()  # keeps the memory until it lets go)
 
 
 def _maybe_stall(layer: int, num_layers: int) -> None:

@@ -1,8 +1,8 @@
 """KVServeConnector's shared-memory transport: same host -> shm (bytes counted per transport on
 both sides, bit-exact, fp8 and TP shards included), otherwise TCP; `transport` forces either, and
 a pair with no common transport, a segment that cannot be mapped, or a producer killed mid-
-transfer fall back (to TCP frames where allowed, else to local prefill) and leave no file in
-/dev/shm."""
+transfer fall back (to TCP frames where allowed, else to local prefill). Segments are memfds
+reused from a bounded pool: nothing appears in /dev/shm, and none stays open after shutdown."""
 
 from __future__ import annotations
 
@@ -19,12 +19,11 @@ from conftest import free_port, wait_for
 
 from kvserve.engine.core.sequence import Sequence
 from kvserve.engine.errors import ConfigError
-from kvserve.engine.kv_transfer import consumer as consumer_mod
 from kvserve.engine.kv_transfer.config import KVTransferConfig
 from kvserve.engine.kv_transfer.factory import EngineInfo, make_connectors
 from kvserve.engine.kv_transfer.kvserve_connector import KVServeConnector
 from kvserve.engine.kv_transfer.base import KVConnectorRole
-from kvserve.engine.kv_transfer.shm import PREFIX, SHM_DIR, sweep_stale
+from kvserve.engine.kv_transfer.shm import MappingCache, SegmentPool
 from kvserve.engine.kv_transfer.wire import KVLayout
 from kvserve.engine.sample.sampling_params import SamplingParams
 
@@ -79,7 +78,18 @@ def load(c_sched, c_worker, s: Sequence, dst: list[int], n_tokens: int) -> None:
 
 
 def shm_files() -> set[str]:
-    return {p.name for p in SHM_DIR.glob(PREFIX + "*")}
+    return set(os.listdir("/dev/shm"))
+
+
+def open_segments() -> int:
+    """This process's open descriptors of KV segments (memfds named kvserve-kv)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:kvserve-kv")
+        except OSError:
+            pass
+    return n
 
 
 def close(*sides) -> None:
@@ -105,9 +115,14 @@ def test_each_transport_moves_the_blocks_bit_exactly_and_counts_its_bytes(transp
         assert f.bytes_by_transport == {want: f.bytes_received}  # fails if shm was not used
         assert p_sched.shared.server.bytes_by_transport[want] == f.bytes_received
         wait_for(lambda: (p_worker.get_finished()[0] or set()) == {"p"}, 30, "the release")
+        s2 = seq("d2", 2 * BS, prefill(p_sched, [1, 2], "p2"))
+        assert pulled(c_sched, s2) == BS
+        pool = p_sched.shared.server.pool
+        assert pool.num_created == (transport != "tcp")  # the second read reused the segment
     finally:
         close(p_sched, c_sched)
     assert shm_files() <= before
+    assert open_segments() == 0  # the producer's pool closed with it
 
 
 def test_peers_on_other_hosts_use_tcp_and_a_forced_shm_falls_back_to_local_prefill():
@@ -144,9 +159,9 @@ def test_a_tcp_only_producer_refuses_shm_and_serves_auto_over_tcp():
 
 
 def test_a_segment_that_cannot_be_mapped_falls_back_to_tcp_frames(monkeypatch):
-    def refuse(name: str, size: int):
-        raise OSError("/dev/shm is another container's")
-    monkeypatch.setattr(consumer_mod.Segment, "open", staticmethod(refuse))
+    def refuse(self, ref, nbytes: int):
+        raise PermissionError(f"/proc/{ref.pid}/fd/{ref.fd}: another container's")
+    monkeypatch.setattr(MappingCache, "tensor", refuse)
     before = shm_files()
     p_sched, _, p_kv = engine("kv_producer")
     c_sched, c_worker, c_kv = engine("kv_consumer")
@@ -160,7 +175,7 @@ def test_a_segment_that_cannot_be_mapped_falls_back_to_tcp_frames(monkeypatch):
             "tcp": c_sched.figures.bytes_received, "shm": 0}
     finally:
         close(p_sched, c_sched)
-    assert shm_files() <= before  # the producer removed the segment nobody mapped
+    assert shm_files() <= before and open_segments() == 0
 
 
 _PRODUCER = textwrap.dedent("""
@@ -185,19 +200,20 @@ _PRODUCER = textwrap.dedent("""
 """)
 
 
-def test_a_producer_killed_mid_transfer_leaves_no_segment(tmp_path):
+def test_a_producer_killed_mid_transfer_falls_back_and_leaves_no_file(tmp_path):
     stall = tmp_path / "stalled"
     env = {**os.environ, "KVSERVE_KV_FAULT_STALL_FILE": str(stall)}
     proc = subprocess.Popen([sys.executable, "-c", _PRODUCER % (LAYERS, HEADS, DIM, BS,
                                                                   free_port())],
                             stdout=subprocess.PIPE, text=True, env=env)
+    before = shm_files()
     c_sched, _, _ = engine("kv_consumer", "shm")
     try:
         params = json.loads(proc.stdout.readline())
         s = seq("d", 3 * BS + 1, params)
         assert c_sched.get_num_new_matched_tokens(s, 0)[0] is None  # pulling
         wait_for(stall.exists, 30, "the producer to stall after half the layers")
-        assert not any(n.startswith(f"{PREFIX}{proc.pid}-") for n in shm_files())  # unlinked
+        assert len(c_sched.shared.mappings) == 1  # its segment is mapped here
         proc.send_signal(signal.SIGKILL)
         assert pulled(c_sched, s) == 0  # computed here
         assert c_sched.figures.failures == {"transfer": 1}
@@ -205,22 +221,23 @@ def test_a_producer_killed_mid_transfer_leaves_no_segment(tmp_path):
         proc.kill()
         proc.wait()
         close(c_sched)
-    assert not any(n.startswith(f"{PREFIX}{proc.pid}-") for n in shm_files())
+    assert shm_files() <= before  # a memfd has no name to leave behind
 
 
-def test_sweep_removes_the_segments_of_dead_producers_only():
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    stale = SHM_DIR / f"{PREFIX}{dead.pid}-abc"
-    live = SHM_DIR / f"{PREFIX}{os.getpid()}-abc"
-    stale.write_bytes(b"x")
-    live.write_bytes(b"x")
-    try:
-        assert sweep_stale() >= 1
-        assert not stale.exists() and live.exists()
-    finally:
-        for p in (stale, live):
-            p.unlink(missing_ok=True)
+def test_the_pool_reuses_segments_and_keeps_a_bounded_free_list():
+    pool = SegmentPool(max_free_bytes=3 << 20)
+    a = pool.take(1 << 20)
+    pool.give(a)
+    assert pool.take(1000 << 10) is a and pool.num_created == 1  # reused
+    b = pool.take(2 << 20)  # none free that fits: a new one
+    pool.give(a)
+    pool.give(b)
+    assert pool.free_bytes == 3 << 20 and pool.num_created == 2
+    c = pool.take(4 << 20)
+    pool.give(c)  # over the bound: the oldest free ones are closed
+    assert pool.free_bytes <= 3 << 20
+    pool.close()
+    assert pool.free_bytes == 0 and open_segments() == 0
 
 
 def test_tensor_parallel_shards_go_through_shared_memory():
