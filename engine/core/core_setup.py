@@ -107,15 +107,22 @@ def logits_processors(config: EngineConfig, device: Any) -> Any:
     return LogitsProcessors(classes, config, device)
 
 
+def graph_query_lens(spec: Any) -> tuple[int, ...]:
+    """Tokens per sequence captured besides decode's 1: a speculative verification's 1 + k
+    (`spec`: the SpeculativeConfig, None: off). None for EAGLE-3, whose head reads the
+    target's inner states through layer hooks that a graph replay does not run."""
+    if spec is None or spec.method == "eagle3":
+        return ()
+    return (1 + int(spec.num_speculative_tokens),)
+
+
 def capture_decode_graphs(core: Any, capture: Any = None) -> None:
     """CUDA graphs for decode (engine/worker/cuda_graph.py). A capture that fails on any rank
     (an op of this model that syncs with the host) leaves every step of every rank eager, said
     once in the log. `capture`: the CPU tests' stand-in for CUDAGraph."""
     try:
-        spec = core.config.speculative_config  # verification steps: 1 + k tokens per sequence
-        query_lens = (1 + int(spec.num_speculative_tokens),) if spec is not None else ()
         core.runner.capture_decode_graphs(core.config.max_num_seqs, core.max_model_len, capture,
-                                          query_lens)
+                                          graph_query_lens(core.config.speculative_config))
     except RuntimeError as exc:
         core.runner.graphs = None
         logger.warning("CUDA graph capture failed (%s); decode runs eagerly "

@@ -167,3 +167,18 @@ class Reference(Proposer):
                 draft[-1] = (draft[-1] + 1) % VOCAB
             out.append(draft)
         return out
+
+
+def test_verification_ladder_per_method():
+    """1 + k tokens per sequence for every method but EAGLE-3 (its layer hooks do not run in a
+    replay, so its verification steps stay eager); none without speculation."""
+    from kvserve.engine.core.core_setup import graph_query_lens
+    from kvserve.engine.spec_decode.config import SpeculativeConfig
+
+    assert graph_query_lens(None) == ()
+    assert graph_query_lens(SpeculativeConfig(method="ngram", num_speculative_tokens=3)) == (4,)
+    assert graph_query_lens(SpeculativeConfig(method="suffix", num_speculative_tokens=5)) == (6,)
+    assert graph_query_lens(SpeculativeConfig(method="eagle", model="m",
+                                              num_speculative_tokens=2)) == (3,)
+    assert graph_query_lens(SpeculativeConfig(method="eagle3", model="m",
+                                              num_speculative_tokens=2)) == ()
