@@ -187,3 +187,16 @@ def test_model_proposers_refuse_async_scheduling():
     with pytest.raises(ConfigError, match="host-side proposers"):
         EngineConfig(speculative_config={"method": "draft_model", "model": "m",
                                          "num_speculative_tokens": 2}, async_scheduling=True)
+
+
+def test_seeded_sampling_equals_plain_decoding(tiny_model_dir, base):
+    """A seeded row draws each position with the uniform plain decoding uses there, whether
+    the step was launched ahead or verified drafts: the very same samples and logprobs."""
+    params = [SamplingParams(temperature=0.8, top_p=0.95, top_k=40, seed=11 + i, max_tokens=24,
+                             logprobs=1, ignore_eos=True) for i in range(len(PROMPTS))]
+    want = base.generate(PROMPTS, params, use_tqdm=False)
+    fast = _sparse(_engine(tiny_model_dir, NGRAM, True), base, PROMPTS, params, every=3)
+    _same(fast.generate(PROMPTS, params, use_tqdm=False), want)
+    counters = fast.llm_engine.get_stats()
+    assert counters.spec_decode_num_accepted_tokens > 0 and _overlapped(fast) > 0
+    _all_blocks_back(fast)
