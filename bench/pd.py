@@ -7,7 +7,8 @@ connector pulls N of them over loopback TCP, or through shared memory (both on t
 writes them into its cache (the whole decode-side path: handshake, layer frames or segment,
 confirmation, scatter). Per N, KV dtype and transport: milliseconds per block (median of the
 rounds, min-max), MB/s, and shm / tcp (the median of each round's ratio, min-max: the transports
-alternate within a round, so both see the same machine load). Same run: the default model's
+alternate within a round, so both see the same machine load); the same for the wire part alone
+(the pull thread's fetch: connect, handshake, the bytes into a host buffer, confirmation). Same run: the default model's
 prefill of the same N x 16 tokens (max_tokens=1, no prefix cache) per block, and the ratio
 transfer / prefill.
 
@@ -63,12 +64,14 @@ def connectors(role: str, dtype: torch.dtype, num_blocks: int, transport: str = 
 
 
 def time_pulls(dtype: torch.dtype, n: int, rounds: int, transports: list[str]
-               ) -> dict[str, list[float]]:
+               ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Per transport, seconds of each round's pull + scatter of n blocks (the decode side's
-    whole path); the transports alternate within each round, their order too."""
+    whole path), and of its wire part; the transports alternate within each round, their
+    order too."""
     pairs = {t: (connectors("kv_producer", dtype, n + 1, t)[0],
                  *connectors("kv_consumer", dtype, n + 1, t)[:2]) for t in transports}
     out: dict[str, list[float]] = {t: [] for t in transports}
+    wire: dict[str, list[float]] = {t: [] for t in transports}
     try:
         for r in range(rounds + 1):  # round 0 warms up
             order = transports if r % 2 else transports[::-1]
@@ -76,6 +79,7 @@ def time_pulls(dtype: torch.dtype, n: int, rounds: int, transports: list[str]
                 seconds = pull_once(*pairs[t], n, f"{t}{r}")
                 if r:
                     out[t].append(seconds)
+                    wire[t].append(pairs[t][1].figures.seconds[-1])
         for t, (_, c_sched, _) in pairs.items():
             got = set(c_sched.figures.bytes_by_transport)
             assert got == {t}, f"asked for {t}, moved over {got}"
@@ -83,7 +87,7 @@ def time_pulls(dtype: torch.dtype, n: int, rounds: int, transports: list[str]
         for p_sched, c_sched, _ in pairs.values():
             p_sched.shutdown()
             c_sched.shutdown()
-    return out
+    return out, wire
 
 
 def pull_once(p_sched, c_sched, c_worker, n: int, tag: str) -> float:
@@ -148,25 +152,27 @@ def transfer(args: argparse.Namespace) -> None:
         prefill = {n: time_prefill(llm, n, args.rounds) for n in sizes}
         del llm
     transports = args.transports.split(",")
-    print("| KV dtype | blocks | transport | pull ms / block | MB/s | vs tcp (same rounds) | "
-          "prefill ms / block | transfer / prefill |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| KV dtype | blocks | transport | pull ms / block | MB/s | vs tcp | wire ms / block | "
+          "vs tcp | prefill ms / block | transfer / prefill |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.dtypes.split(","):
         dtype = dtypes[name]
         per_block = layout_for(dtype).layer_bytes_per_block * 30
         for n in sizes:
-            times = time_pulls(dtype, n, args.rounds, transports)
+            times, wire = time_pulls(dtype, n, args.rounds, transports)
             pre = prefill.get(n)
             pre_s = spread(pre, 1000 / n) if pre else "-"
             for t, v in times.items():
                 med = statistics.median(v)
                 mbs = per_block * n / med / 1e6
-                vs = "-"
+                vs = vs_wire = "-"
                 if t != "tcp" and "tcp" in times:
                     vs = spread([a / b for a, b in zip(v, times["tcp"])], 1)
+                    vs_wire = spread([a / b for a, b in zip(wire[t], wire["tcp"])], 1)
                 ratio = f"{med / statistics.median(pre):.3f}" if pre else "-"
                 print(f"| {name} | {n} | {t} | {spread(v, 1000 / n)} | {mbs:.0f} | {vs} | "
-                      f"{pre_s} | {ratio} |", flush=True)
+                      f"{spread(wire[t], 1000 / n)} | {vs_wire} | {pre_s} | {ratio} |",
+                      flush=True)
 
 
 # ---- mixed workload ---------------------------------------------------------------------------
