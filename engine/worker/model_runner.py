@@ -424,22 +424,31 @@ class ModelRunner:
         """Capture the decode forward for the ladder of batch sizes on every rank (`capture`: a
         stand-in for torch.cuda.CUDAGraph in the CPU tests, sent to the workers too, so picklable
         there; None: `cuda_capture`; `query_lens`: more tokens per sequence to capture, 1 + k for
-        speculative decoding's verification). Run after the fp8 scales are calibrated. All
-        ranks keep their graphs or none does: RuntimeError naming the failed ranks, every rank
-        eager."""
-        if self.workers is not None:
-            self.workers.broadcast("capture", (max_num_seqs, max_model_len, capture, query_lens))
-        errors: list[object] = [self.try_capture(max_num_seqs, max_model_len, capture,
-                                                 query_lens)]
-        if self.workers is not None:
-            errors += self.workers.wait_for("captured")
-        failed = [f"rank {rank}: {e}" for rank, e in enumerate(errors) if e is not None]
+        speculative decoding's verification; if those fail, every rank captures decode alone).
+        Run after the fp8 scales are calibrated. All ranks keep their graphs or none does:
+        RuntimeError naming the failed ranks, every rank eager."""
+        failed = self._capture_everywhere(max_num_seqs, max_model_len, capture, query_lens)
+        if failed and query_lens:
+            logger.warning("CUDA graphs with %s tokens per sequence not captured (%s); "
+                           "verification steps run eagerly", query_lens, "; ".join(failed))
+            failed = self._capture_everywhere(max_num_seqs, max_model_len, capture, ())
         if failed:
             self.graphs = None
             if self.workers is not None:  # before any step: the pipes keep the order
                 self.workers.broadcast("drop_graphs", None)
             raise RuntimeError("; ".join(failed))
         logger.info("%s", graphs_log_line(self.graphs))
+
+    def _capture_everywhere(self, max_num_seqs: int, max_model_len: int,
+                            capture: Capture | None, query_lens: tuple[int, ...]) -> list[str]:
+        """Every rank's capture; the failed ones, named."""
+        if self.workers is not None:
+            self.workers.broadcast("capture", (max_num_seqs, max_model_len, capture, query_lens))
+        errors: list[object] = [self.try_capture(max_num_seqs, max_model_len, capture,
+                                                 query_lens)]
+        if self.workers is not None:
+            errors += self.workers.wait_for("captured")
+        return [f"rank {rank}: {e}" for rank, e in enumerate(errors) if e is not None]
 
     def try_capture(self, max_num_seqs: int, max_model_len: int,
                     capture: Capture | None = None,

@@ -182,3 +182,31 @@ def test_verification_ladder_per_method():
                                               num_speculative_tokens=2)) == (3,)
     assert graph_query_lens(SpeculativeConfig(method="eagle3", model="m",
                                               num_speculative_tokens=2)) == ()
+
+
+def test_a_failed_verification_capture_keeps_the_decode_graphs(tiny_model_dir, caplog):
+    """The verification ladder is captured first (largest first); if it fails, every rank
+    captures the decode ladder alone and verification steps run eagerly, said in the log."""
+    import logging
+
+    from conftest import make_llm
+    from kvserve.engine.core.core_setup import capture_decode_graphs
+
+    calls = []
+
+    def first_fails(fn):
+        calls.append(fn)
+        if len(calls) == 1:
+            raise RuntimeError("injected: an op that cannot be captured")
+        return fn
+
+    caplog.set_level(logging.INFO, logger="kvserve.engine")
+    llm = make_llm(tiny_model_dir, attention_backend="triton", max_num_seqs=4, max_model_len=64,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": Q - 1})
+    capture_decode_graphs(llm.llm_engine.core, first_fails)
+    graphs = llm.llm_engine.runner.graphs
+    assert graphs is not None and graphs.ladders == {1: [4, 2, 1]}
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(f"CUDA graphs with ({Q},) tokens per sequence not captured" in m
+               and "injected" in m for m in lines), lines
+    assert "CUDA graphs: captured for decode at batch sizes 4, 2, 1" in lines
