@@ -70,3 +70,5 @@ class LayerLoader:
         self._thread.join()
         for i in range(len(self._layers)):
             self.wait(i)
+        if self._stream is not None:  # the payloads and indices may be freed after this
+            self._stream.synchronize()
