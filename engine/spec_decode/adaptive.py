@@ -85,8 +85,10 @@ class AdaptiveDrafts:
         """The chance of use a draft token must have to pay for its place in the step."""
         return self.cost.per_token * self.throughput
 
-    def num_tokens(self, stream_id: str, threshold: float) -> int:
-        """Drafts to ask for this request now (0: none this step)."""
+    def num_tokens(self, stream_id: str, threshold: float, look_ahead: bool = False) -> int:
+        """Drafts to ask for this request now (0: none this step). `look_ahead`: asked for a
+        step that async scheduling may launch without drafts (Speculator.would_draft): it
+        counts as an idle step, but the one-token try stays due for the step that drafts."""
         if not self.enabled:
             return self.max_tokens
         s = self.streams.setdefault(stream_id, StreamAcceptance())
@@ -94,7 +96,8 @@ class AdaptiveDrafts:
         if k == 0:
             s.idle_steps += 1
             if s.idle_steps >= PROBE_EVERY:
-                s.idle_steps = 0
+                if not look_ahead:
+                    s.idle_steps = 0
                 return 1
         return k
 

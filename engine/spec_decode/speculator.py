@@ -106,7 +106,8 @@ class Speculator:
             seq.spec_token_ids = _grammar_prefix(core, seq, [int(t) for t in d[:k]])
             self.live.add(stream_id(seq))
 
-    def _budget(self, core: Any, seq: Sequence, threshold: float) -> int:
+    def _budget(self, core: Any, seq: Sequence, threshold: float,
+                look_ahead: bool = False) -> int:
         """Drafts a seq may get: 0 unless it decodes without a beam; at most what max_tokens
         and max_model_len leave after the token it samples anyway."""
         if seq.num_tokens - seq.num_computed_tokens != 1 or not seq.output_token_ids \
@@ -118,7 +119,7 @@ class Speculator:
                    core.max_model_len - seq.num_tokens) - 1
         if left <= 0:
             return 0
-        return min(left, self.adaptive.num_tokens(stream_id(seq), threshold))
+        return min(left, self.adaptive.num_tokens(stream_id(seq), threshold, look_ahead))
 
     def _release_gone(self, running: list[Sequence]) -> None:
         """Tell the proposer of the streams no longer running (finished, aborted, preempted)."""
@@ -149,7 +150,7 @@ class Speculator:
         threshold = self.adaptive.threshold()
         chosen: list[tuple[Sequence, int]] = []
         for seq in running:
-            k = self._budget(core, seq, threshold)
+            k = self._budget(core, seq, threshold, look_ahead=True)
             if k > 0:
                 chosen.append((seq, k))
         if not chosen:

@@ -200,3 +200,19 @@ def test_seeded_sampling_equals_plain_decoding(tiny_model_dir, base):
     counters = fast.llm_engine.get_stats()
     assert counters.spec_decode_num_accepted_tokens > 0 and _overlapped(fast) > 0
     _all_blocks_back(fast)
+
+
+def test_look_ahead_counts_idle_steps_but_leaves_the_try_to_the_drafting_step():
+    """A request whose drafts are not worth it tries one token every PROBE_EVERY steps; the
+    look-ahead question (steps launched without drafts) counts those steps, and the try it
+    announces is still there when the step that drafts asks."""
+    from kvserve.engine.spec_decode.adaptive import PROBE_EVERY, AdaptiveDrafts
+
+    drafts = AdaptiveDrafts(3)
+    drafts.observe("r", 3, 0)  # nothing accepted: alpha falls
+    never = 2.0  # a threshold no acceptance reaches
+    asked = [drafts.num_tokens("r", never, look_ahead=True) for _ in range(PROBE_EVERY)]
+    assert asked == [0] * (PROBE_EVERY - 1) + [1]
+    assert drafts.num_tokens("r", never, look_ahead=True) == 1  # still due
+    assert drafts.num_tokens("r", never) == 1  # the drafting step takes it
+    assert drafts.num_tokens("r", never) == 0
