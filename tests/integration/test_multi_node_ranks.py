@@ -39,7 +39,7 @@ def group(model: Path, tmp: Path, leader_env: dict, worker_env: dict,
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     base = {**os.environ, "MASTER_PORT": str(free_port()),
-            "KVSERVE_COMMAND_PORT": str(free_port()), "KVSERVE_EXIT_AFTER_CORE_DEATH_S": "10"}
+            "KVSERVE_COMMAND_PORT": str(free_port()), "KVSERVE_EXIT_AFTER_CORE_DEATH_S": "5"}
     worker = subprocess.Popen(command(model, "--headless"), env={**base, **worker_env},
                               stdout=(tmp / "worker.log").open("w"), stderr=subprocess.STDOUT)
     leader = subprocess.Popen(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -25,6 +26,37 @@ from kvserve.engine.worker.rank_env import from_environ
 PROMPTS = ["The quick brown fox jumps over", "Paged attention stores the KV cache",
            "What is the capital of France?", "Explain how the KV cache works in"]
 SHARED = "You are a helpful assistant. Answer briefly and precisely. "
+
+
+# What a stage worker imports (torch, transformers and its lazy torch._dynamo, our loader and
+# runner): loaded once into a fork server, each engine's workers fork from it in milliseconds
+# instead of importing them again for seconds as spawned ones do.
+WORKER_MODULES = ["kvserve.engine.worker.workers", "kvserve.engine.worker.model_loader",
+                  "kvserve.engine.worker.model_runner", "kvserve.engine.models",
+                  "kvserve.engine.layers.quantization", "kvserve.engine.layers.packed_linear",
+                  "kvserve.lora.model", "kvserve.engine.config", "kvserve.engine.worker.gguf_loader",
+                  "transformers", "transformers.models.auto", "transformers.utils.type_validators",
+                  "torch._dynamo", "safetensors"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forked_workers():
+    """Workers start from a fork server (a clean single-threaded process, as safe as spawning
+    from pytest; the worker code and its spec pickling are the same)."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    patch = pytest.MonkeyPatch()
+    patch.setenv("KVSERVE_WORKER_MULTIPROC_METHOD", "forkserver")
+    multiprocessing.set_forkserver_preload(WORKER_MODULES)
+    yield
+    patch.undo()
+    # The server holds a torch's worth of memory: killed (its interpreter's own exit takes
+    # seconds), then reaped.
+    server = forkserver._forkserver
+    if server._forkserver_pid is not None:
+        os.kill(server._forkserver_pid, signal.SIGKILL)
+    server._stop()
 
 
 @pytest.fixture(scope="module")
@@ -48,16 +80,38 @@ def generate(llm: LLM, prompts: list[str], **kw) -> list[tuple[list[int], list[d
             for o in outs for c in o.outputs]
 
 
-def run(model, prompts: list[str], sample: dict | None = None, **kw):
+class Refuse:
+    """A driver sampler that must never be called: with stages and no logits hook on the
+    driver, the last stage samples."""
+
+    def __call__(self, *args):  # noqa: ANN002
+        raise AssertionError("the driver sampled")
+
+
+SEEDED = [SamplingParams(temperature=0.9, top_p=0.9, seed=7 + i, max_tokens=12, logprobs=1)
+          for i in range(3)]
+
+
+def run(model, prompts: list[str], sample: dict | None = None, seeded: bool = False, **kw):
     """(outputs, stats, the driver's KV shape, [the driver's stage-link figures, then each
-    worker's]) of one engine, shut down after."""
+    worker's]) of one engine, shut down after; with stages the driver's sampler refuses. With
+    `seeded`, the outputs of SEEDED over three prompts come after (the figures are before)."""
     llm = LLM(**engine_kw(model, **kw))
     try:
-        out = generate(llm, prompts, **(sample or {}))
         engine = llm.llm_engine
         runner = engine.runner
-        links = [runner.link.figures, *runner.workers.link_figures()] if runner.link else []
-        return out, engine.get_stats(), tuple(runner.kv.shape), links
+        if runner.link is not None:
+            runner.sampler = Refuse()
+        out = generate(llm, prompts, **(sample or {}))
+        links = [replace(runner.link.figures), *runner.workers.link_figures()] \
+            if runner.link else []
+        stats = engine.get_stats()
+        if seeded:
+            got = llm.generate(PROMPTS[:3], SEEDED, use_tqdm=False)
+            out = (out, [(list(o.outputs[0].token_ids),
+                          [{t: v.logprob for t, v in d.items()} for d in o.outputs[0].logprobs])
+                         for o in got])
+        return out, stats, tuple(runner.kv.shape), links
     finally:
         llm.shutdown()
 
@@ -185,20 +239,21 @@ def test_micro_batches_cut_between_sequences_by_tokens() -> None:
 
 @pytest.fixture(scope="module")
 def reference(four_layers):
-    """One rank's outputs, stats and KV shape for the shared-prefix prompts."""
-    return run(four_layers, [SHARED + p for p in PROMPTS])
+    """One rank's outputs, stats and KV shape for the shared-prefix prompts (then the seeded
+    rows' outputs)."""
+    return run(four_layers, [SHARED + p for p in PROMPTS], seeded=True)
 
 
 @pytest.fixture(scope="module")
 def staged(four_layers):
     """The same with two stages (two layers each, two micro-batches per step)."""
-    return run(four_layers, [SHARED + p for p in PROMPTS], pipeline_parallel_size=2)
+    return run(four_layers, [SHARED + p for p in PROMPTS], seeded=True, pipeline_parallel_size=2)
 
 
 def test_two_stages_equal_one_rank_through_preemption_and_prefix_hits(reference,
                                                                        staged) -> None:
-    want, _, full_kv, _ = reference
-    got, stats, stage_kv, links = staged
+    (want, _), _, full_kv, _ = reference
+    (got, _), stats, stage_kv, links = staged
     assert_same(got, want)  # exact: the same ops in the same order, split over processes
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     assert full_kv[1] == 4 and stage_kv[1] == 2  # the driver's cache: its 2 layers only
@@ -207,8 +262,15 @@ def test_two_stages_equal_one_rank_through_preemption_and_prefix_hits(reference,
     assert sent.sends == received.recvs > 0 and sent.bytes_sent == received.bytes_received
 
 
+def test_the_last_stage_samples_seeded_rows_as_one_rank(reference, staged) -> None:
+    """The last stage samples (run() makes the driver's sampler raise) and seeded random rows
+    draw what one rank draws."""
+    want, got = reference[0][1], staged[0][1]
+    assert got == want
+
+
 def test_two_stages_by_two_ranks_equal_one_rank(four_layers, reference) -> None:
-    want, _, _, _ = reference
+    want = reference[0][0]
     got, stats, _, _ = run(four_layers, [SHARED + p for p in PROMPTS],
                            pipeline_parallel_size=2, tensor_parallel_size=2)
     # tensor parallelism sums each row-parallel product in two halves: logprobs within 1e-4
@@ -223,7 +285,7 @@ def test_an_uneven_split_and_whole_steps(four_layers, reference, staged, monkeyp
     monkeypatch.setenv("KVSERVE_PP_MICROBATCHES", "1")
     got, _, stage_kv, links = run(four_layers, [SHARED + p for p in PROMPTS],
                                   pipeline_parallel_size=2)
-    assert_same(got, reference[0])
+    assert_same(got, reference[0][0])
     assert stage_kv[1] == 3
     assert 0 < links[0].sends < staged[3][0].sends  # the same steps, cut in two there
 
@@ -346,27 +408,3 @@ def test_swap_preemption_and_fp8_kv_across_stages(four_layers) -> None:
     finally:
         llm.shutdown()
     assert_same(got, want)
-
-
-def test_the_last_stage_samples_seeded_rows_as_one_rank(tiny_model_dir) -> None:
-    """With no logits hook on the driver the last stage samples (the driver's sampler is
-    never called) and seeded random rows draw what one rank draws."""
-    params = [SamplingParams(temperature=0.9, top_p=0.9, seed=7 + i, max_tokens=12, logprobs=1)
-              for i in range(3)]
-
-    class Refuse:
-        def __call__(self, *args):  # noqa: ANN002
-            raise AssertionError("the driver sampled")
-
-    outs = []
-    for pp in (1, 2):
-        llm = LLM(**engine_kw(tiny_model_dir, pipeline_parallel_size=pp))
-        if pp == 2:
-            llm.llm_engine.runner.sampler = Refuse()
-        try:
-            got = llm.generate(PROMPTS[:3], params, use_tqdm=False)
-        finally:
-            llm.shutdown()
-        outs.append([(o.outputs[0].token_ids, [{t: v.logprob for t, v in d.items()}
-                                               for d in o.outputs[0].logprobs]) for o in got])
-    assert outs[0] == outs[1]
