@@ -535,12 +535,12 @@ class ModelRunner:
 
     def _replay(self, step: StepInput) -> torch.Tensor:
         """The step's hidden states from its captured graph, in the step's own row order."""
-        q = step.graph_query_len
+        q, graphs = step.graph_query_len, self.graphs
+        assert graphs is not None  # _forward checked it
         b = pad_to_uniform(step.query_start_loc, q, step.input_ids, step.positions,
                            step.slot_mapping[0], step.seq_lens, step.lora_slots)
-        hidden = self.graphs.run(b.input_ids, b.positions, b.slot_mapping,  # type: ignore[union-attr]
-                                 step.block_tables[0], b.seq_lens, b.lora_slots,
-                                 step.graph_size, self._fill(step), q)
+        hidden = graphs.run(b.input_ids, b.positions, b.slot_mapping, step.block_tables[0],
+                            b.seq_lens, b.lora_slots, step.graph_size, self._fill(step), q)
         return hidden if b.rows is None else hidden[self._dev(b.rows)]
 
     def _fill(self, step: StepInput) -> Callable[[torch.Tensor], None] | None:
