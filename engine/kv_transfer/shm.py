@@ -15,6 +15,7 @@ import mmap
 import os
 import socket
 import threading
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,21 +51,26 @@ def allowed(transport: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class SegmentRef:
-    """How a consumer finds a producer's segment: its process, descriptor, inode and size."""
+    """How a consumer finds a producer's segment: its process, descriptor, inode and size, and
+    a token of its own (a consumer's cached mapping is never taken for a later segment that
+    happens to get the same descriptor)."""
 
     pid: int
     fd: int
     inode: int
     size: int
+    token: str
 
-    def to_json(self) -> dict[str, int]:
-        return {"pid": self.pid, "fd": self.fd, "inode": self.inode, "size": self.size}
+    def to_json(self) -> dict[str, object]:
+        return {"pid": self.pid, "fd": self.fd, "inode": self.inode, "size": self.size,
+                "token": self.token}
 
     @classmethod
     def from_json(cls, value: object) -> "SegmentRef":
         if not isinstance(value, dict):
             raise ValueError(f"not a segment reference: {value!r}")
-        return cls(int(value["pid"]), int(value["fd"]), int(value["inode"]), int(value["size"]))
+        return cls(int(value["pid"]), int(value["fd"]), int(value["inode"]), int(value["size"]),
+                   str(value["token"]))
 
 
 class Segment:
@@ -79,7 +85,8 @@ class Segment:
             os.close(self.fd)
             raise
         self.size = size
-        self.ref = SegmentRef(os.getpid(), self.fd, os.fstat(self.fd).st_ino, size)
+        self.ref = SegmentRef(os.getpid(), self.fd, os.fstat(self.fd).st_ino, size,
+                              uuid.uuid4().hex)
 
     def tensor(self, nbytes: int) -> torch.Tensor:
         """The first `nbytes` as a uint8 tensor sharing the memory (it keeps the mapping
