@@ -74,13 +74,14 @@ def start_serve(name: str, model: Path, tmp: Path, *flags: str, redis_url: str |
     if redis_url is not None:
         flags = (*flags, "--redis-url", redis_url, "--service-name", SERVICE, "--replica-id",
                  name, "--advertise-url", f"http://127.0.0.1:{port}")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvserve.service.cli", "serve", str(model),
-         "--served-model-name", "tiny", "--device", "cpu", "--dtype", "float32",
-         "--kv-cache-memory", "8MiB", "--host", "127.0.0.1", "--port", str(port),
-         "--engine-core", "thread", "--log-level", "warning", *flags],
-        stdout=(tmp / f"{name}.log").open("w"), stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    with (tmp / f"{name}.log").open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvserve.service.cli", "serve", str(model),
+             "--served-model-name", "tiny", "--device", "cpu", "--dtype", "float32",
+             "--kv-cache-memory", "8MiB", "--host", "127.0.0.1", "--port", str(port),
+             "--engine-core", "thread", "--log-level", "warning", *flags],
+            stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     return proc, f"http://127.0.0.1:{port}"
 
 
