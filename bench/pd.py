@@ -215,8 +215,9 @@ def stream_chat(url: str, messages: list, max_tokens: int, extra: dict | None = 
     t0 = time.perf_counter()
     times = []
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {") and '"content":"' in line:
+        for line in r.iter_lines():  # tokens: chunks with text (not the opening role chunk)
+            if line.startswith("data: {") and any((c.get("delta") or {}).get("content")
+                                                  for c in json.loads(line[6:])["choices"]):
                 times.append(time.perf_counter())
     if not times:
         return float("nan"), [], 0
