@@ -1,19 +1,28 @@
-"""A several-model replica behind the router, on real parts (a redis-server, the server and the
-router as processes): the heartbeat lists the additional model, the router sends its requests to
-the replica through the adapter-affinity path, and the blocks that model caches in the shared
-pool are the ones the router predicts (its hashes carry the model's name, as the engine's do)."""
+"""A several-model replica behind the router, on real parts (a redis-server; the server as
+`kvserve serve --additional-model` builds it, and the router, each on a thread of the test
+process rather than a process of its own: a process start is 20 s of imports on two busy cores,
+and tests/integration/test_multi_model.py runs that server as a process): the heartbeat lists
+the additional model, the router sends its requests to the replica through the adapter-affinity
+path, and the blocks that model caches in the shared pool are the ones the router predicts (its
+hashes carry the model's name, as the engine's do)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import signal
+import threading
 
 import httpx
 import pytest
+import uvicorn
 from conftest import build_tiny_llama, free_port, wait_for
-from server_process import api_server_process
+
+from kvserve.service.serve_args import (build_serve_parser, engine_config_from_args,
+                                        server_config_from_args)
+from kvserve.service.server.drain import DrainingServer
+from kvserve.service.server.multi_model import AllEngines, multi_model_app
 
 from test_multi_model import build_tiny_qwen3
+from test_router import RouterThread
 
 PROMPT = [7, 8, 9, 10, 11, 12, 13, 14] * 6  # three full blocks of 16
 
@@ -23,21 +32,30 @@ def stack(tmp_path, redis_server, monkeypatch):
     monkeypatch.delenv("KVSERVE_ALLOW_RUNTIME_MODEL_UPDATING", raising=False)
     qwen = build_tiny_qwen3(tmp_path / "qwen")
     llama = build_tiny_llama(tmp_path / "llama")
-    with api_server_process(qwen, tmp_path / "server.log", "--additional-model",
-                            f"llama={llama}", "--redis-url", redis_server.url,
-                            "--service-name", "mm") as (_, server):
-        port = free_port()
-        router = subprocess.Popen(
-            [sys.executable, "-m", "kvserve.service.router", "--host", "127.0.0.1", "--port",
-             str(port), "--redis-url", redis_server.url, "--service-name", "mm",
-             "--tokenizer", str(qwen), "--expose-routing-headers", "--log-level", "warning"],
-            stdout=(tmp_path / "router.log").open("w"), stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            yield server, url
-        finally:
-            router.kill()
-            router.wait()
+    port = free_port()
+    args = build_serve_parser().parse_args([
+        str(qwen), "--additional-model", f"llama={llama}", "--redis-url", redis_server.url,
+        "--service-name", "mm", "--served-model-name", "tiny", "--host", "127.0.0.1", "--port",
+        str(port), "--kv-cache-memory", "4MiB", "--dtype", "float32", "--device", "cpu"])
+    # what api_server.run_multi_server serves, on a thread
+    app, apps = multi_model_app(engine_config_from_args(args), server_config_from_args(args))
+    server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"),
+                            AllEngines(apps), 1.0)  # type: ignore[arg-type]
+    thread = threading.Thread(target=server.run, name="multi-model-server", daemon=True)
+    router = None
+    try:
+        thread.start()
+        router = RouterThread(qwen, redis_server.url, ("--service-name", "mm"))
+        wait_for(lambda: server.started or not thread.is_alive(), 60, "the server")
+        assert thread.is_alive(), "the server did not start (see the log above)"
+        router.wait()
+        yield f"http://127.0.0.1:{port}", router.url
+    finally:
+        if router is not None:
+            router.stop()
+        server.handle_exit(signal.SIGTERM, None)
+        thread.join(30)
+        apps.models.shutdown()
 
 
 def replicas(router: str) -> list[dict]:
