@@ -490,12 +490,6 @@ class WorkerGroup:
         if self._closed.is_set():
             return
         self._closed.set()
-        data = pickle.dumps(("stop", None))
-        for conn in self.conns:
-            try:
-                conn.send_bytes(data)
-            except OSError:
-                pass
         self._finalizer.detach()
         _stop_procs(self.procs, self.conns, timeout)
 
@@ -508,7 +502,15 @@ def _watch(ref: "weakref.ref[WorkerGroup]", sentinels: list[int]) -> None:
 
 
 def _stop_procs(procs: list[Any], conns: list[Connection], timeout: float = 10.0) -> None:
-    """Join the workers (kill what does not stop in time) and leave the group."""
+    """Tell the workers to stop, join them (kill what does not stop in time) and leave the
+    group. Also a dropped engine's finalizer: its workers, told nothing, would wait on their
+    command pipes until killed at the timeout."""
+    data = pickle.dumps(("stop", None))
+    for conn in conns:
+        try:
+            conn.send_bytes(data)
+        except OSError:
+            pass
     deadline = time.monotonic() + timeout
     for proc in procs:
         proc.join(timeout=max(deadline - time.monotonic(), 0.1))

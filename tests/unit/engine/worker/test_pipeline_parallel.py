@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from conftest import build_tiny_llama
+from forked_workers import forked_workers
 from lora_checks import adapters, lora_base  # noqa: F401 - fixtures
 from kvserve import LLM, SamplingParams
 from kvserve.engine.errors import ConfigError, WorkerDiedError
@@ -28,35 +29,11 @@ PROMPTS = ["The quick brown fox jumps over", "Paged attention stores the KV cach
 SHARED = "You are a helpful assistant. Answer briefly and precisely. "
 
 
-# What a stage worker imports (torch, transformers and its lazy torch._dynamo, our loader and
-# runner): loaded once into a fork server, each engine's workers fork from it in milliseconds
-# instead of importing them again for seconds as spawned ones do.
-WORKER_MODULES = ["kvserve.engine.worker.workers", "kvserve.engine.worker.model_loader",
-                  "kvserve.engine.worker.model_runner", "kvserve.engine.models",
-                  "kvserve.engine.layers.quantization", "kvserve.engine.layers.packed_linear",
-                  "kvserve.lora.model", "kvserve.engine.config", "kvserve.engine.worker.gguf_loader",
-                  "transformers", "transformers.models.auto", "transformers.utils.type_validators",
-                  "torch._dynamo", "safetensors"]
-
-
 @pytest.fixture(scope="module", autouse=True)
-def forked_workers():
-    """Workers start from a fork server (a clean single-threaded process, as safe as spawning
-    from pytest; the worker code and its spec pickling are the same)."""
-    import multiprocessing
-    from multiprocessing import forkserver
-
-    patch = pytest.MonkeyPatch()
-    patch.setenv("KVSERVE_WORKER_MULTIPROC_METHOD", "forkserver")
-    multiprocessing.set_forkserver_preload(WORKER_MODULES)
-    yield
-    patch.undo()
-    # The server holds a torch's worth of memory: killed (its interpreter's own exit takes
-    # seconds), then reaped.
-    server = forkserver._forkserver
-    if server._forkserver_pid is not None:
-        os.kill(server._forkserver_pid, signal.SIGKILL)
-    server._stop()
+def _forked_workers():
+    """Stage workers fork from a preloaded fork server (forked_workers.py): no import each."""
+    with forked_workers():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 import torch
+from forked_workers import forked_workers
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.distributed import TPGroup, TPShape, check_tensor_parallel
@@ -22,6 +23,13 @@ from kvserve.engine.worker.model_loader import load_model
 PROMPTS = ["The quick brown fox jumps over", "Paged attention stores the KV cache",
            "What is the capital of France?", "Explain how the KV cache works in"]
 SHARED = "You are a helpful assistant. Answer briefly and precisely. "
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forked_workers():
+    """Workers fork from a preloaded fork server (forked_workers.py): no import each."""
+    with forked_workers():
+        yield
 
 
 def worker_pids(llm: LLM) -> list[int]:
@@ -193,10 +201,12 @@ def test_dropping_the_llm_stops_its_workers(tiny_model_dir) -> None:
 
     llm = LLM(**engine_kw(tiny_model_dir, tensor_parallel_size=2))
     pids = worker_pids(llm)
+    procs = list(llm.llm_engine.runner.workers.procs)
     assert tokens(llm, PROMPTS[:1], max_tokens=4)
     del llm
     gc.collect()
     assert_gone(pids)
+    assert [p.exitcode for p in procs] == [0]  # told to stop, not killed at the timeout
     # and the group is released: a new tensor-parallel engine starts in this process
     again = LLM(**engine_kw(tiny_model_dir, tensor_parallel_size=2))
     again.shutdown()

@@ -1,0 +1,61 @@
+"""In-process multi-rank engines (tensor or pipeline parallel) whose worker processes fork from
+one fork server that has already imported what a worker imports, instead of being spawned (the
+conftest default): a spawned worker imports torch, transformers (and through it torch._dynamo)
+and our loader again, seconds of CPU for each rank of each engine; a forked one starts in
+milliseconds. The fork server is a clean single-threaded process, as safe to fork from as a
+spawn; the worker's code and the pickled spec it gets are the same.
+
+A worker forked so sees the environment of the moment the server started (the module's first
+multi-rank engine), not the test's: the driver passes what a worker needs in its spec
+(layer split, micro-batches, threads), so only a test that sets a variable a worker itself reads
+must not use this.
+
+Use it as a module's autouse fixture:
+
+    @pytest.fixture(scope="module", autouse=True)
+    def _forked_workers():
+        with forked_workers():
+            yield
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from multiprocessing import forkserver
+
+import pytest
+
+# What a worker imports: our worker loop, loader and runner, transformers (its config classes
+# and type validators) and torch._dynamo (torch imports it lazily when a meta-device Embedding
+# is initialised).
+WORKER_MODULES = ["kvserve.engine.worker.workers", "kvserve.engine.worker.model_loader",
+                  "kvserve.engine.worker.model_runner", "kvserve.engine.models",
+                  "kvserve.engine.layers.quantization", "kvserve.engine.layers.packed_linear",
+                  "kvserve.lora.model", "kvserve.engine.config",
+                  "kvserve.engine.worker.gguf_loader", "transformers", "transformers.models.auto",
+                  "transformers.utils.type_validators", "torch._dynamo", "safetensors"]
+
+
+@contextmanager
+def forked_workers() -> Iterator[None]:
+    """KVSERVE_WORKER_MULTIPROC_METHOD=forkserver with WORKER_MODULES preloaded; the server is
+    ended on the way out (it holds a torch's worth of memory)."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("KVSERVE_WORKER_MULTIPROC_METHOD", "forkserver")
+    multiprocessing.set_forkserver_preload(WORKER_MODULES)
+    try:
+        yield
+    finally:
+        patch.undo()
+        # killed (its interpreter's own exit takes seconds), then reaped
+        server = forkserver._forkserver
+        if server._forkserver_pid is not None:
+            os.kill(server._forkserver_pid, signal.SIGKILL)
+        server._stop()
+
+
+__all__ = ["WORKER_MODULES", "forked_workers"]
