@@ -1,9 +1,10 @@
 """In-process multi-rank engines (tensor or pipeline parallel) whose worker processes fork from
-one fork server that has already imported what a worker imports, instead of being spawned (the
-conftest default): a spawned worker imports torch, transformers (and through it torch._dynamo)
-and our loader again, seconds of CPU for each rank of each engine; a forked one starts in
-milliseconds. The fork server is a clean single-threaded process, as safe to fork from as a
-spawn; the worker's code and the pickled spec it gets are the same.
+multiprocessing's fork server (as forked_process.py forks server processes), which has already
+imported what a worker imports, instead of being spawned (the conftest default): a spawned
+worker imports torch, transformers (and through it torch._dynamo) and our loader again, seconds
+of CPU for each rank of each engine; a forked one starts in milliseconds. The fork server is a
+clean single-threaded process, as safe to fork from as a spawn; the worker's code and the
+pickled spec it gets are the same.
 
 A worker forked so sees the environment of the moment the server started (the module's first
 multi-rank engine), not the test's: the driver passes what a worker needs in its spec
@@ -21,13 +22,11 @@ Use it as a module's autouse fixture:
 from __future__ import annotations
 
 import multiprocessing
-import os
-import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
-from multiprocessing import forkserver
 
 import pytest
+from forked_process import stop_forkserver
 
 # What a worker imports: our worker loop, loader and runner, transformers (its config classes
 # and type validators) and torch._dynamo (torch imports it lazily when a meta-device Embedding
@@ -51,11 +50,7 @@ def forked_workers() -> Iterator[None]:
         yield
     finally:
         patch.undo()
-        # killed (its interpreter's own exit takes seconds), then reaped
-        server = forkserver._forkserver
-        if server._forkserver_pid is not None:
-            os.kill(server._forkserver_pid, signal.SIGKILL)
-        server._stop()
+        stop_forkserver()
 
 
 __all__ = ["WORKER_MODULES", "forked_workers"]
