@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,7 +15,9 @@ from pathlib import Path
 import httpx
 import openai
 import psutil
+import pytest
 from conftest import free_port, make_llm, wait_for
+from forked_process import ForkedProc, fork_module, stop_forkserver
 from server_process import health
 
 from kvserve import SamplingParams
@@ -27,26 +27,47 @@ FLAGS = ("--model", "{model}", "--pipeline-parallel-size", "2", "--dtype", "floa
          "--max-model-len", "256", "--log-level", "info")
 
 
+# The seconds the leader stays up after its engine core died, answering /health with a 503.
+# The server reads it when it is imported, and the forkserver imports it when it starts: so the
+# variable is set before this module's first fork, on a forkserver of its own.
+EXIT_GRACE_S = "5"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forkserver() -> Iterator[None]:
+    """Both hosts are `kvserve serve` processes forked from forked_process.py's preloaded
+    forkserver (each a real process of its own: pid, ports, signals, exit code), not spawned
+    interpreters importing torch and transformers again; the ranks and engine core they start
+    are spawned as in production."""
+    stop_forkserver()
+    patch = pytest.MonkeyPatch()
+    patch.setenv("KVSERVE_EXIT_AFTER_CORE_DEATH_S", EXIT_GRACE_S)
+    try:
+        yield
+    finally:
+        patch.undo()
+        stop_forkserver()
+
+
 def command(model: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "kvserve.service.cli", "serve",
-            *(f.format(model=model) for f in FLAGS), *extra]
+    return ["serve", *(f.format(model=model) for f in FLAGS), *extra]
 
 
 @contextmanager
 def group(model: Path, tmp: Path, leader_env: dict, worker_env: dict,
-          engine_core: str) -> Iterator[tuple[subprocess.Popen, subprocess.Popen, str]]:
+          engine_core: str) -> Iterator[tuple[ForkedProc, ForkedProc, str]]:
     """(leader, worker, the leader's URL) once /health answers 200; both killed after."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    base = {**os.environ, "MASTER_PORT": str(free_port()),
-            "KVSERVE_COMMAND_PORT": str(free_port()), "KVSERVE_EXIT_AFTER_CORE_DEATH_S": "5"}
-    worker = subprocess.Popen(command(model, "--headless"), env={**base, **worker_env},
-                              stdout=(tmp / "worker.log").open("w"), stderr=subprocess.STDOUT)
-    leader = subprocess.Popen(
+    base = {"MASTER_PORT": str(free_port()), "KVSERVE_COMMAND_PORT": str(free_port()),
+            "KVSERVE_EXIT_AFTER_CORE_DEATH_S": EXIT_GRACE_S}
+    worker = fork_module("kvserve.service.cli", command(model, "--headless"), tmp / "worker.log",
+                         {**base, **worker_env})
+    leader = fork_module(
+        "kvserve.service.cli",
         command(model, "--host", "127.0.0.1", "--port", str(port), "--served-model-name",
                 "tiny", "--kv-cache-memory", "4MiB", "--engine-core", engine_core),
-        env={**base, **leader_env}, stdout=(tmp / "leader.log").open("w"),
-        stderr=subprocess.STDOUT)
+        tmp / "leader.log", {**base, **leader_env})
     try:
         wait_for(lambda: leader.poll() is not None or health(url) == 200, 300, "the leader")
         assert leader.poll() is None, (tmp / "leader.log").read_text()[-3000:]
