@@ -8,7 +8,14 @@ token (one large GEMM) and, hundreds at a time, they would set the fit's slope a
 came out at the prefill's cost, well under what a scored draft costs. On a
 CPU at batch 1 a forward costs about the same for one token or five (a >> b), so drafts are
 scored freely; at batch 64 the forward is compute-bound and only drafts that are nearly sure
-survive, so speculation does not cost throughput."""
+survive, so speculation does not cost throughput.
+
+A step that scores any draft also costs a fixed amount beside its tokens (the drafted seqs'
+attention runs as a chunk, not as a decode; the sampler's extra rows; the acceptance pass): the
+fit is seconds ~ a + b * tokens + c * [the step scored drafts], and the drafts chosen per
+request go into a step only when their expected worth together, sum of (alpha^j / throughput -
+b) in seconds, exceeds c. At high concurrency many drafts share one c; a few marginal ones do
+not pay for it, and the step decodes without drafts."""
 
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 2.0  # alpha starts at 0.5
 PROBE_EVERY = 16  # a request drafted nothing this many steps: try one draft token
 FIT_WINDOW = 256  # steps in the cost fit
 MIN_TOKEN_SPREAD = 2.0  # the fit needs steps of different sizes (std of tokens per step)
+MIN_EACH_KIND = 4  # c is fitted once this many steps with drafts and without are in the window
 
 
 @dataclass
@@ -43,21 +51,26 @@ class StreamAcceptance:
 
 
 class StepCost:
-    """seconds ~ a + b * tokens over the last FIT_WINDOW steps (least squares)."""
+    """seconds ~ a + b * tokens + c * drafted over the last FIT_WINDOW steps (least squares;
+    c only once both steps with and without drafts are in the window, else 0)."""
 
     def __init__(self) -> None:
-        self.points: deque[tuple[float, float]] = deque(maxlen=FIT_WINDOW)
+        self.points: deque[tuple[float, float, float]] = deque(maxlen=FIT_WINDOW)
         self.per_token = 0.0  # b: optimistic until steps of different sizes were seen
+        self.per_verification = 0.0  # c: what scoring any draft adds to a step
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        self.points.append((float(num_tokens), seconds))
+    def observe(self, num_tokens: int, seconds: float, drafted: bool = False) -> None:
+        self.points.append((float(num_tokens), float(drafted), seconds))
         if len(self.points) < 8:
             return
         data = np.array(self.points)
         if data[:, 0].std() < MIN_TOKEN_SPREAD:
             return
-        slope, _ = np.polyfit(data[:, 0], data[:, 1], 1)
-        self.per_token = max(float(slope), 0.0)
+        both = min(data[:, 1].sum(), len(data) - data[:, 1].sum()) >= MIN_EACH_KIND
+        cols = [np.ones(len(data)), data[:, 0]] + ([data[:, 1]] if both else [])
+        coef = np.linalg.lstsq(np.stack(cols, axis=1), data[:, 2], rcond=None)[0]
+        self.per_token = max(float(coef[1]), 0.0)
+        self.per_verification = max(float(coef[2]), 0.0) if both else 0.0
 
 
 class AdaptiveDrafts:
@@ -72,18 +85,32 @@ class AdaptiveDrafts:
         self.outputs: deque[tuple[int, float]] = deque(maxlen=FIT_WINDOW)
 
     def observe_step(self, num_tokens: int, num_output_tokens: int, seconds: float,
-                     decoding: bool = True) -> None:
+                     decoding: bool = True, drafted: bool = False) -> None:
         """A finished step: `decoding` when every seq scored only its last token and drafts
-        (steps with a prefill chunk are left out of the cost and the throughput)."""
+        (steps with a prefill chunk are left out of the cost and the throughput); `drafted`
+        when it scored any draft."""
         if seconds <= 0 or not decoding:
             return
-        self.cost.observe(num_tokens, seconds)
+        self.cost.observe(num_tokens, seconds, drafted)
         self.outputs.append((num_output_tokens, seconds))
         self.throughput = sum(n for n, _ in self.outputs) / sum(t for _, t in self.outputs)
 
     def threshold(self) -> float:
         """The chance of use a draft token must have to pay for its place in the step."""
         return self.cost.per_token * self.throughput
+
+    def step_pays(self, chosen: list[tuple[str, int]]) -> bool:
+        """Whether drafts of these lengths (stream, k) are worth a verification step: their
+        expected seconds saved, sum over j <= k of alpha^j / throughput - b, exceed c."""
+        if not self.enabled or self.cost.per_verification <= 0.0 or self.throughput <= 0.0:
+            return True
+        worth = 0.0
+        for sid, k in chosen:
+            alpha = self.streams[sid].alpha if sid in self.streams else \
+                PRIOR_ACCEPTED / PRIOR_TRIALS
+            worth += sum(alpha ** j for j in range(1, k + 1)) / self.throughput \
+                - k * self.cost.per_token
+        return worth > self.cost.per_verification
 
     def num_tokens(self, stream_id: str, threshold: float, look_ahead: bool = False) -> int:
         """Drafts to ask for this request now (0: none this step). `look_ahead`: asked for a

@@ -97,7 +97,7 @@ class Speculator:
             k = self._budget(core, seq, threshold)
             if k > 0:
                 chosen.append((seq, k))
-        if not chosen:
+        if not chosen or not self.adaptive.step_pays([(stream_id(s), k) for s, k in chosen]):
             return
         views = [SpecRequestView(stream_id(s), np.asarray(s.all_token_ids, dtype=np.int64),
                                  s.num_prompt_tokens) for s, _ in chosen]
@@ -153,7 +153,7 @@ class Speculator:
             k = self._budget(core, seq, threshold, look_ahead=True)
             if k > 0:
                 chosen.append((seq, k))
-        if not chosen:
+        if not chosen or not self.adaptive.step_pays([(stream_id(s), k) for s, k in chosen]):
             return False
         views = [SpecRequestView(stream_id(s), _known_tokens(s), s.num_prompt_tokens)
                  for s, _ in chosen]
@@ -281,7 +281,8 @@ class Speculator:
         """A finished step's size and time (the adaptive draft lengths' cost model)."""
         drafts = sum(len(d) for d in sched.spec_token_ids)
         decoding = sched.total_tokens == len(sched.seqs) + drafts
-        self.adaptive.observe_step(sched.total_tokens, num_output_tokens, seconds, decoding)
+        self.adaptive.observe_step(sched.total_tokens, num_output_tokens, seconds, decoding,
+                                   drafts > 0)
         self.log.maybe_log(self.counters)
 
     def hidden_states(self, core: Any, sched: SchedulerOutput, step: Any) -> None:

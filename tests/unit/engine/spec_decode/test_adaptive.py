@@ -51,3 +51,33 @@ def test_prefill_steps_leave_the_fit_and_the_throughput():
     decoding_seconds = sum(0.030 + 0.003 * t for t in [8, 12, 16, 24])
     assert abs(a.throughput - 32 / decoding_seconds) < 1e-6
     assert abs(a.threshold() - 0.003 * 32 / decoding_seconds) < 1e-9
+
+
+def test_fit_separates_the_verification_cost():
+    """Steps with drafts cost c = 40 ms more beside their tokens: the fit finds b and c."""
+    cost = StepCost()
+    for tokens in [8, 12, 16, 24, 32, 40] * 3:
+        cost.observe(tokens, 0.030 + 0.002 * tokens)
+        cost.observe(tokens + 8, 0.030 + 0.002 * (tokens + 8) + 0.040, drafted=True)
+    assert abs(cost.per_token - 0.002) < 1e-6
+    assert abs(cost.per_verification - 0.040) < 1e-6
+
+
+def test_no_verification_cost_until_both_kinds_of_step_were_seen():
+    cost = StepCost()
+    for tokens in [8, 12, 16, 24, 32, 40] * 3:
+        cost.observe(tokens, 0.070 + 0.002 * tokens, drafted=True)
+    assert abs(cost.per_token - 0.002) < 1e-6 and cost.per_verification == 0.0
+
+
+def test_a_step_drafts_only_when_its_drafts_pay_for_the_verification():
+    a = AdaptiveDrafts(max_tokens=4)
+    a.cost.per_token, a.cost.per_verification, a.throughput = 0.002, 0.040, 100.0
+    for sid in ("x", "y"):
+        for _ in range(20):
+            a.observe(sid, 4, 4)  # alpha near 1
+    # each draft: alpha^j / 100 - 0.002 ~ 8 ms saved; 4 of them ~ 32 ms < 40 ms
+    assert not a.step_pays([("x", 4)])
+    assert a.step_pays([("x", 4), ("y", 4)])  # ~ 64 ms > 40 ms
+    a.cost.per_verification = 0.0  # not fitted yet: drafts go in as chosen
+    assert a.step_pays([("x", 1)])
