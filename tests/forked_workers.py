@@ -40,12 +40,12 @@ WORKER_MODULES = ["kvserve.engine.worker.workers", "kvserve.engine.worker.model_
 
 
 @contextmanager
-def forked_workers() -> Iterator[None]:
-    """KVSERVE_WORKER_MULTIPROC_METHOD=forkserver with WORKER_MODULES preloaded; the server is
-    ended on the way out (it holds a torch's worth of memory)."""
+def forked_workers(*extra: str) -> Iterator[None]:
+    """KVSERVE_WORKER_MULTIPROC_METHOD=forkserver with WORKER_MODULES (and the modules `extra`)
+    preloaded; the server is ended on the way out (it holds a torch's worth of memory)."""
     patch = pytest.MonkeyPatch()
     patch.setenv("KVSERVE_WORKER_MULTIPROC_METHOD", "forkserver")
-    multiprocessing.set_forkserver_preload(WORKER_MODULES)
+    multiprocessing.set_forkserver_preload([*WORKER_MODULES, *extra])
     try:
         yield
     finally:

@@ -10,12 +10,22 @@ import logging
 import pytest
 
 from conftest import make_llm
+from forked_workers import forked_workers
 from graph_checks import StandIn, assert_same_outputs, interpreter  # noqa: F401 - fixture
 from kvserve import SamplingParams
 
 PROMPTS = ["the cat sat", "a dog ran far away", "hello"]
 PARAMS = SamplingParams(max_tokens=5, temperature=0.0, logprobs=0, ignore_eos=True)
 RANKS = 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forked_workers():
+    """Workers fork from a preloaded fork server (forked_workers.py): no import each. It starts
+    with the module's first engine, under `interpreter`'s TRITON_INTERPRET=1."""
+    with forked_workers("triton", "kvserve.kernels.triton_attention",
+                        "kvserve.kernels.triton_cache"):
+        yield
 
 
 def _engine(tiny_model_dir):

@@ -12,12 +12,20 @@ import pytest
 from safetensors import safe_open
 
 from conftest import make_llm
+from forked_workers import forked_workers
 from kvserve import SamplingParams
 from kvserve.engine.errors import ConfigError
 from kvserve.model_executor.model_loader import ShardedStateLoader
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forked_workers():
+    """Workers fork from a preloaded fork server (forked_workers.py): no import each."""
+    with forked_workers():
+        yield
 
 
 def copy_metadata(model_dir: Path, out: Path) -> None:
