@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import make_llm
+from forked_workers import forked_workers
 from family_checks import assert_matches_hf, build_family, hf_model, prompts, run
 
 FAMILIES = {
@@ -19,6 +20,13 @@ FAMILIES = {
                               query_pre_attn_scalar=24),
     "Phi3ForCausalLM": dict(sliding_window=11),
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forked_workers():
+    """Workers fork from a preloaded fork server (forked_workers.py): no import each."""
+    with forked_workers():
+        yield
 
 
 @pytest.mark.parametrize("arch", sorted(FAMILIES))

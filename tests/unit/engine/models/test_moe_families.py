@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import make_llm
+from forked_workers import forked_workers
 from family_checks import build_family, check_family, copy_with
 from kvserve.engine.errors import ConfigError, ModelNotFoundError
 from kvserve.engine.layers.moe import FusedMoE
@@ -17,6 +18,13 @@ from kvserve.engine.worker.model_loader import iter_weights, load_model
 from kvserve.engine.layers.mlp import GatedMLP
 
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forked_workers():
+    """Workers fork from a preloaded fork server (forked_workers.py): no import each."""
+    with forked_workers():
+        yield
 
 
 @pytest.fixture(scope="module")
