@@ -42,7 +42,10 @@ WORKER_MODULES = ["kvserve.engine.worker.workers", "kvserve.engine.worker.model_
 @contextmanager
 def forked_workers(*extra: str) -> Iterator[None]:
     """KVSERVE_WORKER_MULTIPROC_METHOD=forkserver with WORKER_MODULES (and the modules `extra`)
-    preloaded; the server is ended on the way out (it holds a torch's worth of memory)."""
+    preloaded, on a fork server of the module's own (one left running is ended first: it has
+    another preload list and another environment); ended on the way out too (it holds a torch's
+    worth of memory)."""
+    stop_forkserver()
     patch = pytest.MonkeyPatch()
     patch.setenv("KVSERVE_WORKER_MULTIPROC_METHOD", "forkserver")
     multiprocessing.set_forkserver_preload([*WORKER_MODULES, *extra])
