@@ -121,6 +121,7 @@ class Result:
     replica: str = ""  # the id of the replica that took the request
     events: list = field(default_factory=list)
     chunks: int = 0  # chunks with text
+    ended: bool = False  # the response is over (so a wait on its chunks fails fast, not hangs)
 
     def texts(self) -> dict[int, str]:
         out: dict[int, str] = {}
@@ -181,19 +182,22 @@ async def run_streams(url: str, reqs: list[tuple[str, dict]], kill=None,
     async with httpx.AsyncClient(timeout=300) as client:
         async def one(i: int, started: asyncio.Event) -> None:
             path, body = reqs[i]
-            async with client.stream("POST", url + path, json=body) as resp:
-                assert resp.status_code == 200, await resp.aread()
-                results[i].replica = resp.headers["x-kvserve-replica"]
-                started.set()
-                async for line in resp.aiter_lines():
-                    if line.startswith("data: "):
-                        payload = line[6:]
-                        event = payload if payload == "[DONE]" else json.loads(payload)
-                        results[i].events.append(event)
-                        if isinstance(event, dict) and any(
-                                c.get("text") or (c.get("delta") or {}).get("content")
-                                for c in event.get("choices", [])):
-                            results[i].chunks += 1
+            try:
+                async with client.stream("POST", url + path, json=body) as resp:
+                    assert resp.status_code == 200, await resp.aread()
+                    results[i].replica = resp.headers["x-kvserve-replica"]
+                    started.set()
+                    async for line in resp.aiter_lines():
+                        if line.startswith("data: "):
+                            payload = line[6:]
+                            event = payload if payload == "[DONE]" else json.loads(payload)
+                            results[i].events.append(event)
+                            if isinstance(event, dict) and any(
+                                    c.get("text") or (c.get("delta") or {}).get("content")
+                                    for c in event.get("choices", [])):
+                                results[i].chunks += 1
+            finally:
+                results[i].ended = True
         tasks = []
         for i in range(len(reqs)):
             started = asyncio.Event()
@@ -256,7 +260,7 @@ def test_a_killed_replicas_streams_complete_elsewhere_as_an_undisturbed_run(flee
 
         async def kill(results: list[Result]) -> None:
             mine = [r for r in results if r.replica == "m2"]
-            while not all(r.chunks >= 12 for r in mine):
+            while not all(r.chunks >= 12 or r.ended for r in mine):
                 await asyncio.sleep(0.005)
             killed_at.append({i: len(r.events) for i, r in enumerate(results)})
             victim.proc.send_signal(signal.SIGKILL)
@@ -302,6 +306,7 @@ class Whole:
     replica: str = ""
     body: dict = field(default_factory=dict)
     events: list = field(default_factory=list)  # a Responses stream's
+    ended: bool = False
 
     def deltas(self) -> int:
         return sum(e["type"] == "response.output_text.delta" for e in self.events)
@@ -313,15 +318,18 @@ async def run_whole(url: str, reqs: list[tuple[str, dict]], kill=None) -> list[W
     async with httpx.AsyncClient(timeout=300) as client:
         async def one(i: int) -> None:
             path, body = reqs[i]
-            async with client.stream("POST", url + path, json=body) as resp:
-                assert resp.status_code == 200, await resp.aread()
-                results[i].replica = resp.headers["x-kvserve-replica"]
-                if not body.get("stream"):
-                    results[i].body = json.loads(await resp.aread())
-                    return
-                async for line in resp.aiter_lines():
-                    if line.startswith("data: "):
-                        results[i].events.append(json.loads(line[6:]))
+            try:
+                async with client.stream("POST", url + path, json=body) as resp:
+                    assert resp.status_code == 200, await resp.aread()
+                    results[i].replica = resp.headers["x-kvserve-replica"]
+                    if not body.get("stream"):
+                        results[i].body = json.loads(await resp.aread())
+                        return
+                    async for line in resp.aiter_lines():
+                        if line.startswith("data: "):
+                            results[i].events.append(json.loads(line[6:]))
+            finally:
+                results[i].ended = True
         tasks = [asyncio.create_task(one(i)) for i in range(len(reqs))]
         if kill is not None:
             tasks.append(asyncio.create_task(kill(results)))
@@ -393,11 +401,12 @@ def test_whole_answers_and_responses_of_a_killed_replica_complete_as_undisturbed
         async def kill(results: list[Whole]) -> None:
             def running(url: str) -> float:
                 return metric(url, "vllm:num_requests_running")
-            while sum([await asyncio.to_thread(running, p.url)
-                       for p in fleet.replicas.values()]) + sum(map(done, results)) < len(reqs):
+            while sum([await asyncio.to_thread(running, p.url) for p in fleet.replicas.values()]
+                      ) + sum(r.ended for r in results) < len(reqs):
                 await asyncio.sleep(0.05)  # every request admitted (or already answered)
             streams = [r for r, (_, b) in zip(results, reqs) if b.get("stream")]
-            while not all(r.replica and (r.deltas() >= 12 or done(r)) for r in streams):
+            while not all(r.ended or r.replica and (r.deltas() >= 12 or done(r))
+                          for r in streams):
                 await asyncio.sleep(0.005)
             unfinished.extend(i for i, r in enumerate(results) if not done(r))
             victim.proc.send_signal(signal.SIGKILL)
@@ -435,11 +444,11 @@ def test_concurrent_greedy_streams_of_a_killed_replica_complete_as_undisturbed(f
         moved: list[int] = []
 
         async def kill(results: list[Result]) -> None:
-            while not all(r.replica for r in results):
+            while not all(r.replica or r.ended for r in results):
                 await asyncio.sleep(0.005)
             victim = max(RIDS, key=[r.replica for r in results].count)
             mine = [r for r in results if r.replica == victim]
-            while not all(r.chunks >= 12 for r in mine):
+            while not all(r.chunks >= 12 or r.ended for r in mine):
                 await asyncio.sleep(0.005)
             moved.extend(i for i, r in enumerate(results)
                          if r.replica == victim and "[DONE]" not in r.events)
@@ -469,7 +478,7 @@ def test_a_rolling_restart_of_two_replicas_under_load_loses_nothing(fleet, refs)
 
             async def drain(results: list[Result], rid: str = rid, proc=proc) -> None:
                 mine = [r for r in results if r.replica == rid]
-                while not all(r.chunks >= 12 for r in mine):
+                while not all(r.chunks >= 12 or r.ended for r in mine):
                     await asyncio.sleep(0.005)
                 handed.append(sum("[DONE]" not in r.events for r in mine))
                 proc.send_signal(signal.SIGTERM)
@@ -503,7 +512,7 @@ def test_a_rolling_drain_hands_every_stream_over(fleet, refs):
             for rid in ("m1", "m2"):
                 proc = fleet.replicas[rid].proc
                 seen = [r.chunks for r in results]
-                while not all(r.chunks >= s + 12 or "[DONE]" in r.events
+                while not all(r.chunks >= s + 12 or "[DONE]" in r.events or r.ended
                               for r, s in zip(results, seen)):
                     await asyncio.sleep(0.005)
                 if rid == "m1":
@@ -535,11 +544,11 @@ def test_the_migration_limit_ends_the_stream_with_an_error_naming_it(fleet):
         async def kill_twice(results: list[Result]) -> None:
             r = results[0]
             first = fleet.replicas[r.replica]
-            while r.chunks < 10:
+            while r.chunks < 10 and not r.ended:
                 await asyncio.sleep(0.005)
             first.proc.send_signal(signal.SIGKILL)
             seen = r.chunks
-            while r.chunks < seen + 10:  # delivered by the continuation's replica
+            while r.chunks < seen + 10 and not r.ended:  # by the continuation's replica
                 await asyncio.sleep(0.005)
             for p in fleet.replicas.values():  # the continuation's replica among them
                 if p is not first and p.proc.poll() is None:
