@@ -29,6 +29,13 @@ def skip_init_linear(n_in: int, n_out: int, bias: bool, dtype: torch.dtype, devi
     return torch.nn.utils.skip_init(nn.Linear, n_in, n_out, bias=bias, dtype=dtype, device=device)
 
 
+def empty_embedding(num: int, dim: int, dtype: torch.dtype, device) -> nn.Embedding:
+    """An nn.Embedding over uninitialised memory (load_weights fills it). Not skip_init:
+    nn.Embedding's meta-device init imports torch._dynamo, ~0.7 s of CPU in every process
+    that builds a model."""
+    return nn.Embedding(num, dim, _weight=torch.empty(num, dim, dtype=dtype, device=device))
+
+
 @dataclass(frozen=True)
 class RankSlice:
     """Read `length` entries from `start` along `dim` of a checkpoint tensor; `zero` = this rank

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from kvserve.engine.distributed import TPGroup, TPShape
 from kvserve.engine.layers.attention import Attention, AttentionOps
 from kvserve.engine.layers.layernorm import GemmaRMSNorm, RMSNorm, norm_heads
-from kvserve.engine.layers.linear import skip_init_linear
+from kvserve.engine.layers.linear import empty_embedding, skip_init_linear
 from kvserve.engine.layers.mlp import GatedMLP
 from kvserve.engine.layers.moe import FusedMoE, MoESpec
 from kvserve.engine.layers.rotary import RotaryEmbedding
@@ -192,8 +192,7 @@ class DecoderModel(nn.Module):
         if not pp.is_first:
             self.embed_tokens = PPMissingLayer()
         elif tp is None:
-            self.embed_tokens = torch.nn.utils.skip_init(
-                nn.Embedding, d.vocab, d.hidden, dtype=dtype, device=device)
+            self.embed_tokens = empty_embedding(d.vocab, d.hidden, dtype, device)
         else:
             self.embed_tokens = VocabParallelEmbedding(s, d.hidden, tp, dtype, device)
         # HF multiplies by the scale rounded to the model dtype (Gemma's normalizer).

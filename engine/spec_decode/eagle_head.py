@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from kvserve.engine.distributed import TPShape
 from kvserve.engine.errors import ConfigError, ModelNotFoundError
 from kvserve.engine.layers.attention import AttentionOps
-from kvserve.engine.layers.linear import skip_init_linear
+from kvserve.engine.layers.linear import empty_embedding, skip_init_linear
 from kvserve.engine.layers.mlp import GatedMLP
 from kvserve.engine.layers.rotary import RotaryEmbedding
 from kvserve.engine.models.decoder import DecoderAttention, DecoderSpec, decoder_dims
@@ -77,8 +77,7 @@ class EagleHead(FusedWeightLoader, nn.Module):
         width = 3 * target_hidden if eagle3 else 2 * d.hidden
         self.fc = skip_init_linear(width, d.hidden, fc_bias, dtype, device)
         if own_embedding:
-            self.embed_tokens = torch.nn.utils.skip_init(nn.Embedding, d.vocab, d.hidden,
-                                                         dtype=dtype, device=device)
+            self.embed_tokens = empty_embedding(d.vocab, d.hidden, dtype, device)
         if eagle3:
             self.draft_vocab = int(getattr(config, "draft_vocab_size", None) or d.vocab)
             self.norm = spec.norm(d.hidden, dtype, device)
