@@ -6,14 +6,24 @@ drafts accepted and rejected, no block held at the end."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import make_llm
+from forked_workers import forked_workers
 from test_spec_decode import (PROMPTS, Oracle, assert_no_blocks_held, counters, same,
                               spec_llm, with_oracle)
 
 from kvserve import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forked_workers():
+    """Tensor-parallel workers fork from a preloaded fork server (forked_workers.py):
+    no import of torch and transformers each."""
+    with forked_workers():
+        yield
 
 
 def drafted_both_ways(llm) -> None:
