@@ -4,10 +4,20 @@ token-identical to one rank in fp32."""
 from __future__ import annotations
 
 import pytest
+from forked_workers import forked_workers
 
 from kvserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forked_workers():
+    """The three ranks fork from a preloaded fork server (forked_workers.py): no import of torch
+    and transformers each."""
+    with forked_workers():
+        yield
+
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
              "Explain the multi-head attention mechanism in the Transformer architecture",
