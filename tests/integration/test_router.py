@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 from conftest import RedisServer, free_port
+from forked_process import fork_module, stop_forkserver
 
 from kvserve.engine.core.block_hash import block_hashes
 from kvserve.engine.sample.tokenizer import load_tokenizer
@@ -53,9 +54,21 @@ class Cluster:
     procs: list[Proc] = field(default_factory=list)
 
 
+# `python -m` modules and the module whose `main(argv)` a forked child runs for them.
+FORK_MAINS = {"kvserve.service.cli": "kvserve.service.cli",
+              "kvserve.service.router": "kvserve.service.router.cli"}
+
+
 def spawn(name: str, args: list[str], port: int, tmp: Path,
-          env: dict[str, str] | None = None) -> Proc:
+          env: dict[str, str] | None = None, fork: bool = False) -> Proc:
+    """`python -m *args`; with `fork`, forked from the preloaded fork server instead
+    (tests/forked_process.py: a real process of its own, started in about a second; the
+    caller ends the fork server with `stop_forkserver` once its children are gone)."""
     log = tmp / f"{name}.log"
+    if fork:
+        proc = fork_module(FORK_MAINS[args[0]], args[1:], log,
+                           {"PYTHONUNBUFFERED": "1", **(env or {})})
+        return Proc(name, proc, log, f"http://127.0.0.1:{port}")  # type: ignore[arg-type]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen([sys.executable, "-m", *args], stdout=log.open("w"),
                             stderr=subprocess.STDOUT, env=env)
@@ -63,7 +76,7 @@ def spawn(name: str, args: list[str], port: int, tmp: Path,
 
 
 def spawn_replica(rid: str, model: Path, redis_url: str, tmp: Path,
-                  env: dict[str, str] | None = None) -> Proc:
+                  env: dict[str, str] | None = None, fork: bool = False) -> Proc:
     port = free_port()
     return spawn(rid, ["kvserve.service.cli", "serve", str(model), "--served-model-name", "tiny",
                        "--device", "cpu", "--enable-prompt-tokens-details",
@@ -71,7 +84,7 @@ def spawn_replica(rid: str, model: Path, redis_url: str, tmp: Path,
                        "--redis-url", redis_url, "--service-name", SERVICE, "--replica-id", rid,
                        "--advertise-url", f"http://127.0.0.1:{port}", "--log-level", "warning",
                        "--engine-core", "thread"],
-                 port, tmp, env)
+                 port, tmp, env, fork)
 
 
 # The tests read the chosen replica from the routing headers, off by default.
@@ -80,12 +93,12 @@ ROUTER_FLAGS = ["--service-name", SERVICE, "--overload-factor", "1.5", "--overlo
 HEADERS_FLAG = "--expose-routing-headers"
 
 
-def spawn_router(name: str, model: Path, redis_url: str, tmp: Path) -> Proc:
+def spawn_router(name: str, model: Path, redis_url: str, tmp: Path, fork: bool = False) -> Proc:
     port = free_port()
     return spawn(name, ["kvserve.service.router", "--host", "127.0.0.1", "--port", str(port),
                         "--redis-url", redis_url, "--tokenizer", str(model), *ROUTER_FLAGS,
                         HEADERS_FLAG],
-                 port, tmp)
+                 port, tmp, fork=fork)
 
 
 class RouterThread:
@@ -142,9 +155,9 @@ def cluster(redis_binary, tiny_model_dir, tmp_path_factory) -> Iterator[Cluster]
     tmp = tmp_path_factory.mktemp("router-cluster")
     redis = RedisServer(redis_binary, tmp)
     redis.start()
-    replicas = {rid: spawn_replica(rid, tiny_model_dir, redis.url, tmp)
+    replicas = {rid: spawn_replica(rid, tiny_model_dir, redis.url, tmp, fork=True)
                 for rid in ("r1", "r2", "r3")}
-    routers = [spawn_router("router1", tiny_model_dir, redis.url, tmp)]
+    routers = [spawn_router("router1", tiny_model_dir, redis.url, tmp, fork=True)]
     in_process = RouterThread(tiny_model_dir, redis.url)
     routers.append(Proc("router2", None, tmp / "router1.log",  # type: ignore[arg-type]
                         f"http://127.0.0.1:{in_process.port}"))
@@ -165,6 +178,7 @@ def cluster(redis_binary, tiny_model_dir, tmp_path_factory) -> Iterator[Cluster]
                 p.proc.send_signal(signal.SIGCONT)
                 p.proc.kill()
             p.proc.wait()
+        stop_forkserver()
         redis.stop()
 
 

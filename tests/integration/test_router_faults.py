@@ -21,6 +21,7 @@ import openai
 import pytest
 import redis
 from conftest import RedisServer
+from forked_process import stop_forkserver
 from test_router import (SERVICE, Proc, RouterThread, chat_body, index_matches, spawn,
                          spawn_replica, wait_healthy, wait_until)
 
@@ -49,7 +50,7 @@ def pair(redis_binary, tiny_model_dir, tmp_path_factory) -> Iterator[Pair]:
     server = RedisServer(redis_binary, tmp)
     server.start()
     env = {REGISTRATION_TOKEN_ENV: TOKEN}
-    replicas = {rid: spawn_replica(rid, tiny_model_dir, server.url, tmp, env)
+    replicas = {rid: spawn_replica(rid, tiny_model_dir, server.url, tmp, env, fork=True)
                 for rid in ("f1", "f2")}
     try:
         deadline = time.monotonic() + 240
@@ -62,6 +63,7 @@ def pair(redis_binary, tiny_model_dir, tmp_path_factory) -> Iterator[Pair]:
                 p.proc.send_signal(signal.SIGCONT)
                 p.proc.kill()
             p.proc.wait()
+        stop_forkserver()
         server.stop()
 
 
@@ -222,7 +224,7 @@ def test_sigterm_drains_the_router(pair, tmp_path):
     proc = spawn("drain-router", ["kvserve.service.router", "--host", "127.0.0.1", "--port",
                                   str(port), "--replicas", replica.url, "--policy", "least-load",
                                   "--shutdown-grace-period", "60", "--log-level", "info"],
-                 port, tmp_path)
+                 port, tmp_path, fork=True)
     try:
         wait_healthy(proc, time.monotonic() + 120)
         body = {"model": "tiny", "prompt": "drain", "max_tokens": 200, "ignore_eos": True,
@@ -258,7 +260,7 @@ def test_the_router_cuts_streams_still_running_when_the_grace_period_ends(pair, 
     port = free_port()
     proc = spawn("short-grace", ["kvserve.service.router", "--host", "127.0.0.1", "--port",
                                  str(port), "--replicas", replica.url, "--policy", "least-load",
-                                 "--shutdown-grace-period", "0.5"], port, tmp_path)
+                                 "--shutdown-grace-period", "0.5"], port, tmp_path, fork=True)
     try:
         wait_healthy(proc, time.monotonic() + 120)
         client = openai.Client(base_url=proc.url + "/v1", api_key="none", max_retries=0)
