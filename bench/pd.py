@@ -23,7 +23,7 @@ sends each long prompt to the prefill replica with max_tokens=1 and kv_transfer_
 `kvserve router --policy pd` and llm-d's sidecar do), and the chats to the decode replica.
 
     python bench/pd.py mixed [--chats 4] [--long-every 6] [--long-tokens 2048] [--seconds 60]
-                             [--rounds 2]
+                             [--rounds 2] [--max-num-batched-tokens N]
 """
 
 from __future__ import annotations
@@ -176,8 +176,11 @@ def transfer(args: argparse.Namespace) -> None:
 
 
 # ---- mixed workload ---------------------------------------------------------------------------
-def start(port: int, core: int, role: str | None, kv_port: int, log: Path) -> subprocess.Popen:
+def start(port: int, core: int, role: str | None, kv_port: int, log: Path,
+          chunk: int | None = None) -> subprocess.Popen:
     flags = ["--kv-cache-memory", "1GiB", "--max-num-seqs", "16", "--engine-core", "thread"]
+    if chunk:  # chunked prefill: a long prompt's step holds at most this many tokens
+        flags += ["--max-num-batched-tokens", str(chunk)]
     if role is not None:
         flags += ["--kv-transfer-config", json.dumps({
             "kv_connector": "KVServeConnector", "kv_role": role,
@@ -313,7 +316,7 @@ def mixed_run(args: argparse.Namespace) -> None:
                 for core, role in replicas:
                     port = _free_port()
                     procs.append(start(port, core, role, _free_port(),
-                                       logs / f"{name}-{core}.log"))
+                                       logs / f"{name}-{core}.log", args.max_num_batched_tokens))
                     urls.append(f"http://127.0.0.1:{port}")
                 for url, proc in zip(urls, procs):
                     wait_healthy(url, proc)
@@ -352,6 +355,8 @@ def main() -> None:
     m.add_argument("--long-tokens", type=int, default=2048)
     m.add_argument("--seconds", type=float, default=60.0)
     m.add_argument("--rounds", type=int, default=2)
+    m.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="every replica's step budget (chunked prefill; default: the engine's)")
     m.add_argument("--log-dir", default="/tmp/kvserve-pd-bench")
     args = parser.parse_args()
     transfer(args) if args.cmd == "transfer" else mixed_run(args)
