@@ -177,7 +177,8 @@ class KVCacheTierMachine(KVCacheMachine):
             self.kv.free(seq)
             return
         got = KVMemory.read(self.mem.dev, self.kv.block_ids(seq), cached)
-        assert got == list(tokens[:cached]), "a restore brought back foreign KV"
+        # the hits may run into `extra` (an earlier seq decoded those tokens into a full block)
+        assert got == seq.all_token_ids[:cached], "a restore brought back foreign KV"
         seq.num_computed_tokens = cached
         self.pending[seq.seq_id] = min(seq.num_tokens - cached, chunk)
         self.running[seq.seq_id] = seq
