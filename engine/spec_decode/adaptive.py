@@ -15,11 +15,20 @@ attention runs as a chunk, not as a decode; the sampler's extra rows; the accept
 fit is seconds ~ a + b * tokens + c * [the step scored drafts], and the drafts chosen per
 request go into a step only when their expected worth together, sum of (alpha^j / throughput -
 b) in seconds, exceeds c. At high concurrency many drafts share one c; a few marginal ones do
-not pay for it, and the step decodes without drafts."""
+not pay for it, and the step decodes without drafts.
+
+What the fit cannot see decides the rest at high load: a step without drafts launches while
+the one before it runs (async scheduling) and a step with drafts runs in turn, and Python's
+work per row. So above the per-request rule sits a measured one (ModeChooser): per batch size
+(powers of two, taken at each epoch's start), epochs of EPOCH_STEPS decoding steps alternate between drafting (the rule
+above) and plain decoding until each was tried MIN_EPOCHS times; then the mode that gave more
+output tokens per wall second is kept, and the other is tried again every EXPLORE_EVERY
+epochs, so a change of load or acceptance is seen."""
 
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -31,6 +40,9 @@ PROBE_EVERY = 16  # a request drafted nothing this many steps: try one draft tok
 FIT_WINDOW = 256  # steps in the cost fit
 MIN_TOKEN_SPREAD = 2.0  # the fit needs steps of different sizes (std of tokens per step)
 MIN_EACH_KIND = 4  # c is fitted once this many steps with drafts and without are in the window
+EPOCH_STEPS = 8  # decoding steps a mode is kept before the chooser looks again
+MIN_EPOCHS = 2  # epochs of each mode, per batch size, before the better is kept
+EXPLORE_EVERY = 16  # then one epoch in this many tries the other mode
 
 
 @dataclass
@@ -73,6 +85,60 @@ class StepCost:
         self.per_verification = max(float(coef[2]), 0.0) if both else 0.0
 
 
+class ModeChooser:
+    """Drafting or plain decoding, per batch-size bucket (bit length of the running count), by
+    output tokens per wall second measured over epochs of EPOCH_STEPS decoding steps (the wall
+    time between step ends: overlap, scheduling and sampling included). Past epochs of a mode
+    weigh half at each new one."""
+
+    def __init__(self, clock=time.perf_counter) -> None:
+        self.clock = clock
+        self.rates: dict[tuple[int, bool], list[float]] = {}  # tokens, seconds, epochs
+        self.bucket: int | None = None
+        self.drafting = True
+        self.left = 0  # decoding steps left in this epoch
+        self.epochs = 0  # epochs chosen by measurement (the exploration's clock)
+        self.tokens = self.seconds = 0.0
+        self.last: float | None = None
+
+    def drafts_allowed(self, batch: int) -> bool:
+        """Whether a step of `batch` running seqs may draft. A new epoch starts when the last
+        one is over, in the bucket of the batch then (a batch that shrinks or grows within an
+        epoch stays in its bucket: epochs cut short at every finish would measure nothing)."""
+        if self.left <= 0:
+            self._close_epoch()
+            self.bucket, self.left = max(batch, 1).bit_length(), EPOCH_STEPS
+            self.drafting = self._pick(self.bucket)
+        return self.drafting
+
+    def _pick(self, bucket: int) -> bool:
+        d, p = self.rates.get((bucket, True)), self.rates.get((bucket, False))
+        tried_d, tried_p = (d[2] if d else 0), (p[2] if p else 0)
+        if min(tried_d, tried_p) < MIN_EPOCHS:
+            return tried_d <= tried_p  # the less tried, drafting first
+        self.epochs += 1
+        best = d[0] * p[1] >= p[0] * d[1]  # type: ignore[index]
+        return (not best) if self.epochs % EXPLORE_EVERY == 0 else best
+
+    def observe(self, decoding: bool, num_output_tokens: int, seconds: float) -> None:
+        """A step ended: decoding steps count toward the epoch (the gap since the previous
+        step's end, unless the engine sat idle in between)."""
+        now = self.clock()
+        gap = None if self.last is None else now - self.last
+        self.last = now
+        if not decoding or gap is None or gap > 3 * seconds + 0.05:
+            return
+        self.tokens += num_output_tokens
+        self.seconds += gap
+        self.left -= 1
+
+    def _close_epoch(self) -> None:
+        if self.bucket is not None and self.seconds > 0 and self.left <= EPOCH_STEPS // 2:
+            r = self.rates.setdefault((self.bucket, self.drafting), [0.0, 0.0, 0])
+            r[0], r[1], r[2] = 0.5 * r[0] + self.tokens, 0.5 * r[1] + self.seconds, r[2] + 1
+        self.tokens = self.seconds = 0.0
+
+
 class AdaptiveDrafts:
     """Per-request draft lengths from acceptance and the step cost (see the module doc)."""
 
@@ -81,6 +147,7 @@ class AdaptiveDrafts:
         self.enabled = enabled
         self.streams: dict[str, StreamAcceptance] = {}
         self.cost = StepCost()
+        self.mode = ModeChooser()
         self.throughput = 0.0  # output tokens per second over the window's decoding steps
         self.outputs: deque[tuple[int, float]] = deque(maxlen=FIT_WINDOW)
 
@@ -89,7 +156,10 @@ class AdaptiveDrafts:
         """A finished step: `decoding` when every seq scored only its last token and drafts
         (steps with a prefill chunk are left out of the cost and the throughput); `drafted`
         when it scored any draft."""
-        if seconds <= 0 or not decoding:
+        if seconds <= 0:
+            return
+        self.mode.observe(decoding, num_output_tokens, seconds)
+        if not decoding:
             return
         self.cost.observe(num_tokens, seconds, drafted)
         self.outputs.append((num_output_tokens, seconds))
@@ -98,6 +168,10 @@ class AdaptiveDrafts:
     def threshold(self) -> float:
         """The chance of use a draft token must have to pay for its place in the step."""
         return self.cost.per_token * self.throughput
+
+    def drafts_allowed(self, batch: int) -> bool:
+        """The measured mode for a step of `batch` running seqs (always, without adaptive)."""
+        return not self.enabled or self.mode.drafts_allowed(batch)
 
     def step_pays(self, chosen: list[tuple[str, int]]) -> bool:
         """Whether drafts of these lengths (stream, k) are worth a verification step: their

@@ -89,7 +89,8 @@ class Speculator:
             seq.spec_token_ids = []
         self._release_gone(running)
         limit = self.config.disable_by_batch_size
-        if limit is not None and len(running) > limit:
+        if limit is not None and len(running) > limit \
+                or not self.adaptive.drafts_allowed(len(running)):
             return
         threshold = self.adaptive.threshold()
         chosen: list[tuple[Sequence, int]] = []
@@ -145,7 +146,8 @@ class Speculator:
         running = core.scheduler.running
         self._release_gone(running)  # steps that keep launching ahead never call `propose`
         limit = self.config.disable_by_batch_size
-        if limit is not None and len(running) > limit:
+        if limit is not None and len(running) > limit \
+                or not self.adaptive.drafts_allowed(len(running)):
             return False
         threshold = self.adaptive.threshold()
         chosen: list[tuple[Sequence, int]] = []

@@ -81,3 +81,67 @@ def test_a_step_drafts_only_when_its_drafts_pay_for_the_verification():
     assert a.step_pays([("x", 4), ("y", 4)])  # ~ 64 ms > 40 ms
     a.cost.per_verification = 0.0  # not fitted yet: drafts go in as chosen
     assert a.step_pays([("x", 1)])
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run_epochs(chooser, clock, batch: int, epochs: int, seconds: dict[bool, float],
+               tokens: dict[bool, int]) -> list[bool]:
+    """Drive `epochs` epochs of decoding steps; each mode's step takes seconds[mode] and yields
+    tokens[mode]. Returns the mode of each epoch."""
+    from kvserve.engine.spec_decode.adaptive import EPOCH_STEPS
+
+    modes = []
+    for _ in range(epochs):
+        mode = chooser.drafts_allowed(batch)
+        modes.append(mode)
+        for _ in range(EPOCH_STEPS):
+            assert chooser.drafts_allowed(batch) == mode  # kept for the whole epoch
+            clock.now += seconds[mode]
+            chooser.observe(True, tokens[mode], seconds[mode])
+    return modes
+
+
+def test_mode_chooser_keeps_the_faster_mode_and_explores():
+    from kvserve.engine.spec_decode.adaptive import EXPLORE_EVERY, MIN_EPOCHS, ModeChooser
+
+    clock = FakeClock()
+    chooser = ModeChooser(clock)
+    chooser.observe(False, 0, 0.1)  # a prefill step first: no gap yet
+    # drafting: 64 tokens in 0.25 s (256/s); plain: 64 in 0.2 s (320/s)
+    modes = run_epochs(chooser, clock, 64, 2 * MIN_EPOCHS + EXPLORE_EVERY,
+                       {True: 0.25, False: 0.2}, {True: 64, False: 64})
+    assert modes[:2 * MIN_EPOCHS] == [True, False] * MIN_EPOCHS  # both tried, drafting first
+    kept = modes[2 * MIN_EPOCHS:]
+    assert kept.count(False) == EXPLORE_EVERY - 1 and kept.count(True) == 1  # one exploration
+    # at batch 1 drafting pays (3 tokens a step for 1.1x the time): its own bucket learns it
+    modes = run_epochs(chooser, clock, 1, 2 * MIN_EPOCHS + 4, {True: 0.055, False: 0.05},
+                       {True: 3, False: 1})
+    assert modes[2 * MIN_EPOCHS:] == [True] * 4
+
+
+def test_mode_chooser_skips_idle_gaps():
+    """A gap far past the step's own time (the engine had nothing to do) is not counted."""
+    from kvserve.engine.spec_decode.adaptive import EPOCH_STEPS, ModeChooser
+
+    clock = FakeClock()
+    chooser = ModeChooser(clock)
+    chooser.drafts_allowed(8)
+    chooser.observe(True, 8, 0.1)  # the first end: no gap to measure
+    clock.now += 30.0
+    chooser.observe(True, 8, 0.1)  # idle for 30 s
+    assert chooser.left == EPOCH_STEPS and chooser.seconds == 0.0
+    clock.now += 0.1
+    chooser.observe(True, 8, 0.1)
+    assert chooser.left == EPOCH_STEPS - 1 and abs(chooser.seconds - 0.1) < 1e-9
+
+
+def test_not_adaptive_always_drafts():
+    a = AdaptiveDrafts(max_tokens=3, enabled=False)
+    assert all(a.drafts_allowed(64) for _ in range(100))
