@@ -4,9 +4,10 @@ and on free chat (bench/workload.py), at concurrency 1, 8 and 64, greedy and T=0
 
     python bench/spec_decode.py [--method ngram] [--k 4] [--rounds 3] [--batches 1,8,64]
 
-Each round runs plain then speculative decoding (or the reverse on odd rounds) on the same
+Each round runs plain and speculative decoding (the order turns each round) on the same
 requests; the ratio is taken per round, and the median and min-max over the rounds are printed
-with the acceptance figures of the speculative runs. Concurrency 1 runs the requests one after
+with the acceptance figures of the speculative runs. `--control` times a second plain engine in
+the same rounds: its ratio to the first is what chance alone moves a ratio by. Concurrency 1 runs the requests one after
 another; 8 and 64 submit them all at once."""
 
 from __future__ import annotations
@@ -59,28 +60,36 @@ def spec_figures(llm: LLM) -> tuple[int, int, int]:
 
 
 def compare(base: LLM, spec: LLM, chats: list, params: SamplingParams, concurrency: int,
-            rounds: int) -> str:
-    ratios, base_rates, spec_rates = [], [], []
-    warm = SamplingParams(temperature=params.temperature, max_tokens=32)
+            rounds: int, control: LLM | None = None) -> str:
+    """One table row. `control`: a second plain engine timed in the same rounds; its ratio to
+    the first (the same code: 1.00x but for noise) shows how far a ratio moves by chance."""
+    engines = [base, spec] + ([control] if control is not None else [])
+    rates: dict[int, list[float]] = {id(e): [] for e in engines}
     first = chats(-1) if callable(chats) else chats  # agentic: a task set of its own
-    for llm in (base, spec):  # first calls of new shapes (oneDNN primitives) are not timed
-        run(llm, first[:1], warm, 1)
+    # First calls of new shapes (oneDNN primitives, the allocator's arenas) are not timed: each
+    # engine runs the cell's requests once at its concurrency, 8 tokens each (the speculative
+    # engine's drafting/plain choice sees one epoch of it; it learns the rest in the rounds)
+    warm = SamplingParams(temperature=params.temperature, max_tokens=8)
+    for llm in engines:
+        run(llm, first[:1] if concurrency == 1 else first, warm, concurrency)
     before = spec_figures(spec)
     for r in range(rounds):
-        order = [(base, base_rates), (spec, spec_rates)]
-        results = {}
         round_chats = chats(r) if callable(chats) else chats  # agentic: new tasks each round
-        for llm, rates in (order if r % 2 == 0 else order[::-1]):
+        shift = r % len(engines)  # each engine runs first, second, ... in turn
+        for llm in engines[shift:] + engines[:shift]:
             tokens, seconds = run(llm, round_chats, params, concurrency)
-            rates.append(tokens / seconds)
-            results[id(llm)] = rates[-1]
-        ratios.append(results[id(spec)] / results[id(base)])
+            rates[id(llm)].append(tokens / seconds)
+    ratio = [s / b for s, b in zip(rates[id(spec)], rates[id(base)])]
     drafts, drafted, accepted = (a - b for a, b in zip(spec_figures(spec), before))
     rate = accepted / drafted if drafted else 0.0
     mean_len = 1 + accepted / drafts if drafts else 1.0
-    return (f"{statistics.median(base_rates):.1f} | {statistics.median(spec_rates):.1f} | "
-            f"**{statistics.median(ratios):.2f}x** | {min(ratios):.2f}-{max(ratios):.2f} | "
-            f"{rate:.0%} | {mean_len:.2f}")
+    row = (f"{statistics.median(rates[id(base)]):.1f} | {statistics.median(rates[id(spec)]):.1f}"
+           f" | **{statistics.median(ratio):.2f}x** | {min(ratio):.2f}-{max(ratio):.2f} | "
+           f"{rate:.0%} | {mean_len:.2f}")
+    if control is not None:
+        noise = [c / b for c, b in zip(rates[id(control)], rates[id(base)])]
+        row += f" | {statistics.median(noise):.2f}x ({min(noise):.2f}-{max(noise):.2f})"
+    return row
 
 
 def main() -> None:
@@ -98,6 +107,8 @@ def main() -> None:
                     help="draft_model: 'self' (the target drafts for itself: every draft is "
                          "accepted at T=0, at the cost of a second forward) or 'skip:N' (the "
                          "target's first N layers + its head, bench/spec_workloads.py)")
+    ap.add_argument("--control", action="store_true",
+                    help="time a second plain engine too: its ratio to the first is the noise")
     args = ap.parse_args()
     config = {"method": args.method, "num_speculative_tokens": args.k}
     if args.method == "draft_model":
@@ -112,11 +123,12 @@ def main() -> None:
         config.update(prompt_lookup_min=2, prompt_lookup_max=4)
     common = dict(max_model_len=2048, max_num_seqs=64)
     base, spec = LLM(args.model, **common), LLM(args.model, speculative_config=config, **common)
+    control = LLM(args.model, **common) if args.control else None
     print(f"model {args.model}, speculative_config {config}, {args.rounds} rounds; tok/s = "
           "generated tokens per second (median), ratio = speculative / plain per round")
     print("| workload | concurrency | T | plain tok/s | spec tok/s | ratio | spread | "
-          "acceptance | mean accepted length |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "acceptance | mean accepted length |" + (" plain / plain (spread) |" if control else ""))
+    print("| --- " * (10 if control else 9) + "|")
     for workload in args.workloads.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
             n = args.serial if batch == 1 else batch
@@ -125,7 +137,7 @@ def main() -> None:
                 chats = (lambda r, n=n: agentic_requests(n, seed=r))
             for t in (float(x) for x in args.temperatures.split(",")):
                 params = SamplingParams(temperature=t, max_tokens=args.tokens, seed=None)
-                row = compare(base, spec, chats, params, batch, args.rounds)
+                row = compare(base, spec, chats, params, batch, args.rounds, control)
                 print(f"| {workload} | {batch} | {t:g} | {row} |", flush=True)
 
 

@@ -20,10 +20,14 @@ not pay for it, and the step decodes without drafts.
 What the fit cannot see decides the rest at high load: a step without drafts launches while
 the one before it runs (async scheduling) and a step with drafts runs in turn, and Python's
 work per row. So above the per-request rule sits a measured one (ModeChooser): per batch size
-(powers of two, taken at each epoch's start), epochs of EPOCH_STEPS decoding steps alternate between drafting (the rule
-above) and plain decoding until each was tried MIN_EPOCHS times; then the mode that gave more
+(powers of two, taken at each epoch's start), epochs of EPOCH_STEPS decoding steps alternate
+between drafting (the rule above) and plain decoding until each was tried MIN_EPOCHS times
+(drafting first); then the mode that gave more
 output tokens per wall second is kept, and the other is tried again every EXPLORE_EVERY
-epochs, so a change of load or acceptance is seen."""
+epochs, so a change of load or acceptance is seen. A bucket not measured yet whose mode the
+measured ones imply (drafting won at a larger batch, or plain decoding at a smaller one) starts
+in that mode and explores the other on the same one-in-EXPLORE_EVERY clock: a batch that
+drains through the buckets as its requests finish does not pay two exploration epochs in each."""
 
 from __future__ import annotations
 
@@ -41,7 +45,7 @@ FIT_WINDOW = 256  # steps in the cost fit
 MIN_TOKEN_SPREAD = 2.0  # the fit needs steps of different sizes (std of tokens per step)
 MIN_EACH_KIND = 4  # c is fitted once this many steps with drafts and without are in the window
 EPOCH_STEPS = 8  # decoding steps a mode is kept before the chooser looks again
-MIN_EPOCHS = 2  # epochs of each mode, per batch size, before the better is kept
+MIN_EPOCHS = 1  # epochs of each mode, per batch size, before the better is kept
 EXPLORE_EVERY = 16  # then one epoch in this many tries the other mode
 
 
@@ -64,25 +68,50 @@ class StreamAcceptance:
 
 class StepCost:
     """seconds ~ a + b * tokens + c * drafted over the last FIT_WINDOW steps (least squares;
-    c only once both steps with and without drafts are in the window, else 0)."""
+    c only once both steps with and without drafts are in the window, else 0). The fit is kept
+    as the window's running sums and solved in plain Python (3 unknowns): a step costs a few
+    microseconds. (numpy's lstsq over the window took ~0.2 ms a step inside the engine, where
+    its LAPACK call meets torch's threads: 0.4% of a 64-seq step, for nothing.)"""
 
     def __init__(self) -> None:
-        self.points: deque[tuple[float, float, float]] = deque(maxlen=FIT_WINDOW)
+        self.points: deque[tuple[float, float, float]] = deque()
+        self.sums = [0.0] * 8  # n, x, d, xx, xd, y, xy, dy (x: tokens, d: drafted, y: seconds)
+        self.added = 0  # points added since the sums were last rebuilt (rounding drift)
         self.per_token = 0.0  # b: optimistic until steps of different sizes were seen
         self.per_verification = 0.0  # c: what scoring any draft adds to a step
 
+    @staticmethod
+    def _add(sums: list[float], x: float, d: float, y: float, sign: float = 1.0) -> None:
+        for i, v in enumerate((1.0, x, d, x * x, x * d, y, x * y, d * y)):
+            sums[i] += sign * v
+
     def observe(self, num_tokens: int, seconds: float, drafted: bool = False) -> None:
-        self.points.append((float(num_tokens), float(drafted), seconds))
-        if len(self.points) < 8:
+        point = (float(num_tokens), float(drafted), float(seconds))
+        self.points.append(point)
+        self._add(self.sums, *point)
+        if len(self.points) > FIT_WINDOW:
+            self._add(self.sums, *self.points.popleft(), sign=-1.0)
+        self.added += 1
+        if self.added >= FIT_WINDOW:  # rebuild from the window now and then: no drift
+            self.sums = [0.0] * 8
+            for q in self.points:
+                self._add(self.sums, *q)
+            self.added = 0
+        n, x, d, xx, xd, y, xy, dy = self.sums
+        sxx = xx - x * x / n if n else 0.0  # centred: n * variance of the step sizes
+        if n < 8 or sxx < n * MIN_TOKEN_SPREAD ** 2:
             return
-        data = np.array(self.points)
-        if data[:, 0].std() < MIN_TOKEN_SPREAD:
-            return
-        both = min(data[:, 1].sum(), len(data) - data[:, 1].sum()) >= MIN_EACH_KIND
-        cols = [np.ones(len(data)), data[:, 0]] + ([data[:, 1]] if both else [])
-        coef = np.linalg.lstsq(np.stack(cols, axis=1), data[:, 2], rcond=None)[0]
-        self.per_token = max(float(coef[1]), 0.0)
-        self.per_verification = max(float(coef[2]), 0.0) if both else 0.0
+        sxy = xy - x * y / n
+        if min(d, n - d) >= MIN_EACH_KIND - 0.5:
+            # centred normal equations of (b, c): [sxx sxd; sxd sdd] [b c]' = [sxy sdy]'
+            sxd, sdd, sdy = xd - x * d / n, d - d * d / n, dy - d * y / n
+            det = sxx * sdd - sxd * sxd
+            if det > 1e-9 * sxx * sdd:  # else sizes and drafting move together: b alone
+                self.per_token = max((sxy * sdd - sdy * sxd) / det, 0.0)
+                self.per_verification = max((sxx * sdy - sxd * sxy) / det, 0.0)
+                return
+        self.per_token = max(sxy / sxx, 0.0)
+        self.per_verification = 0.0
 
 
 class ModeChooser:
@@ -112,13 +141,35 @@ class ModeChooser:
         return self.drafting
 
     def _pick(self, bucket: int) -> bool:
+        """The mode of a new epoch in `bucket`: the better measured one (the other one epoch in
+        EXPLORE_EVERY); else what the measured buckets imply; else the less tried."""
         d, p = self.rates.get((bucket, True)), self.rates.get((bucket, False))
         tried_d, tried_p = (d[2] if d else 0), (p[2] if p else 0)
-        if min(tried_d, tried_p) < MIN_EPOCHS:
-            return tried_d <= tried_p  # the less tried, drafting first
+        if min(tried_d, tried_p) >= MIN_EPOCHS:
+            best = self._best(bucket)
+        else:
+            implied = self._implied(bucket)
+            if implied is None:
+                return tried_d <= tried_p  # the less tried, drafting first
+            best = implied
         self.epochs += 1
-        best = d[0] * p[1] >= p[0] * d[1]  # type: ignore[index]
         return (not best) if self.epochs % EXPLORE_EVERY == 0 else best
+
+    def _best(self, bucket: int) -> bool:
+        d, p = self.rates[(bucket, True)], self.rates[(bucket, False)]
+        return d[0] * p[1] >= p[0] * d[1]
+
+    def _implied(self, bucket: int) -> bool | None:
+        """A draft costs a step more, relative to its work, the more seqs it holds, so drafting
+        that won at a larger batch wins at this one, and plain decoding that won at a smaller
+        batch wins at this one: a bucket the batch drains or grows into starts in that mode
+        instead of exploring both (None: no measured bucket implies either, or they disagree)."""
+        measured = {b: self._best(b) for (b, _), r in self.rates.items()
+                    if min(self.rates.get((b, True), [0, 0, 0])[2],
+                           self.rates.get((b, False), [0, 0, 0])[2]) >= MIN_EPOCHS}
+        draft = any(best and b > bucket for b, best in measured.items())
+        plain = any(not best and b < bucket for b, best in measured.items())
+        return None if draft == plain else draft
 
     def observe(self, decoding: bool, num_output_tokens: int, seconds: float) -> None:
         """A step ended: decoding steps count toward the epoch (the gap since the previous
@@ -149,7 +200,8 @@ class AdaptiveDrafts:
         self.cost = StepCost()
         self.mode = ModeChooser()
         self.throughput = 0.0  # output tokens per second over the window's decoding steps
-        self.outputs: deque[tuple[int, float]] = deque(maxlen=FIT_WINDOW)
+        self.outputs: deque[tuple[int, float]] = deque()
+        self.output_sums = [0, 0.0]  # the window's output tokens and seconds
 
     def observe_step(self, num_tokens: int, num_output_tokens: int, seconds: float,
                      decoding: bool = True, drafted: bool = False) -> None:
@@ -163,7 +215,12 @@ class AdaptiveDrafts:
             return
         self.cost.observe(num_tokens, seconds, drafted)
         self.outputs.append((num_output_tokens, seconds))
-        self.throughput = sum(n for n, _ in self.outputs) / sum(t for _, t in self.outputs)
+        sums = self.output_sums
+        sums[0], sums[1] = sums[0] + num_output_tokens, sums[1] + seconds
+        if len(self.outputs) > FIT_WINDOW:
+            n, t = self.outputs.popleft()
+            sums[0], sums[1] = sums[0] - n, sums[1] - t
+        self.throughput = sums[0] / sums[1] if sums[1] > 0 else 0.0
 
     def threshold(self) -> float:
         """The chance of use a draft token must have to pay for its place in the step."""

@@ -145,3 +145,62 @@ def test_mode_chooser_skips_idle_gaps():
 def test_not_adaptive_always_drafts():
     a = AdaptiveDrafts(max_tokens=3, enabled=False)
     assert all(a.drafts_allowed(64) for _ in range(100))
+
+
+def test_running_fit_equals_the_windows_least_squares():
+    """The running sums forget what left the window: after 3 windows of steps whose costs
+    change halfway, the fit is the least-squares solution of the last FIT_WINDOW steps."""
+    import numpy as np
+
+    from kvserve.engine.spec_decode.adaptive import FIT_WINDOW
+
+    rng = np.random.default_rng(0)
+    cost = StepCost()
+    points = []
+    for i in range(3 * FIT_WINDOW + 17):
+        tokens, drafted = int(rng.integers(8, 300)), bool(rng.random() < 0.4)
+        b, c = (0.001, 0.010) if i < 2 * FIT_WINDOW else (0.003, 0.025)
+        seconds = 0.02 + b * tokens + c * drafted + float(rng.normal(0, 1e-3))
+        cost.observe(tokens, seconds, drafted)
+        points.append((tokens, drafted, seconds))
+    data = np.array(points[-FIT_WINDOW:], dtype=float)
+    design = np.stack([np.ones(FIT_WINDOW), data[:, 0], data[:, 1]], axis=1)
+    coef = np.linalg.lstsq(design, data[:, 2], rcond=None)[0]
+    assert abs(cost.per_token - coef[1]) < 1e-9 and abs(cost.per_verification - coef[2]) < 1e-9
+    assert abs(cost.per_token - 0.003) < 2e-4  # the old steps are gone
+
+
+def test_throughput_is_the_windows():
+    from kvserve.engine.spec_decode.adaptive import FIT_WINDOW
+
+    a = AdaptiveDrafts(max_tokens=4)
+    for _ in range(FIT_WINDOW):
+        a.observe_step(64, 64, 0.1)
+    for _ in range(FIT_WINDOW):
+        a.observe_step(64, 32, 0.1)  # half the output per step from now on
+    assert abs(a.throughput - 320.0) < 1e-6
+
+
+def test_buckets_the_batch_drains_into_inherit_what_is_implied():
+    """Drafting won at 8 seqs: at 5 it starts drafting, without a plain exploration first;
+    plain won at 64: at 200 it starts plain. At 24 (between the two: nothing implied) both
+    modes are tried. An inherited bucket still tries the other mode one epoch in
+    EXPLORE_EVERY."""
+    from kvserve.engine.spec_decode.adaptive import EXPLORE_EVERY, MIN_EPOCHS, ModeChooser
+
+    clock = FakeClock()
+    chooser = ModeChooser(clock)
+    chooser.observe(False, 0, 0.1)
+    fast_drafts = ({True: 0.055, False: 0.05}, {True: 24, False: 8})
+    slow_drafts = ({True: 0.25, False: 0.2}, {True: 64, False: 64})
+    assert run_epochs(chooser, clock, 8, 2 * MIN_EPOCHS, *fast_drafts) == \
+        [True, False] * MIN_EPOCHS
+    assert run_epochs(chooser, clock, 64, 2 * MIN_EPOCHS, *slow_drafts) == \
+        [True, False] * MIN_EPOCHS
+    assert run_epochs(chooser, clock, 5, 3, *fast_drafts) == [True] * 3
+    assert run_epochs(chooser, clock, 200, 3, *slow_drafts) == [False] * 3
+    assert run_epochs(chooser, clock, 24, 2 * MIN_EPOCHS, *fast_drafts) == \
+        [True, False] * MIN_EPOCHS
+    modes = run_epochs(chooser, clock, 5, EXPLORE_EVERY, *fast_drafts)
+    assert modes.count(False) == 1  # the inherited bucket explored plain decoding once
+    assert chooser.rates[(3, False)][2] == 1 and chooser._best(3)  # and measured drafting won
