@@ -6,13 +6,15 @@ and on free chat (bench/workload.py), at concurrency 1, 8 and 64, greedy and T=0
 
 Each round runs plain and speculative decoding (the order turns each round) on the same
 requests; the ratio is taken per round, and the median and min-max over the rounds are printed
-with the acceptance figures of the speculative runs. `--control` times a second plain engine in
+with the acceptance figures of the speculative runs. Sampled requests are seeded (request i of
+round r: seed 1000 r + i), so both engines draw the same answers. `--control` times a second plain engine in
 the same rounds: its ratio to the first is what chance alone moves a ratio by. Concurrency 1 runs the requests one after
 another; 8 and 64 submit them all at once."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -43,13 +45,19 @@ def grounded_requests(n: int) -> list[list[dict[str, str]]]:
             for i in range(n)]
 
 
-def run(llm: LLM, chats: list, params: SamplingParams, concurrency: int) -> tuple[int, float]:
-    """(generated tokens, seconds) of the requests at this concurrency."""
+def run(llm: LLM, chats: list, params: SamplingParams, concurrency: int,
+        seed: int | None = None) -> tuple[int, float]:
+    """(generated tokens, seconds) of the requests at this concurrency. `seed`: a sampled
+    request i draws with seed + i, so plain and speculative decoding draw the same tokens
+    (speculation keeps a seeded request's tokens; bf16 batches may still part them at a near
+    tie) and a round's ratio compares the same work."""
+    each = [params] * len(chats) if seed is None or params.temperature == 0 else \
+        [dataclasses.replace(params, seed=seed + i) for i in range(len(chats))]
     t0 = time.perf_counter()
     if concurrency == 1:
-        outs = [o for c in chats for o in llm.chat([c], params, use_tqdm=False)]
+        outs = [o for c, p in zip(chats, each) for o in llm.chat([c], p, use_tqdm=False)]
     else:
-        outs = llm.chat(chats, params, use_tqdm=False)
+        outs = llm.chat(chats, each, use_tqdm=False)
     return sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - t0
 
 
@@ -77,7 +85,7 @@ def compare(base: LLM, spec: LLM, chats: list, params: SamplingParams, concurren
         round_chats = chats(r) if callable(chats) else chats  # agentic: new tasks each round
         shift = r % len(engines)  # each engine runs first, second, ... in turn
         for llm in engines[shift:] + engines[:shift]:
-            tokens, seconds = run(llm, round_chats, params, concurrency)
+            tokens, seconds = run(llm, round_chats, params, concurrency, seed=1000 * r)
             rates[id(llm)].append(tokens / seconds)
     ratio = [s / b for s, b in zip(rates[id(spec)], rates[id(base)])]
     drafts, drafted, accepted = (a - b for a, b in zip(spec_figures(spec), before))

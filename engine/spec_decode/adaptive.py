@@ -123,21 +123,23 @@ class ModeChooser:
     def __init__(self, clock=time.perf_counter) -> None:
         self.clock = clock
         self.rates: dict[tuple[int, bool], list[float]] = {}  # tokens, seconds, epochs
-        self.bucket: int | None = None
         self.drafting = True
         self.left = 0  # decoding steps left in this epoch
         self.epochs = 0  # epochs chosen by measurement (the exploration's clock)
         self.tokens = self.seconds = 0.0
+        self.steps = self.seq_steps = 0  # decoding steps timed in this epoch, and their seqs
         self.last: float | None = None
 
     def drafts_allowed(self, batch: int) -> bool:
         """Whether a step of `batch` running seqs may draft. A new epoch starts when the last
-        one is over, in the bucket of the batch then (a batch that shrinks or grows within an
-        epoch stays in its bucket: epochs cut short at every finish would measure nothing)."""
-        if self.left <= 0:
+        one is over, its mode picked for the bucket of the batch then; what it measures goes to
+        the bucket of the decoding steps it timed (their mean size: the batch may have grown
+        or shrunk since; epochs cut short at every change would measure nothing). With nothing
+        running no epoch starts (a run's first step, before its requests are admitted)."""
+        if self.left <= 0 and batch > 0:
             self._close_epoch()
-            self.bucket, self.left = max(batch, 1).bit_length(), EPOCH_STEPS
-            self.drafting = self._pick(self.bucket)
+            self.left = EPOCH_STEPS
+            self.drafting = self._pick(batch.bit_length())
         return self.drafting
 
     def _pick(self, bucket: int) -> bool:
@@ -171,9 +173,10 @@ class ModeChooser:
         plain = any(not best and b < bucket for b, best in measured.items())
         return None if draft == plain else draft
 
-    def observe(self, decoding: bool, num_output_tokens: int, seconds: float) -> None:
-        """A step ended: decoding steps count toward the epoch (the gap since the previous
-        step's end, unless the engine sat idle in between)."""
+    def observe(self, decoding: bool, num_output_tokens: int, seconds: float,
+                num_seqs: int = 1) -> None:
+        """A step of `num_seqs` seqs ended: decoding steps count toward the epoch (the gap since
+        the previous step's end, unless the engine sat idle in between)."""
         now = self.clock()
         gap = None if self.last is None else now - self.last
         self.last = now
@@ -181,13 +184,17 @@ class ModeChooser:
             return
         self.tokens += num_output_tokens
         self.seconds += gap
+        self.steps += 1
+        self.seq_steps += num_seqs
         self.left -= 1
 
     def _close_epoch(self) -> None:
-        if self.bucket is not None and self.seconds > 0 and self.left <= EPOCH_STEPS // 2:
-            r = self.rates.setdefault((self.bucket, self.drafting), [0.0, 0.0, 0])
+        if self.seconds > 0 and self.steps >= EPOCH_STEPS // 2:
+            bucket = max(round(self.seq_steps / self.steps), 1).bit_length()
+            r = self.rates.setdefault((bucket, self.drafting), [0.0, 0.0, 0])
             r[0], r[1], r[2] = 0.5 * r[0] + self.tokens, 0.5 * r[1] + self.seconds, r[2] + 1
         self.tokens = self.seconds = 0.0
+        self.steps = self.seq_steps = 0
 
 
 class AdaptiveDrafts:
@@ -204,13 +211,13 @@ class AdaptiveDrafts:
         self.output_sums = [0, 0.0]  # the window's output tokens and seconds
 
     def observe_step(self, num_tokens: int, num_output_tokens: int, seconds: float,
-                     decoding: bool = True, drafted: bool = False) -> None:
-        """A finished step: `decoding` when every seq scored only its last token and drafts
-        (steps with a prefill chunk are left out of the cost and the throughput); `drafted`
-        when it scored any draft."""
+                     decoding: bool = True, drafted: bool = False, num_seqs: int = 1) -> None:
+        """A finished step of `num_seqs` seqs: `decoding` when every seq scored only its last
+        token and drafts (steps with a prefill chunk are left out of the cost and the
+        throughput); `drafted` when it scored any draft."""
         if seconds <= 0:
             return
-        self.mode.observe(decoding, num_output_tokens, seconds)
+        self.mode.observe(decoding, num_output_tokens, seconds, num_seqs)
         if not decoding:
             return
         self.cost.observe(num_tokens, seconds, drafted)

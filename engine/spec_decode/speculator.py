@@ -284,7 +284,7 @@ class Speculator:
         drafts = sum(len(d) for d in sched.spec_token_ids)
         decoding = sched.total_tokens == len(sched.seqs) + drafts
         self.adaptive.observe_step(sched.total_tokens, num_output_tokens, seconds, decoding,
-                                   drafts > 0)
+                                   drafts > 0, len(sched.seqs))
         self.log.maybe_log(self.counters)
 
     def hidden_states(self, core: Any, sched: SchedulerOutput, step: Any) -> None:

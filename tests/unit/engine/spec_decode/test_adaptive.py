@@ -104,7 +104,7 @@ def run_epochs(chooser, clock, batch: int, epochs: int, seconds: dict[bool, floa
         for _ in range(EPOCH_STEPS):
             assert chooser.drafts_allowed(batch) == mode  # kept for the whole epoch
             clock.now += seconds[mode]
-            chooser.observe(True, tokens[mode], seconds[mode])
+            chooser.observe(True, tokens[mode], seconds[mode], batch)
     return modes
 
 
@@ -204,3 +204,21 @@ def test_buckets_the_batch_drains_into_inherit_what_is_implied():
     modes = run_epochs(chooser, clock, 5, EXPLORE_EVERY, *fast_drafts)
     assert modes.count(False) == 1  # the inherited bucket explored plain decoding once
     assert chooser.rates[(3, False)][2] == 1 and chooser._best(3)  # and measured drafting won
+
+
+def test_an_epoch_is_measured_in_the_bucket_of_the_steps_it_timed():
+    """A run's first epoch starts before its requests are admitted (nothing running: no epoch)
+    or while few are: its steps of 8 seqs are measured as 8's, not as the 1 it started at."""
+    from kvserve.engine.spec_decode.adaptive import EPOCH_STEPS, ModeChooser
+
+    clock = FakeClock()
+    chooser = ModeChooser(clock)
+    chooser.observe(False, 0, 0.1)
+    assert chooser.drafts_allowed(0) and chooser.left <= 0  # nothing running: no epoch yet
+    assert chooser.drafts_allowed(1) and chooser.left == EPOCH_STEPS
+    for _ in range(EPOCH_STEPS):
+        clock.now += 0.02
+        chooser.observe(True, 8, 0.02, 8)
+    chooser.drafts_allowed(8)  # the next epoch: the first one is closed
+    assert list(chooser.rates) == [(4, True)]  # 8 seqs: bucket 4 (bit length)
+    assert abs(chooser.rates[(4, True)][0] / chooser.rates[(4, True)][1] - 400.0) < 1e-6
