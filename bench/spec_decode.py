@@ -8,7 +8,10 @@ Each round runs plain and speculative decoding (the order turns each round) on t
 requests; the ratio is taken per round, and the median and min-max over the rounds are printed
 with the acceptance figures of the speculative runs. Sampled requests are seeded (request i of
 round r: seed 1000 r + i), so both engines draw the same answers. `--control` times a second plain engine in
-the same rounds: its ratio to the first is what chance alone moves a ratio by. Concurrency 1 runs the requests one after
+the same rounds: its ratio to the first is what chance alone moves a ratio by. `--waves N`
+submits N x concurrency requests to engines of max_num_seqs = concurrency: the concurrency
+stays in flight (a finished request's slot is taken by the next), as on a loaded server,
+instead of a closed batch whose time is its slowest request's. Concurrency 1 runs the requests one after
 another; 8 and 64 submit them all at once."""
 
 from __future__ import annotations
@@ -117,6 +120,10 @@ def main() -> None:
                          "target's first N layers + its head, bench/spec_workloads.py)")
     ap.add_argument("--control", action="store_true",
                     help="time a second plain engine too: its ratio to the first is the noise")
+    ap.add_argument("--waves", type=int, default=1,
+                    help="requests per slot: 1 submits `concurrency` requests at once (a closed "
+                         "batch, timed until the last ends); N > 1 submits N x concurrency with "
+                         "max_num_seqs = concurrency, so that many stay in flight as in serving")
     args = ap.parse_args()
     config = {"method": args.method, "num_speculative_tokens": args.k}
     if args.method == "draft_model":
@@ -129,17 +136,34 @@ def main() -> None:
         config["model"] = str(target)
     if args.method == "ngram":
         config.update(prompt_lookup_min=2, prompt_lookup_max=4)
-    common = dict(max_model_len=2048, max_num_seqs=64)
-    base, spec = LLM(args.model, **common), LLM(args.model, speculative_config=config, **common)
-    control = LLM(args.model, **common) if args.control else None
+    built: dict[int, tuple[LLM, LLM, LLM | None]] = {}
+
+    def engines(slots: int) -> tuple[LLM, LLM, LLM | None]:
+        """plain, speculative and control engines of `slots` max_num_seqs (one set at a time)."""
+        if slots not in built:
+            for old in built.values():
+                for llm in old:
+                    if llm is not None:
+                        llm.shutdown()
+            built.clear()
+            common = dict(max_model_len=2048, max_num_seqs=slots)
+            built[slots] = (LLM(args.model, **common),
+                            LLM(args.model, speculative_config=config, **common),
+                            LLM(args.model, **common) if args.control else None)
+        return built[slots]
+
     print(f"model {args.model}, speculative_config {config}, {args.rounds} rounds; tok/s = "
-          "generated tokens per second (median), ratio = speculative / plain per round")
+          "generated tokens per second (median), ratio = speculative / plain per round" +
+          (f"; {args.waves} requests per slot, max_num_seqs = concurrency" if args.waves > 1
+           else ""))
     print("| workload | concurrency | T | plain tok/s | spec tok/s | ratio | spread | "
-          "acceptance | mean accepted length |" + (" plain / plain (spread) |" if control else ""))
-    print("| --- " * (10 if control else 9) + "|")
-    for workload in args.workloads.split(","):
-        for batch in (int(b) for b in args.batches.split(",")):
-            n = args.serial if batch == 1 else batch
+          "acceptance | mean accepted length |" + (" plain / plain (spread) |"
+                                                   if args.control else ""))
+    print("| --- " * (10 if args.control else 9) + "|")
+    for batch in (int(b) for b in args.batches.split(",")):
+        base, spec, control = engines(batch if args.waves > 1 and batch > 1 else 64)
+        for workload in args.workloads.split(","):
+            n = args.serial if batch == 1 else batch * args.waves
             chats = grounded_requests(n) if workload == "grounded" else chat_requests(n)
             if workload == "agentic":  # an agent loop's next tool call, new tasks each round
                 chats = (lambda r, n=n: agentic_requests(n, seed=r))
@@ -147,7 +171,6 @@ def main() -> None:
                 params = SamplingParams(temperature=t, max_tokens=args.tokens, seed=None)
                 row = compare(base, spec, chats, params, batch, args.rounds, control)
                 print(f"| {workload} | {batch} | {t:g} | {row} |", flush=True)
-
 
 if __name__ == "__main__":
     main()
