@@ -48,6 +48,35 @@ class StandIn:
                 if (self.folder / f"rank{r}").exists() else 0 for r in range(ranks)]
 
 
+class TinyAttentionModel:
+    """Embedding -> q, k, v -> KV write -> paged attention -> sum over heads: the parts of a
+    forward that see the layout (slots, lengths, block tables, query starts). `backend`: the
+    attention kernel (None: the metadata's)."""
+
+    def __init__(self, vocab: int, num_blocks: int, block_size: int, heads: int, kv_heads: int,
+                 head_dim: int, backend: str | None = None) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.heads, self.kv_heads, self.d, self.backend = heads, kv_heads, head_dim, backend
+        self.emb = torch.randn(vocab, (heads + 2 * kv_heads) * head_dim, generator=g)
+        self.k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+        self.v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+
+    def __call__(self, ids, positions, meta, lora=None) -> torch.Tensor:
+        from kvserve.kernels.attention import paged_attention
+        from kvserve.kernels.write_kv import write_kv
+
+        h, kvh, d = self.heads, self.kv_heads, self.d
+        qkv = self.emb[ids] + positions[:, None]
+        q = qkv[:, :h * d].reshape(-1, h, d)
+        k = qkv[:, h * d:(h + kvh) * d].reshape(-1, kvh, d)
+        v = qkv[:, (h + kvh) * d:].reshape(-1, kvh, d)
+        write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, backend="torch")
+        out = paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
+                              meta.query_start_loc, d ** -0.5,
+                              backend=self.backend or meta.backend, plan=meta.plan)
+        return out.sum(1)
+
+
 def assert_same_outputs(got, want, tol: float = 1e-4) -> None:
     """The same greedy tokens, and each sampled token's logprob within `tol`."""
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

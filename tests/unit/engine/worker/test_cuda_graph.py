@@ -5,13 +5,12 @@ in the interpreter, against the eager forward of the unpadded batch."""
 import pytest
 import torch
 
-from graph_checks import interpreter  # noqa: F401 - autouse: Triton in the interpreter
+from graph_checks import TinyAttentionModel, interpreter  # noqa: F401 - autouse fixture
 from kvserve.engine.worker.cuda_graph import (DecodeBuffers, DecodeGraphs, capture_sizes,
                                               decode_plan, fill_staging, padded_size)
 from kvserve.kernels.attention import paged_attention
 from kvserve.kernels.metadata import AttentionMetadata
 from kvserve.kernels.plan import plan_attention
-from kvserve.kernels.write_kv import write_kv
 
 BS, WIDTH, HEADS, KV_HEADS, D, VOCAB = 4, 4, 4, 2, 16, 50
 
@@ -47,27 +46,9 @@ def test_staging_pads_with_dead_rows():
                                             [0, 0, 0, 0]]
 
 
-class TinyDecoder:
-    """Embedding -> q, k, v -> KV write -> paged attention -> sum over heads: the parts of a
-    decode forward that see the padding (slots, lengths, block tables)."""
-
-    def __init__(self, backend: str):
-        g = torch.Generator().manual_seed(0)
-        self.emb = torch.randn(VOCAB, (HEADS + 2 * KV_HEADS) * D, generator=g)
-        self.k_cache = torch.randn(16, BS, KV_HEADS, D, generator=g)
-        self.v_cache = torch.randn(16, BS, KV_HEADS, D, generator=g)
-        self.backend = backend
-
-    def __call__(self, ids, positions, meta: AttentionMetadata, lora=None) -> torch.Tensor:
-        qkv = self.emb[ids] + positions[:, None]
-        q = qkv[:, :HEADS * D].reshape(-1, HEADS, D)
-        k = qkv[:, HEADS * D:(HEADS + KV_HEADS) * D].reshape(-1, KV_HEADS, D)
-        v = qkv[:, (HEADS + KV_HEADS) * D:].reshape(-1, KV_HEADS, D)
-        write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, backend="torch")
-        out = paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
-                              meta.query_start_loc, D ** -0.5, backend=meta.backend,
-                              plan=meta.plan)
-        return out.sum(1)
+def TinyDecoder() -> TinyAttentionModel:  # noqa: N802 - a model class's stand-in
+    """The parts of a decode forward that see the padding (slots, lengths, block tables)."""
+    return TinyAttentionModel(VOCAB, 16, BS, HEADS, KV_HEADS, D, backend="triton")
 
 
 def _batch(n: int):
@@ -90,7 +71,7 @@ def _eager(model, ids, pos, slots, tables, seq_lens):
 
 @pytest.mark.parametrize("n", [1, 3, 5, 8])
 def test_replay_equals_eager_with_padded_rows_dropped(n):
-    graphed, eager = TinyDecoder("triton"), TinyDecoder("triton")
+    graphed, eager = TinyDecoder(), TinyDecoder()
     captured = []
     graphs = DecodeGraphs(graphed, max_num_seqs=8, max_blocks_per_seq=WIDTH, block_size=BS,
                           device=torch.device("cpu"), backend="triton",
@@ -109,7 +90,7 @@ def test_replay_equals_eager_with_padded_rows_dropped(n):
 
 
 def test_prefill_mixed_and_larger_batches_fall_back_to_eager():
-    graphs = DecodeGraphs(TinyDecoder("triton"), 8, WIDTH, BS, torch.device("cpu"),
+    graphs = DecodeGraphs(TinyDecoder(), 8, WIDTH, BS, torch.device("cpu"),
                           capture=lambda fn: fn, backend="triton")
     assert not graphs.can_run(3, 7, WIDTH)  # a prefill or mixed step: more tokens than seqs
     assert not graphs.can_run(9, 9, WIDTH)  # past the largest captured size

@@ -6,37 +6,20 @@ CUDAGraph replay) over the real Triton kernel in the interpreter, against the ea
 import pytest
 import torch
 
-from graph_checks import assert_same_outputs, interpreter  # noqa: F401 - autouse fixture
+from graph_checks import (TinyAttentionModel, assert_same_outputs,  # noqa: F401
+                          interpreter)
 from kvserve.engine.spec_decode.proposer import Proposer
 from kvserve.engine.worker.cuda_graph import (MAX_CAPTURE, DecodeGraphs, capture_sizes,
                                               pad_to_uniform, uniform_sizes)
-from kvserve.kernels.attention import paged_attention
 from kvserve.kernels.metadata import AttentionMetadata
 from kvserve.kernels.plan import plan_attention
-from kvserve.kernels.write_kv import write_kv
 
 BS, WIDTH, HEADS, KV_HEADS, D, VOCAB, Q = 4, 5, 4, 2, 16, 50, 4
 
 
-class TinyModel:
-    """Embedding -> q, k, v -> KV write -> paged attention -> sum over heads: the parts of a
-    forward that see the layout (slots, lengths, block tables, query starts)."""
-
-    def __init__(self) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.emb = torch.randn(VOCAB, (HEADS + 2 * KV_HEADS) * D, generator=g)
-        self.k_cache = torch.randn(24, BS, KV_HEADS, D, generator=g)
-        self.v_cache = torch.randn(24, BS, KV_HEADS, D, generator=g)
-
-    def __call__(self, ids, positions, meta: AttentionMetadata, lora=None) -> torch.Tensor:
-        qkv = self.emb[ids] + positions[:, None]
-        q = qkv[:, :HEADS * D].reshape(-1, HEADS, D)
-        k = qkv[:, HEADS * D:(HEADS + KV_HEADS) * D].reshape(-1, KV_HEADS, D)
-        v = qkv[:, (HEADS + KV_HEADS) * D:].reshape(-1, KV_HEADS, D)
-        write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, backend="torch")
-        out = paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
-                              meta.query_start_loc, D ** -0.5, backend="triton", plan=meta.plan)
-        return out.sum(1)
+def TinyModel() -> TinyAttentionModel:  # noqa: N802 - a model class's stand-in
+    """The parts of a forward that see the layout, over the Triton attention kernel."""
+    return TinyAttentionModel(VOCAB, 24, BS, HEADS, KV_HEADS, D, backend="triton")
 
 
 def _batch(q_lens: list[int], seed: int = 0):
