@@ -5,8 +5,9 @@ are accepted."""
 from __future__ import annotations
 
 import pytest
+from spec_checks import plain_and_ngram
 
-from kvserve import LLM, SamplingParams
+from kvserve import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -20,15 +21,8 @@ CHATS = [[{"role": "user", "content": f"Summarise this text in three sentences, 
 
 
 def test_greedy_ngram_equals_plain_decoding(default_model_dir):
-    params = SamplingParams(temperature=0, max_tokens=48)
-    common = dict(dtype="float32", max_model_len=1024, kv_cache_memory=64 << 20)
-    plain = LLM(str(default_model_dir), **common)
-    ref = plain.chat(CHATS, params, use_tqdm=False)
-    del plain
-    spec = LLM(str(default_model_dir), speculative_config={
-        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
-        "prompt_lookup_max": 4}, **common)
-    got = spec.chat(CHATS, params, use_tqdm=False)
+    ref, got, spec = plain_and_ngram(default_model_dir, CHATS,
+                                     SamplingParams(temperature=0, max_tokens=48))
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
     stats = spec.llm_engine.get_stats()
     assert stats.spec_decode_num_accepted_tokens > stats.spec_decode_num_draft_tokens / 3

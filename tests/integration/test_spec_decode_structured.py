@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import jsonschema
 import pytest
 from conftest import make_llm
+from spec_checks import plain_and_ngram
 
 from kvserve import SamplingParams, StructuredOutputsParams
 from kvserve.engine.spec_decode import speculator
@@ -213,8 +214,6 @@ def test_default_model_extraction_under_a_schema(default_model_dir, backend):
     """SmolLM2-135M-Instruct (fp32) pulling fields of a given text into a JSON schema: the
     values are copied from the prompt, so n-gram drafts are accepted; tokens equal plain
     decoding's."""
-    from kvserve import LLM
-
     schema = {"type": "object", "properties": {
         "title": {"type": "string"}, "year": {"type": "integer"},
         "authors": {"type": "array", "items": {"type": "string"}, "maxItems": 4}},
@@ -225,14 +224,7 @@ def test_default_model_extraction_under_a_schema(default_model_dir, backend):
     params = SamplingParams(temperature=0, max_tokens=96,
                             structured_outputs=StructuredOutputsParams(json=schema,
                                                                        backend=backend))
-    common = dict(dtype="float32", max_model_len=1024, kv_cache_memory=64 << 20)
-    plain = LLM(str(default_model_dir), **common)
-    ref = plain.chat(chats, params, use_tqdm=False)
-    del plain
-    spec = LLM(str(default_model_dir), speculative_config={
-        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
-        "prompt_lookup_max": 4}, **common)
-    got = spec.chat(chats, params, use_tqdm=False)
+    ref, got, spec = plain_and_ngram(default_model_dir, chats, params)
     assert got[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
     assert json.loads(got[0].outputs[0].text)["year"] == 2017
     assert counters(spec)[1] > 0
