@@ -41,6 +41,7 @@ from pathlib import Path
 
 import kvserve  # noqa: F401 - before torch: kvserve sets OpenMP's spin for a shared CPU
 import torch
+from kv_pull import pull
 
 
 def layout_for(dtype: torch.dtype):
@@ -76,7 +77,8 @@ def time_pulls(dtype: torch.dtype, n: int, rounds: int, transports: list[str]
         for r in range(rounds + 1):  # round 0 warms up
             order = transports if r % 2 else transports[::-1]
             for t in order:
-                seconds = pull_once(*pairs[t], n, f"{t}{r}")
+                blocks = list(range(1, n + 1))
+                seconds = pull(*pairs[t], blocks, blocks, 16, f"{t}{r}")
                 if r:
                     out[t].append(seconds)
                     wire[t].append(pairs[t][1].figures.seconds[-1])
@@ -88,32 +90,6 @@ def time_pulls(dtype: torch.dtype, n: int, rounds: int, transports: list[str]
             p_sched.shutdown()
             c_sched.shutdown()
     return out, wire
-
-
-def pull_once(p_sched, c_sched, c_worker, n: int, tag: str) -> float:
-    from kvserve.engine.core.sequence import Sequence
-    from kvserve.engine.sample.sampling_params import SamplingParams
-
-    held = Sequence(0, f"p{tag}", 0, [1] * (16 * n + 1), SamplingParams(
-        max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}}))
-    held.finish_reason = "length"
-    _, params = p_sched.request_finished(held, list(range(1, n + 1)))
-    seq = Sequence(0, f"d{tag}", 0, [1] * (16 * n + 1), SamplingParams(
-        max_tokens=1, extra_args={"kv_transfer_params": params}))
-    t0 = time.perf_counter()
-    got = None
-    while got is None:
-        got = c_sched.get_num_new_matched_tokens(seq, 0)[0]
-        if got is None:
-            time.sleep(0.0002)
-    assert got == 16 * n, got
-    c_sched.update_state_after_alloc(seq, list(range(1, n + 1)), got)
-    c_worker.bind_connector_metadata(c_sched.build_connector_meta(None))
-    c_worker.start_load_kv()
-    c_worker.wait_for_save()
-    seconds = time.perf_counter() - t0
-    c_sched.request_finished(seq, [])
-    return seconds
 
 
 def time_prefill(llm, n: int, rounds: int) -> list[float]:

@@ -33,14 +33,13 @@ import time
 
 import kvserve  # noqa: F401 - before torch: kvserve sets OpenMP's spin for a shared CPU
 import torch
+from kv_pull import pull
 from transformers import LlamaConfig
 
-from kvserve.engine.core.sequence import Sequence
 from kvserve.engine.kv_transfer.config import KVTransferConfig
 from kvserve.engine.kv_transfer.factory import EngineInfo, make_connectors
 from kvserve.engine.kv_transfer.wire import KVLayout
 from kvserve.engine.models.llama import LlamaForCausalLM
-from kvserve.engine.sample.sampling_params import SamplingParams
 from kvserve.engine.spec_decode.draft_kv import DraftKV
 
 SMOKE = os.environ.get("KV_BENCH_SMOKE") == "1" or "--smoke" in sys.argv
@@ -143,32 +142,6 @@ def connector(role: str, layout: KVLayout, kv: torch.Tensor, transport: str):
     return sched, worker
 
 
-def pull(p_sched, c_sched, c_worker, src: list[int], dst: list[int], tag: str) -> float:
-    """Seconds of the decode side's whole path for the blocks `src` of the producer's cache
-    into the blocks `dst` of the consumer's (as bench/pd.py's pull_once, other block ids)."""
-    n = len(src)
-    held = Sequence(0, f"p{tag}", 0, [1] * (BLOCK * n + 1), SamplingParams(
-        max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}}))
-    held.finish_reason = "length"
-    _, params = p_sched.request_finished(held, list(src))
-    seq = Sequence(0, f"d{tag}", 0, [1] * (BLOCK * n + 1), SamplingParams(
-        max_tokens=1, extra_args={"kv_transfer_params": params}))
-    t0 = time.perf_counter()
-    got = None
-    while got is None:
-        got = c_sched.get_num_new_matched_tokens(seq, 0)[0]
-        if got is None:
-            time.sleep(0.0001)
-    assert got == BLOCK * n, f"pulled {got} tokens of {BLOCK * n} ({c_sched.figures.failures})"
-    c_sched.update_state_after_alloc(seq, list(dst), got)
-    c_worker.bind_connector_metadata(c_sched.build_connector_meta(None))
-    c_worker.start_load_kv()
-    c_worker.wait_for_save()  # LayerLoader.finish: its side stream synchronized
-    seconds = time.perf_counter() - t0
-    c_sched.request_finished(seq, [])
-    return seconds
-
-
 def time_transfers(name: str, dtype: torch.dtype, prefill: dict[int, list[float]],
                    scale: float) -> int:
     """Prints a row per N and transport; the count of rounds whose pulled blocks differed."""
@@ -197,7 +170,7 @@ def time_transfers(name: str, dtype: torch.dtype, prefill: dict[int, list[float]
                     p_sched, c_sched, c_worker = pairs[t]
                     dest_bytes.index_fill_(2, dst_i, 0)
                     sync()
-                    seconds = pull(p_sched, c_sched, c_worker, src, dst, f"{name}{n}{t}{r}")
+                    seconds = pull(p_sched, c_sched, c_worker, src, dst, BLOCK, f"{name}{n}{t}{r}")
                     same = torch.equal(dest_bytes.index_select(2, dst_i),
                                        src_bytes.index_select(2, src_i))
                     exact[t] += same
