@@ -128,6 +128,7 @@ class ModeChooser:
         self.epochs = 0  # epochs chosen by measurement (the exploration's clock)
         self.tokens = self.seconds = 0.0
         self.steps = self.seq_steps = 0  # decoding steps timed in this epoch, and their seqs
+        self.drafted_steps = 0  # of which scored drafts
         self.last: float | None = None
 
     def drafts_allowed(self, batch: int) -> bool:
@@ -174,9 +175,10 @@ class ModeChooser:
         return None if draft == plain else draft
 
     def observe(self, decoding: bool, num_output_tokens: int, seconds: float,
-                num_seqs: int = 1) -> None:
-        """A step of `num_seqs` seqs ended: decoding steps count toward the epoch (the gap since
-        the previous step's end, unless the engine sat idle in between)."""
+                num_seqs: int = 1, drafted: bool = False) -> None:
+        """A step of `num_seqs` seqs ended (`drafted`: it scored drafts): decoding steps count
+        toward the epoch (the gap since the previous step's end, unless the engine sat idle in
+        between)."""
         now = self.clock()
         gap = None if self.last is None else now - self.last
         self.last = now
@@ -186,15 +188,21 @@ class ModeChooser:
         self.seconds += gap
         self.steps += 1
         self.seq_steps += num_seqs
+        self.drafted_steps += drafted
         self.left -= 1
 
     def _close_epoch(self) -> None:
+        """Book the epoch: a drafting epoch in which no step drafted (the proposer found
+        nothing, or no draft paid) decoded plainly and is booked as plain decoding, so drafting
+        stays untried and is tried again (a first epoch of a new workload often drafts nothing:
+        the n-gram proposer needs some output to match)."""
         if self.seconds > 0 and self.steps >= EPOCH_STEPS // 2:
             bucket = max(round(self.seq_steps / self.steps), 1).bit_length()
-            r = self.rates.setdefault((bucket, self.drafting), [0.0, 0.0, 0])
+            mode = self.drafting and self.drafted_steps > 0
+            r = self.rates.setdefault((bucket, mode), [0.0, 0.0, 0])
             r[0], r[1], r[2] = 0.5 * r[0] + self.tokens, 0.5 * r[1] + self.seconds, r[2] + 1
         self.tokens = self.seconds = 0.0
-        self.steps = self.seq_steps = 0
+        self.steps = self.seq_steps = self.drafted_steps = 0
 
 
 class AdaptiveDrafts:
@@ -217,7 +225,7 @@ class AdaptiveDrafts:
         throughput); `drafted` when it scored any draft."""
         if seconds <= 0:
             return
-        self.mode.observe(decoding, num_output_tokens, seconds, num_seqs)
+        self.mode.observe(decoding, num_output_tokens, seconds, num_seqs, drafted)
         if not decoding:
             return
         self.cost.observe(num_tokens, seconds, drafted)

@@ -104,7 +104,7 @@ def run_epochs(chooser, clock, batch: int, epochs: int, seconds: dict[bool, floa
         for _ in range(EPOCH_STEPS):
             assert chooser.drafts_allowed(batch) == mode  # kept for the whole epoch
             clock.now += seconds[mode]
-            chooser.observe(True, tokens[mode], seconds[mode], batch)
+            chooser.observe(True, tokens[mode], seconds[mode], batch, drafted=mode)
     return modes
 
 
@@ -218,7 +218,26 @@ def test_an_epoch_is_measured_in_the_bucket_of_the_steps_it_timed():
     assert chooser.drafts_allowed(1) and chooser.left == EPOCH_STEPS
     for _ in range(EPOCH_STEPS):
         clock.now += 0.02
-        chooser.observe(True, 8, 0.02, 8)
+        chooser.observe(True, 8, 0.02, 8, drafted=True)
     chooser.drafts_allowed(8)  # the next epoch: the first one is closed
     assert list(chooser.rates) == [(4, True)]  # 8 seqs: bucket 4 (bit length)
     assert abs(chooser.rates[(4, True)][0] / chooser.rates[(4, True)][1] - 400.0) < 1e-6
+
+
+def test_a_drafting_epoch_without_drafts_is_booked_as_plain_and_drafting_is_tried_again():
+    """The proposer found nothing in the first epoch (a new workload: no output to match
+    yet): that epoch decoded plainly, so it does not count against drafting."""
+    from kvserve.engine.spec_decode.adaptive import EPOCH_STEPS, ModeChooser
+
+    clock = FakeClock()
+    chooser = ModeChooser(clock)
+    chooser.observe(False, 0, 0.1)
+    modes = []
+    for drafted in (False, False, True):
+        modes.append(chooser.drafts_allowed(4))
+        for _ in range(EPOCH_STEPS):
+            clock.now += 0.01
+            chooser.observe(True, 4, 0.01, 4, drafted=drafted and modes[-1])
+    chooser.drafts_allowed(4)
+    assert modes == [True, True, True]  # drafting kept until it was really tried
+    assert chooser.rates[(3, False)][2] == 2 and chooser.rates[(3, True)][2] == 1
