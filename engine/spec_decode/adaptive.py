@@ -27,7 +27,8 @@ output tokens per wall second is kept, and the other is tried again every EXPLOR
 epochs, so a change of load or acceptance is seen. A bucket not measured yet whose mode the
 measured ones imply (drafting won at a larger batch, or plain decoding at a smaller one) starts
 in that mode and explores the other on the same one-in-EXPLORE_EVERY clock: a batch that
-drains through the buckets as its requests finish does not pay two exploration epochs in each."""
+drains through the buckets as its requests finish does not pay two exploration epochs in each.
+A drafting epoch in which no step drafted is booked as plain decoding (drafting stays untried)."""
 
 from __future__ import annotations
 
