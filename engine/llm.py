@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -185,7 +187,8 @@ class LLM:
                    dynamic_ncols=True)
         out_tokens = 0
         wanted, failed = set(ids), {}
-        with bar:
+        core = getattr(engine, "core", None)  # None: a core in its own process (left open)
+        with bar, _arrivals_closed(core):
             while engine.has_unfinished_requests():
                 failed.update((i, e) for i, e in engine.take_request_errors().items()
                               if i in wanted)
@@ -205,6 +208,20 @@ class LLM:
                 f"): {failed[first]!r}",
                 [None if i in failed else done.get(i) for i in ids]) from failed[first]
         return [done[i] for i in ids]
+
+
+@contextlib.contextmanager
+def _arrivals_closed(core: Any) -> Iterator[None]:
+    """While `LLM` drains its requests no other can arrive: the engine core may plan for that
+    (EngineCore.arrivals_closed)."""
+    if core is None:
+        yield
+        return
+    core.arrivals_closed = True
+    try:
+        yield
+    finally:
+        core.arrivals_closed = False
 
 
 def _kv_events_publisher(config: EngineConfig) -> Any:

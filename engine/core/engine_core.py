@@ -92,6 +92,9 @@ class EngineCore:
                                         backend=config.structured_outputs_backend)
         self.logits_processors = logits_processors(config, self.device)
         self.spec = make_speculator(self)  # speculative decoding (None: off)
+        # Set by `LLM` while it drains its own requests: none can arrive meanwhile (the
+        # speculative mode chooser judges such a batch's tail by its slowest request).
+        self.arrivals_closed = False
         self.requests: dict[str, RequestState] = {}
         self.pending: list[RequestState] = []  # aborted or drained: the next step returns them
         self.errors: dict[str, BaseException] = {}  # requests that failed alone, not yet taken
@@ -295,7 +298,7 @@ class EngineCore:
         if self.spec is not None:
             self.spec.hidden_states(self, sched, step)
             if seconds is not None:
-                self.spec.observe_step(sched, self.generation_tokens - generated, seconds)
+                self.spec.observe_step(self, sched, self.generation_tokens - generated, seconds)
         if seconds is not None:
             self.observe_step(sched, seconds)
         touched = [s for s in touched if s.request_id not in self.failed_now]

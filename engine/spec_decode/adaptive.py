@@ -28,7 +28,16 @@ epochs, so a change of load or acceptance is seen. A bucket not measured yet who
 measured ones imply (drafting won at a larger batch, or plain decoding at a smaller one) starts
 in that mode and explores the other on the same one-in-EXPLORE_EVERY clock: a batch that
 drains through the buckets as its requests finish does not pay two exploration epochs in each.
-A drafting epoch in which no step drafted is booked as plain decoding (drafting stays untried)."""
+A drafting epoch in which no step drafted is booked as plain decoding (drafting stays untried).
+
+An offline batch's tail is judged by another measure. While `LLM.generate` drains its own
+requests and none waits (`drain`), a slot a request leaves is not refilled: the batch ends when
+its slowest request does, so output tokens per second over-rate drafting (the requests the
+proposer serves finish early, the one it finds nothing for decodes a token a step behind
+dearer steps). Drain epochs are measured by how fast the largest budget left (max_tokens less
+the output, over the running seqs) comes down per wall second, each step's fall capped at the
+tokens one seq can gain in it (an end by EOS is luck, not speed), and booked apart from the
+serving epochs. A server never drains: more requests may arrive at any step."""
 
 from __future__ import annotations
 
@@ -124,6 +133,11 @@ class ModeChooser:
     def __init__(self, clock=time.perf_counter) -> None:
         self.clock = clock
         self.rates: dict[tuple[int, bool], list[float]] = {}  # tokens, seconds, epochs
+        self.drain_rates: dict[tuple[int, bool], list[float]] = {}  # budget fallen, seconds...
+        self.drain = False  # this epoch measures a drain (the module doc)
+        self.mixed = False  # a step of this epoch was of the other kind: it is not booked
+        self.progress = 0.0  # a drain epoch's fall of the largest budget left
+        self.critical: int | None = None  # the largest budget left after the last step
         self.drafting = True
         self.left = 0  # decoding steps left in this epoch
         self.epochs = 0  # epochs chosen by measurement (the exploration's clock)
@@ -132,8 +146,9 @@ class ModeChooser:
         self.drafted_steps = 0  # of which scored drafts
         self.last: float | None = None
 
-    def drafts_allowed(self, batch: int) -> bool:
-        """Whether a step of `batch` running seqs may draft. A new epoch starts when the last
+    def drafts_allowed(self, batch: int, drain: bool = False) -> bool:
+        """Whether a step of `batch` running seqs may draft (`drain`: in an offline batch's
+        tail, judged apart: the module doc). A new epoch starts when the last
         one is over, its mode picked for the bucket of the batch then; what it measures goes to
         the bucket of the decoding steps it timed (their mean size: the batch may have grown
         or shrunk since; epochs cut short at every change would measure nothing). With nothing
@@ -141,50 +156,64 @@ class ModeChooser:
         if self.left <= 0 and batch > 0:
             self._close_epoch()
             self.left = EPOCH_STEPS
-            self.drafting = self._pick(batch.bit_length())
+            self.drain = drain
+            self.drafting = self._pick(batch.bit_length(), drain)
         return self.drafting
 
-    def _pick(self, bucket: int) -> bool:
+    def _table(self, drain: bool) -> dict[tuple[int, bool], list[float]]:
+        return self.drain_rates if drain else self.rates
+
+    def _pick(self, bucket: int, drain: bool = False) -> bool:
         """The mode of a new epoch in `bucket`: the better measured one (the other one epoch in
         EXPLORE_EVERY); else what the measured buckets imply; else the less tried."""
-        d, p = self.rates.get((bucket, True)), self.rates.get((bucket, False))
+        rates = self._table(drain)
+        d, p = rates.get((bucket, True)), rates.get((bucket, False))
         tried_d, tried_p = (d[2] if d else 0), (p[2] if p else 0)
         if min(tried_d, tried_p) >= MIN_EPOCHS:
-            best = self._best(bucket)
+            best = self._best(bucket, drain)
         else:
-            implied = self._implied(bucket)
+            implied = self._implied(bucket, drain)
             if implied is None:
                 return tried_d <= tried_p  # the less tried, drafting first
             best = implied
         self.epochs += 1
         return (not best) if self.epochs % EXPLORE_EVERY == 0 else best
 
-    def _best(self, bucket: int) -> bool:
-        d, p = self.rates[(bucket, True)], self.rates[(bucket, False)]
+    def _best(self, bucket: int, drain: bool = False) -> bool:
+        rates = self._table(drain)
+        d, p = rates[(bucket, True)], rates[(bucket, False)]
         return d[0] * p[1] >= p[0] * d[1]
 
-    def _implied(self, bucket: int) -> bool | None:
+    def _implied(self, bucket: int, drain: bool = False) -> bool | None:
         """A draft costs a step more, relative to its work, the more seqs it holds, so drafting
         that won at a larger batch wins at this one, and plain decoding that won at a smaller
         batch wins at this one: a bucket the batch drains or grows into starts in that mode
         instead of exploring both (None: no measured bucket implies either, or they disagree)."""
-        measured = {b: self._best(b) for (b, _), r in self.rates.items()
-                    if min(self.rates.get((b, True), [0, 0, 0])[2],
-                           self.rates.get((b, False), [0, 0, 0])[2]) >= MIN_EPOCHS}
+        rates = self._table(drain)
+        measured = {b: self._best(b, drain) for (b, _) in rates
+                    if min(rates.get((b, True), [0, 0, 0])[2],
+                           rates.get((b, False), [0, 0, 0])[2]) >= MIN_EPOCHS}
         draft = any(best and b > bucket for b, best in measured.items())
         plain = any(not best and b < bucket for b, best in measured.items())
         return None if draft == plain else draft
 
     def observe(self, decoding: bool, num_output_tokens: int, seconds: float,
-                num_seqs: int = 1, drafted: bool = False) -> None:
+                num_seqs: int = 1, drafted: bool = False, critical: int | None = None,
+                max_gain: int = 1) -> None:
         """A step of `num_seqs` seqs ended (`drafted`: it scored drafts): decoding steps count
         toward the epoch (the gap since the previous step's end, unless the engine sat idle in
-        between)."""
+        between). `critical`: in a drain, the largest budget left after the step (None: not a
+        drain); `max_gain`: the most tokens one seq could gain in the step (1 + its drafts)."""
         now = self.clock()
         gap = None if self.last is None else now - self.last
         self.last = now
+        before, self.critical = self.critical, critical
         if not decoding or gap is None or gap > 3 * seconds + 0.05:
             return
+        if (critical is not None) != self.drain:
+            self.mixed = True
+        elif critical is not None and before is not None:
+            self.progress += min(max(before - critical, 0), max_gain)
         self.tokens += num_output_tokens
         self.seconds += gap
         self.steps += 1
@@ -197,13 +226,15 @@ class ModeChooser:
         nothing, or no draft paid) decoded plainly and is booked as plain decoding, so drafting
         stays untried and is tried again (a first epoch of a new workload often drafts nothing:
         the n-gram proposer needs some output to match)."""
-        if self.seconds > 0 and self.steps >= EPOCH_STEPS // 2:
+        if self.seconds > 0 and self.steps >= EPOCH_STEPS // 2 and not self.mixed:
             bucket = max(round(self.seq_steps / self.steps), 1).bit_length()
             mode = self.drafting and self.drafted_steps > 0
-            r = self.rates.setdefault((bucket, mode), [0.0, 0.0, 0])
-            r[0], r[1], r[2] = 0.5 * r[0] + self.tokens, 0.5 * r[1] + self.seconds, r[2] + 1
-        self.tokens = self.seconds = 0.0
+            r = self._table(self.drain).setdefault((bucket, mode), [0.0, 0.0, 0])
+            done = self.progress if self.drain else self.tokens
+            r[0], r[1], r[2] = 0.5 * r[0] + done, 0.5 * r[1] + self.seconds, r[2] + 1
+        self.tokens = self.seconds = self.progress = 0.0
         self.steps = self.seq_steps = self.drafted_steps = 0
+        self.mixed = False
 
 
 class AdaptiveDrafts:
@@ -220,13 +251,16 @@ class AdaptiveDrafts:
         self.output_sums = [0, 0.0]  # the window's output tokens and seconds
 
     def observe_step(self, num_tokens: int, num_output_tokens: int, seconds: float,
-                     decoding: bool = True, drafted: bool = False, num_seqs: int = 1) -> None:
+                     decoding: bool = True, drafted: bool = False, num_seqs: int = 1,
+                     critical: int | None = None, max_gain: int = 1) -> None:
         """A finished step of `num_seqs` seqs: `decoding` when every seq scored only its last
         token and drafts (steps with a prefill chunk are left out of the cost and the
-        throughput); `drafted` when it scored any draft."""
+        throughput); `drafted` when it scored any draft; `critical` and `max_gain`: see
+        ModeChooser.observe."""
         if seconds <= 0:
             return
-        self.mode.observe(decoding, num_output_tokens, seconds, num_seqs, drafted)
+        self.mode.observe(decoding, num_output_tokens, seconds, num_seqs, drafted, critical,
+                          max_gain)
         if not decoding:
             return
         self.cost.observe(num_tokens, seconds, drafted)
@@ -242,9 +276,9 @@ class AdaptiveDrafts:
         """The chance of use a draft token must have to pay for its place in the step."""
         return self.cost.per_token * self.throughput
 
-    def drafts_allowed(self, batch: int) -> bool:
+    def drafts_allowed(self, batch: int, drain: bool = False) -> bool:
         """The measured mode for a step of `batch` running seqs (always, without adaptive)."""
-        return not self.enabled or self.mode.drafts_allowed(batch)
+        return not self.enabled or self.mode.drafts_allowed(batch, drain)
 
     def step_pays(self, chosen: list[tuple[str, int]]) -> bool:
         """Whether drafts of these lengths (stream, k) are worth a verification step: their

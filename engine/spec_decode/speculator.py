@@ -90,7 +90,7 @@ class Speculator:
         self._release_gone(running)
         limit = self.config.disable_by_batch_size
         if limit is not None and len(running) > limit \
-                or not self.adaptive.drafts_allowed(len(running)):
+                or not self.adaptive.drafts_allowed(len(running), _draining(core)):
             return
         threshold = self.adaptive.threshold()
         chosen: list[tuple[Sequence, int]] = []
@@ -147,7 +147,7 @@ class Speculator:
         self._release_gone(running)  # steps that keep launching ahead never call `propose`
         limit = self.config.disable_by_batch_size
         if limit is not None and len(running) > limit \
-                or not self.adaptive.drafts_allowed(len(running)):
+                or not self.adaptive.drafts_allowed(len(running), _draining(core)):
             return False
         threshold = self.adaptive.threshold()
         chosen: list[tuple[Sequence, int]] = []
@@ -278,13 +278,16 @@ class Speculator:
             sampled[row, : n + 1] = flat[g.first_row : g.first_row + n + 1]
         return num_accepted(drafts, sampled).tolist()
 
-    def observe_step(self, sched: SchedulerOutput, num_output_tokens: int,
+    def observe_step(self, core: Any, sched: SchedulerOutput, num_output_tokens: int,
                      seconds: float) -> None:
-        """A finished step's size and time (the adaptive draft lengths' cost model)."""
+        """A finished step's size and time (the adaptive draft lengths' cost model), and in an
+        offline batch's tail the largest budget left (adaptive.py's module doc)."""
         drafts = sum(len(d) for d in sched.spec_token_ids)
         decoding = sched.total_tokens == len(sched.seqs) + drafts
+        critical = _largest_budget_left(core) if _draining(core) else None
         self.adaptive.observe_step(sched.total_tokens, num_output_tokens, seconds, decoding,
-                                   drafts > 0, len(sched.seqs))
+                                   drafts > 0, len(sched.seqs), critical,
+                                   1 + max(map(len, sched.spec_token_ids), default=0))
         self.log.maybe_log(self.counters)
 
     def hidden_states(self, core: Any, sched: SchedulerOutput, step: Any) -> None:
@@ -306,6 +309,20 @@ class Speculator:
             [stream_id(s) for s in sched.seqs], hidden, qsl, kept, ids, list(step.starts),
             [start + n >= s.num_prompt_tokens
              for s, n, start in zip(sched.seqs, kept, step.starts)]))
+
+
+def _draining(core: Any) -> bool:
+    """An offline batch's tail: `LLM.generate` drains its own requests (no more can come) and
+    none waits or is swapped out, so a slot a request leaves stays empty."""
+    sched = core.scheduler
+    return core.arrivals_closed and not sched.waiting and not sched.swapped
+
+
+def _largest_budget_left(core: Any) -> int:
+    """The most tokens a running seq may still generate (max_tokens and max_model_len)."""
+    return max((min(s.params.max_tokens - len(s.output_token_ids),  # type: ignore[operator]
+                    core.max_model_len - s.num_tokens)
+                for s in core.scheduler.running if not s.is_finished), default=0)
 
 
 def _known_tokens(seq: Sequence) -> np.ndarray:

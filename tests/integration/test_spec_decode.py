@@ -219,6 +219,26 @@ def test_disable_by_batch_size(tiny_model_dir):
     assert counters(llm)[0] > 0
 
 
+def test_an_offline_batch_tail_is_measured_apart_from_serving(tiny_model_dir):
+    """`LLM.generate` drains its own requests: the drafting/plain chooser books those steps
+    as an offline tail (judged by the slowest request), and the same engine stepped as a
+    server steps it (requests added, no LLM call around them) books serving epochs."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm = spec_llm(tiny_model_dir, dict(NGRAM, adaptive=True))
+    core = llm.llm_engine.core
+    mode = core.spec.adaptive.mode
+    llm.generate(PROMPTS, params, use_tqdm=False)
+    assert mode.drain_rates and not mode.rates and not core.arrivals_closed
+    booked = {key: r[2] for key, r in mode.drain_rates.items()}
+    engine = llm.llm_engine
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"served-{i}", prompt, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert mode.rates and {key: r[2] for key, r in mode.drain_rates.items()} == booked
+    assert_no_blocks_held(llm)
+
+
 def test_lora_requests_with_drafts(lora_base, adapters):
     from kvserve.lora.request import LoRARequest
 

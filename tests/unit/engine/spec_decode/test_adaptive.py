@@ -241,3 +241,70 @@ def test_a_drafting_epoch_without_drafts_is_booked_as_plain_and_drafting_is_trie
     chooser.drafts_allowed(4)
     assert modes == [True, True, True]  # drafting kept until it was really tried
     assert chooser.rates[(3, False)][2] == 2 and chooser.rates[(3, True)][2] == 1
+
+
+def drain_epochs(chooser, clock, batch: int, epochs: int, seconds: dict[bool, float],
+                 tokens: dict[bool, int], falls: dict[bool, int], budget: int = 10_000
+                 ) -> list[bool]:
+    """As run_epochs, in an offline batch's tail: each step also brings the largest budget
+    left down by falls[mode]."""
+    from kvserve.engine.spec_decode.adaptive import EPOCH_STEPS
+
+    modes = []
+    for _ in range(epochs):
+        mode = chooser.drafts_allowed(batch, drain=True)
+        modes.append(mode)
+        for _ in range(EPOCH_STEPS):
+            clock.now += seconds[mode]
+            budget -= falls[mode]
+            chooser.observe(True, tokens[mode], seconds[mode], batch, drafted=mode,
+                            critical=budget, max_gain=5 if mode else 1)
+    return modes
+
+
+def test_an_offline_tail_is_judged_by_its_slowest_request():
+    """Drafting doubles the output per step for 1.25x the time (more tokens per second), but
+    the request with the most left gains one token a step either way: in serving, drafting
+    wins; in an offline batch's tail plain decoding does, booked apart from serving."""
+    from kvserve.engine.spec_decode.adaptive import MIN_EPOCHS, ModeChooser
+
+    steps = ({True: 0.25, False: 0.2}, {True: 128, False: 64})
+    choosers = [ModeChooser(clock) for clock in (FakeClock(), FakeClock(), FakeClock())]
+    for chooser in choosers:
+        chooser.observe(False, 0, 0.1)
+    serving, offline, later = choosers
+    assert run_epochs(serving, serving.clock, 64, 2 * MIN_EPOCHS + 4, *steps) == \
+        [True, False] * MIN_EPOCHS + [True] * 4
+    modes = drain_epochs(offline, offline.clock, 64, 2 * MIN_EPOCHS + 4, *steps,
+                         {True: 1, False: 1})
+    assert modes == [True, False] * MIN_EPOCHS + [False] * 4
+    assert not offline.rates and set(offline.drain_rates) == {(7, True), (7, False)}
+    # where drafting moves the slowest request 3 tokens a step, the tail drafts
+    modes = drain_epochs(later, later.clock, 64, 2 * MIN_EPOCHS + 4, *steps, {True: 3, False: 1})
+    assert modes == [True, False] * MIN_EPOCHS + [True] * 4
+
+
+def test_a_tail_step_counts_no_more_than_one_seq_can_gain():
+    """The request with the most left ending by EOS drops the largest budget by dozens: the
+    step counts 1 + its drafts (luck is not speed), and an epoch that began in serving and
+    ended in the tail is not booked at all."""
+    from kvserve.engine.spec_decode.adaptive import EPOCH_STEPS, ModeChooser
+
+    clock = FakeClock()
+    chooser = ModeChooser(clock)
+    chooser.observe(False, 0, 0.1, critical=100)
+    assert chooser.drafts_allowed(8, drain=True) and chooser.drain
+    for budget in (99, 60, 59, 58, 57, 56, 55, 54):
+        clock.now += 0.1
+        chooser.observe(True, 8, 0.1, 8, drafted=False, critical=budget, max_gain=1)
+    assert chooser.progress == EPOCH_STEPS  # 1 a step, the fall of 39 counted as 1
+    chooser.drafts_allowed(8)
+    fell, seconds, _ = chooser.drain_rates[(4, False)]  # no step drafted: booked as plain
+    assert fell == EPOCH_STEPS and abs(seconds - EPOCH_STEPS * 0.1) < 1e-9
+    chooser.left = 0
+    assert chooser.drafts_allowed(8, drain=False) and not chooser.drain  # serving: untried
+    for k in range(EPOCH_STEPS):  # ... the queue empties halfway through
+        clock.now += 0.1
+        chooser.observe(True, 8, 0.1, 8, critical=50 - k if k >= 4 else None)
+    chooser.drafts_allowed(8)
+    assert not chooser.rates and chooser.drain_rates[(4, False)][2] == 1
