@@ -227,7 +227,8 @@ def test_moe_step_is_sync_free_and_gives_the_cpu_paths_tokens(interpreter, moe_d
     from kvserve.engine.layers.quantization import int8_w8a8
 
     # the attention's int8 linears as plain tensors (a GPU's), not oneDNN's opaque prepacked ones
-    monkeypatch.setattr(int8_w8a8, "onednn_int8_available", lambda: False)
+    # (onednn_int8_fast is cached per process: patching what it calls may come too late)
+    monkeypatch.setattr(int8_w8a8, "onednn_int8_fast", lambda: False)
     prompts = ["the cat sat on the mat", "a dog", "one two three four five six seven"]
     params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=1, ignore_eos=True)
     want = make_llm(moe_dir, max_model_len=96, quantization=quantization).generate(prompts,

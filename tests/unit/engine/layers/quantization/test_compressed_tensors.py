@@ -60,7 +60,11 @@ def test_symmetric_w4a16_also_matches_transformers_compressed_tensors(dense_dir)
 # Qwen3-MoE experts, 0.083 on the online-int8 Mixtral (a per-token code rounding the other way at
 # a boundary); FP8_DYNAMIC 0.00001 or less everywhere. One layer's weight scales 5% off (the
 # negative controls: the experts' alone on the MoE models) moved it to 0.38-4.95.
-LOGPROB_BOUND = {"W8A8": 0.15, "FP8_DYNAMIC": 0.01}
+# FP8_DYNAMIC: the largest gap was under 0.01 on the AMD classes and 0.019 on the Sapphire
+# Rapids class (fp8's 3-bit mantissa can turn a last-bit difference in an fp32 product before
+# the per-token rounding into a whole code step after it); the 5% scale fault of the negative
+# control gives 0.8-2.1.
+LOGPROB_BOUND = {"W8A8": 0.15, "FP8_DYNAMIC": 0.03}
 
 
 def teacher_forced_gaps(llm, hf_quant, hf_dense) -> tuple[float, float, float, float]:

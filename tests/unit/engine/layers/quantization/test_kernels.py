@@ -114,11 +114,13 @@ def test_int8_w8a8_kernel_is_the_integer_product_of_the_rounded_input():
 def _onednn_reports_reference_int8_matmul() -> bool:
     """oneDNN's own word (ONEDNN_VERBOSE, in a fresh process) on which implementation its int8
     linear runs here: `ref_int8` is the reference kernel."""
-    code = ("import torch; w = torch.randint(-128, 128, (64, 64), dtype=torch.int8); "
+    # the shape int8_w8a8.onednn_int8_fast times (16 x 256 x 256): oneDNN picks its kernel per
+    # shape (with AMX, `ref_int8` for a 4 x 64 x 64 product and AMX brgemm for this one)
+    code = ("import torch; w = torch.randint(-128, 128, (256, 256), dtype=torch.int8); "
             "p = torch.ops.onednn.qlinear_prepack(w, None); "
-            "torch.ops.onednn.qlinear_pointwise(torch.ones(4, 64, dtype=torch.int8), 1.0, 0, p, "
-            "torch.ones(64), torch.zeros(64, dtype=torch.int64), None, 1.0, 0, torch.float32, "
-            "'none', [None], '')")
+            "torch.ops.onednn.qlinear_pointwise(torch.ones(16, 256, dtype=torch.int8), 1.0, 0, "
+            "p, torch.ones(256), torch.zeros(256, dtype=torch.int64), None, 1.0, 0, "
+            "torch.float32, 'none', [None], '')")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ONEDNN_VERBOSE": "1"},
                          capture_output=True, text=True, timeout=120, check=True).stdout
     # onednn_verbose,v1,primitive,exec,cpu,matmul,<implementation>,...
