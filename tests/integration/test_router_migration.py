@@ -272,10 +272,12 @@ def test_a_killed_replicas_streams_complete_elsewhere_as_an_undisturbed_run(flee
         assert len(on_victim) == 5  # one stream of each kind
         for r, ref in zip(results, reference):
             assert_whole(r, ref)
-        # the victim's streams were mid-way when it died (none had finished), so they migrated
-        assert not any("[DONE]" in results[i].events[:killed_at[0][i]] for i in on_victim)
+        # the victim's streams that were mid-way when it died migrated (on a loaded machine a
+        # short one may end before a late-starting one has begun: it has nothing to migrate)
+        mid_way = [i for i in on_victim if "[DONE]" not in results[i].events[:killed_at[0][i]]]
+        assert len(mid_way) >= 3
         assert metric(rt.url, "kvserve:router_migrations_total", outcome="migrated") \
-            == len(on_victim)
+            == len(mid_way)
         for i in (6, 7, 8):  # the schema held across the break
             assert len(json.loads(results[i].texts()[0])["words"]) == 16
     finally:
