@@ -116,8 +116,7 @@ class Speculator:
             return 0
         if seq.request_id not in core.requests or core.logits_processors is not None:
             return 0
-        left = min(seq.params.max_tokens - len(seq.output_token_ids),  # type: ignore[operator]
-                   core.max_model_len - seq.num_tokens) - 1
+        left = _tokens_left(core, seq) - 1
         if left <= 0:
             return 0
         return min(left, self.adaptive.num_tokens(stream_id(seq), threshold, look_ahead))
@@ -318,11 +317,16 @@ def _draining(core: Any) -> bool:
     return core.arrivals_closed and not sched.waiting and not sched.swapped
 
 
+def _tokens_left(core: Any, seq: Sequence) -> int:
+    """The tokens `seq` may still generate (max_tokens and max_model_len)."""
+    return min(seq.params.max_tokens - len(seq.output_token_ids),  # type: ignore[operator]
+               core.max_model_len - seq.num_tokens)
+
+
 def _largest_budget_left(core: Any) -> int:
-    """The most tokens a running seq may still generate (max_tokens and max_model_len)."""
-    return max((min(s.params.max_tokens - len(s.output_token_ids),  # type: ignore[operator]
-                    core.max_model_len - s.num_tokens)
-                for s in core.scheduler.running if not s.is_finished), default=0)
+    """The most tokens a running seq may still generate."""
+    return max((_tokens_left(core, s) for s in core.scheduler.running if not s.is_finished),
+               default=0)
 
 
 def _known_tokens(seq: Sequence) -> np.ndarray:
